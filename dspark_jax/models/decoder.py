@@ -1,0 +1,199 @@
+"""The frozen target decoder Mt (SPEC §1–2) as a functional Flax NNX module.
+
+Built for speculative decoding: a static-shape KV cache with per-sequence lengths (a ragged
+batch), prefill and multi-token extension at arbitrary per-sequence positions (the verification
+pass), and rollback by moving a length. Every forward can return the hidden-state taps the
+drafters condition on (output of layer i before the final norm, −1 = embeddings) and the final
+normed hidden state, from which logits are taken at whichever positions the caller needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models import layers as L
+from dspark_jax.models.config import DecoderConfig
+from dspark_jax.sharding import constrain
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys/values [L, B, S_max, K, H] and committed lengths [B] (int32).
+
+    Positions ≥ lengths[b] hold stale entries that are overwritten before they become visible,
+    so rolling back rejected draft tokens is just `with_lengths(...)`.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def with_lengths(self, lengths: jax.Array) -> "KVCache":
+        return self.replace(lengths=lengths.astype(jnp.int32))
+
+
+def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
+               num_layers: int | None = None) -> KVCache:
+    shape = (num_layers or cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads,
+             cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+
+@flax.struct.dataclass
+class DecoderOutput:
+    hidden: jax.Array          # [B, T, D] final-normed hidden state
+    taps: jax.Array | None     # [B, T, n·D] layer outputs for tap_layer_ids, concatenated
+    cache: KVCache | None
+
+
+class TargetDecoder(nnx.Module):
+    """Llama / Qwen3 decoder-only LM. `dtype` is the compute dtype, `param_dtype` the storage."""
+
+    def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        V, D = cfg.vocab_size, cfg.hidden_size
+        self.embed = L.param(rngs, (V, D), ("vocab", "embed"), param_dtype)
+        self.layers = L.DecoderLayers(cfg, cfg.num_hidden_layers, rngs=rngs,
+                                      param_dtype=param_dtype)
+        self.final_norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+        if not cfg.tie_word_embeddings:
+            self.lm_head = L.param(rngs, (V, D), ("vocab", "embed"), param_dtype)
+
+    # ------------------------------------------------------------------ pieces
+    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+        emb = jnp.take(self.embed.get_value(), tokens_bt, axis=0).astype(self.dtype)
+        return constrain(emb, ("batch", "seq", "act_embed"))
+
+    def lm_head_weight(self) -> jax.Array:
+        w = self.embed if self.cfg.tie_word_embeddings else self.lm_head
+        return w.get_value()
+
+    def logits(self, hidden_btd: jax.Array) -> jax.Array:
+        """float32 logits [..., V] from final-normed hidden states."""
+        w = self.lm_head_weight().astype(self.dtype)
+        out = jnp.einsum("...D,VD->...V", hidden_btd.astype(self.dtype), w,
+                         preferred_element_type=jnp.float32)
+        return out
+
+    def tap_slots(self, tap_layer_ids: Sequence[int]) -> list[int]:
+        n = self.cfg.num_hidden_layers
+        ids = list(tap_layer_ids)
+        for i in ids:
+            if not -1 <= i < n:
+                raise ValueError(f"target layer id {i} out of range [-1, {n - 1}]")
+        return ids
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, tokens_bt: jax.Array, *, positions_bt: jax.Array | None = None,
+                 cache: KVCache | None = None, segment_ids_bt: jax.Array | None = None,
+                 tap_layer_ids: Sequence[int] = (), advance: jax.Array | None = None
+                 ) -> DecoderOutput:
+        """Runs the decoder on `tokens_bt` [B, T].
+
+        Without a cache: a causal forward over the T tokens (positions default to 0..T−1;
+        `segment_ids_bt` restricts attention to equal non-zero segments, for packed rows).
+        With a cache: token t of row b sits at position `cache.lengths[b] + t`; its K/V are
+        written there and it sees every cached key at a position ≤ its own. The returned cache
+        has lengths advanced by `advance` [B] (default: unchanged — the caller commits).
+        """
+        cfg = self.cfg
+        B, T = tokens_bt.shape
+        if cache is not None:
+            positions_bt = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        elif positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        positions_bt = positions_bt.astype(jnp.int32)
+
+        h = self.embed_tokens(tokens_bt)
+        tap_ids = self.tap_slots(tap_layer_ids)
+        n_taps = len(tap_ids)
+        slot_of_layer = [-1] * cfg.num_hidden_layers
+        for slot, lid in enumerate(tap_ids):
+            if lid >= 0:
+                slot_of_layer[lid] = slot
+        taps0 = jnp.zeros((max(n_taps, 1), B, T, cfg.hidden_size), self.dtype)
+        for slot, lid in enumerate(tap_ids):
+            if lid == -1:
+                taps0 = taps0.at[slot].set(h)
+
+        if cache is None:
+            idx = jnp.arange(T)
+            mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
+            if segment_ids_bt is not None:
+                seg = segment_ids_bt
+                mask = mask & (seg[:, :, None] == seg[:, None, :])
+            kv_state = None
+        else:
+            key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+            mask = key_pos[None, None, :] <= positions_bt[:, :, None]  # [B,T,S]
+            kv_state = (cache.k.astype(self.dtype), cache.v.astype(self.dtype))
+
+        stack = self.layers.stacked(self.dtype)
+        eps = cfg.rms_norm_eps
+        b_idx = jnp.arange(B)[:, None]
+
+        def body(carry, xs):
+            h, taps, kv = carry
+            lp, layer_idx, slot = xs
+            x = L.rms_norm(h, lp["input_norm"], eps)
+            q = L.apply_rope(L.project_q(lp, x, eps), positions_bt, cfg.rope)
+            k, v = L.project_kv(lp, x, eps)
+            k = L.apply_rope(k, positions_bt, cfg.rope)
+            if kv is None:
+                attn = L.attend(q, k, v, mask)
+            else:
+                kc, vc = kv
+                # scatter this step's K/V at per-row positions; out-of-range rows are dropped
+                kc = kc.at[layer_idx, b_idx, positions_bt].set(k, mode="drop")
+                vc = vc.at[layer_idx, b_idx, positions_bt].set(v, mode="drop")
+                kv = (kc, vc)
+                attn = L.attend(q, kc[layer_idx], vc[layer_idx], mask)
+            h = L.attn_out_and_mlp(lp, h, attn, eps)
+            if n_taps:
+                cur = taps[jnp.maximum(slot, 0)]
+                taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
+            return (h, taps, kv), None
+
+        xs = (stack, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
+        (h, taps, kv_state), _ = jax.lax.scan(body, (h, taps0, kv_state), xs)
+        hidden = L.rms_norm(h, self.final_norm.get_value(), eps)
+
+        new_cache = None
+        if cache is not None:
+            lengths = cache.lengths if advance is None else cache.lengths + advance
+            new_cache = KVCache(k=kv_state[0].astype(cache.k.dtype),
+                                v=kv_state[1].astype(cache.v.dtype),
+                                lengths=lengths.astype(jnp.int32))
+        taps_out = None
+        if n_taps:
+            taps_out = jnp.transpose(taps, (1, 2, 0, 3)).reshape(B, T, n_taps * cfg.hidden_size)
+        return DecoderOutput(hidden=hidden, taps=taps_out, cache=new_cache)
+
+
+def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,
+                  param_dtype: Any = jnp.float32) -> TargetDecoder:
+    return TargetDecoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
+
+
+def abstract_target(cfg: DecoderConfig, dtype: Any = jnp.float32,
+                    param_dtype: Any = jnp.float32) -> TargetDecoder:
+    """A TargetDecoder whose parameters are ShapeDtypeStructs (nothing materialised)."""
+    return nnx.eval_shape(lambda: create_target(cfg, 0, dtype, param_dtype))
+
+
+__all__ = ["KVCache", "init_cache", "DecoderOutput", "TargetDecoder", "create_target",
+           "abstract_target"]

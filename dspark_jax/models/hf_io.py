@@ -1,0 +1,282 @@
+"""Hugging Face checkpoint interop for target decoders (and the layer stacks drafters share).
+
+Reads `config.json` + `model.safetensors` (or a sharded `model.safetensors.index.json`) for
+Llama and Qwen3, converts torch `Linear` layouts ([out, in]) into our einsum layouts, and writes
+params back as a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+Never unpickles: only safetensors are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.models.config import ConfigError, DecoderConfig
+from dspark_jax.models.decoder import TargetDecoder, abstract_target
+
+
+class CheckpointError(ValueError):
+    """A missing, inconsistent or mismatched checkpoint file (names the file and tensor)."""
+
+
+# ----------------------------------------------------------------------------- safetensors
+def read_safetensors_dir(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of a directory's model.safetensors (single or sharded index) as numpy."""
+    from safetensors import safe_open
+
+    path = pathlib.Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        found = sorted(p.name for p in path.glob("*.safetensors"))
+        if not found:
+            raise CheckpointError(f"{path}: no model.safetensors or index found "
+                                  f"(pickled .bin checkpoints are not loaded, by design)")
+        files = found
+    out: dict[str, np.ndarray] = {}
+    for name in files:
+        f = path / name
+        if not f.exists():
+            raise CheckpointError(f"{f}: listed in the index but missing")
+        try:
+            with safe_open(str(f), framework="flax") as st:
+                for key in st.keys():
+                    out[key] = np.asarray(st.get_tensor(key))
+        except Exception as e:  # safetensors raises a variety of errors on corrupt files
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from e
+    return out
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
+                      metadata: Mapping[str, str] | None = None) -> None:
+    """Writes tensors atomically (temp file + rename)."""
+    from safetensors.numpy import save_file
+
+    path = pathlib.Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
+              metadata=dict(metadata or {"format": "pt"}))
+    os.replace(tmp, path)
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    f = pathlib.Path(path) / "config.json"
+    if not f.exists():
+        raise CheckpointError(f"{f}: missing (expected a Hugging Face model directory)")
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{f}: invalid JSON at line {e.lineno}: {e.msg}") from e
+
+
+# ----------------------------------------------------------------------------- layer stacks
+def _linear_in(w_oi: np.ndarray) -> np.ndarray:
+    """torch Linear weight [out, in] → [in, out]."""
+    return np.asarray(w_oi).T
+
+
+def import_layer_stack(tensors: Mapping[str, np.ndarray], prefix: str, num_layers: int,
+                       cfg: DecoderConfig, source: str, attn_in_dim: int | None = None
+                       ) -> dict[str, np.ndarray]:
+    """HF per-layer tensors `{prefix}{i}.…` → our stacked arrays (see layers.DecoderLayers)."""
+    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    A = attn_in_dim or D
+
+    def get(i: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        key = f"{prefix}{i}.{name}"
+        if key not in tensors:
+            raise CheckpointError(f"{source}: missing tensor {key!r}")
+        t = np.asarray(tensors[key])
+        if t.shape != shape:
+            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, "
+                                  f"expected {shape} for this config")
+        return t
+
+    F = cfg.intermediate_size
+    per: dict[str, list[np.ndarray]] = {n: [] for n in
+                                        ("input_norm", "wq", "wk", "wv", "wo", "post_norm",
+                                         "w_gate", "w_up", "w_down")}
+    if cfg.qk_norm:
+        per["q_norm"], per["k_norm"] = [], []
+    for i in range(num_layers):
+        per["input_norm"].append(get(i, "input_layernorm.weight", (D,)))
+        per["wq"].append(_linear_in(get(i, "self_attn.q_proj.weight", (N * H, A))).reshape(A, N, H))
+        per["wk"].append(_linear_in(get(i, "self_attn.k_proj.weight", (K * H, A))).reshape(A, K, H))
+        per["wv"].append(_linear_in(get(i, "self_attn.v_proj.weight", (K * H, A))).reshape(A, K, H))
+        per["wo"].append(_linear_in(get(i, "self_attn.o_proj.weight", (D, N * H))).reshape(N, H, D))
+        if cfg.qk_norm:
+            per["q_norm"].append(get(i, "self_attn.q_norm.weight", (H,)))
+            per["k_norm"].append(get(i, "self_attn.k_norm.weight", (H,)))
+        per["post_norm"].append(get(i, "post_attention_layernorm.weight", (D,)))
+        per["w_gate"].append(_linear_in(get(i, "mlp.gate_proj.weight", (F, D))))
+        per["w_up"].append(_linear_in(get(i, "mlp.up_proj.weight", (F, D))))
+        per["w_down"].append(_linear_in(get(i, "mlp.down_proj.weight", (D, F))))
+    return {k: np.stack(v) for k, v in per.items()}
+
+
+def export_layer_stack(stack: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """Inverse of `import_layer_stack`."""
+    out: dict[str, np.ndarray] = {}
+    L = stack["wq"].shape[0]
+    for i in range(L):
+        A, N, H = stack["wq"][i].shape
+        K = stack["wk"][i].shape[1]
+        D = stack["wo"][i].shape[-1]
+        p = f"{prefix}{i}."
+        out[p + "input_layernorm.weight"] = stack["input_norm"][i]
+        out[p + "self_attn.q_proj.weight"] = stack["wq"][i].reshape(A, N * H).T
+        out[p + "self_attn.k_proj.weight"] = stack["wk"][i].reshape(A, K * H).T
+        out[p + "self_attn.v_proj.weight"] = stack["wv"][i].reshape(A, K * H).T
+        out[p + "self_attn.o_proj.weight"] = stack["wo"][i].reshape(N * H, D).T
+        if "q_norm" in stack:
+            out[p + "self_attn.q_norm.weight"] = stack["q_norm"][i]
+            out[p + "self_attn.k_norm.weight"] = stack["k_norm"][i]
+        out[p + "post_attention_layernorm.weight"] = stack["post_norm"][i]
+        out[p + "mlp.gate_proj.weight"] = stack["w_gate"][i].T
+        out[p + "mlp.up_proj.weight"] = stack["w_up"][i].T
+        out[p + "mlp.down_proj.weight"] = stack["w_down"][i].T
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------- target
+def target_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
+                     source: str) -> dict[str, Any]:
+    """HF LlamaForCausalLM/Qwen3ForCausalLM tensors → nested dict matching TargetDecoder."""
+    V, D = cfg.vocab_size, cfg.hidden_size
+
+    def get(key: str, shape: tuple[int, ...]) -> np.ndarray:
+        if key not in tensors:
+            raise CheckpointError(f"{source}: missing tensor {key!r}")
+        t = np.asarray(tensors[key])
+        if t.shape != shape:
+            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, expected {shape}")
+        return t
+
+    pure: dict[str, Any] = {
+        "embed": get("model.embed_tokens.weight", (V, D)),
+        "final_norm": get("model.norm.weight", (D,)),
+        "layers": import_layer_stack(tensors, "model.layers.", cfg.num_hidden_layers, cfg, source),
+    }
+    if not cfg.tie_word_embeddings:
+        pure["lm_head"] = get("lm_head.weight", (V, D))
+    extra = [k for k in tensors if k.startswith(f"model.layers.{cfg.num_hidden_layers}.")]
+    if extra:
+        raise CheckpointError(f"{source}: checkpoint has more layers than config.json says "
+                              f"({cfg.num_hidden_layers}); e.g. {extra[0]!r}")
+    return pure
+
+
+def build_from_pure(abstract: nnx.Module, pure: Mapping[str, Any], dtype_of: Callable[[Any], Any],
+                    shardings: Any = None) -> nnx.Module:
+    """Fills an abstract module with arrays from a nested pure dict (optionally sharded)."""
+    graphdef, abs_state = nnx.split(abstract)
+    flat_abs = dict(nnx.to_flat_state(abs_state))
+
+    def convert(path: tuple, value: np.ndarray) -> jax.Array:
+        var = flat_abs[path]
+        want = var.get_value()
+        arr = np.asarray(value)
+        if tuple(arr.shape) != tuple(want.shape):
+            raise CheckpointError(f"parameter {'/'.join(map(str, path))}: shape {arr.shape}, "
+                                  f"model expects {want.shape}")
+        return jnp.asarray(arr, dtype=want.dtype)
+
+    flat_pure = _flatten(pure)
+    missing = set(flat_abs) - set(flat_pure)
+    if missing:
+        raise CheckpointError(f"parameters not provided: {sorted('/'.join(map(str, m)) for m in missing)}")
+    values = {p: convert(p, v) for p, v in flat_pure.items() if p in flat_abs}
+    if shardings is not None:
+        flat_sh = dict(nnx.to_flat_state(shardings))
+        values = {p: jax.device_put(v, flat_sh[p]) for p, v in values.items()}
+    nnx.replace_by_pure_dict(abs_state, _unflatten(values))
+    return nnx.merge(graphdef, abs_state)
+
+
+def _flatten(d: Mapping[str, Any], prefix: tuple = ()) -> dict[tuple, Any]:
+    out: dict[tuple, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def _unflatten(flat: Mapping[tuple, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, v in flat.items():
+        cur = out
+        for k in path[:-1]:
+            cur = cur.setdefault(k, {})
+        cur[path[-1]] = v
+    return out
+
+
+def target_from_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], source: str,
+                        dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+                        mesh: jax.sharding.Mesh | None = None) -> TargetDecoder:
+    from dspark_jax.sharding import state_shardings
+
+    abstract = abstract_target(cfg, dtype=dtype, param_dtype=param_dtype)
+    shardings = None
+    if mesh is not None:
+        shardings = state_shardings(nnx.state(abstract), mesh)
+    pure = target_pure_dict(tensors, cfg, source)
+    return build_from_pure(abstract, pure, lambda x: param_dtype, shardings)
+
+
+def load_hf_target(path: str | os.PathLike, dtype: Any = jnp.float32,
+                   param_dtype: Any | None = None, mesh: jax.sharding.Mesh | None = None
+                   ) -> tuple[DecoderConfig, TargetDecoder]:
+    """Loads a Hugging Face Llama/Qwen3 directory into a TargetDecoder."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (expected a Hugging Face model dir)")
+    raw = read_config_json(path)
+    try:
+        cfg = DecoderConfig.from_hf_dict(raw, source=str(path / "config.json"))
+    except ConfigError:
+        raise
+    tensors = read_safetensors_dir(path)
+    model = target_from_tensors(cfg, tensors, str(path), dtype=dtype,
+                                param_dtype=param_dtype or dtype, mesh=mesh)
+    return cfg, model
+
+
+def export_hf_target(model: TargetDecoder, path: str | os.PathLike) -> pathlib.Path:
+    """Writes config.json + model.safetensors that transformers loads (fp32 unless bf16 params)."""
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    pure = nnx.to_pure_dict(nnx.state(model))
+    to_np = lambda x: np.asarray(jax.device_get(x))
+    tensors = {
+        "model.embed_tokens.weight": to_np(pure["embed"]),
+        "model.norm.weight": to_np(pure["final_norm"]),
+        **export_layer_stack({k: to_np(v) for k, v in pure["layers"].items()}, "model.layers."),
+    }
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = to_np(pure["lm_head"])
+    dtype_name = "bfloat16" if tensors["model.norm.weight"].dtype.name == "bfloat16" else "float32"
+    hf = cfg.to_hf_dict()
+    hf["torch_dtype"] = dtype_name
+    write_safetensors(path / "model.safetensors", tensors)
+    tmp = path / "config.json.tmp"
+    tmp.write_text(json.dumps(hf, indent=2))
+    os.replace(tmp, path / "config.json")
+    return path

@@ -1,0 +1,136 @@
+"""Transformer building blocks shared by the target decoder and the drafters (SPEC §2–3, §5).
+
+Pure functions over arrays (RMSNorm, RoPE, GQA attention, SwiGLU) plus `DecoderLayers`, an NNX
+module that holds the parameters of L pre-norm decoder layers stacked on a leading "layers"
+axis so the forward can `lax.scan` over them (one compiled layer body instead of L).
+Parameter layouts are einsum-friendly: q_proj is [L, D, N, H] ('BTD,DNH->BTNH').
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.models.config import DecoderConfig, RopeConfig, rope_inv_freq
+from dspark_jax.sharding import constrain
+
+NEG_INF = -1e30
+
+
+def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None],
+          dtype: Any, init: str = "normal", std: float = 0.02) -> nnx.Param:
+    """A parameter with logical axis names in its `axes` metadata."""
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        assert rngs is not None
+        value = (std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)).astype(dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, cast back to the input dtype before the scale (as Hugging Face)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, rope: RopeConfig) -> jax.Array:
+    """Rotary embedding, rotate-half convention (Hugging Face Llama/Qwen3)."""
+    head_dim = x_btnh.shape[-1]
+    inv_freq = jnp.asarray(np.asarray(rope_inv_freq(rope, head_dim), np.float32))  # [H/2]
+    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B,T,H/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x_btnh.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_btnh.dtype)
+
+
+def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+           mask_bts: jax.Array) -> jax.Array:
+    """Grouped-query attention with a boolean visibility mask; fully masked rows give zeros."""
+    b, t, n, h = q_btnh.shape
+    kvh = k_bskh.shape[2]
+    q = q_btnh.reshape(b, t, kvh, n // kvh, h)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_bskh,
+                        preferred_element_type=jnp.float32) * (h ** -0.5)
+    mask = mask_bts[:, None, None, :, :]
+    scores = jnp.where(mask, scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(jnp.any(mask, axis=-1, keepdims=True), probs, 0.0)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v_bskh.dtype), v_bskh,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def swiglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
+    gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
+    up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
+    act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
+
+
+class DecoderLayers(nnx.Module):
+    """Parameters of `num_layers` stacked Llama/Qwen3 decoder layers.
+
+    `attn_in_dim` is the width the q/k/v projections read (2·d for Eagle3's fused layer).
+    """
+
+    NAMES = ("input_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "post_norm",
+             "w_gate", "w_up", "w_down")
+
+    def __init__(self, cfg: DecoderConfig, num_layers: int, *, rngs: nnx.Rngs,
+                 param_dtype: Any = jnp.float32, attn_in_dim: int | None = None):
+        L, D, F = num_layers, cfg.hidden_size, cfg.intermediate_size
+        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        A = attn_in_dim or D
+        pd = param_dtype
+        self.num_layers = L
+        self.qk_norm = cfg.qk_norm
+        self.input_norm = param(None, (L, D), ("layers", "norm"), pd, "ones")
+        self.wq = param(rngs, (L, A, N, H), ("layers", "embed", "q_heads", "head_dim"), pd)
+        self.wk = param(rngs, (L, A, K, H), ("layers", "embed", "kv_heads", "head_dim"), pd)
+        self.wv = param(rngs, (L, A, K, H), ("layers", "embed", "kv_heads", "head_dim"), pd)
+        self.wo = param(rngs, (L, N, H, D), ("layers", "q_heads", "head_dim", "embed"), pd)
+        if cfg.qk_norm:
+            self.q_norm = param(None, (L, H), ("layers", "norm"), pd, "ones")
+            self.k_norm = param(None, (L, H), ("layers", "norm"), pd, "ones")
+        self.post_norm = param(None, (L, D), ("layers", "norm"), pd, "ones")
+        self.w_gate = param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd)
+        self.w_up = param(rngs, (L, D, F), ("layers", "embed", "mlp"), pd)
+        self.w_down = param(rngs, (L, F, D), ("layers", "mlp", "embed"), pd)
+
+    def stacked(self, dtype: Any) -> dict[str, jax.Array]:
+        """The stacked parameters as a dict of arrays cast to the compute dtype."""
+        return {n: getattr(self, n).get_value().astype(dtype)
+                for n in self.NAMES if hasattr(self, n)}
+
+
+def project_q(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:
+    q = jnp.einsum("BTD,DNH->BTNH", x_btd, lp["wq"])
+    return rms_norm(q, lp["q_norm"], eps) if "q_norm" in lp else q
+
+
+def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float
+               ) -> tuple[jax.Array, jax.Array]:
+    k = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wk"])
+    v = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wv"])
+    if "k_norm" in lp:
+        k = rms_norm(k, lp["k_norm"], eps)
+    return k, v
+
+
+def attn_out_and_mlp(lp: dict[str, jax.Array], resid_btd: jax.Array, attn_btnh: jax.Array,
+                     eps: float) -> jax.Array:
+    """o_proj + residual, then post-attention norm → SwiGLU → residual."""
+    h = resid_btd + jnp.einsum("BTNH,NHD->BTD", attn_btnh, lp["wo"])
+    h = h + swiglu(rms_norm(h, lp["post_norm"], eps), lp)
+    return constrain(h, ("batch", "seq", "act_embed"))

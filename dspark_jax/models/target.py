@@ -1,0 +1,128 @@
+"""The public target-model handle: `load_target(name_or_path)` → `Target` (SPEC §2).
+
+A `Target` bundles the config, tokenizer and the split NNX model (graphdef + state) with a few
+jitted numpy-in/numpy-out conveniences for notebooks and external checks. Decoding and training
+code uses `target.graphdef` / `target.state` directly inside their own jitted functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.models.config import DecoderConfig
+from dspark_jax.models.decoder import TargetDecoder
+
+EMBEDDED_TARGETS = ("smollm2-135m-instruct",)
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+           "bf16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    return dtype
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target model. `state` may be replaced (e.g. resharded) by callers."""
+
+    config: DecoderConfig
+    graphdef: Any
+    state: Any
+    tokenizer: Any = None
+    name: str = ""
+
+    @classmethod
+    def from_model(cls, model: TargetDecoder, tokenizer: Any = None, name: str = "") -> "Target":
+        graphdef, state = nnx.split(model)
+        return cls(config=model.cfg, graphdef=graphdef, state=state, tokenizer=tokenizer,
+                   name=name)
+
+    @property
+    def model(self) -> TargetDecoder:
+        return nnx.merge(self.graphdef, self.state)
+
+    @property
+    def dtype(self) -> Any:
+        return self.model.dtype
+
+    @functools.cached_property
+    def _jit_forward(self):
+        graphdef = self.graphdef
+
+        @functools.partial(jax.jit, static_argnames=("tap_layer_ids", "want_logits"))
+        def fwd(state, tokens, tap_layer_ids: tuple[int, ...], want_logits: bool):
+            model = nnx.merge(graphdef, state)
+            out = model(tokens, tap_layer_ids=tap_layer_ids)
+            logits = model.logits(out.hidden) if want_logits else None
+            return logits, out.taps
+
+        return fwd
+
+    def _check_ids(self, input_ids: np.ndarray) -> jax.Array:
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be an int array [B, S], got {ids.dtype}{ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ValueError(f"input_ids outside the vocabulary [0, {self.config.vocab_size})")
+        return jnp.asarray(ids, jnp.int32)
+
+    def logits(self, input_ids: np.ndarray) -> np.ndarray:
+        """float32 logits [B, S, V] of a causal forward over `input_ids` [B, S]."""
+        logits, _ = self._jit_forward(self.state, self._check_ids(input_ids), (), True)
+        return np.asarray(logits, np.float32)
+
+    def hidden_states(self, input_ids: np.ndarray, layer_ids: Sequence[int]) -> np.ndarray:
+        """Concatenated taps [B, S, len(layer_ids)·d]: output of layer i (−1 = embeddings)."""
+        _, taps = self._jit_forward(self.state, self._check_ids(input_ids),
+                                    tuple(int(i) for i in layer_ids), False)
+        return np.asarray(taps, np.float32)
+
+
+def load_target(name_or_path: str | os.PathLike, dtype: Any = "float32",
+                param_dtype: Any | None = None, mesh: jax.sharding.Mesh | None = None,
+                with_tokenizer: bool = True) -> Target:
+    """Loads a target: the embedded "smollm2-135m-instruct" or a Hugging Face directory."""
+    from dspark_jax.models import hf_io
+
+    dtype = resolve_dtype(dtype)
+    param_dtype = resolve_dtype(param_dtype) if param_dtype is not None else dtype
+    name = str(name_or_path)
+    if name in EMBEDDED_TARGETS:
+        from dspark_jax.models.gguf_io import locate_smollm2_gguf, read_gguf_checkpoint
+
+        path = locate_smollm2_gguf()
+        hf_cfg, tensors = read_gguf_checkpoint(path)
+        cfg = DecoderConfig.from_hf_dict(hf_cfg, source=str(path))
+        model = hf_io.target_from_tensors(cfg, tensors, str(path), dtype=dtype,
+                                          param_dtype=param_dtype, mesh=mesh)
+        tok = None
+        if with_tokenizer:
+            from dspark_jax.models.tokenizer import tokenizer_from_gguf
+
+            tok = tokenizer_from_gguf(path)
+        return Target.from_model(model, tok, name)
+    path = pathlib.Path(name)
+    if not path.exists():
+        raise ValueError(f"unknown target {name!r}: not a directory and not one of the embedded "
+                         f"targets {list(EMBEDDED_TARGETS)}")
+    cfg, model = hf_io.load_hf_target(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh)
+    tok = None
+    if with_tokenizer and (path / "tokenizer.json").exists():
+        from dspark_jax.models.tokenizer import tokenizer_from_hf_dir
+
+        tok = tokenizer_from_hf_dir(path)
+    return Target.from_model(model, tok, str(path))

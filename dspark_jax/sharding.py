@@ -1,0 +1,133 @@
+"""Device mesh and logical-axis rules: the one place that maps model axes to mesh axes.
+
+Every parameter carries logical axis names in its `axes` metadata (e.g. ("embed", "mlp")) and
+the main activations are constrained with `constrain(x, ("batch", "seq", "act_embed"))`. Which
+mesh axis (data / fsdp / tensor) a logical axis lands on is decided only by `LOGICAL_RULES`
+here, so moving from one host to a TPU pod changes the mesh shape, not the model code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated)
+LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("cache_seq", None),
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("act_embed", None),
+    ("mlp", "tensor"),
+    ("act_mlp", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("features", "fsdp"),
+    ("rank", None),
+    ("norm", None),
+)
+
+_active_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a (data, fsdp, tensor) mesh; `data=-1` takes all remaining devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    if data == -1:
+        if n % (fsdp * tensor):
+            raise ValueError(f"{n} devices are not divisible by fsdp*tensor={fsdp * tensor}")
+        data = n // (fsdp * tensor)
+    if data * fsdp * tensor != n:
+        raise ValueError(f"mesh {data}x{fsdp}x{tensor} does not match {n} devices")
+    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None] | None,
+                    rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> P:
+    """Maps logical axis names to a PartitionSpec; a mesh axis is used at most once."""
+    if axes is None:
+        return P()
+    table = dict(rules)
+    used: set[str] = set()
+    out: list[Any] = []
+    for name in axes:
+        mesh_axes = table.get(name) if name is not None else None
+        if mesh_axes is None:
+            out.append(None)
+            continue
+        cand = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+        cand = tuple(a for a in cand if a not in used)
+        used.update(cand)
+        out.append(cand[0] if len(cand) == 1 else (cand or None))
+    return P(*out)
+
+
+def _fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+    """Drops mesh axes that do not divide the dimension (tiny test models, odd vocabularies)."""
+    out = []
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        if entry is None:
+            out.append(None)
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        size = int(np.prod([mesh.shape[a] for a in names]))
+        out.append(entry if dim % size == 0 else None)
+    return P(*out)
+
+
+def state_shardings(state: Any, mesh: Mesh,
+                    rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+    """NamedShardings for an nnx.State (or any pytree of Variables) from their `axes` metadata."""
+
+    def one(v: Any) -> NamedSharding:
+        if isinstance(v, nnx.Variable):
+            axes = v.get_metadata().get("axes")
+            shape = np.shape(v.get_value())
+        else:
+            axes, shape = None, np.shape(v)
+        return NamedSharding(mesh, _fit_spec(logical_to_spec(axes, rules), shape, mesh))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def named(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+    spec = logical_to_spec(axes)
+    if shape is not None:
+        spec = _fit_spec(spec, shape, mesh)
+    return NamedSharding(mesh, spec)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None) -> Iterator[Mesh | None]:
+    """Activates `mesh` for `constrain` calls traced inside the block."""
+    token = _active_mesh.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _active_mesh.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names; a no-op when no mesh is active."""
+    mesh = _active_mesh.get()
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, named(mesh, axes, x.shape))
+
+
+def shard_state(state: Any, mesh: Mesh) -> Any:
+    """Places an nnx.State on the mesh according to its logical axes."""
+    return jax.device_put(state, state_shardings(state, mesh))

@@ -1,0 +1,1 @@
+"""Pallas kernels for DSpark decoding: Markov-head sampling and speculative verification."""

@@ -1,0 +1,14 @@
+"""Shared test setup: CPU only, fp32 matmuls, 8 fake devices for sharding tests."""
+
+import os
+
+# Must happen before JAX initialises its backend.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
