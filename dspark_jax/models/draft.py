@@ -1,0 +1,147 @@
+"""The public drafter handle: `init_draft(target, cfg, seed)` and `load_draft(path)` (SPEC §3, §5).
+
+A `Draft` bundles a DraftConfig with the split NNX drafter (graphdef + state). `block_logits`
+is the inference semantics of one DSpark/DFlash draft block, in numpy, for notebooks and
+external checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dspark_jax.models.config import ConfigError
+from dspark_jax.models.draft_config import DraftConfig, validate_against_target
+from dspark_jax.models.dspark import DSparkDraft
+from dspark_jax.models.target import resolve_dtype
+
+
+def draft_module_class(cfg: DraftConfig) -> type:
+    if cfg.model_type == "eagle3":
+        from dspark_jax.models.eagle3 import Eagle3Draft
+
+        return Eagle3Draft
+    return DSparkDraft
+
+
+def create_draft_module(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32,
+                        param_dtype: Any = jnp.float32) -> nnx.Module:
+    return draft_module_class(cfg)(cfg, rngs=nnx.Rngs(seed), dtype=dtype,
+                                   param_dtype=param_dtype)
+
+
+@dataclasses.dataclass
+class Draft:
+    config: DraftConfig
+    graphdef: Any
+    state: Any
+
+    @classmethod
+    def from_model(cls, model: nnx.Module) -> "Draft":
+        graphdef, state = nnx.split(model)
+        return cls(config=model.cfg, graphdef=graphdef, state=state)
+
+    @property
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state)
+
+    @functools.cached_property
+    def _jit_block(self):
+        graphdef = self.graphdef
+
+        @jax.jit
+        def fn(state, feats, anchor, anchor_pos, prev):
+            m = nnx.merge(graphdef, state)
+            S = feats.shape[0]
+            pos = jnp.arange(S, dtype=jnp.int32)[None]
+            ck, cv = m.context_kv(feats[None], pos)
+            visible = (jnp.arange(S) < anchor_pos)[None, None]
+            h = m.backbone(anchor[None, None], anchor_pos[None, None], ck, cv, visible,
+                           jnp.ones((1, 1), bool))[0, 0]
+            logits, conf = m.heads_teacher_forced(h, prev)
+            return m.base_logits(h), logits, conf
+
+        return fn
+
+    def block_logits(self, context_features: np.ndarray, anchor_token: int,
+                     anchor_position: int | None = None, prev_tokens: Any = None
+                     ) -> dict[str, np.ndarray | None]:
+        """One draft block. context_features [S, n·d] for positions 0..S−1; the anchor sits at
+        `anchor_position` (default S; context at positions ≥ it is not visible); `prev_tokens`
+        [γ] = x0..x_{γ−1} feed the sequential head (x0 = anchor; default: all anchor)."""
+        cfg = self.config
+        if cfg.model_type == "eagle3":
+            raise ValueError("block_logits is the DSpark/DFlash block semantics; Eagle3 drafts "
+                             "autoregressively (see dspark_jax.models.eagle3)")
+        feats = np.asarray(context_features, np.float32)
+        want = cfg.num_features * cfg.target.hidden_size
+        if feats.ndim != 2 or feats.shape[1] != want:
+            raise ValueError(f"context_features must be [S, {want}], got {feats.shape}")
+        S = feats.shape[0]
+        pos = S if anchor_position is None else int(anchor_position)
+        prev = np.full((cfg.block_size,), anchor_token) if prev_tokens is None \
+            else np.asarray(prev_tokens)
+        if prev.shape != (cfg.block_size,):
+            raise ValueError(f"prev_tokens must have length block_size={cfg.block_size}")
+        base, logits, conf = self._jit_block(self.state, jnp.asarray(feats),
+                                             jnp.asarray(anchor_token, jnp.int32),
+                                             jnp.asarray(pos, jnp.int32),
+                                             jnp.asarray(prev, jnp.int32))
+        return {"base_logits": np.asarray(base, np.float32),
+                "logits": np.asarray(logits, np.float32),
+                "confidence_logits": None if conf is None else np.asarray(conf, np.float32)}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the drafter in DeepSpec's format (plus our fields under `dspark_jax`)."""
+        from dspark_jax.models.deepspec_io import write_deepspec_dir
+
+        write_deepspec_dir(self.config, self.state, path)
+
+
+def _as_config(target_cfg: Any, draft_config: DraftConfig | Mapping[str, Any]) -> DraftConfig:
+    if isinstance(draft_config, DraftConfig):
+        return draft_config.replace(target=target_cfg)
+    fields = dict(draft_config)
+    fields.pop("target", None)
+    return DraftConfig(target=target_cfg, **fields)
+
+
+def init_draft(target: Any, draft_config: DraftConfig | Mapping[str, Any], seed: int = 0,
+               dtype: Any = "float32", param_dtype: Any = "float32") -> Draft:
+    """A randomly initialised drafter for `target`, with embedding and LM head copied from it."""
+    cfg = _as_config(target.config, draft_config)
+    validate_against_target(cfg, target.config)
+    model = create_draft_module(cfg, seed, resolve_dtype(dtype), resolve_dtype(param_dtype))
+    tmodel = target.model
+    emb = tmodel.embed.get_value()
+    model.embed.set_value(emb.astype(model.embed.get_value().dtype))
+    model.lm_head.set_value(tmodel.lm_head_weight().astype(model.lm_head.get_value().dtype))
+    return Draft.from_model(model)
+
+
+def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float32",
+               param_dtype: Any = "float32") -> Draft:
+    """Loads a DeepSpec-format drafter directory (ours are the same format).
+
+    With `target`, checks that the drafter was built for it (vocabulary, width, layer ids).
+    """
+    from dspark_jax.models.deepspec_io import read_deepspec_dir
+    from dspark_jax.models.hf_io import build_from_pure
+
+    cfg, pure = read_deepspec_dir(path, target.config if target is not None else None)
+    if target is not None:
+        validate_against_target(cfg, target.config, source=str(path))
+    dtype, param_dtype = resolve_dtype(dtype), resolve_dtype(param_dtype)
+    abstract = nnx.eval_shape(lambda: create_draft_module(cfg, 0, dtype, param_dtype))
+    model = build_from_pure(abstract, pure, lambda x: param_dtype)
+    return Draft.from_model(model)
+
+
+__all__ = ["Draft", "init_draft", "load_draft", "create_draft_module", "ConfigError"]

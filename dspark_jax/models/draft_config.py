@@ -1,0 +1,160 @@
+"""Drafter configuration with DeepSpec's field names (SPEC §3–5).
+
+`DraftConfig` holds everything a DSpark / DFlash / Eagle3 drafter needs besides the target's
+shape (`target`, a DecoderConfig the draft layers follow). Validation happens at construction
+so a bad block size, layer id, rank or mask token fails before anything is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+from dspark_jax.models.config import ConfigError, DecoderConfig
+
+MODEL_TYPES = ("dspark", "dflash", "eagle3")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DECAY_CONVENTIONS = ("deepspec", "paper")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
+    """n points evenly spaced from 1 to L_t − 3 (reproduces DeepSpec's Qwen3 lists)."""
+    if num_target_layers < 4:
+        # tiny targets: spread over the non-final layers
+        lo, hi = 0, max(num_target_layers - 2, 0)
+    else:
+        lo, hi = 1, num_target_layers - 3
+    n = min(n, hi - lo + 1)
+    if n <= 1:
+        return (lo,)
+    return tuple(sorted({round(lo + (hi - lo) * i / (n - 1)) for i in range(n)}))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """A drafter for a given target. Defaults are DeepSpec's DSpark recipe."""
+
+    target: DecoderConfig
+    model_type: str = "dspark"
+    block_size: int = 7
+    num_draft_layers: int = 5
+    target_layer_ids: tuple[int, ...] = ()
+    mask_token_id: int = 0
+    num_anchors: int = 512
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_alpha: float = 1.0
+    confidence_head_with_markov: bool = True
+    loss_decay_gamma: float = 4.0
+    decay_convention: str = "deepspec"
+    ce_loss_alpha: float = 0.1
+    l1_loss_alpha: float = 0.9
+    # Eagle3
+    ttt_length: int = 7
+    step_loss_decay: float = 0.8
+    draft_num_hidden_layers: int = 1
+
+    def __post_init__(self) -> None:
+        t = self.target
+        if not self.target_layer_ids:
+            object.__setattr__(self, "target_layer_ids",
+                               default_target_layer_ids(t.num_hidden_layers))
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        ids = self.target_layer_ids
+
+        def bad(field: str, why: str) -> None:
+            raise ConfigError(f"draft config field {field!r}: {why}")
+
+        if self.model_type not in MODEL_TYPES:
+            bad("model_type", f"{self.model_type!r} is not one of {MODEL_TYPES}")
+        if self.block_size < 1:
+            bad("block_size", f"must be ≥ 1, got {self.block_size}")
+        if self.num_draft_layers < 1:
+            bad("num_draft_layers", f"must be ≥ 1, got {self.num_draft_layers}")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            bad("target_layer_ids", f"must be strictly increasing, got {list(ids)}")
+        for i in ids:
+            if not -1 <= i < t.num_hidden_layers:
+                bad("target_layer_ids", f"id {i} outside [-1, {t.num_hidden_layers - 1}]")
+        if ids and ids[-1] == t.num_hidden_layers - 1:
+            bad("target_layer_ids", f"the target's last layer ({ids[-1]}) is not allowed: its "
+                "Hugging Face hidden state is post-norm")
+        if not 0 <= self.mask_token_id < t.vocab_size:
+            bad("mask_token_id", f"{self.mask_token_id} outside the vocabulary [0, {t.vocab_size})")
+        if self.markov_rank < 0:
+            bad("markov_rank", f"must be ≥ 0, got {self.markov_rank}")
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            bad("markov_head_type", f"{self.markov_head_type!r} not one of {MARKOV_HEAD_TYPES}")
+        if self.num_anchors < 1:
+            bad("num_anchors", f"must be ≥ 1, got {self.num_anchors}")
+        if self.loss_decay_gamma <= 0:
+            bad("loss_decay_gamma", "must be > 0")
+        if self.decay_convention not in DECAY_CONVENTIONS:
+            bad("decay_convention", f"{self.decay_convention!r} not one of {DECAY_CONVENTIONS}")
+        if self.ttt_length < 1:
+            bad("ttt_length", "must be ≥ 1")
+        if self.model_type == "dflash" and (self.markov_rank or self.enable_confidence_head):
+            object.__setattr__(self, "markov_rank", 0)
+            object.__setattr__(self, "enable_confidence_head", False)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def has_markov(self) -> bool:
+        return self.model_type == "dspark" and self.markov_rank > 0
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.model_type == "dspark" and self.enable_confidence_head
+
+    @property
+    def gamma(self) -> int:
+        """Draft tokens per round: the block size (DSpark/DFlash) or the TTT chain length."""
+        return self.block_size
+
+    def layer_config(self) -> DecoderConfig:
+        """The draft layers follow the target's family and shapes."""
+        n = self.draft_num_hidden_layers if self.model_type == "eagle3" else self.num_draft_layers
+        return self.target.replace(num_hidden_layers=n)
+
+    def replace(self, **kw: Any) -> "DraftConfig":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target"] = self.target.to_hf_dict()
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DraftConfig":
+        d = dict(d)
+        target = DecoderConfig.from_hf_dict(d.pop("target"), source="draft config target")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"unknown draft config fields {unknown}")
+        d["target_layer_ids"] = tuple(d.get("target_layer_ids", ()))
+        return cls(target=target, **d)
+
+
+def validate_against_target(draft: DraftConfig, target: DecoderConfig,
+                            source: str = "draft") -> None:
+    """A drafter must have been built for this target (vocabulary, width, layer ids)."""
+    t = draft.target
+    for field in ("vocab_size", "hidden_size"):
+        if getattr(t, field) != getattr(target, field):
+            raise ConfigError(f"{source} was built for a target with {field}={getattr(t, field)}, "
+                              f"but the target has {field}={getattr(target, field)}")
+    for i in draft.target_layer_ids:
+        if not -1 <= i < target.num_hidden_layers - 1:
+            raise ConfigError(f"{source}: target_layer_ids {list(draft.target_layer_ids)} do not "
+                              f"fit a target with {target.num_hidden_layers} layers")
+
+
+def seq_of_ints(x: Sequence[Any]) -> tuple[int, ...]:
+    return tuple(int(i) for i in x)

@@ -1,0 +1,192 @@
+"""DSpark / DFlash drafter: parallel block backbone with target-feature KV injection (SPEC §3).
+
+The backbone reads γ block tokens `[x0, M, …, M]` at positions a..a+γ−1 and attends to
+(1) the projected target context `ctx = hidden_norm(fc(features))` at positions strictly before
+the anchor a, and (2) all γ keys of its own block (bidirectional). Context K/V depend only on
+target features, so inference caches them per draft layer and grows them as tokens commit.
+DFlash is this backbone with no sequential head; DSpark adds the Markov/gated/RNN head and the
+confidence head (heads.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models import layers as L
+from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.heads import ConfidenceHead, MarkovHead
+from dspark_jax.sharding import constrain
+
+
+class FrozenParam(nnx.Variable):
+    """Copied from the target and frozen: saved in checkpoints, never differentiated."""
+
+
+def frozen(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any) -> FrozenParam:
+    return FrozenParam(jnp.zeros(shape, dtype), axes=axes)
+
+
+def block_attend(q_batknh: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, blk_k: jax.Array,
+                 blk_v: jax.Array, ctx_visible_bas: jax.Array, blk_valid_ba: jax.Array
+                 ) -> jax.Array:
+    """Attention of block queries over [context ; own block] without materialising per-block
+    copies of the context. q [B,A,T,N,H]; ctx_k/v [B,S,K,H]; blk_k/v [B,A,T,K,H]."""
+    B, A, T, N, H = q_batknh.shape
+    K = ctx_k.shape[2]
+    q = q_batknh.reshape(B, A, T, K, N // K, H)
+    scale = H ** -0.5
+    s_ctx = jnp.einsum("BATKGH,BSKH->BAKGTS", q, ctx_k, preferred_element_type=jnp.float32)
+    s_blk = jnp.einsum("BATKGH,BAUKH->BAKGTU", q, blk_k, preferred_element_type=jnp.float32)
+    s_ctx = jnp.where(ctx_visible_bas[:, :, None, None, None, :], s_ctx * scale, L.NEG_INF)
+    valid = blk_valid_ba[:, :, None, None, None, None]
+    s_blk = jnp.where(valid, s_blk * scale, L.NEG_INF)
+    S = ctx_k.shape[1]
+    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
+    probs = jnp.where(valid, probs, 0.0).astype(ctx_v.dtype)
+    out = (jnp.einsum("BAKGTS,BSKH->BATKGH", probs[..., :S], ctx_v,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("BAKGTU,BAUKH->BATKGH", probs[..., S:], blk_v,
+                        preferred_element_type=jnp.float32))
+    return out.reshape(B, A, T, N, H).astype(q_batknh.dtype)
+
+
+@flax.struct.dataclass
+class DraftCache:
+    """Per-draft-layer context keys/values [Ld, B, S_max, K, H] (features of committed tokens)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class DSparkDraft(nnx.Module):
+    """DSpark (markov_rank > 0) or DFlash (markov_rank = 0, no confidence head)."""
+
+    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        t = cfg.target
+        V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.lm_head = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)
+        self.hidden_norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+        self.layers = L.DecoderLayers(cfg.layer_config(), cfg.num_draft_layers, rngs=rngs,
+                                      param_dtype=param_dtype)
+        self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+        if cfg.has_markov:
+            self.markov = MarkovHead(cfg, rngs=rngs, param_dtype=param_dtype)
+        if cfg.has_confidence:
+            self.confidence = ConfidenceHead(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    # ------------------------------------------------------------------ context
+    def context(self, feats_bsf: jax.Array) -> jax.Array:
+        """ctx = hidden_norm(fc(features)) [B, S, D]."""
+        x = jnp.einsum("BSF,FD->BSD", feats_bsf.astype(self.dtype),
+                       self.fc.get_value().astype(self.dtype))
+        return L.rms_norm(x, self.hidden_norm.get_value(), self.cfg.target.rms_norm_eps)
+
+    def context_kv(self, feats_bsf: jax.Array, positions_bs: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+        """Per-layer context K/V [Ld, B, S, K, H] (k_norm and RoPE applied)."""
+        ctx = self.context(feats_bsf)
+        stack = self.layers.stacked(self.dtype)
+        eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
+
+        def one(lp):
+            k, v = L.project_kv(lp, ctx, eps)
+            return L.apply_rope(k, positions_bs, rope), v
+
+        return jax.vmap(one)(stack)
+
+    # ------------------------------------------------------------------ backbone
+    def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:
+        """[..., γ] block inputs: the anchor then γ−1 mask tokens (DeepSpec convention)."""
+        g = self.cfg.block_size
+        mask = jnp.full(anchor_tokens.shape + (g - 1,), self.cfg.mask_token_id, jnp.int32)
+        return jnp.concatenate([anchor_tokens[..., None].astype(jnp.int32), mask], axis=-1)
+
+    def backbone(self, anchor_tokens_ba: jax.Array, anchor_pos_ba: jax.Array,
+                 ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array,
+                 blk_valid_ba: jax.Array, remat: bool = False) -> jax.Array:
+        """Final-normed block hidden states h [B, A, γ, D]."""
+        cfg = self.cfg
+        eps, rope = cfg.target.rms_norm_eps, cfg.target.rope
+        g = cfg.block_size
+        toks = self.block_tokens(anchor_tokens_ba)                          # [B,A,γ]
+        pos = anchor_pos_ba[..., None] + jnp.arange(g, dtype=jnp.int32)     # [B,A,γ]
+        B, A = toks.shape[:2]
+        h = jnp.take(self.embed.get_value(), toks, axis=0).astype(self.dtype)  # [B,A,γ,D]
+        flat_pos = pos.reshape(B, A * g)
+
+        def layer(h, xs):
+            lp, ck, cv = xs
+            x = L.rms_norm(h, lp["input_norm"], eps).reshape(B, A * g, -1)
+            q = L.apply_rope(L.project_q(lp, x, eps), flat_pos, rope)
+            k, v = L.project_kv(lp, x, eps)
+            k = L.apply_rope(k, flat_pos, rope)
+            split = lambda t: t.reshape((B, A, g) + t.shape[2:])
+            attn = block_attend(split(q), ck, cv, split(k), split(v), ctx_visible_bas,
+                                blk_valid_ba)
+            h_flat = L.attn_out_and_mlp(lp, h.reshape(B, A * g, -1),
+                                        attn.reshape(B, A * g, *attn.shape[3:]), eps)
+            return h_flat.reshape(h.shape), None
+
+        if remat:
+            layer = jax.checkpoint(layer)
+        stack = self.layers.stacked(self.dtype)
+        h, _ = jax.lax.scan(layer, h, (stack, ctx_k.astype(self.dtype), ctx_v.astype(self.dtype)))
+        h = L.rms_norm(h, self.norm.get_value(), eps)
+        return constrain(h, ("batch", None, None, "act_embed"))
+
+    def base_logits(self, h: jax.Array) -> jax.Array:
+        return jnp.einsum("...D,VD->...V", h, self.lm_head.get_value().astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+
+    # ------------------------------------------------------------------ heads
+    def heads_teacher_forced(self, h: jax.Array, prev_tokens: jax.Array
+                             ) -> tuple[jax.Array, jax.Array | None]:
+        """Draft logits [..., γ, V] (f32) and confidence logits [..., γ] with given x_{k−1}."""
+        logits = self.base_logits(h)
+        emb = None
+        if self.cfg.has_markov:
+            logits = logits + self.markov.teacher_forced(h, prev_tokens)
+            emb = self.markov.embed_prev(prev_tokens, h.dtype)
+        conf = self.confidence(h, emb) if self.cfg.has_confidence else None
+        return logits, conf
+
+    def sample_block(self, h_btd: jax.Array, anchor_b: jax.Array, key: jax.Array,
+                     temperature: jax.Array, sample_fn: Any) -> dict[str, jax.Array]:
+        """Sequential sampling over the γ slots (each slot conditioned on the sampled previous
+        token). h [B, γ, D] → tokens [B, γ], probs [B, γ, V], confidence logits [B, γ]."""
+        from dspark_jax.decoding.sampling import probs_from_logits
+
+        B, g, _ = h_btd.shape
+        base = self.base_logits(h_btd)                                      # [B,γ,V]
+        keys = jax.random.split(key, g)
+        has_markov, has_conf = self.cfg.has_markov, self.cfg.has_confidence
+        state0 = (self.markov.init_state((B,), h_btd.dtype) if has_markov
+                  else jnp.zeros((B, 1), h_btd.dtype))
+
+        def slot(carry, xs):
+            prev, state = carry
+            h, u, k = xs
+            logits = u
+            emb = None
+            if has_markov:
+                bias, state = self.markov.step(h, prev, state)
+                logits = logits + bias
+                emb = self.markov.embed_prev(prev, h.dtype)
+            conf = self.confidence(h, emb) if has_conf else jnp.zeros((B,), jnp.float32)
+            p = probs_from_logits(logits, temperature)
+            tok = sample_fn(k, p)
+            return (tok, state), (tok, p, conf)
+
+        xs = (jnp.moveaxis(h_btd, 1, 0), jnp.moveaxis(base, 1, 0), keys)
+        _, (toks, probs, conf) = jax.lax.scan(slot, (anchor_b.astype(jnp.int32), state0), xs)
+        return {"tokens": toks.T, "probs": jnp.moveaxis(probs, 0, 1), "confidence": conf.T}
