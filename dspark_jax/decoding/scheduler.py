@@ -1,0 +1,374 @@
+"""Hardware-aware prefix scheduler (DSpark paper §3.2.2 Algorithm 1, §5.2, Appendix A; SPEC §8).
+
+Given calibrated per-slot confidences ``c[r, j]`` (the probability that draft slot ``j`` of request
+``r`` is accepted given that slots ``< j`` were), the scheduler chooses how many draft tokens of
+each request the target verifies in the next forward pass:
+
+* prefix survival ``a[r, j] = prod_{i <= j} c[r, i]`` (non-increasing in ``j``);
+* every active request always verifies its anchor, so ``B = sum_r (1 + l_r)`` tokens and the
+  expected number of committed tokens is ``tau = sum_r (1 + sum_{j <= l_r} a[r, j])``;
+* objective ``Theta = tau * SPS(B)`` where ``SPS`` is a table of target steps/second profiled once
+  per engine (:func:`profile_sps`).
+
+Algorithm 1 sorts all candidates ``(r, j)`` with ``a > 0`` by ``a`` descending (which respects
+the prefixes because ``a`` is monotone in ``j``), admits them one by one and *stops at the first
+candidate that does not strictly improve Theta*.  The early stop is what keeps speculative
+decoding lossless (Appendix A): without it the admission of slot ``j`` could depend on the
+confidence of slot ``j + 1``, which is computed from the realised draft token ``x_j``.
+
+Conventions of this module
+--------------------------
+* The SPS table is a 1-D array ``sps[B]`` indexed by the number of batch tokens ``B``
+  (``sps[0]`` is never used in a product that matters).  A token count beyond the end of the table
+  has ``SPS = 0``: the table length doubles as a hard token capacity.
+* Ties in ``a`` are broken by the flat index ``r * gamma + j`` (request first, then slot), both in
+  the JAX implementation and in the numpy reference, so the result is deterministic.  Within a
+  request the lower slot always comes first, hence admitted sets are always prefixes.
+* Confidences are clipped to ``[0, 1]`` and NaN is treated as 0.  Candidates with ``a == 0`` and
+  all slots of inactive requests are never admitted; inactive requests do not count in ``R``.
+* Tensors have static shapes (``R`` rows, ``gamma`` slots) so that :func:`schedule_verification`
+  can run inside a jitted decoding round; the search over the sorted candidates is expressed with
+  a cumulative product of an "improved" flag instead of a Python loop.
+
+Production variant (§5.2): the batch capacity ``K`` (number of draft tokens) is computed with the
+*global* search (no early stop, argmax over the whole admission path) from confidences two steps
+old, and the current step admits the top ``K`` current candidates.  Because ``K`` only depends on
+stale information, the admission of a current token cannot depend on its own realisation.  See
+:func:`global_capacity`, :func:`topk_admission` and :func:`production_schedule`.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Schedule",
+    "prefix_survival",
+    "sps_lookup",
+    "schedule_verification",
+    "schedule_verification_reference",
+    "global_capacity",
+    "topk_admission",
+    "topk_admission_reference",
+    "init_capacity_queue",
+    "production_schedule",
+    "build_sps_table",
+    "profile_sps",
+]
+
+
+class Schedule(NamedTuple):
+    """Result of a scheduling decision (a pytree, usable inside ``jax.jit``).
+
+    Attributes:
+      lengths: [R] int32, verification length ``l_r`` in ``0..gamma`` (0 for inactive rows).
+      mask: [R, gamma] bool, ``mask[r, j] = j < l_r``: the draft slots sent to the target.
+      batch_tokens: [] int32, ``B = sum_{active r} (1 + l_r)``.
+      expected_accepts: [] float, ``tau = sum_{active r} (1 + sum_{j < l_r} a[r, j])``.
+      throughput: [] float, ``tau * SPS(B)``.
+    """
+
+    lengths: jax.Array
+    mask: jax.Array
+    batch_tokens: jax.Array
+    expected_accepts: jax.Array
+    throughput: jax.Array
+
+
+# --------------------------------------------------------------------------------------------
+# JAX implementation
+# --------------------------------------------------------------------------------------------
+
+
+def _float_dtype(x: jax.Array) -> jnp.dtype:
+    return jnp.result_type(x.dtype, jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+
+
+def prefix_survival(conf: jax.Array) -> jax.Array:
+    """``a[r, j] = prod_{i <= j} clip(c[r, i], 0, 1)`` (NaN -> 0).  conf: [..., gamma]."""
+    conf = jnp.asarray(conf)
+    c = jnp.clip(jnp.nan_to_num(conf.astype(_float_dtype(conf)), nan=0.0), 0.0, 1.0)
+    return jnp.cumprod(c, axis=-1)
+
+
+def sps_lookup(sps: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``SPS(tokens)`` from a table indexed by token count; 0 outside ``[0, len(sps))``."""
+    n = sps.shape[0]
+    idx = jnp.clip(tokens, 0, n - 1)
+    return jnp.where((tokens >= 0) & (tokens < n), sps[idx], jnp.zeros((), sps.dtype))
+
+
+class _Path(NamedTuple):
+    order: jax.Array  # [N] flat candidate index (r * gamma + j) in admission order
+    valid_sorted: jax.Array  # [N] bool, candidate is admissible (active row and a > 0)
+    tau: jax.Array  # [N] expected accepts after admitting candidates 0..i
+    theta: jax.Array  # [N] throughput after admitting candidates 0..i
+    tau0: jax.Array  # [] expected accepts with only the anchors (= #active)
+    theta0: jax.Array  # [] throughput with only the anchors
+    n_active: jax.Array  # [] int32
+
+
+def _admission_path(conf: jax.Array, active: jax.Array, sps: jax.Array) -> _Path:
+    """Sorted candidate pool and the Theta curve along the greedy admission path."""
+    r_, g_ = conf.shape
+    a = prefix_survival(conf)  # [R, G]
+    dt = a.dtype
+    sps = jnp.asarray(sps).astype(dt)
+    active = jnp.asarray(active).astype(bool)  # [R]
+    valid = active[:, None] & (a > 0)  # [R, G]
+    # Ascending sort of -a (stable): most confident first, ties by flat index; invalid last.
+    key = jnp.where(valid, -a, jnp.ones((), dt)).reshape(-1)  # [N]
+    order = jnp.argsort(key, stable=True)  # [N]
+    valid_sorted = valid.reshape(-1)[order]  # [N]
+    a_sorted = jnp.where(valid_sorted, a.reshape(-1)[order], jnp.zeros((), dt))  # [N]
+    n_active = jnp.sum(active).astype(jnp.int32)
+    tau0 = n_active.astype(dt)
+    theta0 = tau0 * sps_lookup(sps, n_active)
+    tau = tau0 + jnp.cumsum(a_sorted)  # [N]
+    tokens = n_active + jnp.arange(1, r_ * g_ + 1, dtype=jnp.int32)  # [N]
+    theta = tau * sps_lookup(sps, tokens)  # [N]
+    return _Path(order, valid_sorted, tau, theta, tau0, theta0, n_active)
+
+
+def _finish(path: _Path, admitted_sorted: jax.Array, r_: int, g_: int) -> Schedule:
+    """Scatter the admitted flags back to [R, G] and assemble the :class:`Schedule`."""
+    admitted = jnp.zeros((r_ * g_,), bool).at[path.order].set(admitted_sorted).reshape(r_, g_)
+    lengths = jnp.sum(admitted, axis=-1).astype(jnp.int32)  # [R]
+    mask = jnp.arange(g_)[None, :] < lengths[:, None]  # [R, G]
+    n_adm = jnp.sum(admitted_sorted).astype(jnp.int32)
+    last = jnp.maximum(n_adm - 1, 0)
+    tau = jnp.where(n_adm > 0, path.tau[last], path.tau0)
+    theta = jnp.where(n_adm > 0, path.theta[last], path.theta0)
+    return Schedule(lengths, mask, path.n_active + n_adm, tau, theta)
+
+
+@partial(jax.jit, static_argnames=("early_stop",))
+def schedule_verification(
+    conf: jax.Array,  # [R, gamma] calibrated confidences c[r, j] in [0, 1]
+    active: jax.Array,  # [R] bool
+    sps: jax.Array,  # [B_max + 1] steps/second indexed by batch-token count
+    early_stop: bool = True,
+) -> Schedule:
+    """Paper Algorithm 1 (hardware-aware prefix scheduler), jittable, static shapes.
+
+    ``early_stop=True`` is the causal (lossless) scheduler: admission stops at the first candidate
+    whose Theta is not strictly larger than the best so far (= the previous one, since every
+    admitted step improved).  ``early_stop=False`` is the retrospective *global* search (argmax
+    of Theta over the whole admission path, first maximum on ties); it is NOT lossless when the
+    confidences are current (Appendix A) and is only meant for stale confidences (§5.2, see
+    :func:`global_capacity`) and for demonstrating the bias.
+    """
+    conf = jnp.asarray(conf)
+    r_, g_ = conf.shape
+    path = _admission_path(conf, active, sps)
+    if early_stop:
+        prev = jnp.concatenate([path.theta0[None], path.theta[:-1]])  # [N]
+        improved = path.valid_sorted & (path.theta > prev)
+        admitted_sorted = jnp.cumprod(improved.astype(jnp.int32)).astype(bool)
+    else:
+        neg_inf = jnp.full((), -jnp.inf, path.theta.dtype)
+        curve = jnp.concatenate([path.theta0[None], jnp.where(path.valid_sorted, path.theta, neg_inf)])
+        n_best = jnp.argmax(curve)  # first maximum; 0 = anchors only
+        admitted_sorted = jnp.arange(r_ * g_) < n_best
+    return _finish(path, admitted_sorted, r_, g_)
+
+
+@jax.jit
+def topk_admission(
+    conf: jax.Array,  # [R, gamma] current calibrated confidences
+    active: jax.Array,  # [R] bool
+    capacity: jax.Array,  # [] int, number of draft tokens K that may be verified
+    sps: jax.Array | None = None,  # optional, only used for the reported throughput
+) -> Schedule:
+    """§5.2 admission: the ``K`` current candidates with the largest ``a[r, j]`` (a > 0, active).
+
+    No early stop: ``K`` is fixed beforehand from stale confidences.  Ties are broken by flat
+    index, so admitted sets are prefixes.  ``batch_tokens`` = ``#active + min(K, #candidates)``.
+    """
+    conf = jnp.asarray(conf)
+    r_, g_ = conf.shape
+    if sps is None:
+        sps = jnp.ones((r_ * (g_ + 1) + 1,), jnp.float32)
+    path = _admission_path(conf, active, sps)
+    admitted_sorted = path.valid_sorted & (jnp.arange(r_ * g_) < jnp.asarray(capacity, jnp.int32))
+    return _finish(path, admitted_sorted, r_, g_)
+
+
+@jax.jit
+def global_capacity(
+    conf: jax.Array,  # [R, gamma] confidences (in production: from two steps ago)
+    active: jax.Array,  # [R] bool
+    sps: jax.Array,  # [B_max + 1]
+) -> jax.Array:
+    """§5.2 capacity ``K`` (number of draft tokens, anchors excluded) from the global search."""
+    return jnp.sum(schedule_verification(conf, active, sps, early_stop=False).lengths).astype(jnp.int32)
+
+
+def init_capacity_queue(initial_capacity: int = 0) -> jax.Array:
+    """State for :func:`production_schedule`: the capacities computed one and two steps ago, [2]."""
+    return jnp.full((2,), initial_capacity, jnp.int32)
+
+
+@jax.jit
+def production_schedule(
+    conf: jax.Array,  # [R, gamma] current calibrated confidences
+    active: jax.Array,  # [R] bool
+    sps: jax.Array,  # [B_max + 1]
+    capacity_queue: jax.Array,  # [2] int32: K computed at steps t-2, t-1
+) -> tuple[Schedule, jax.Array]:
+    """Asynchronous production scheduler of §5.2 (one decoding step ``t``).
+
+    Admits the top ``K_{t-2}`` current candidates where ``K_{t-2}`` was computed by the global
+    search on the confidences of step ``t - 2``; computes ``K_t`` from the current confidences and
+    returns the shifted queue ``[K_{t-1}, K_t]`` for the next step.
+    """
+    k_use = capacity_queue[0]
+    sched = topk_admission(conf, active, k_use, sps)
+    k_new = global_capacity(conf, active, sps)
+    new_queue = jnp.stack([capacity_queue[1], k_new]).astype(jnp.int32)
+    return sched, new_queue
+
+
+# --------------------------------------------------------------------------------------------
+# Literal numpy references (used by tests)
+# --------------------------------------------------------------------------------------------
+
+
+def _np_sps(sps: np.ndarray, b: int) -> Any:
+    return sps[b] if 0 <= b < sps.shape[0] else sps.dtype.type(0)
+
+
+def _np_candidates(conf: np.ndarray, active: np.ndarray, dtype: Any) -> tuple[np.ndarray, list]:
+    conf = np.nan_to_num(np.asarray(conf, dtype=dtype), nan=0.0)
+    conf = np.clip(conf, 0, 1).astype(dtype)
+    r_, g_ = conf.shape
+    a = np.zeros((r_, g_), dtype)
+    for r in range(r_):
+        acc = dtype(1.0)
+        for j in range(g_):
+            acc = dtype(acc * conf[r, j])
+            a[r, j] = acc
+    cands = [(r, j, a[r, j]) for r in range(r_) for j in range(g_) if active[r] and a[r, j] > 0]
+    cands.sort(key=lambda t: (-t[2], t[0], t[1]))  # a descending, then request, then slot
+    return a, cands
+
+
+def schedule_verification_reference(
+    conf: np.ndarray,
+    active: np.ndarray,
+    sps: np.ndarray,
+    early_stop: bool = True,
+    dtype: Any = np.float64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Literal Python-loop transcription of Algorithm 1; returns ``(lengths [R], mask [R, G])``."""
+    conf = np.asarray(conf)
+    active = np.asarray(active, bool)
+    sps = np.asarray(sps, dtype)
+    r_, g_ = conf.shape
+    _, cands = _np_candidates(conf, active, dtype)
+    n_act = int(active.sum())
+    ell = np.zeros(r_, np.int64)
+    best_ell = ell.copy()
+    b = n_act
+    tau = dtype(n_act)
+    theta_best = dtype(tau * _np_sps(sps, b))
+    for r, j, a in cands:
+        ell[r] = j + 1
+        b += 1
+        tau = dtype(tau + a)
+        theta = dtype(tau * _np_sps(sps, b))
+        if theta > theta_best:
+            theta_best = theta
+            best_ell = ell.copy()
+        elif early_stop:
+            break
+    mask = np.arange(g_)[None, :] < best_ell[:, None]
+    return best_ell, mask
+
+
+def topk_admission_reference(
+    conf: np.ndarray, active: np.ndarray, capacity: int, dtype: Any = np.float64
+) -> tuple[np.ndarray, np.ndarray]:
+    """Literal loop for :func:`topk_admission`; returns ``(lengths [R], mask [R, G])``."""
+    conf = np.asarray(conf)
+    active = np.asarray(active, bool)
+    r_, g_ = conf.shape
+    _, cands = _np_candidates(conf, active, dtype)
+    ell = np.zeros(r_, np.int64)
+    for r, j, _a in cands[: max(int(capacity), 0)]:
+        ell[r] = j + 1
+    return ell, np.arange(g_)[None, :] < ell[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# SPS profiling
+# --------------------------------------------------------------------------------------------
+
+
+def build_sps_table(
+    batch_sizes: Sequence[int],
+    sps_values: Sequence[float],
+    max_tokens: int | None = None,
+    nonincreasing: bool = True,
+) -> np.ndarray:
+    """Table ``sps[B]`` for every ``B in 0..max_tokens`` from measurements at ``batch_sizes``.
+
+    Measurements are sorted by ``B`` (duplicates averaged); with ``nonincreasing`` a running
+    minimum removes timing noise that would make a larger batch look faster.  Values between
+    measured points are linearly interpolated (a shape-preserving interpolant: no overshoot, so a
+    monotone set of measurements gives a monotone table); below the smallest measured ``B`` the
+    first value is held, above the largest the last one (up to ``max_tokens``, default the largest
+    measured ``B``).  Returns float32 [max_tokens + 1].
+    """
+    bs = np.asarray(batch_sizes, np.float64)
+    vs = np.asarray(sps_values, np.float64)
+    if bs.ndim != 1 or bs.shape != vs.shape or bs.size == 0:
+        raise ValueError("batch_sizes and sps_values must be non-empty 1-D arrays of equal length")
+    if np.any(bs < 1) or np.any(~np.isfinite(vs)) or np.any(vs < 0):
+        raise ValueError("batch sizes must be >= 1 and SPS values finite and >= 0")
+    ub, inv = np.unique(bs, return_inverse=True)
+    uv = np.bincount(inv, weights=vs) / np.bincount(inv)
+    if nonincreasing:
+        uv = np.minimum.accumulate(uv)
+    top = int(ub[-1]) if max_tokens is None else int(max_tokens)
+    grid = np.arange(top + 1, dtype=np.float64)
+    return np.interp(grid, ub, uv).astype(np.float32)
+
+
+def profile_sps(
+    step_fn: Callable[[int], Any],
+    batch_sizes: Sequence[int],
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    max_tokens: int | None = None,
+    nonincreasing: bool = True,
+    timer: Callable[[], float] = time.perf_counter,
+) -> np.ndarray:
+    """Time ``step_fn(B)`` (one target forward over ``B`` batch tokens) and build the SPS table.
+
+    For every ``B`` in ``batch_sizes``: ``warmup`` untimed calls (compilation), then ``repeats``
+    timed calls, each blocked with ``jax.block_until_ready`` on the returned value; SPS is
+    ``1 / median(seconds)``.  Returns :func:`build_sps_table` of the measurements (float32,
+    indexed by token count up to ``max_tokens`` or ``max(batch_sizes)``).
+    """
+    if repeats < 1:
+        raise ValueError("repeats must be >= 1")
+    measured = []
+    for b in batch_sizes:
+        for _ in range(warmup):
+            jax.block_until_ready(step_fn(int(b)))
+        times = []
+        for _ in range(repeats):
+            t0 = timer()
+            jax.block_until_ready(step_fn(int(b)))
+            times.append(timer() - t0)
+        sec = float(np.median(times))
+        measured.append(1.0 / max(sec, 1e-12))
+    return build_sps_table(batch_sizes, measured, max_tokens=max_tokens, nonincreasing=nonincreasing)

@@ -1,0 +1,234 @@
+"""Acceptance statistics of speculative decoding (SPEC §1 step 7 and §6; paper §4 Table 1, Figure 2).
+
+Per dataset, from per-round records (one verification round = one target forward):
+
+* ``proposed[r]``: draft tokens proposed, i.e. sent to verification, in round ``r``;
+* ``accepted[r]``: accepted drafts in round ``r`` (``0..proposed[r]``).
+
+Statistics (DeepSpec conventions, pooled over the dataset):
+
+* ``tau = sum(accepted + 1) / R`` — accepted length including the bonus/correction token;
+* ``verify_rate = sum(accepted + 1) / (sum(proposed) + R)`` — committed tokens per verified
+  token (the anchor of every round counts as verified);
+* ``accept_rate_at[k]`` (k = 0..gamma-1) — cumulative prefix survival:
+  ``#{accepted >= k + 1} / #{proposed > k}``;
+* ``conditional_acceptance[k] = accept_rate_at[k] / accept_rate_at[k - 1]`` (k = 0: ``accept_rate_at[0]``)
+  — the paper's position-wise conditional acceptance (Figure 2).  With a constant proposal length
+  (the offline protocol) it is exactly ``P(slot k accepted | slots < k accepted)``.
+
+A ratio whose denominator is 0 is NaN (``None`` in :meth:`AcceptanceStats.to_dict`, so the output is
+strict JSON).  :func:`macro_mean` averages several datasets (the "mean" column of Table 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "AcceptanceStats",
+    "acceptance_stats",
+    "stats_from_records",
+    "macro_mean",
+    "summarize",
+    "PAPER_DATASETS",
+    "PAPER_TABLE1_TAU",
+]
+
+#: Dataset keys (file stems of ``eval_datasets/``) in the column order of the paper's Table 1.
+PAPER_DATASETS: tuple[str, ...] = (
+    "gsm8k", "math500", "aime25", "mbpp", "humaneval", "livecodebench", "mt-bench", "alpaca",
+    "arena-hard-v2",
+)
+
+
+def _row(*values: float) -> dict[str, float]:
+    return dict(zip(PAPER_DATASETS, values))
+
+
+#: Paper Table 1: tau (incl. bonus token), T = 1, gamma = 7, fixed blocks (no scheduler).
+#: ``PAPER_TABLE1_TAU[target][drafter][dataset]``.
+PAPER_TABLE1_TAU: dict[str, dict[str, dict[str, float]]] = {
+    "qwen3_4b": {
+        "eagle3": _row(5.14, 4.62, 3.92, 3.69, 4.16, 3.77, 2.39, 2.26, 2.55),
+        "dflash": _row(5.40, 4.85, 4.15, 4.40, 4.74, 4.18, 3.07, 2.96, 2.83),
+        "dspark": _row(6.11, 5.70, 4.89, 5.13, 5.38, 4.86, 3.64, 3.54, 3.29),
+    },
+    "qwen3_8b": {
+        "eagle3": _row(5.30, 4.77, 3.91, 3.96, 4.33, 4.17, 2.66, 2.54, 2.54),
+        "dflash": _row(5.33, 4.91, 4.07, 4.36, 4.64, 4.39, 3.11, 2.98, 2.81),
+        "dspark": _row(6.17, 5.78, 5.01, 5.16, 5.52, 5.17, 3.72, 3.58, 3.21),
+    },
+    "qwen3_14b": {
+        "eagle3": _row(5.24, 4.60, 3.71, 3.81, 4.14, 4.01, 2.62, 2.47, 2.48),
+        "dflash": _row(5.41, 4.84, 3.98, 4.44, 4.59, 4.33, 3.10, 2.94, 2.72),
+        "dspark": _row(6.21, 5.74, 4.94, 5.26, 5.43, 5.02, 3.70, 3.58, 3.13),
+    },
+    "gemma4_12b": {
+        "eagle3": _row(5.87, 5.46, 4.83, 4.72, 5.37, 4.16, 3.19, 3.06, 2.72),
+        "dflash": _row(5.45, 5.04, 4.22, 4.39, 4.95, 3.70, 2.98, 2.84, 2.59),
+        "dspark": _row(6.05, 5.78, 5.12, 5.11, 5.64, 4.51, 3.49, 3.35, 2.92),
+    },
+}
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den != 0 else math.nan
+
+
+def _json_float(x: float) -> float | None:
+    return None if (x is None or not math.isfinite(x)) else float(x)
+
+
+def _nanmean(values: Sequence[float]) -> float:
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    return float(sum(finite) / len(finite)) if finite else math.nan
+
+
+@dataclass(frozen=True)
+class AcceptanceStats:
+    """Acceptance statistics of one dataset (or a macro mean of several)."""
+
+    rounds: int  # R, number of verification rounds
+    gamma: int  # block size used for the per-position statistics
+    tau: float  # sum(accepted + 1) / R
+    verify_rate: float  # sum(accepted + 1) / (sum(proposed) + R)
+    accept_rate_at: tuple[float, ...]  # [gamma] cumulative prefix survival
+    conditional_acceptance: tuple[float, ...]  # [gamma] position-wise conditional acceptance
+    total_accepted: int  # sum(accepted)
+    total_proposed: int  # sum(proposed)
+    name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable dict (NaN -> None)."""
+        return {
+            "name": self.name,
+            "rounds": int(self.rounds),
+            "gamma": int(self.gamma),
+            "tau": _json_float(self.tau),
+            "verify_rate": _json_float(self.verify_rate),
+            "accept_rate_at": [_json_float(v) for v in self.accept_rate_at],
+            "conditional_acceptance": [_json_float(v) for v in self.conditional_acceptance],
+            "total_accepted": int(self.total_accepted),
+            "total_proposed": int(self.total_proposed),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "AcceptanceStats":
+        """Inverse of :meth:`to_dict` (None -> NaN)."""
+        f = lambda v: math.nan if v is None else float(v)  # noqa: E731
+        return cls(
+            rounds=int(d["rounds"]),
+            gamma=int(d["gamma"]),
+            tau=f(d["tau"]),
+            verify_rate=f(d["verify_rate"]),
+            accept_rate_at=tuple(f(v) for v in d["accept_rate_at"]),
+            conditional_acceptance=tuple(f(v) for v in d["conditional_acceptance"]),
+            total_accepted=int(d["total_accepted"]),
+            total_proposed=int(d["total_proposed"]),
+            name=d.get("name"),
+        )
+
+
+def _conditional(rates: Sequence[float]) -> tuple[float, ...]:
+    out = []
+    for k, rate in enumerate(rates):
+        if k == 0:
+            out.append(float(rate))
+        else:
+            prev = rates[k - 1]
+            out.append(_ratio(rate, prev) if not (math.isnan(prev) or math.isnan(rate)) else math.nan)
+    return tuple(out)
+
+
+def acceptance_stats(
+    proposed: Sequence[int] | np.ndarray,  # [R]
+    accepted: Sequence[int] | np.ndarray,  # [R]
+    gamma: int | None = None,
+    name: str | None = None,
+) -> AcceptanceStats:
+    """Statistics of one dataset from per-round ``proposed`` / ``accepted`` counts.
+
+    ``gamma`` defaults to ``max(proposed)`` (0 if there are no rounds).  Raises ``ValueError`` on
+    shape mismatch, negative counts, ``accepted > proposed`` or ``proposed > gamma``.
+    """
+    prop = np.asarray(proposed, dtype=np.int64).reshape(-1)
+    acc = np.asarray(accepted, dtype=np.int64).reshape(-1)
+    if prop.shape != acc.shape:
+        raise ValueError(f"proposed {prop.shape} and accepted {acc.shape} differ in length")
+    if np.any(prop < 0) or np.any(acc < 0):
+        raise ValueError("counts must be non-negative")
+    if np.any(acc > prop):
+        raise ValueError("accepted must not exceed proposed")
+    r_ = int(prop.size)
+    if gamma is None:
+        gamma = int(prop.max()) if r_ else 0
+    gamma = int(gamma)
+    if r_ and int(prop.max()) > gamma:
+        raise ValueError(f"a round proposed {int(prop.max())} > gamma={gamma} drafts")
+    committed = int(acc.sum()) + r_
+    rates = tuple(
+        _ratio(int(np.sum(acc >= k + 1)), int(np.sum(prop > k))) for k in range(gamma)
+    )
+    return AcceptanceStats(
+        rounds=r_,
+        gamma=gamma,
+        tau=_ratio(committed, r_),
+        verify_rate=_ratio(committed, int(prop.sum()) + r_),
+        accept_rate_at=rates,
+        conditional_acceptance=_conditional(rates),
+        total_accepted=int(acc.sum()),
+        total_proposed=int(prop.sum()),
+        name=name,
+    )
+
+
+def stats_from_records(
+    records: Iterable[Mapping[str, Any]], gamma: int | None = None, name: str | None = None
+) -> AcceptanceStats:
+    """Same as :func:`acceptance_stats` from records ``{"proposed": int, "accepted": int}``."""
+    recs = list(records)
+    return acceptance_stats(
+        [int(r["proposed"]) for r in recs], [int(r["accepted"]) for r in recs], gamma=gamma, name=name
+    )
+
+
+def macro_mean(
+    stats: Mapping[str, AcceptanceStats] | Sequence[AcceptanceStats], name: str = "mean"
+) -> AcceptanceStats:
+    """Unweighted mean over datasets (each dataset counts once, whatever its number of rounds).
+
+    ``tau``, ``verify_rate``, ``accept_rate_at[k]`` and ``conditional_acceptance[k]`` are averaged
+    over the datasets where they are defined (NaN ignored; a dataset with a smaller ``gamma``
+    contributes nothing to the higher positions).  ``rounds`` and the totals are summed.  The mean
+    conditional acceptance is the mean of the per-dataset curves, as in the paper's Figure 2.
+    """
+    items = list(stats.values()) if isinstance(stats, Mapping) else list(stats)
+    gamma = max((s.gamma for s in items), default=0)
+
+    def at(seq: tuple[float, ...], k: int) -> float:
+        return seq[k] if k < len(seq) else math.nan
+
+    return AcceptanceStats(
+        rounds=sum(s.rounds for s in items),
+        gamma=gamma,
+        tau=_nanmean([s.tau for s in items]),
+        verify_rate=_nanmean([s.verify_rate for s in items]),
+        accept_rate_at=tuple(_nanmean([at(s.accept_rate_at, k) for s in items]) for k in range(gamma)),
+        conditional_acceptance=tuple(
+            _nanmean([at(s.conditional_acceptance, k) for s in items]) for k in range(gamma)
+        ),
+        total_accepted=sum(s.total_accepted for s in items),
+        total_proposed=sum(s.total_proposed for s in items),
+        name=name,
+    )
+
+
+def summarize(per_dataset: Mapping[str, AcceptanceStats], mean_key: str = "mean") -> dict[str, Any]:
+    """``{dataset: stats.to_dict(), ..., mean_key: macro_mean(...).to_dict()}`` (JSON-ready)."""
+    out = {k: v.to_dict() for k, v in per_dataset.items()}
+    out[mean_key] = macro_mean(per_dataset, name=mean_key).to_dict()
+    return out
