@@ -1,0 +1,1 @@
+"""Training: losses, train state and the jitted step, optimizer/schedule, checkpointing (SPEC §4–5)."""

@@ -1,0 +1,146 @@
+"""DSpark / DFlash training losses and metrics (SPEC §4, paper §3.4).
+
+Per block slot k with weight w_k = eval_mask_k · decay_k:
+  CE   −log p_d,k(x*_k)
+  L1   ‖p_d,k − p_t,k‖₁            (DeepSpec's full L1, no ½; the paper's total variation ×2)
+  Conf BCE-with-logits(c_k, c*_k),  c*_k = clamp(1 − ½‖p_d,k − p_t,k‖₁, 0, 1) detached
+Each is a GLOBAL token-weighted mean Σ w·term / Σ w. We return the sums and let the step divide
+by the global denominators, which makes gradient accumulation over micro-batches exact.
+Logits are [B, A, γ, V]: we compute them (draft and target) one chunk of anchors at a time and
+rematerialise in the backward pass, so the full tensor never exists for V ≈ 152k.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.train.anchors import AnchorBlocks, build_blocks, position_weights, sample_anchors
+
+SUM_KEYS = ("ce", "l1", "conf", "weight", "mask", "conf_abs_err", "conf_bias", "tau_blocks",
+            "tau_sum")
+
+
+def _gather_bs(x_bsd: jax.Array, idx_bn: jax.Array) -> jax.Array:
+    """x [B, S, ...] gathered at idx [B, ...] along S."""
+    B = x_bsd.shape[0]
+    flat = idx_bn.reshape(B, -1)
+    out = jnp.take_along_axis(x_bsd, flat.reshape(flat.shape + (1,) * (x_bsd.ndim - 2)), axis=1)
+    return out.reshape(idx_bn.shape + x_bsd.shape[2:])
+
+
+def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: AnchorBlocks,
+                lm_head: jax.Array, weights: jax.Array, cfg: DraftConfig) -> dict[str, jax.Array]:
+    """Loss sums for one chunk of anchors: h [B, Ac, γ, D]; blocks sliced to the chunk."""
+    d_logits, conf_logits = draft.heads_teacher_forced(h, blocks.prev_tokens)   # [B,Ac,γ,V]
+    t_hidden = _gather_bs(target_hidden, blocks.target_pos)                      # [B,Ac,γ,D]
+    t_logits = jnp.einsum("...D,VD->...V", t_hidden.astype(h.dtype), lm_head.astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+    t_probs = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
+    d_logp = jax.nn.log_softmax(d_logits, axis=-1)
+    d_probs = jnp.exp(d_logp)
+    ce = -jnp.take_along_axis(d_logp, blocks.labels[..., None], axis=-1)[..., 0]
+    l1 = jnp.sum(jnp.abs(d_probs - t_probs), axis=-1)                            # [B,Ac,γ]
+    accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+    m = blocks.eval_mask
+    w = m * weights
+    out = {"ce": jnp.sum(w * ce), "l1": jnp.sum(w * l1), "weight": jnp.sum(w),
+           "mask": jnp.sum(m, axis=(0, 1)), "accept": jnp.sum(accept * m, axis=(0, 1))}
+    surv = jnp.cumprod(accept * m, axis=-1)
+    out["tau_sum"] = jnp.sum((1.0 + jnp.sum(surv, axis=-1)) * blocks.valid)
+    out["tau_blocks"] = jnp.sum(blocks.valid.astype(jnp.float32))
+    if conf_logits is not None:
+        bce = (jnp.maximum(conf_logits, 0) - conf_logits * accept
+               + jnp.log1p(jnp.exp(-jnp.abs(conf_logits))))
+        sig = jax.nn.sigmoid(conf_logits)
+        out["conf"] = jnp.sum(w * bce)
+        out["conf_abs_err"] = jnp.sum(jnp.abs(sig - accept) * m)
+        out["conf_bias"] = jnp.sum((sig - accept) * m)
+    else:
+        zero = jnp.zeros((), jnp.float32)
+        out.update(conf=zero, conf_abs_err=zero, conf_bias=zero)
+    return out
+
+
+def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
+                     input_ids: jax.Array, loss_mask: jax.Array, key: jax.Array, *,
+                     positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                     anchor_chunk: int = 64, remat: bool = True) -> dict[str, jax.Array]:
+    """Sums of loss terms and metric numerators for one (micro-)batch.
+
+    feats [B, S, n·d] target taps; target_hidden [B, S, d] final-normed target hidden.
+    """
+    cfg: DraftConfig = draft.cfg
+    B, S = input_ids.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    anchors, valid = sample_anchors(key, loss_mask, cfg.num_anchors, segment_ids)
+    A = anchors.shape[1]
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, segment_ids)
+
+    ctx_k, ctx_v = draft.context_kv(feats, positions)
+    s_idx = jnp.arange(S)
+    visible = s_idx[None, None, :] < anchors[..., None]                       # [B,A,S]
+    if segment_ids is not None:
+        seg_a = jnp.take_along_axis(segment_ids, anchors, axis=1)
+        visible = visible & (segment_ids[:, None, :] == seg_a[..., None])
+    visible = visible & valid[..., None]
+    anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
+    anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)
+    h = draft.backbone(anchor_tok, anchor_pos, ctx_k, ctx_v, visible, valid, remat=remat)
+
+    weights = position_weights(cfg.block_size, cfg.loss_decay_gamma, cfg.decay_convention)
+    lm_head = draft.lm_head.get_value()
+    c = max(1, min(anchor_chunk, A))
+    n_chunks = -(-A // c)
+    pad = n_chunks * c - A
+
+    def split(x: jax.Array) -> jax.Array:        # [B, A, ...] → [n, B, c, ...]
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((B, n_chunks, c) + x.shape[2:]), 1, 0)
+
+    xs = (split(h), jax.tree.map(split, blocks))
+
+    def body(acc, x):
+        hc, bc = x
+        terms = chunk_terms(draft, hc, target_hidden, bc, lm_head, weights, cfg)
+        return jax.tree.map(jnp.add, acc, terms), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    zeros = {k: jnp.zeros((), jnp.float32) for k in ("ce", "l1", "weight", "conf", "conf_abs_err",
+                                                      "conf_bias", "tau_sum", "tau_blocks")}
+    zeros["mask"] = jnp.zeros((cfg.block_size,), jnp.float32)
+    zeros["accept"] = jnp.zeros((cfg.block_size,), jnp.float32)
+    sums, _ = jax.lax.scan(body, zeros, xs)
+    return sums
+
+
+def total_loss(sums: dict[str, jax.Array], cfg: DraftConfig) -> jax.Array:
+    """Combines sums into the scalar objective (global token-weighted means)."""
+    w = jnp.maximum(sums["weight"], 1e-6)
+    if cfg.model_type == "dflash":
+        return sums["ce"] / w
+    loss = cfg.ce_loss_alpha * sums["ce"] / w + cfg.l1_loss_alpha * sums["l1"] / w
+    if cfg.has_confidence:
+        loss = loss + cfg.confidence_head_alpha * sums["conf"] / w
+    return loss
+
+
+def metrics_from_sums(sums: dict[str, jax.Array], cfg: DraftConfig) -> dict[str, jax.Array]:
+    w = jnp.maximum(sums["weight"], 1e-6)
+    m_all = jnp.maximum(jnp.sum(sums["mask"]), 1e-6)
+    out = {"loss": total_loss(sums, cfg), "ce": sums["ce"] / w, "l1": sums["l1"] / w,
+           "tau_probabilistic": sums["tau_sum"] / jnp.maximum(sums["tau_blocks"], 1e-6),
+           "loss_tokens": sums["weight"]}
+    acc = sums["accept"] / jnp.maximum(sums["mask"], 1e-6)
+    for k in range(cfg.block_size):
+        out[f"accept_rate@{k}"] = acc[k]
+    if cfg.has_confidence:
+        out["conf"] = sums["conf"] / w
+        out["conf_abs_err"] = sums["conf_abs_err"] / m_all
+        out["conf_bias"] = sums["conf_bias"] / m_all
+    return out

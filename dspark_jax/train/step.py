@@ -1,0 +1,215 @@
+"""The jitted, sharded drafter training step (SPEC §4 optimisation; issue: training step).
+
+One `jax.jit` function with explicit in/out shardings over a (data, fsdp, tensor) mesh that
+donates the train state. Only `nnx.Param` leaves are trained; the embedding and LM head copied
+from the target are `FrozenParam` and live outside the gradient and the optimizer state.
+Micro-batches are scanned with fp32 gradient accumulation of *sums*; dividing by the global
+loss weight at the end makes the result equal to one big batch. Target features are computed
+inside the step from the frozen target (online) or read from the batch (offline cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.dspark import FrozenParam
+from dspark_jax.sharding import logical_to_spec, state_shardings, use_mesh
+from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """SPEC §4 defaults: AdamW(6e-4, .9, .999, 1e-8, wd 0), clip 1.0, 4% warmup, cosine to 0."""
+
+    lr: float = 6e-4
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip_norm: float = 1.0
+    warmup_ratio: float = 0.04
+    total_steps: int = 1000
+
+
+def make_schedule(oc: OptimConfig) -> optax.Schedule:
+    warmup = max(1, int(round(oc.warmup_ratio * oc.total_steps)))
+    return optax.warmup_cosine_decay_schedule(0.0, oc.lr, warmup, max(oc.total_steps, warmup + 1),
+                                              end_value=0.0)
+
+
+def make_optimizer(oc: OptimConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(oc.clip_norm),
+        optax.adamw(make_schedule(oc), b1=oc.b1, b2=oc.b2, eps=oc.eps,
+                    weight_decay=oc.weight_decay),
+    )
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any        # nnx.State of trainable nnx.Param (fp32 master weights)
+    opt_state: Any
+    key: jax.Array
+
+
+def split_draft(model: nnx.Module) -> tuple[Any, Any, Any]:
+    """graphdef, trainable params, frozen params."""
+    graphdef, params, frozen = nnx.split(model, nnx.Param, FrozenParam)
+    return graphdef, params, frozen
+
+
+def init_train_state(params: Any, tx: optax.GradientTransformation, seed: int,
+                     mesh: jax.sharding.Mesh) -> tuple[TrainState, TrainState]:
+    """A train state placed on the mesh (params by their logical axes, Adam moments like their
+    params, scalars replicated) and the matching tree of shardings."""
+    repl = NamedSharding(mesh, P())
+    params = jax.device_put(params, state_shardings(params, mesh))
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_state = jax.jit(tx.init)(params)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_state, param_sh,
+                                   transform_non_params=lambda _: repl)
+    opt_state = jax.device_put(opt_state, opt_sh)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                       key=jax.random.key(seed))
+    state = jax.device_put(state, TrainState(step=repl, params=param_sh, opt_state=opt_sh,
+                                             key=repl))
+    shardings = TrainState(step=repl, params=param_sh, opt_state=opt_sh, key=repl)
+    return state, shardings
+
+
+BATCH_KEYS_ONLINE = ("input_ids", "loss_mask", "positions", "segment_ids")
+BATCH_KEYS_OFFLINE = BATCH_KEYS_ONLINE + ("features", "target_hidden")
+
+
+def _micro(x: jax.Array, m: int) -> jax.Array:
+    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
+
+
+def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
+                      anchor_chunk: int) -> Callable:
+    """(params, frozen, target_state, micro_batch, key) → sums. The objective numerator is
+    `sums["objective"]` (divide by the global Σw for the loss)."""
+
+    def fn(params, frozen, target_state, mb, key):
+        draft = nnx.merge(draft_graphdef, params, frozen)
+        if target_graphdef is not None:
+            target = nnx.merge(target_graphdef, target_state)
+            out = target(mb["input_ids"], positions_bt=mb["positions"],
+                         segment_ids_bt=mb["segment_ids"], tap_layer_ids=cfg.target_layer_ids)
+            feats, hidden = jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.hidden)
+        else:
+            feats, hidden = mb["features"], mb["target_hidden"]
+        if cfg.model_type == "eagle3":
+            from dspark_jax.train.eagle3_loss import eagle3_loss_sums
+
+            return eagle3_loss_sums(draft, feats, mb["input_ids"], mb["loss_mask"], hidden,
+                                    segment_ids=mb["segment_ids"])
+        sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
+                                positions=mb["positions"], segment_ids=mb["segment_ids"],
+                                anchor_chunk=anchor_chunk)
+        obj = cfg.ce_loss_alpha * sums["ce"] + cfg.l1_loss_alpha * sums["l1"]
+        if cfg.model_type == "dflash":
+            obj = sums["ce"]
+        elif cfg.has_confidence:
+            obj = obj + cfg.confidence_head_alpha * sums["conf"]
+        sums["objective"] = obj
+        return sums
+
+    return fn
+
+
+def metrics_fn(cfg: DraftConfig) -> Callable:
+    if cfg.model_type == "eagle3":
+        from dspark_jax.train.eagle3_loss import eagle3_metrics_from_sums
+
+        return eagle3_metrics_from_sums
+    return lambda sums: metrics_from_sums(sums, cfg)
+
+
+@dataclasses.dataclass
+class StepFns:
+    train: Callable          # (state, frozen, target_state, batch) → (state, metrics)
+    evaluate: Callable       # (params, frozen, target_state, batch, key) → metrics
+    state_shardings: Any
+    batch_sharding: Any
+
+
+def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTransformation,
+                     schedule: optax.Schedule, *, target_graphdef: Any | None,
+                     mesh: jax.sharding.Mesh, state_sh: TrainState, frozen: Any,
+                     target_state: Any | None, micro_batches: int = 1,
+                     anchor_chunk: int = 64) -> StepFns:
+    """Returns the jitted train/eval functions with explicit shardings (donating the state)."""
+    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk)
+    to_metrics = metrics_fn(cfg)
+
+    def train_step(state: TrainState, frozen, target_state, batch):
+        key, step_key = jax.random.split(state.key)
+        mbs = jax.tree.map(lambda x: _micro(x, micro_batches), batch)
+        keys = jax.random.split(step_key, micro_batches)
+
+        def accumulate(carry, xs):
+            grads_acc, sums_acc = carry
+            mb, k = xs
+
+            def objective(params):
+                sums = sums_fn(params, frozen, target_state, mb, k)
+                return sums["objective"], sums
+
+            (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
+            return (grads_acc, sums_acc), None
+
+        zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        zero_grads = jax.lax.with_sharding_constraint(zero_grads, state_sh.params)
+        sums_shape = jax.eval_shape(lambda: sums_fn(state.params, frozen, target_state,
+                                                    jax.tree.map(lambda x: x[0], mbs), keys[0]))
+        zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
+        (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (mbs, keys))
+        denom = jnp.maximum(sums["weight"], 1e-6)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = to_metrics(sums)
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = schedule(state.step)
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, key=key)
+        return new_state, metrics
+
+    def eval_step(params, frozen, target_state, batch, key):
+        return to_metrics(sums_fn(params, frozen, target_state, batch, key))
+
+    param_sh = state_sh.params
+    frozen_sh = state_shardings(frozen, mesh)
+    target_sh = state_shardings(target_state, mesh) if target_state is not None else None
+    repl = NamedSharding(mesh, P())
+    batch_sh = NamedSharding(mesh, logical_to_spec(("batch",)))
+
+    def wrap(fn):
+        def inner(*args):
+            with use_mesh(mesh):
+                return fn(*args)
+        return inner
+
+    train = jax.jit(wrap(train_step), in_shardings=(state_sh, frozen_sh, target_sh, batch_sh),
+                    out_shardings=(state_sh, repl), donate_argnums=(0,))
+    evaluate = jax.jit(wrap(eval_step), in_shardings=(param_sh, frozen_sh, target_sh, batch_sh,
+                                                      repl), out_shardings=repl)
+    return StepFns(train=train, evaluate=evaluate, state_shardings=state_sh,
+                   batch_sharding=batch_sh)
+
+
+def place_state(state: TrainState, shardings: TrainState) -> TrainState:
+    return jax.device_put(state, shardings)
