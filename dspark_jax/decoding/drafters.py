@@ -1,0 +1,83 @@
+"""Drafter adapters for the speculative loop (SPEC §1 step 2; §3 inference; §5 inference).
+
+Every drafter exposes the same three pure functions to the engine, so DSpark, DFlash and
+Eagle3 run through one loop:
+  init_cache(model, B, max_len)                       → draft cache
+  commit(model, cache, feats [B,T,n·d], start [B], count [B], next_tokens [B,T]) → cache
+      (target features of newly committed tokens at positions start..start+count−1;
+       next_tokens[t] is the token that follows position start+t — Eagle3 pairs them)
+  propose(model, cache, anchor [B], anchor_pos [B], key, temperature, sample_fn)
+      → dict(tokens [B,γ], probs [B,γ,V], confidence [B,γ])
+DSpark/DFlash cache the per-layer context K/V of committed features (context visible strictly
+before the anchor; stale entries past it are overwritten before they become visible).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models.dspark import DraftCache, DSparkDraft
+
+
+class DSparkAdapter:
+    """DSpark (Markov/gated/RNN head + confidence) and DFlash (no sequential head)."""
+
+    @staticmethod
+    def init_cache(model: DSparkDraft, batch: int, max_len: int) -> DraftCache:
+        lc = model.cfg.layer_config()
+        shape = (lc.num_hidden_layers, batch, max_len, lc.num_key_value_heads, lc.head_dim)
+        return DraftCache(k=jnp.zeros(shape, model.dtype), v=jnp.zeros(shape, model.dtype))
+
+    @staticmethod
+    def commit(model: DSparkDraft, cache: DraftCache, feats: jax.Array, start: jax.Array,
+               count: jax.Array, next_tokens: jax.Array) -> DraftCache:
+        del count, next_tokens  # entries past the anchor stay invisible until overwritten
+        B, T = feats.shape[:2]
+        pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+        k, v = model.context_kv(feats, pos)                      # [Ld, B, T, K, H]
+        b_idx = jnp.arange(B)[:, None]
+        k_all = cache.k.at[:, b_idx, pos].set(k.astype(cache.k.dtype), mode="drop")
+        v_all = cache.v.at[:, b_idx, pos].set(v.astype(cache.v.dtype), mode="drop")
+        return DraftCache(k=k_all, v=v_all)
+
+    @staticmethod
+    def propose(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
+                anchor_pos: jax.Array, key: jax.Array, temperature: jax.Array,
+                sample_fn: Callable) -> dict[str, jax.Array]:
+        S = cache.k.shape[2]
+        B = anchor.shape[0]
+        visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
+        h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
+                           jnp.ones((B, 1), bool))[:, 0]                     # [B,γ,D]
+        return model.sample_block(h, anchor, key, temperature, sample_fn)
+
+
+class Eagle3Adapter:
+    """Eagle3: a chain of γ autoregressive draft steps over its own KV cache."""
+
+    @staticmethod
+    def init_cache(model: Any, batch: int, max_len: int) -> Any:
+        return model.init_cache(batch, max_len)
+
+    @staticmethod
+    def commit(model: Any, cache: Any, feats: jax.Array, start: jax.Array, count: jax.Array,
+               next_tokens: jax.Array) -> Any:
+        del start  # Eagle3's cache tracks its own committed length
+        return model.commit(cache, feats, next_tokens, count)
+
+    @staticmethod
+    def propose(model: Any, cache: Any, anchor: jax.Array, anchor_pos: jax.Array,
+                key: jax.Array, temperature: jax.Array, sample_fn: Callable
+                ) -> dict[str, jax.Array]:
+        del anchor, anchor_pos  # the last committed pair already ends with the anchor
+        out = model.propose(cache, key, temperature, model.cfg.block_size, sample_fn)
+        B, g = out["tokens"].shape
+        out.setdefault("confidence", jnp.zeros((B, g), jnp.float32))
+        return out
+
+
+def adapter_for(model_type: str) -> type:
+    return Eagle3Adapter if model_type == "eagle3" else DSparkAdapter

@@ -1,0 +1,193 @@
+"""Pallas kernel for lossless speculative verification (SPEC §1 steps 4–5).
+
+One program per batch row. It walks the ℓ verified slots left to right doing the ratio test
+u_k·p_d(x_k) < p_t(x_k) (two scalar loads per slot), stops at the first rejection j, then
+samples the emitted token from row j: the residual max(p_t − p_d, 0) (p_t when its mass is
+≤ 1e-8, or when all ℓ were accepted and row j = ℓ is the bonus row) by inverse CDF over V tiles:
+pass 1 sums the masses, pass 2 runs a tiled prefix sum and counts CDF entries ≤ u·mass.
+
+Triton constraints honoured: every load/store is a power-of-two vector (V is zero-padded to a
+multiple of the tile, γ to a power of two), no dynamic shapes, boolean outputs are stored as
+int32. `ref_verify` (the pure-JAX `rejection_verify_with_uniforms`) is the oracle: the kernel
+consumes the same uniforms, so tokens and counts agree exactly (barring a uniform landing
+within f32 rounding of a CDF step, where the tiled and global prefix sums may differ).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dspark_jax.decoding.verify import (RESIDUAL_EPS, VerifyResult,
+                                        rejection_verify_with_uniforms)
+
+__all__ = ["DEFAULT_BLOCK_V", "verify", "ref_verify", "check_verify_inputs"]
+
+# Tile over the vocabulary. Untuned (no GPU was available when written): 1024 f32 per tile keeps
+# the two live vectors of pass 2 in registers with 4 warps.
+DEFAULT_BLOCK_V = 1024
+DEFAULT_NUM_WARPS = 4
+
+
+def check_verify_inputs(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
+                        draft_probs: jax.Array, draft_tokens: jax.Array,
+                        verify_len: jax.Array) -> tuple[int, int, int]:
+    """Validates shapes/dtypes; returns (B, γ, V)."""
+    if target_probs.ndim != 3:
+        raise ValueError(f"target_probs must be [B, γ+1, V], got shape {target_probs.shape}")
+    B, G1, V = target_probs.shape
+    G = G1 - 1
+    if G < 1:
+        raise ValueError(f"need γ ≥ 1 draft slots (target_probs has {G1} rows, expected γ+1)")
+    expected = {
+        "draft_probs": (draft_probs, (B, G, V)),
+        "draft_tokens": (draft_tokens, (B, G)),
+        "verify_len": (verify_len, (B,)),
+        "accept_u": (accept_u, (B, G)),
+        "sample_u": (sample_u, (B,)),
+    }
+    for name, (arr, shape) in expected.items():
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (B={B}, γ={G}, V={V}), "
+                             f"got {tuple(arr.shape)}")
+    for name, arr in (("target_probs", target_probs), ("draft_probs", draft_probs),
+                      ("accept_u", accept_u), ("sample_u", sample_u)):
+        if not jnp.issubdtype(arr.dtype, jnp.floating):
+            raise TypeError(f"{name} must be floating point, got {arr.dtype}")
+    for name, arr in (("draft_tokens", draft_tokens), ("verify_len", verify_len)):
+        if not jnp.issubdtype(arr.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array, got {arr.dtype}")
+    return B, G, V
+
+
+def ref_verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
+               draft_probs: jax.Array, draft_tokens: jax.Array, verify_len: jax.Array
+               ) -> VerifyResult:
+    """Pure-JAX oracle with the kernel's signature."""
+    check_verify_inputs(accept_u, sample_u, target_probs, draft_probs, draft_tokens, verify_len)
+    return rejection_verify_with_uniforms(accept_u, sample_u, target_probs, draft_probs,
+                                          draft_tokens, verify_len)
+
+
+def _verify_kernel(tp_ref, dp_ref, tok_ref, len_ref, au_ref, su_ref,   # inputs
+                   nacc_ref, next_ref, mask_ref,                        # outputs
+                   *, gamma: int, vocab: int, block_v: int):
+    # tp [γ+1, Vp], dp [γ, Vp], tok/au/mask [Gp], len/su/nacc/next scalars (this row's blocks).
+    n_tiles = tp_ref.shape[-1] // block_v
+    ell = jnp.clip(len_ref[...], 0, gamma)
+
+    def ratio_test(k, carry):
+        n, alive = carry
+        x = jnp.clip(tok_ref[k], 0, vocab - 1)
+        pt = tp_ref[k, x].astype(jnp.float32)
+        pd = dp_ref[k, x].astype(jnp.float32)
+        ok = (au_ref[k] * pd < pt) & (k < ell) & (alive > 0)
+        ok = ok.astype(jnp.int32)
+        return n + ok, ok
+
+    n, _ = jax.lax.fori_loop(0, gamma, ratio_test, (jnp.int32(0), jnp.int32(1)))
+    jd = jnp.minimum(n, gamma - 1)  # draft row paired with p_t,n (unused for the bonus row)
+
+    def tile(i):
+        sl = pl.ds(pl.multiple_of(i * block_v, block_v), block_v)
+        pt = tp_ref[n, sl].astype(jnp.float32)                          # [BV]
+        pd = dp_ref[jd, sl].astype(jnp.float32)
+        return pt, jnp.maximum(pt - pd, 0.0)
+
+    def masses(i, carry):
+        m_res, m_pt = carry
+        pt, res = tile(i)
+        return m_res + jnp.sum(res), m_pt + jnp.sum(pt)
+
+    zero = jnp.float32(0.0)
+    m_res, m_pt = jax.lax.fori_loop(0, n_tiles, masses, (zero, zero))
+    use_res = (n < ell) & (m_res > RESIDUAL_EPS)
+    thr = su_ref[...] * jnp.where(use_res, m_res, m_pt)
+
+    def search(i, carry):
+        cum, count, last_pos = carry
+        pt, res = tile(i)
+        w = jnp.where(use_res, res, pt)
+        cdf = cum + jnp.cumsum(w)
+        idx = i * block_v + jax.lax.broadcasted_iota(jnp.int32, (block_v,), 0)
+        count = count + jnp.sum((cdf <= thr).astype(jnp.int32))
+        last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(w > 0, idx, 0)))
+        return jnp.max(cdf), count, last_pos   # max(cdf) is its last entry: the running total
+
+    _, count, last_pos = jax.lax.fori_loop(0, n_tiles, search, (zero, jnp.int32(0),
+                                                                 jnp.int32(0)))
+    nacc_ref[...] = n
+    next_ref[...] = jnp.minimum(count, last_pos)
+    slots = jax.lax.broadcasted_iota(jnp.int32, mask_ref.shape, 0)
+    mask_ref[...] = (slots < n).astype(jnp.int32)
+
+
+def _pad_axis(x: jax.Array, axis: int, size: int, value) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "interpret", "num_warps"))
+def verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
+           draft_probs: jax.Array, draft_tokens: jax.Array, verify_len: jax.Array, *,
+           block_v: int | None = None, interpret: bool = False,
+           num_warps: int = DEFAULT_NUM_WARPS) -> VerifyResult:
+    """Kernel version of `rejection_verify_with_uniforms` (same arguments and result).
+
+    accept_u [B, γ], sample_u [B] f32 in [0, 1); target_probs [B, γ+1, V]; draft_probs [B, γ, V]
+    (f32 or bf16; computed in f32); draft_tokens [B, γ] int; verify_len [B] int.
+    """
+    B, G, V = check_verify_inputs(accept_u, sample_u, target_probs, draft_probs, draft_tokens,
+                                  verify_len)
+    if block_v is None:
+        block_v = min(DEFAULT_BLOCK_V, pl.next_power_of_2(V))
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    Vp = pl.cdiv(V, block_v) * block_v
+    Gp = pl.next_power_of_2(G)
+
+    tp = _pad_axis(target_probs, 2, Vp, 0)                                     # [B, γ+1, Vp]
+    dp = _pad_axis(draft_probs, 2, Vp, 0)                                      # [B, γ, Vp]
+    tok = _pad_axis(draft_tokens.astype(jnp.int32), 1, Gp, 0)                  # [B, Gp]
+    au = _pad_axis(accept_u.astype(jnp.float32), 1, Gp, 1.0)                   # [B, Gp]
+    su = sample_u.astype(jnp.float32)                                          # [B]
+    vlen = verify_len.astype(jnp.int32)                                        # [B]
+
+    row = lambda b: (b,)  # noqa: E731
+    kernel = functools.partial(_verify_kernel, gamma=G, vocab=V, block_v=block_v)
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+        compiler_params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    nacc, nxt, mask = pl.pallas_call(
+        kernel,
+        grid=(B,),
+        in_specs=[
+            pl.BlockSpec((None, G + 1, Vp), lambda b: (b, 0, 0)),
+            pl.BlockSpec((None, G, Vp), lambda b: (b, 0, 0)),
+            pl.BlockSpec((None, Gp), lambda b: (b, 0)),
+            pl.BlockSpec((None,), row),
+            pl.BlockSpec((None, Gp), lambda b: (b, 0)),
+            pl.BlockSpec((None,), row),
+        ],
+        out_specs=[
+            pl.BlockSpec((None,), row),
+            pl.BlockSpec((None,), row),
+            pl.BlockSpec((None, Gp), lambda b: (b, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+            jax.ShapeDtypeStruct((B,), jnp.int32),
+            jax.ShapeDtypeStruct((B, Gp), jnp.int32),
+        ],
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="dspark_verify",
+    )(tp, dp, tok, vlen, au, su)
+    return VerifyResult(nacc, nxt, mask[:, :G] > 0)

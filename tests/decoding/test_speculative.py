@@ -1,0 +1,215 @@
+"""Speculative decoding is lossless: greedy equals autoregressive token for token for every
+drafter type; sampled output matches the target's distribution (and a broken rule fails)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.decoding import autoregressive_generate
+from dspark_jax.decoding import verify as verify_mod
+from dspark_jax.decoding.speculative import (SpecSettings, full_verify_mask, spec_prefill,
+                                             spec_step, speculative_generate)
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.models.config import ConfigError
+from hf_tiny import save_tiny_hf
+
+BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,
+            markov_rank=8)
+DRAFTS = {
+    "dspark_vanilla": dict(BASE),
+    "dspark_gated": dict(BASE, markov_head_type="gated"),
+    "dspark_rnn": dict(BASE, markov_head_type="rnn"),
+    "dflash": dict(BASE, model_type="dflash", markov_rank=0, enable_confidence_head=False),
+    "eagle3": dict(BASE, model_type="eagle3", draft_num_hidden_layers=1),
+}
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23, 24]]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16,
+                                    layers=4, seed=1))
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(target):
+    return autoregressive_generate(target, PROMPTS, max_new_tokens=16, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("kind", list(DRAFTS))
+def test_greedy_equals_autoregressive_random_draft(target, greedy_ref, kind):
+    draft = init_draft(target, DRAFTS[kind], seed=3)
+    res = speculative_generate(target, draft, PROMPTS, max_new_tokens=16, stop_token_ids=[])
+    assert res.tokens == greedy_ref
+    for p, a, toks in zip(res.proposed, res.accepted, res.tokens):
+        assert len(p) == len(a) and all(0 <= x <= y <= 4 for x, y in zip(a, p))
+        assert sum(x + 1 for x in a) + 1 >= len(toks)  # every round emits accepted + 1
+
+
+def _fit_draft(target, kind: str, steps: int = 120):
+    """A draft trained briefly on the target's own greedy outputs, so that drafts get accepted
+    and the multi-token commit paths run."""
+    from dspark_jax.sharding import make_mesh
+    from dspark_jax.train.step import (OptimConfig, build_train_step, init_train_state,
+                                       make_optimizer, make_schedule, split_draft)
+
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(3, 90, 4)) for _ in range(8)]
+    outs = autoregressive_generate(target, prompts, max_new_tokens=28, stop_token_ids=[])
+    ids = np.asarray([p + o for p, o in zip(prompts, outs)], np.int32)
+    B, S = ids.shape
+    batch = dict(input_ids=ids, loss_mask=np.ones((B, S), np.int32),
+                 positions=np.tile(np.arange(S, dtype=np.int32), (B, 1)),
+                 segment_ids=np.ones((B, S), np.int32))
+    draft = init_draft(target, dict(DRAFTS[kind], num_anchors=32), seed=0)
+    gd, params, frozen = split_draft(draft.model)
+    oc = OptimConfig(lr=1e-2, total_steps=steps)
+    tx = make_optimizer(oc)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    state, sh = init_train_state(params, tx, 0, mesh)
+    fns = build_train_step(gd, draft.config, tx, make_schedule(oc), target_graphdef=target.graphdef,
+                           mesh=mesh, state_sh=sh, frozen=frozen, target_state=target.state)
+    for _ in range(steps):
+        state, _ = fns.train(state, frozen, target.state, batch)
+    from flax import nnx
+
+    model = nnx.merge(gd, state.params, frozen)
+    return type(draft).from_model(model), prompts, outs
+
+
+@pytest.mark.parametrize("kind", ["dspark_rnn", "eagle3"])
+def test_greedy_equals_autoregressive_trained_draft(target, kind):
+    draft, prompts, outs = _fit_draft(target, kind)
+    # ragged batch, stop token inside the output, max_new cut mid-round
+    stop = outs[0][9]
+    ref = autoregressive_generate(target, prompts, max_new_tokens=23, stop_token_ids=[stop])
+    res = speculative_generate(target, draft, prompts, max_new_tokens=23, stop_token_ids=[stop])
+    assert res.tokens == ref
+    assert res.tau > 1.5, f"trained draft should get drafts accepted (τ={res.tau})"
+
+
+def test_verification_mask_prunes_slots(target, greedy_ref):
+    draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
+    from dspark_jax.decoding.autoregressive import pad_prompts, stop_array
+
+    tokens, lens, cache_len = pad_prompts(PROMPTS, 97, None, 16 + 5)
+    settings = SpecSettings()
+    temp = jnp.asarray(0.0)
+    stops = stop_array([], ())
+    s = spec_prefill(target.graphdef, draft.graphdef, target.state, draft.state,
+                     jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(0), temp, stops,
+                     cache_len=cache_len, max_new=16, max_rounds=16, settings=settings)
+    lengths = jnp.asarray([0, 1, 2, 4])
+    mask = jnp.arange(4)[None] < lengths[:, None]
+    while not bool(jnp.all(s.done)):
+        s = spec_step(target.graphdef, draft.graphdef, target.state, draft.state, s, mask, temp,
+                      stops, settings=settings)
+    prop = np.asarray(s.proposed)
+    acc = np.asarray(s.accepted)
+    for b, ell in enumerate([0, 1, 2, 4]):
+        rows = prop[:, b][prop[:, b] >= 0]
+        assert set(rows.tolist()) == {ell}
+        assert (acc[:, b][acc[:, b] >= 0] <= ell).all()
+    out, num = np.asarray(s.out), np.asarray(s.num_out)
+    assert [out[i, :num[i]].tolist() for i in range(4)] == greedy_ref
+
+
+# ----------------------------------------------------------------------------- sampling
+V_SMALL = 8
+
+
+@pytest.fixture(scope="module")
+def small_target(tmp_path_factory):
+    t = load_target(save_tiny_hf(tmp_path_factory.mktemp("small"), "llama", vocab=V_SMALL,
+                                 layers=3, seed=5))
+    model = t.model
+    model.embed.set_value(model.embed.get_value() * 30.0)   # sharper, context-dependent p_t
+    return type(t).from_model(model)
+
+
+def _exact_distributions(target, prompt, n_pos):
+    """P(token at output position i) for i < n_pos by enumerating all prefixes (V^i)."""
+    dists = []
+    prefix_probs = {(): 1.0}
+    for _ in range(n_pos):
+        marg = np.zeros(V_SMALL)
+        nxt = {}
+        keys = list(prefix_probs)
+        seqs = np.asarray([prompt + list(k) for k in keys])
+        logits = target.logits(seqs)[:, -1].astype(np.float64)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        for k, row in zip(keys, p):
+            marg += prefix_probs[k] * row
+            for v in range(V_SMALL):
+                nxt[k + (v,)] = prefix_probs[k] * row[v]
+        dists.append(marg)
+        prefix_probs = nxt
+    return dists
+
+
+def _chi2_stat(counts, probs):
+    n = counts.sum()
+    exp = n * probs
+    keep = exp > 5
+    return float((((counts - exp) ** 2) / exp)[keep].sum()), int(keep.sum()) - 1
+
+
+# 0.9999 quantiles of chi-square (df 1..7): a true distribution fails with p < 1e-4
+CHI2_Q9999 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88}
+N_SAMPLES = 20000
+
+
+def _sample_positions(target, draft, verifier: str, prompt):
+    res = speculative_generate(target, draft, [prompt] * N_SAMPLES, max_new_tokens=4,
+                               temperature=1.0, seed=11, stop_token_ids=[],
+                               settings=SpecSettings(verifier=verifier, record_confidence=False))
+    toks = np.asarray(res.tokens)
+    return toks, res
+
+
+def _always_accept(key, target_probs, draft_probs, draft_tokens, verify_len):
+    """A deliberately broken rule: accept every verified draft."""
+    B, g = draft_tokens.shape
+    n = verify_len.astype(jnp.int32)
+    bonus = verify_mod.inverse_cdf_sample(
+        target_probs[jnp.arange(B), n], jax.random.uniform(key, (B,)))
+    return verify_mod.VerifyResult(num_accepted=n, next_token=bonus,
+                                   accepted_mask=jnp.arange(g)[None] < n[:, None])
+
+
+def test_sampled_output_matches_target_distribution(small_target, monkeypatch):
+    draft = init_draft(small_target, dict(BASE, mask_token_id=V_SMALL - 1, target_layer_ids=(0, 1)),
+                       seed=7)
+    prompt = [1, 4, 2]
+    exact = _exact_distributions(small_target, prompt, 4)
+    toks, res = _sample_positions(small_target, draft, "jax", prompt)
+    assert toks.shape == (N_SAMPLES, 4)
+    assert 0 < np.mean([a for r in res.accepted for a in r]) < 4, "need both accepts and rejects"
+    for i in range(1, 4):  # position 0 is sampled by the target's prefill, not by verification
+        stat, df = _chi2_stat(np.bincount(toks[:, i], minlength=V_SMALL), exact[i])
+        assert stat < CHI2_Q9999[df], (i, stat, df)
+    # the same statistic rejects a broken acceptance rule
+    monkeypatch.setitem(verify_mod.VERIFIERS, "always_accept", _always_accept)
+    bad, _ = _sample_positions(small_target, draft, "always_accept", prompt)
+    stats = [_chi2_stat(np.bincount(bad[:, i], minlength=V_SMALL), exact[i]) for i in range(1, 4)]
+    assert any(s > CHI2_Q9999[df] for s, df in stats), stats
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_inputs(target, tmp_path):
+    draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=0)
+    other = load_target(save_tiny_hf(tmp_path / "other", "qwen3", head_dim=16, layers=4,
+                                     vocab=120))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        speculative_generate(other, draft, [[1, 2]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        speculative_generate(target, draft, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="exceeds the cache length"):
+        speculative_generate(target, draft, [list(range(3, 60))], max_new_tokens=8,
+                             max_cache_len=32)

@@ -1,0 +1,321 @@
+"""Tests for dspark_jax.decoding.verify: lossless verification (SPEC §1) and the vanilla Markov
+head's sequential sampler (SPEC §3)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.decoding.sampling import probs_from_logits
+from dspark_jax.decoding.verify import (
+    VERIFIERS,
+    VerifyResult,
+    get_verifier,
+    inverse_cdf_sample,
+    rejection_verify,
+    rejection_verify_with_uniforms,
+    sequential_markov_sample,
+    sequential_markov_sample_with_uniforms,
+)
+
+try:  # scipy is not a declared dependency
+    from scipy.stats import chi2 as _chi2
+
+    def chi2_crit(df: int) -> float:
+        return float(_chi2.ppf(0.999, df))
+except ImportError:  # 0.999 quantiles of χ²(df), from scipy.stats.chi2.ppf(0.999, df)
+    _CHI2_999 = {4: 18.46682695, 5: 20.51500565, 24: 51.17859778, 35: 66.61882884}
+
+    def chi2_crit(df: int) -> float:
+        return _CHI2_999[df]
+
+
+def chi2_stat(samples: np.ndarray, expected_probs: np.ndarray) -> tuple[float, int]:
+    """Pearson statistic of integer samples against a distribution over range(len(p)); all
+    expected cells must be positive. Returns (statistic, degrees of freedom)."""
+    p = np.asarray(expected_probs, np.float64).ravel()
+    counts = np.bincount(np.asarray(samples).ravel(), minlength=p.size)
+    assert counts.size == p.size, "sample outside the support"
+    expected = counts.sum() * p / p.sum()
+    assert expected.min() >= 5, "chi-square needs ≥ 5 expected counts per cell"
+    return float(np.sum((counts - expected) ** 2 / expected)), p.size - 1
+
+
+def _rand_dist(rng: np.random.Generator, *shape: int, floor: float = 0.3) -> np.ndarray:
+    """Random distributions over the last axis, every entry ≥ floor / V."""
+    v = shape[-1]
+    d = rng.dirichlet(np.ones(v), size=shape[:-1])
+    return ((1 - floor) * d + floor / v).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------
+# Inverse-CDF sampling
+# ------------------------------------------------------------------------------------------
+
+def test_inverse_cdf_sample_edges():
+    w = jnp.array([[0.0, 0.3, 0.7, 0.0]] * 4 + [[0.0] * 4])
+    u = jnp.array([0.0, 0.29, 0.31, 1.0, 0.5])
+    # u·total lands left of / right of the first step; even u = 1 (beyond the top of the CDF)
+    # never picks the zero-weight index 3; an all-zero row returns 0.
+    np.testing.assert_array_equal(inverse_cdf_sample(w, u), [1, 1, 2, 2, 0])
+    # unnormalised weights: same answer as normalised
+    np.testing.assert_array_equal(inverse_cdf_sample(w * 5.0, u), [1, 1, 2, 2, 0])
+
+
+# ------------------------------------------------------------------------------------------
+# Greedy: one-hot probabilities reduce the rule to exact prefix matching
+# ------------------------------------------------------------------------------------------
+
+def test_greedy_accepts_exactly_the_matching_prefix():
+    B, G, V = 6, 5, 11
+    rng = np.random.default_rng(0)
+    t_logits = rng.normal(size=(B, G + 1, V)).astype(np.float32)
+    t_arg = t_logits.argmax(-1)                                               # [B, γ+1]
+    match_len = np.array([0, 1, 3, 5, 5, 2])                                  # matching prefix
+    verify_len = np.array([5, 5, 5, 5, 3, 0], np.int32)
+    drafts = t_arg[:, :G].copy()
+    for b, m in enumerate(match_len):
+        if m < G:
+            drafts[b, m] = (t_arg[b, m] + 1) % V                              # first mismatch
+            drafts[b, m + 1:] = rng.integers(0, V, size=G - m - 1)
+    d_logits = np.where(np.arange(V) == drafts[..., None], 5.0, 0.0).astype(np.float32)
+    d_logits += rng.normal(size=d_logits.shape).astype(np.float32) * 0.1
+    tp = probs_from_logits(jnp.asarray(t_logits), 0.0)
+    dp = probs_from_logits(jnp.asarray(d_logits), 0.0)
+
+    expected_n = np.minimum(match_len, verify_len)
+    for seed in range(3):  # greedy is deterministic whatever the uniforms
+        res = jax.jit(rejection_verify)(jax.random.key(seed), tp, dp, jnp.asarray(drafts),
+                                        jnp.asarray(verify_len))
+        assert isinstance(res, VerifyResult)
+        np.testing.assert_array_equal(res.num_accepted, expected_n)
+        np.testing.assert_array_equal(res.next_token, t_arg[np.arange(B), expected_n])
+        np.testing.assert_array_equal(res.accepted_mask, np.arange(G) < expected_n[:, None])
+        assert res.num_accepted.dtype == jnp.int32 and res.next_token.dtype == jnp.int32
+
+
+# ------------------------------------------------------------------------------------------
+# Statistical losslessness
+# ------------------------------------------------------------------------------------------
+
+V_STAT = 6
+N_STAT = 40_000
+
+
+def _stat_tables(seed: int = 0) -> dict[str, np.ndarray]:
+    """Target tables p0 [V], P1[x1] [V, V], P2[x1, x2] [V, V, V] and a deliberately different
+    drafter d0, D1[x1] (anti-correlated with the target, zero mass on token 0)."""
+    rng = np.random.default_rng(seed)
+    V = V_STAT
+    p0, P1, P2 = _rand_dist(rng, V), _rand_dist(rng, V, V), _rand_dist(rng, V, V, V)
+
+    def unlike(p: np.ndarray) -> np.ndarray:
+        q = 1.0 / p ** 2
+        q[..., 0] = 0.0  # token 0 can only be emitted through the residual
+        return (q / q.sum(-1, keepdims=True)).astype(np.float32)
+
+    return dict(p0=p0, P1=P1, P2=P2, d0=unlike(p0), D1=unlike(P1))
+
+
+def _emitted_pair(verifier, key: jax.Array, tab: dict[str, np.ndarray], n: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """First two emitted tokens of N independent sequences: a γ = 2 round, plus a γ = 1 round
+    anchored on the first token for the sequences whose first round emitted only one token."""
+    k_d1, k_d2, k_v1, k_d3, k_v2 = jax.random.split(key, 5)
+    V = V_STAT
+    p0, P1, P2, d0, D1 = (jnp.asarray(tab[k]) for k in ("p0", "P1", "P2", "d0", "D1"))
+    x1 = jax.random.categorical(k_d1, jnp.log(d0), shape=(n,))
+    x2 = jax.random.categorical(k_d2, jnp.log(D1[x1]))
+    tp = jnp.stack([jnp.broadcast_to(p0, (n, V)), P1[x1], P2[x1, x2]], axis=1)   # [N, 3, V]
+    dp = jnp.stack([jnp.broadcast_to(d0, (n, V)), D1[x1]], axis=1)              # [N, 2, V]
+    r1 = verifier(k_v1, tp, dp, jnp.stack([x1, x2], 1).astype(jnp.int32),
+                  jnp.full((n,), 2, jnp.int32))
+    t1 = jnp.where(r1.num_accepted >= 1, x1, r1.next_token)
+    t2_first = jnp.where(r1.num_accepted >= 2, x2, r1.next_token)
+    # second round (used where the first one emitted a single token): anchor t1, one draft
+    y1 = jax.random.categorical(k_d3, jnp.log(D1[t1]))
+    tp2 = jnp.stack([P1[t1], P2[t1, y1]], axis=1)                               # [N, 2, V]
+    r2 = verifier(k_v2, tp2, D1[t1][:, None], y1[:, None].astype(jnp.int32),
+                  jnp.ones((n,), jnp.int32))
+    t2_second = jnp.where(r2.num_accepted >= 1, y1, r2.next_token)
+    t2 = jnp.where(r1.num_accepted == 0, t2_second, t2_first)
+    return np.asarray(t1), np.asarray(t2)
+
+
+def _broken_residual_is_target(key, tp, dp, tokens, vlen) -> VerifyResult:
+    """Broken rule: on rejection, resample from p_t instead of norm(max(p_t − p_d, 0))."""
+    k1, k2 = jax.random.split(key)
+    res = rejection_verify(k1, tp, dp, tokens, vlen)
+    pt_j = jnp.take_along_axis(tp, res.num_accepted[:, None, None], axis=1)[:, 0]
+    redraw = inverse_cdf_sample(pt_j, jax.random.uniform(k2, vlen.shape))
+    nxt = jnp.where(res.num_accepted < vlen, redraw, res.next_token)
+    return res._replace(next_token=nxt)
+
+
+def _broken_always_accept(key, tp, dp, tokens, vlen) -> VerifyResult:
+    """Broken rule: accept every verified draft, then the bonus from p_t,ℓ."""
+    G = tokens.shape[1]
+    pt_l = jnp.take_along_axis(tp, vlen[:, None, None], axis=1)[:, 0]
+    nxt = inverse_cdf_sample(pt_l, jax.random.uniform(key, vlen.shape))
+    return VerifyResult(vlen, nxt, jnp.arange(G)[None, :] < vlen[:, None])
+
+
+def _pair_stats(verifier, seed: int = 1) -> tuple[float, float]:
+    tab = _stat_tables()
+    t1, t2 = _emitted_pair(jax.jit(verifier), jax.random.key(seed), tab, N_STAT)
+    s1, df1 = chi2_stat(t1, tab["p0"])
+    joint = tab["p0"][:, None] * tab["P1"]                       # P(t1 = a, t2 = b)
+    s12, df12 = chi2_stat(t1 * V_STAT + t2, joint)
+    return s1 / chi2_crit(df1), s12 / chi2_crit(df12)
+
+
+def test_emitted_tokens_follow_the_target_distribution():
+    tab = _stat_tables()
+    # the drafter really is different: accept rate well below 1 for slot 1
+    assert 0.5 * np.abs(tab["p0"] - tab["d0"]).sum() > 0.3
+    first, pair = _pair_stats(rejection_verify)
+    assert first < 1.0, f"first-token χ² is {first:.2f}× the 0.999 quantile"
+    assert pair < 1.0, f"(first, second) χ² is {pair:.2f}× the 0.999 quantile"
+
+
+@pytest.mark.parametrize("broken", [_broken_residual_is_target, _broken_always_accept])
+def test_chi_square_rejects_broken_rules(broken):
+    first, pair = _pair_stats(broken)
+    assert pair > 1.0 and first > 1.0, (first, pair)
+
+
+# ------------------------------------------------------------------------------------------
+# verify_len, bonus token and residual fallback
+# ------------------------------------------------------------------------------------------
+
+def test_verify_len_masks_slots():
+    B, G, V = 256, 4, 5
+    rng = np.random.default_rng(3)
+    tp = jnp.asarray(_rand_dist(rng, B, G + 1, V))
+    dp = jnp.asarray(_rand_dist(rng, B, G, V))
+    tokens = jnp.asarray(rng.integers(0, V, size=(B, G)), jnp.int32)
+    vlen = jnp.asarray(rng.integers(0, G + 1, size=B), jnp.int32)
+    verify = jax.jit(rejection_verify)
+    res = verify(jax.random.key(0), tp, dp, tokens, vlen)
+    n, mask = np.asarray(res.num_accepted), np.asarray(res.accepted_mask)
+    assert (n <= np.asarray(vlen)).all() and (n >= 0).all()
+    assert not mask[np.arange(G)[None, :] >= np.asarray(vlen)[:, None]].any()
+    np.testing.assert_array_equal(mask, np.arange(G)[None, :] < n[:, None])  # a prefix
+    assert 0 < n.mean() < np.asarray(vlen).mean()  # some accepted, some rejected
+
+    # a perfect drafter (p_d = p_t) is accepted on exactly the ℓ verified slots, never more
+    perfect = verify(jax.random.key(1), tp, tp[:, :G], tokens, vlen)
+    np.testing.assert_array_equal(perfect.num_accepted, vlen)
+
+
+@pytest.mark.parametrize("ell", [0, 2])
+def test_bonus_and_zero_length_sample_from_target_row(ell):
+    """All ℓ verified drafts accepted (perfect drafter) → next token ~ p_t,ℓ; ℓ = 0 → p_t,0."""
+    N, G, V = 20_000, 3, 5
+    rng = np.random.default_rng(4)
+    rows = _rand_dist(rng, G + 1, V)
+    tp = jnp.broadcast_to(jnp.asarray(rows), (N, G + 1, V))
+    tokens = jnp.asarray(rng.integers(0, V, size=(N, G)), jnp.int32)
+    res = jax.jit(rejection_verify)(jax.random.key(5), tp, tp[:, :G], tokens,
+                                    jnp.full((N,), ell, jnp.int32))
+    np.testing.assert_array_equal(res.num_accepted, ell)
+    s, df = chi2_stat(res.next_token, rows[ell])
+    assert s < chi2_crit(df)
+    wrong = rows[(ell + 1) % (G + 1)]  # the test can tell rows apart
+    s_wrong, _ = chi2_stat(res.next_token, wrong)
+    assert s_wrong > chi2_crit(df)
+
+
+def test_residual_falls_back_to_target_when_mass_vanishes():
+    # the draft token has zero mass under both models → rejected, and p_t − p_d = 0 everywhere
+    p = jnp.array([[0.2, 0.3, 0.5, 0.0]])
+    tp = jnp.stack([p, p], axis=1)                       # [1, 2, 4]
+    dp = p[:, None]                                      # [1, 1, 4]
+    su = jnp.array([0.1, 0.4, 0.9])
+    bcast = lambda x: jnp.broadcast_to(x, (3,) + x.shape[1:])  # noqa: E731
+    res = jax.jit(rejection_verify_with_uniforms)(
+        jnp.full((3, 1), 0.5), su, bcast(tp), bcast(dp), jnp.full((3, 1), 3, jnp.int32),
+        jnp.ones((3,), jnp.int32))
+    np.testing.assert_array_equal(res.num_accepted, [0, 0, 0])
+    np.testing.assert_array_equal(res.next_token, [0, 1, 2])  # inverse CDF of p_t itself
+
+
+def test_registry():
+    assert {"jax", "pallas"} <= set(VERIFIERS)  # other tests may register more
+    assert get_verifier("jax") is rejection_verify
+    with pytest.raises(ValueError, match="unknown verifier"):
+        get_verifier("cuda")
+
+
+def test_pallas_verifier_matches_jax_for_same_key():
+    B, G, V = 3, 4, 37
+    rng = np.random.default_rng(6)
+    tp = jnp.asarray(_rand_dist(rng, B, G + 1, V, floor=0.0))
+    dp = jnp.asarray(_rand_dist(rng, B, G, V, floor=0.0))
+    tokens = jnp.asarray(rng.integers(0, V, size=(B, G)), jnp.int32)
+    vlen = jnp.array([4, 2, 0], jnp.int32)
+    key = jax.random.key(7)
+    want = rejection_verify(key, tp, dp, tokens, vlen)
+    got = get_verifier("pallas")(key, tp, dp, tokens, vlen)   # interpreter on CPU
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(w, g)
+
+
+# ------------------------------------------------------------------------------------------
+# Vanilla Markov head sampling
+# ------------------------------------------------------------------------------------------
+
+def _markov_inputs(B: int, G: int, V: int, r: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    U = jnp.asarray(rng.normal(size=(B, G, V)), jnp.float32)
+    w1 = jnp.asarray(rng.normal(size=(V, r)), jnp.float32)
+    w2 = jnp.asarray(rng.normal(size=(V, r)) * 0.5, jnp.float32)
+    anchor = jnp.asarray(rng.integers(0, V, size=B), jnp.int32)
+    return U, w1, w2, anchor
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_markov_sampler_conditions_on_previous_sample(temperature):
+    B, G, V, r = 4, 5, 13, 4
+    U, w1, w2, anchor = _markov_inputs(B, G, V, r)
+    u = jax.random.uniform(jax.random.key(0), (B, G))
+    toks, probs = jax.jit(sequential_markov_sample_with_uniforms)(u, U, w1, w2, anchor,
+                                                                  temperature)
+    assert toks.shape == (B, G) and toks.dtype == jnp.int32 and probs.shape == (B, G, V)
+    # recompute every slot from the tokens actually sampled: prev = [anchor, x_1..x_{γ−1}]
+    prev = np.concatenate([np.asarray(anchor)[:, None], np.asarray(toks)[:, :-1]], axis=1)
+    logits = np.asarray(U) + np.einsum("bgr,vr->bgv", np.asarray(w1)[prev], np.asarray(w2))
+    want = probs_from_logits(jnp.asarray(logits), temperature)
+    np.testing.assert_allclose(probs, want, atol=1e-5)
+    np.testing.assert_array_equal(toks, inverse_cdf_sample(probs, u))
+    if temperature == 0.0:
+        np.testing.assert_array_equal(toks, logits.argmax(-1))
+
+
+def test_markov_bias_drives_a_chain():
+    # zero base logits and a bias that strongly favours prev + 1: x_k = anchor + k + 1 (mod V)
+    B, G, V = 3, 6, 8
+    w1 = jnp.eye(V, dtype=jnp.float32)                          # r = V
+    w2 = 30.0 * jnp.roll(jnp.eye(V, dtype=jnp.float32), 1, axis=0)  # row v picks prev = v − 1
+    anchor = jnp.array([0, 3, 7], jnp.int32)
+    toks, _ = sequential_markov_sample(jax.random.key(0), jnp.zeros((B, G, V)), w1, w2, anchor,
+                                       1.0)
+    np.testing.assert_array_equal(toks, (anchor[:, None] + 1 + jnp.arange(G)) % V)
+
+
+def test_markov_sampler_joint_distribution():
+    """(x_1, x_2) ~ p_d,1(x_1) · p_d,2(x_2 | x_1) over 20,000 samples (χ², 0.999)."""
+    N, G, V, r = 20_000, 2, 5, 3
+    U1, w1, w2, _ = _markov_inputs(1, G, V, r, seed=2)
+    U1, w2 = 0.3 * U1, 0.5 * w2  # flat enough for ≥ 5 expected counts in every cell
+    U = jnp.broadcast_to(U1, (N, G, V))
+    anchor = jnp.full((N,), 2, jnp.int32)
+    toks, _ = jax.jit(sequential_markov_sample)(jax.random.key(3), U, w1, w2, anchor, 1.0)
+    bias = np.asarray(w1) @ np.asarray(w2).T                    # [prev, V]
+    p1 = np.asarray(jax.nn.softmax(U1[0, 0] + bias[2]))
+    p2 = np.asarray(jax.nn.softmax(U1[0, 1][None] + bias, axis=-1))  # [x1, V]
+    toks = np.asarray(toks)
+    s, df = chi2_stat(toks[:, 0] * V + toks[:, 1], p1[:, None] * p2)
+    assert s < chi2_crit(df)
