@@ -1,0 +1,79 @@
+"""`python -m dspark_jax.generate`: chat with a target model (plain or speculative decoding).
+
+Applies the target's chat template to `--prompt`, decodes with the batched on-device loop
+(autoregressive by default, speculative with `--draft CKPT`), and prints the reply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dspark_jax.generate", description=__doc__)
+    p.add_argument("--target", default="smollm2-135m-instruct",
+                   help="embedded target name or a Hugging Face model directory")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="user message (repeat for a batch)")
+    p.add_argument("--system", default=None, help="optional system prompt")
+    p.add_argument("--draft", default=None, help="drafter checkpoint (DeepSpec format) to "
+                   "decode speculatively")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    args = parse_args(argv)
+    from dspark_jax.models import load_draft, load_target
+
+    target = load_target(args.target, dtype=args.dtype)
+    tok = target.tokenizer
+    if tok is None:
+        sys.exit(f"{args.target}: no tokenizer found (tokenizer.json) — cannot render a prompt")
+    prompts = []
+    for text in args.prompt:
+        if not text.strip():
+            sys.exit("--prompt must not be empty")
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": text})
+        prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
+    t0 = time.perf_counter()
+    if args.draft:
+        from dspark_jax.decoding.speculative import speculative_generate
+
+        draft = load_draft(args.draft, target=target)
+        res = speculative_generate(target, draft, prompts, max_new_tokens=args.max_new_tokens,
+                                   temperature=args.temperature, seed=args.seed,
+                                   progress=not args.no_progress)
+        outs, extra = res.tokens, f", τ = {res.tau:.2f} over {res.rounds} rounds"
+    else:
+        from dspark_jax.decoding import autoregressive_generate
+
+        outs = autoregressive_generate(target, prompts, max_new_tokens=args.max_new_tokens,
+                                       temperature=args.temperature, seed=args.seed,
+                                       top_k=args.top_k, top_p=args.top_p, steps_per_call=16,
+                                       progress=not args.no_progress)
+        extra = ""
+    dt = time.perf_counter() - t0
+    stops = set(tok.stop_token_ids)
+    replies = []
+    for text, ids in zip(args.prompt, outs):
+        reply = tok.decode([i for i in ids if i not in stops]).strip()
+        replies.append(reply)
+        print(f"user: {text}\nassistant: {reply}\n")
+    n = sum(len(o) for o in outs)
+    print(f"[{n} tokens in {dt:.1f}s incl. compilation{extra}]", file=sys.stderr)
+    return replies
+
+
+if __name__ == "__main__":
+    main()
