@@ -1,0 +1,1 @@
+"""Benchmarks (scripts that print a table; speed is never asserted in tests)."""
