@@ -1,0 +1,281 @@
+"""The grain input pipeline of DSpark/DFlash training (SPEC §4 data; STYLE habit 8).
+
+Rendered samples (`records_from_conversations`) or a target-feature cache (`FeatureCache`) become
+fixed-shape numpy batches [b_local, S] for the jitted train step:
+
+    grain.MapDataset.source(records)          random access to the samples
+    units (records, or greedy-packed rows)    → per-epoch shuffle (grain `shuffle` + `repeat`:
+                                                 seeded, a different permutation every epoch)
+    per-host slice of every global batch      → host h takes rows [h·b, (h+1)·b) of each global
+                                                 batch of B = batch_size rows, b = B / shard_count
+    pad (or pack) to max_length, then batch   → `to_iter_dataset()`: a checkpointable iterator
+
+Each batch holds `input_ids`, `loss_mask`, `positions`, `segment_ids` (int32 [b, S]; segment 0 is
+padding) and, from a feature cache, `features` f32 [b, S, n·d] and `target_hidden` f32 [b, S, d]
+(zero-padded). Records longer than `max_length` are truncated (right).
+
+Design decisions:
+- Everything is index arithmetic over a grain `MapDataset`, so the iterator state is one integer
+  (`it.get_state() == {"next_index": k}`), restoring is exact, and all hosts agree on the number
+  of steps (they compute the same global plan and each takes its slice).
+- Packing (`pack=True`) is decided ONCE per dataset: records are visited in a seeded order and
+  placed first-fit into the open rows of a small window (`pack_window`); a record that fits no
+  open row opens a new one (closing the oldest when the window is full). The packed rows are the
+  units that are shuffled per epoch. Packing once keeps `steps_per_epoch` exact and identical on
+  every host (LR schedules need it), at the price of the same records sharing a row every epoch.
+  Packed segments get `segment_ids` 1, 2, 3, … and `positions` restarting at 0.
+- `drop_remainder=False`: the last, partial global batch is completed with all-padding rows
+  (loss_mask 0, segment_ids 0) so every batch keeps its static shape and every host its share.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+from dspark_jax.data.chat import DEFAULT_MAX_LENGTH, default_system_prompt_for, render_dataset
+from dspark_jax.data.features import FeatureCache
+from dspark_jax.data.prompts import Conversation
+
+Records = Sequence[Mapping[str, np.ndarray]] | FeatureCache
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Batching settings. `batch_size` is GLOBAL (all hosts together); `num_epochs=None` repeats
+    forever. `pack_window`: open rows considered by first-fit packing. `read_threads` /
+    `prefetch`: grain ReadOptions (0 threads = read synchronously, best for in-memory records)."""
+
+    batch_size: int
+    max_length: int
+    pack: bool = False
+    shuffle: bool = True
+    seed: int = 0
+    num_epochs: int | None = None
+    drop_remainder: bool = True
+    pack_window: int = 8
+    read_threads: int = 0
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+        if self.num_epochs is not None and self.num_epochs < 1:
+            raise ValueError(f"num_epochs must be >= 1 or None, got {self.num_epochs}")
+        if self.pack_window < 1:
+            raise ValueError(f"pack_window must be >= 1, got {self.pack_window}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+
+def records_from_conversations(
+    conversations: Sequence[Conversation], tokenizer: Any, max_length: int = DEFAULT_MAX_LENGTH,
+    **render_kw: Any,
+) -> tuple[list[dict[str, np.ndarray]], collections.Counter[str]]:
+    """Renders conversations into training samples (`chat.render_dataset`) → (records, stats).
+
+    Unless `default_system_prompt` is given, DeepSpec's per-template choice is used
+    (`chat.default_system_prompt_for`: Qwen-style templates get "You are a helpful assistant.",
+    templates with their own default system turn, like SmolLM2's, keep theirs).
+    """
+    render_kw.setdefault("default_system_prompt", default_system_prompt_for(tokenizer))
+    return render_dataset(conversations, tokenizer, max_length, **render_kw)
+
+
+def record_lengths(records: Records) -> np.ndarray:
+    """Token count of every record (int64 [N]); a FeatureCache answers from its manifest."""
+    if isinstance(records, FeatureCache):
+        return records.lengths
+    return np.asarray([len(r["input_ids"]) for r in records], np.int64)
+
+
+def _mixed_seed(seed: int, salt: str) -> int:
+    # grain reseeds epoch e with (seed + e): hashing keeps seed s, epoch 1 ≠ seed s+1, epoch 0
+    digest = hashlib.blake2b(f"{salt}\x00{seed}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
+
+
+def pack_rows(lengths: Sequence[int] | np.ndarray, max_length: int, *, seed: int = 0,
+              shuffle: bool = True, window: int = 8) -> list[tuple[int, ...]]:
+    """Greedy first-fit packing of records (lengths truncated to `max_length`) into rows.
+
+    Records are visited in a seeded random order (input order when `shuffle` is False); each goes
+    into the first of up to `window` open rows with room, else into a new row. Returns the rows
+    as tuples of record indices, in the order they were opened.
+    """
+    lengths = np.minimum(np.asarray(lengths, np.int64), max_length)
+    order = (np.random.default_rng(_mixed_seed(seed, "pack")).permutation(len(lengths))
+             if shuffle else np.arange(len(lengths)))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    open_rows: list[int] = []  # indices into rows, oldest first
+    for i in order:
+        n = int(lengths[i])
+        for r in open_rows:
+            if room[r] >= n:
+                rows[r].append(int(i))
+                room[r] -= n
+                break
+        else:
+            rows.append([int(i)])
+            room.append(max_length - n)
+            open_rows.append(len(rows) - 1)
+            if len(open_rows) > window:
+                open_rows.pop(0)
+        open_rows = [r for r in open_rows if room[r] > 0]
+    return [tuple(r) for r in rows]
+
+
+def _units(lengths: np.ndarray | None, pc: PipelineConfig) -> list[tuple[int, ...]] | None:
+    """Packed rows, or None for one record per row."""
+    if not pc.pack:
+        return None
+    assert lengths is not None
+    return pack_rows(lengths, pc.max_length, seed=pc.seed, shuffle=pc.shuffle, window=pc.pack_window)
+
+
+def steps_per_epoch(n_records: int, pc: PipelineConfig, *, lengths: Sequence[int] | np.ndarray | None = None) -> int:
+    """Global batches per epoch. With `pack=True` the record `lengths` are needed (packing
+    decides the number of rows; see `record_lengths`)."""
+    if pc.pack:
+        if lengths is None:
+            raise ValueError("steps_per_epoch with pack=True needs the record lengths")
+        if len(lengths) != n_records:
+            raise ValueError(f"{len(lengths)} lengths for {n_records} records")
+        n_units = len(pack_rows(lengths, pc.max_length, seed=pc.seed, shuffle=pc.shuffle,
+                                window=pc.pack_window))
+    else:
+        n_units = n_records
+    return n_units // pc.batch_size if pc.drop_remainder else -(-n_units // pc.batch_size)
+
+
+class _RowBuilder:
+    """Makes one padded/packed row [S] from a unit (a tuple of record indices; () = all padding)."""
+
+    def __init__(self, source: grain.MapDataset, max_length: int, feature_dims: tuple[int, int] | None):
+        self.source = source
+        self.S = max_length
+        self.feature_dims = feature_dims
+
+    def __call__(self, unit: tuple[int, ...]) -> dict[str, np.ndarray]:
+        S = self.S
+        row = {k: np.zeros((S,), np.int32) for k in ("input_ids", "loss_mask", "positions", "segment_ids")}
+        if self.feature_dims is not None:
+            f, d = self.feature_dims
+            row["features"] = np.zeros((S, f), np.float32)
+            row["target_hidden"] = np.zeros((S, d), np.float32)
+        at = 0
+        for seg, i in enumerate(unit, start=1):
+            rec = self.source[i]
+            n = min(len(rec["input_ids"]), S - at)
+            sl = slice(at, at + n)
+            row["input_ids"][sl] = rec["input_ids"][:n]
+            row["loss_mask"][sl] = rec["loss_mask"][:n]
+            row["positions"][sl] = np.arange(n, dtype=np.int32)
+            row["segment_ids"][sl] = seg
+            if self.feature_dims is not None:
+                row["features"][sl] = rec["features"][:n]
+                row["target_hidden"][sl] = rec["target_hidden"][:n]
+            at += n
+        return row
+
+
+class _HostRows:
+    """Local row index → unit of this host: epoch e, step s, slot j of the global batch."""
+
+    def __init__(self, order: grain.MapDataset | None, units: list[tuple[int, ...]] | None,
+                 n_units: int, steps: int, global_batch: int, local_batch: int, shard_index: int):
+        self.order, self.units, self.n_units = order, units, n_units
+        self.steps, self.B, self.b, self.h = steps, global_batch, local_batch, shard_index
+
+    def __call__(self, local_index: int) -> tuple[int, ...]:
+        per_epoch = self.steps * self.b
+        epoch, within = divmod(int(local_index), per_epoch)
+        step, slot = divmod(within, self.b)
+        pos = step * self.B + self.h * self.b + slot  # position in this epoch's unit order
+        if pos >= self.n_units:
+            return ()  # filler row of the last, partial batch (grain would drop a None)
+        k = epoch * self.n_units + pos
+        u = int(self.order[k]) if self.order is not None else pos
+        return self.units[u] if self.units is not None else (u,)
+
+
+def make_dataset(records: Records, pc: PipelineConfig, *, shard_index: int | None = None,
+                 shard_count: int | None = None) -> grain.IterDataset:
+    """The host-local batch stream (see the module docstring). `shard_index`/`shard_count`
+    default to `jax.process_index()` / `jax.process_count()`; `pc.batch_size` must divide by
+    `shard_count`. Iterate with `it = iter(ds)`; checkpoint with `it.get_state()` and resume with
+    `it.set_state(state)` on a fresh iterator of an identically built dataset."""
+    shard_index = jax.process_index() if shard_index is None else int(shard_index)
+    shard_count = jax.process_count() if shard_count is None else int(shard_count)
+    if shard_count < 1 or not 0 <= shard_index < shard_count:
+        raise ValueError(f"bad host shard {shard_index} of {shard_count}")
+    if pc.batch_size % shard_count:
+        raise ValueError(f"global batch_size {pc.batch_size} is not divisible by the "
+                         f"{shard_count} host shards")
+    n_records = len(records)
+    if n_records == 0:
+        raise ValueError("no records: the dataset is empty")
+    first = records[0]
+    for key in ("input_ids", "loss_mask"):
+        if key not in first:
+            raise ValueError(f"records need {key!r} (got keys {sorted(first)})")
+    feature_dims = None
+    if "features" in first:
+        feature_dims = (int(np.shape(first["features"])[-1]), int(np.shape(first["target_hidden"])[-1]))
+
+    lengths = record_lengths(records) if pc.pack else None
+    units = _units(lengths, pc)
+    n_units = len(units) if units is not None else n_records
+    steps = steps_per_epoch(n_records, pc, lengths=lengths)
+    if steps == 0:
+        raise ValueError(f"{n_units} rows per epoch make no full global batch of {pc.batch_size} "
+                         "(use drop_remainder=False or a smaller batch)")
+    local = pc.batch_size // shard_count
+
+    order = None
+    if pc.shuffle:
+        order = grain.MapDataset.range(n_units).shuffle(seed=_mixed_seed(pc.seed, "epoch"))
+        order = order.repeat(pc.num_epochs)
+    n_local_rows = sys.maxsize if pc.num_epochs is None else pc.num_epochs * steps * local
+    n_local_rows -= n_local_rows % local
+
+    source = grain.MapDataset.source(records)
+    ds = (grain.MapDataset.range(n_local_rows)
+          .map(_HostRows(order, units, n_units, steps, pc.batch_size, local, shard_index))
+          .map(_RowBuilder(source, pc.max_length, feature_dims))
+          .batch(local, drop_remainder=True))
+    options = grain.ReadOptions(num_threads=pc.read_threads, prefetch_buffer_size=pc.prefetch)
+    return ds.to_iter_dataset(options)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """Rows over the mesh's batch axes (the logical "batch" rule of `dspark_jax.sharding`)."""
+    from dspark_jax.sharding import logical_to_spec
+
+    return jax.sharding.NamedSharding(mesh, logical_to_spec(("batch",)))
+
+
+def to_global_batch(local_batch: Mapping[str, np.ndarray],
+                    sharding: jax.sharding.Sharding | Mapping[str, jax.sharding.Sharding]) -> dict[str, jax.Array]:
+    """Assembles every host's local rows into global `jax.Array`s
+    (`jax.make_array_from_process_local_data`); `sharding` is one sharding or one per key."""
+    out = {}
+    for key, value in local_batch.items():
+        s = sharding[key] if isinstance(sharding, Mapping) else sharding
+        out[key] = jax.make_array_from_process_local_data(s, np.asarray(value))
+    return out
+
+
+__all__ = ["PipelineConfig", "make_dataset", "records_from_conversations", "steps_per_epoch",
+           "pack_rows", "record_lengths", "batch_sharding", "to_global_batch"]
