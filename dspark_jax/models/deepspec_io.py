@@ -79,7 +79,8 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
     if model_type == "eagle3":
         fields["draft_num_hidden_layers"] = n_draft
         fields["ttt_length"] = int(raw.get("ttt_length", ours.get("ttt_length", 7)))
-        fields["block_size"] = int(raw.get("ttt_length", fields["block_size"]))
+        # γ at inference; DeepSpec's Eagle3 checkpoints tie it to the TTT length
+        fields["block_size"] = int(raw.get("block_size", raw.get("ttt_length", 7)))
     else:
         fields["num_draft_layers"] = n_draft
     # our training-only fields, if this checkpoint was written by dspark_jax

@@ -94,7 +94,9 @@ class DraftConfig:
             bad("decay_convention", f"{self.decay_convention!r} not one of {DECAY_CONVENTIONS}")
         if self.ttt_length < 1:
             bad("ttt_length", "must be ≥ 1")
-        if self.model_type == "dflash" and (self.markov_rank or self.enable_confidence_head):
+        if self.model_type in ("dflash", "eagle3") and (self.markov_rank
+                                                         or self.enable_confidence_head):
+            # neither has a sequential or confidence head: normalise so round trips are exact
             object.__setattr__(self, "markov_rank", 0)
             object.__setattr__(self, "enable_confidence_head", False)
 

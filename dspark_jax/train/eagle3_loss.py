@@ -4,8 +4,10 @@ For TTT step s and position t the drafter predicts x_{t+2+s}; its target is the 
 own distribution there, softmax(lm_head(target_hidden[t+1+s])) at T = 1 (soft cross-entropy,
 no draft-vocabulary pruning). The term is masked by loss_mask[t+s] (SpecForge shifts the loss
 mask left by one per step), by t+1+s < S and, for packed rows, by t and t+1+s sharing a
-segment. Each step's loss is a token-weighted mean over the global batch and the total is
-Σ_s step_loss_decay^s · loss_s (0.8^s).
+segment. The loss is ONE global token-weighted mean with weights w_{s,t} = 0.8^s · m_{s,t}
+(`step_loss_decay`): Σ w·CE / Σ w — the same form as the DSpark losses (SPEC §4), so that
+micro-batch accumulation of the sums is exact. (SpecForge instead sums 0.8^s · mean_s; with
+m_{s,·} nearly equal across steps the two differ by about the constant Σ_s 0.8^s.)
 
 Memory: the [B, S, V] logits are never materialised for all steps at once. The draft hidden of
 step s at t is aligned with the target index j = t+1+s, and a checkpointed scan over chunks of
@@ -48,23 +50,24 @@ def _aligned_steps(hs_tbsd: jax.Array, loss_mask_bs: jax.Array,
     return jnp.stack(hs), jnp.stack(ms)
 
 
-def eagle3_loss(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
-                loss_mask_bs: jax.Array, target_hidden_bsd: jax.Array, *,
-                segment_ids: jax.Array | None = None, chunk_size: int = 64,
-                remat: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """TTT loss of an `Eagle3Draft` on a batch.
+def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
+                     loss_mask_bs: jax.Array, target_hidden_bsd: jax.Array, *,
+                     segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                     chunk_size: int = 64, remat: bool = False) -> dict[str, jax.Array]:
+    """Additive sums of the TTT loss over a (micro-)batch (what the train step accumulates).
 
     feats [B, S, n·d] target taps; input_ids [B, S]; loss_mask [B, S]; target_hidden [B, S, d]
-    the target's final-normed hidden; segment_ids [B, S] for packed rows (optional).
-    Returns (loss, metrics) with metrics: `step_loss` [T] (mean soft CE), `step_acc` [T]
-    (draft argmax == target argmax), `step_tokens` [T] (weights), `step_loss_sum` and
-    `step_correct` [T] (the unnormalised sums, for accumulation across micro-batches), `loss`.
-    jit-able and differentiable with respect to the drafter's nnx.Param leaves.
+    the target's final-normed hidden; segment_ids [B, S] for packed rows and positions [B, S]
+    (restarting per segment; derived from segment_ids when omitted) are optional.
+    → `objective` = Σ_s decay^s Σ_t m·CE and `weight` = Σ_s decay^s Σ_t m (loss = objective /
+    weight over the global batch), plus per-step `step_loss_sum`, `step_correct` (draft argmax
+    == target argmax) and `step_tokens` [T].
     """
     cfg = model.cfg
     T = cfg.ttt_length
     B, S = input_ids_bs.shape
-    hs = model.ttt_hidden(feats_bsf, input_ids_bs, segment_ids, T, remat=remat)  # [T,B,S,D]
+    hs = model.ttt_hidden(feats_bsf, input_ids_bs, segment_ids, T, remat=remat,
+                          positions_bs=positions)                         # [T,B,S,D]
     h_al, m_al = _aligned_steps(hs, loss_mask_bs, segment_ids)
     D = hs.shape[-1]
 
@@ -101,13 +104,47 @@ def eagle3_loss(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     zeros = jnp.zeros((T,), jnp.float32)
     (loss_sum, correct, tokens), _ = jax.lax.scan(jax.checkpoint(chunk), (zeros, zeros, zeros),
                                                   (h_c, t_c, m_c))
-    denom = jnp.maximum(tokens, 1.0)
-    step_loss = loss_sum / denom
-    decay = jnp.asarray([cfg.step_loss_decay ** s for s in range(T)], jnp.float32)
-    loss = jnp.sum(decay * step_loss)
-    metrics = {"loss": loss, "step_loss": step_loss, "step_acc": correct / denom,
-               "step_tokens": tokens, "step_loss_sum": loss_sum, "step_correct": correct}
-    return loss, metrics
+    decay = step_weights(cfg.step_loss_decay, T)
+    return {"objective": jnp.sum(decay * loss_sum), "weight": jnp.sum(decay * tokens),
+            "step_loss_sum": loss_sum, "step_correct": correct, "step_tokens": tokens}
 
 
-__all__ = ["eagle3_loss"]
+def step_weights(decay: float, ttt_length: int) -> jax.Array:
+    """[T] per-step loss weights decay^s (0.8^s)."""
+    return jnp.asarray([decay ** s for s in range(ttt_length)], jnp.float32)
+
+
+def eagle3_metrics_from_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Scalars for logging: `loss`, `loss_tokens`, and per step s `step_loss@s` (mean soft CE)
+    and `step_acc@s` (draft argmax == target argmax)."""
+    tokens = jnp.maximum(sums["step_tokens"], 1.0)
+    out = {"loss": sums["objective"] / jnp.maximum(sums["weight"], 1e-6),
+           "loss_tokens": sums["step_tokens"][0]}
+    for s in range(sums["step_tokens"].shape[0]):
+        out[f"step_loss@{s}"] = sums["step_loss_sum"][s] / tokens[s]
+        out[f"step_acc@{s}"] = sums["step_correct"][s] / tokens[s]
+    return out
+
+
+def eagle3_loss(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
+                loss_mask_bs: jax.Array, target_hidden_bsd: jax.Array, *,
+                segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                chunk_size: int = 64, remat: bool = False
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """TTT loss of an `Eagle3Draft` on one batch → (loss, metrics).
+
+    loss = Σ_s 0.8^s Σ_t m_{s,t} CE_{s,t} / Σ_s 0.8^s Σ_t m_{s,t} (see `eagle3_loss_sums`);
+    metrics hold `eagle3_metrics_from_sums` plus the arrays `step_loss`, `step_acc`,
+    `step_tokens` [T]. jit-able and differentiable w.r.t. the drafter's nnx.Param leaves.
+    """
+    sums = eagle3_loss_sums(model, feats_bsf, input_ids_bs, loss_mask_bs, target_hidden_bsd,
+                            segment_ids=segment_ids, positions=positions,
+                            chunk_size=chunk_size, remat=remat)
+    metrics = eagle3_metrics_from_sums(sums)
+    tokens = jnp.maximum(sums["step_tokens"], 1.0)
+    metrics.update(step_loss=sums["step_loss_sum"] / tokens,
+                   step_acc=sums["step_correct"] / tokens, step_tokens=sums["step_tokens"])
+    return metrics["loss"], metrics
+
+
+__all__ = ["eagle3_loss", "eagle3_loss_sums", "eagle3_metrics_from_sums", "step_weights"]
