@@ -223,6 +223,9 @@ class SpecResult:
     proposed: list[list[int]]               # per request, per round: drafts verified
     accepted: list[list[int]]               # per request, per round: drafts accepted
     rounds: int
+    # per request, [its rounds, γ] float32 confidence-head logits of the proposals, aligned with
+    # `proposed`/`accepted` (None when SpecSettings.record_confidence is off)
+    confidence: list[np.ndarray] | None = None
 
     @property
     def tau(self) -> float:
@@ -282,9 +285,11 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
         bar.close()
     out, num = np.asarray(s.out), np.asarray(s.num_out)
     prop, acc = np.asarray(s.proposed), np.asarray(s.accepted)
+    conf = np.asarray(s.confidence, np.float32) if settings.record_confidence else None
     B = len(prompts)
     return SpecResult(
         tokens=[out[i, :num[i]].tolist() for i in range(B)],
         proposed=[[int(x) for x in prop[:, i] if x >= 0] for i in range(B)],
         accepted=[[int(x) for x in acc[:, i] if x >= 0] for i in range(B)],
-        rounds=int(s.rounds))
+        rounds=int(s.rounds),
+        confidence=None if conf is None else [conf[prop[:, i] >= 0, i] for i in range(B)])

@@ -1,0 +1,768 @@
+"""Offline evaluation of a drafter with speculative decoding: DeepSpec's protocol (SPEC §6, §7).
+
+What this module implements:
+
+* DeepSpec's offline evaluation protocol (SPEC §6; DeepSpec's evaluator): the benchmark prompt
+  files `<data_dir>/<name>.jsonl` (`{"turns": [...]}` records), DeepSpec's per-dataset sample
+  caps and seeded subsampling (seed 980406, `data.prompts.load_eval_dataset`), the first turn
+  only, rendered with the chat template with the generation prompt on and thinking disabled
+  (`data.chat.render_prompt`), T = 1.0 and 2048 new tokens. Every default can be overridden.
+* The paper's measurements (DSpark paper §4, Table 1 and Figure 2): the pooled accepted length
+  τ = Σ(accepted+1)/#rounds per dataset and its macro mean, DeepSpec's verify_rate and
+  cumulative accept_rate@k, the paper's position-wise conditional acceptance, all from
+  `eval.acceptance`; a markdown table in the layout of Table 1 with the paper's row for
+  reference; PNG plots of τ per dataset and of the conditional acceptance by position
+  (Figure 2).
+* Confidence calibration of the DSpark confidence head (paper §3.2.1; SPEC §7): per-slot ECE
+  (20 bins), AUROC, Brier and a reliability diagram of the predicted prefix survival
+  Π_{j≤k} σ(c_j) against "slots ≤ k accepted", from the confidence logits recorded in every
+  round (`eval.calibration`).
+* Throughput: generated tokens per second of wall time per dataset (and with XLA compilation
+  time, measured through `jax.monitoring`, taken out), mean output length, and with
+  `baseline=True` plain autoregressive decoding of the same prompts and the speedup.
+
+Prompts of a dataset are sorted by length and decoded in batches of `batch_size` with
+`decoding.speculative.speculative_generate` (lossless rejection sampling, SPEC §1). One cache
+length is used for the whole run so the decoding loop compiles once per batch size. A prompt
+whose length + max_new_tokens + γ + 1 does not fit the cache limit (default: the target's
+`max_position_embeddings`) is skipped and counted, not decoded.
+
+Outputs written to `out_dir`:
+
+* `results.json` — everything below (schema `dspark_jax.evaluate/1`);
+* `results.md` — the Table-1 style τ table, per-dataset details, acceptance by position and
+  calibration tables;
+* `records.jsonl` — the raw per-round records: one line per decoded prompt
+  `{"dataset", "index", "id", "prompt_tokens", "output_tokens", "proposed": [..],
+  "accepted": [..]}` (+ `"output_ids"`, `"text"`, `"baseline_output_ids"` on request);
+* `confidence.npz` — (drafts with a confidence head) per dataset a float32 [R, γ] array of the
+  confidence logits of every round, rows in the order of `records.jsonl` (dataset, then
+  records, then rounds);
+* `tau.png`, `conditional_acceptance.png`, `accept_rate.png`, and `reliability.png` (with a
+  confidence head).
+
+CLI: `python -m dspark_jax.evaluate --target NAME_OR_DIR --draft CKPT_DIR --data-dir DIR ...`
+(see `build_parser`). Python API: :func:`evaluate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from dspark_jax.data.prompts import (DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES, Conversation,
+                                     list_eval_datasets, load_eval_dataset)
+from dspark_jax.eval.acceptance import (PAPER_DATASETS, PAPER_TABLE1_TAU, AcceptanceStats,
+                                        acceptance_stats, macro_mean)
+from dspark_jax.eval.calibration import CalibrationReport, calibration_report, verified_mask
+
+__all__ = ["evaluate", "main", "build_parser", "EvalDatasetError", "RESULTS_SCHEMA",
+           "DEFAULT_DATASETS", "paper_reference_for", "render_markdown"]
+
+RESULTS_SCHEMA = "dspark_jax.evaluate/1"
+#: The DeepSpec protocol's datasets in the column order of the paper's Table 1.
+DEFAULT_DATASETS: tuple[str, ...] = PAPER_DATASETS
+DEFAULT_MAX_NEW_TOKENS = 2048
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_OUT_DIR = "eval_results"
+_CACHE_BUCKET = 64
+
+_PAPER_TARGET_NAMES = {"qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B", "qwen3_14b": "Qwen3-14B",
+                       "gemma4_12b": "Gemma4-12B"}
+_PAPER_DRAFTER_NAMES = {"eagle3": "Eagle3", "dflash": "DFlash", "dspark": "DSpark"}
+
+
+class EvalDatasetError(ValueError):
+    """Requested datasets are not in the data directory (the message lists what is there)."""
+
+
+# ------------------------------------------------------------------------------------------
+# small helpers
+# ------------------------------------------------------------------------------------------
+
+def _round_up(x: int, m: int) -> int:
+    return ((x + m - 1) // m) * m
+
+
+def _jf(x: float | None) -> float | None:
+    """JSON-safe float (NaN/inf → None)."""
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _safe_div(a: float, b: float) -> float:
+    return float(a) / float(b) if b else math.nan
+
+
+def _nanmean(xs: Sequence[float | None]) -> float:
+    v = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+    return float(np.mean(v)) if v else math.nan
+
+
+def _batch_seed(seed: int, dataset: str, batch_index: int) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(dataset.encode()) + batch_index) % (2 ** 31)
+
+
+_COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
+                   "/jax/core/compile/jaxpr_trace_duration",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration")
+
+
+class _CompileTimer:
+    """Sums the tracing/lowering/XLA-compile durations JAX reports while active."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def _listener(self, event: str, duration: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            self.seconds += float(duration)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["_CompileTimer"]:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        try:
+            yield self
+        finally:
+            jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def paper_reference_for(target_name: str, drafter: str = "dspark",
+                        spec: str | None = "auto") -> tuple[str, str] | None:
+    """Which row of the paper's Table 1 to show next to our numbers.
+
+    `spec`: "auto" — the paper target whose name appears in `target_name` (qwen3-4b/8b/14b,
+    gemma4-12b) with the drafter type `drafter`, else Qwen3-4B DSpark; "none"/None — no row;
+    "TARGET/DRAFTER" (e.g. "qwen3_8b/dflash") — that row.
+    """
+    if spec is None or str(spec).lower() in ("none", "off", ""):
+        return None
+    if str(spec).lower() != "auto":
+        parts = str(spec).lower().replace("-", "_").split("/")
+        if len(parts) != 2 or parts[0] not in PAPER_TABLE1_TAU or \
+                parts[1] not in PAPER_TABLE1_TAU[parts[0]]:
+            rows = [f"{t}/{d}" for t in PAPER_TABLE1_TAU for d in PAPER_TABLE1_TAU[t]]
+            raise ValueError(f"unknown paper reference {spec!r}; "
+                             f"choose auto, none or one of {rows}")
+        return parts[0], parts[1]
+    name = str(target_name).lower()
+    target = "qwen3_4b"
+    m = re.search(r"qwen3[-_]?(4|8|14)b", name)
+    if m:
+        target = f"qwen3_{m.group(1)}b"
+    elif re.search(r"gemma[-_]?4[-_]?12b", name):
+        target = "gemma4_12b"
+    drafter = drafter if drafter in PAPER_TABLE1_TAU[target] else "dspark"
+    return target, drafter
+
+
+def _resolve_datasets(data_dir: Path, datasets: Sequence[str] | str | None) -> list[str]:
+    if not data_dir.is_dir():
+        raise EvalDatasetError(f"data directory {str(data_dir)!r} does not exist")
+    available = list_eval_datasets(data_dir)
+    if datasets is None:
+        chosen = [d for d in DEFAULT_DATASETS if d in available]
+        if not chosen:
+            raise EvalDatasetError(
+                f"none of the DeepSpec datasets {list(DEFAULT_DATASETS)} is in {str(data_dir)!r}; "
+                f"available: {available}; pass datasets=[...] (--datasets)")
+        return chosen
+    if isinstance(datasets, str):
+        datasets = [d for d in datasets.split(",") if d.strip()]
+    chosen = [str(d).strip() for d in datasets]
+    if not chosen:
+        raise EvalDatasetError(f"no datasets given; available in {str(data_dir)!r}: {available}")
+    missing = [d for d in chosen if d not in available]
+    if missing:
+        raise EvalDatasetError(f"datasets {missing} not found in {str(data_dir)!r}; "
+                               f"available: {available}")
+    return list(dict.fromkeys(chosen))
+
+
+def _max_samples_for(name: str, max_samples: Any) -> int | None:
+    if isinstance(max_samples, Mapping):
+        return max_samples.get(name, DEFAULT_EVAL_SAMPLES.get(name))
+    if max_samples == "default":
+        return DEFAULT_EVAL_SAMPLES.get(name)
+    if max_samples is None or max_samples == "all":
+        return None
+    if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0:
+        raise ValueError(f"max_samples must be 'default', None/'all', an int ≥ 0 or a mapping; "
+                         f"got {max_samples!r}")
+    return int(max_samples)
+
+
+def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar prompt length (sorted, stable)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _stats_dict(st: AcceptanceStats) -> dict[str, Any]:
+    d = st.to_dict()
+    d.pop("name", None)
+    return d
+
+
+# ------------------------------------------------------------------------------------------
+# the evaluation
+# ------------------------------------------------------------------------------------------
+
+def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
+             datasets: Sequence[str] | str | None = None,
+             max_samples: int | None | str | Mapping[str, int] = "default",
+             seed: int = DEEPSPEC_EVAL_SEED, temperature: float = DEFAULT_TEMPERATURE,
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, batch_size: int = DEFAULT_BATCH_SIZE,
+             out_dir: str | os.PathLike | None = None, baseline: bool = False,
+             verifier: str = "jax", max_cache_len: int | None = None,
+             enable_thinking: bool = False, system_prompt: str | None = None,
+             stop_token_ids: Sequence[int] | None = None, tokenizer: Any = None,
+             dtype: str = "float32", paper_reference: str | None = "auto",
+             save_outputs: bool = False, rounds_per_call: int | None = None,
+             progress: bool = True, plots: bool = True) -> dict[str, Any]:
+    """Evaluates `draft` on `target` over DeepSpec-format prompt files; returns results.json.
+
+    `target`: a loaded `Target` or a name/directory for `load_target`; `draft`: a `Draft` or a
+    DeepSpec-format checkpoint directory (`load_draft`). `datasets`: names (or a comma
+    separated string) of `<data_dir>/<name>.jsonl`; None = the protocol's datasets present.
+    `max_samples`: "default" (DeepSpec's caps), None/"all", an int for every dataset or
+    {name: int}. `max_cache_len`: cache limit in tokens (default the target's
+    max_position_embeddings); longer prompts are skipped and counted. `save_outputs` adds the
+    generated ids and text to records.jsonl. With `out_dir` the files listed in the module
+    docstring are written there.
+
+    Raises `EvalDatasetError` for missing datasets, `ConfigError` for a drafter built for
+    another target, `ValueError` for bad arguments.
+    """
+    from dspark_jax.decoding.speculative import SpecSettings, check_compatible, speculative_generate
+    from dspark_jax.models import Draft, Target, load_draft, load_target
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    if verifier not in ("jax", "pallas"):
+        raise ValueError(f"verifier must be 'jax' or 'pallas', got {verifier!r}")
+    data_dir = Path(data_dir)
+    names = _resolve_datasets(data_dir, datasets)
+    per_ds_max = {n: _max_samples_for(n, max_samples) for n in names}
+
+    target_label = str(target) if not isinstance(target, Target) else (target.name or "target")
+    if not isinstance(target, Target):
+        target = load_target(target, dtype=dtype)
+    draft_label = "draft"
+    if not isinstance(draft, Draft):
+        draft_label = str(draft)
+        draft = load_draft(draft, target=target)
+    check_compatible(target, draft)  # ConfigError before any work
+    dcfg = draft.config
+    gamma = int(dcfg.block_size)
+    draft_type = dcfg.model_type
+    if draft_label == "draft":
+        draft_label = draft_type
+    has_conf = bool(dcfg.has_confidence)
+    tok = tokenizer if tokenizer is not None else target.tokenizer
+    if tok is None:
+        raise ValueError("the target has no tokenizer (a directory without tokenizer.json?); "
+                         "pass tokenizer=")
+    limit = int(max_cache_len if max_cache_len is not None
+                else target.config.max_position_embeddings)
+    if limit < 2:
+        raise ValueError(f"max_cache_len must be ≥ 2, got {limit}")
+
+    # ---------------------------------------------------------------- prompts
+    from dspark_jax.data.chat import render_prompt
+
+    prepared: dict[str, dict[str, Any]] = {}
+    for name in names:
+        convs: list[Conversation] = load_eval_dataset(data_dir, name, per_ds_max[name], seed=seed,
+                                                      first_turn_only=True)
+        ids = [render_prompt(c.messages, tok, system_prompt=system_prompt,
+                             enable_thinking=enable_thinking).tolist() for c in convs]
+        keep = [i for i, p in enumerate(ids) if len(p) + max_new_tokens + gamma + 1 <= limit]
+        kept = set(keep)
+        skipped = [i for i in range(len(ids)) if i not in kept]
+        prepared[name] = dict(convs=convs, ids=ids, keep=keep, skipped=skipped)
+    kept_lens = [len(p["ids"][i]) for p in prepared.values() for i in p["keep"]]
+    # one cache length for the run: the decoding loop compiles once per batch size
+    cache_len = min(limit, _round_up(max(kept_lens, default=1) + max_new_tokens + gamma + 2,
+                                     _CACHE_BUCKET))
+    settings = SpecSettings(verifier=verifier, record_confidence=has_conf)
+
+    from tqdm.auto import tqdm
+
+    total = sum(len(p["keep"]) for p in prepared.values())
+    bar = tqdm(total=total, desc="speculative", unit="sample", disable=not progress,
+               dynamic_ncols=True)
+    timer = _CompileTimer()
+    t_run = time.perf_counter()
+    run_tokens, run_time = 0, 0.0
+    per_ds: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[dict[str, Any]]] = {}
+    conf_arrays: dict[str, np.ndarray] = {}
+    stats_by_ds: dict[str, AcceptanceStats] = {}
+    calib_by_ds: dict[str, CalibrationReport] = {}
+
+    with timer.active():
+        for name in names:
+            p = prepared[name]
+            convs, ids, keep = p["convs"], p["ids"], p["keep"]
+            bar.set_description(f"speculative {name}")
+            outs: dict[int, dict[str, Any]] = {}
+            wall = compile_s = 0.0
+            ds_committed = ds_rounds = 0
+            for b, idx in enumerate(_length_batches([len(ids[i]) for i in keep], batch_size)):
+                batch = [keep[j] for j in idx]
+                c0, t0 = timer.seconds, time.perf_counter()
+                res = speculative_generate(
+                    target, draft, [ids[i] for i in batch], max_new_tokens=max_new_tokens,
+                    temperature=temperature, seed=_batch_seed(seed, name, b),
+                    stop_token_ids=stop_token_ids, max_cache_len=cache_len, settings=settings,
+                    rounds_per_call=rounds_per_call)
+                dt, dc = time.perf_counter() - t0, timer.seconds - c0
+                wall += dt
+                compile_s += dc
+                for j, i in enumerate(batch):
+                    conf_j = None
+                    if has_conf and res.confidence is not None:
+                        conf_j = np.asarray(res.confidence[j], np.float32).reshape(-1, gamma)
+                    outs[i] = dict(tokens=res.tokens[j], proposed=res.proposed[j],
+                                   accepted=res.accepted[j], confidence=conf_j)
+                    ds_committed += sum(a + 1 for a in res.accepted[j])
+                    ds_rounds += len(res.accepted[j])
+                n_tok = sum(len(t) for t in res.tokens)
+                run_tokens += n_tok
+                run_time += dt
+                bar.update(len(batch))
+                bar.set_postfix(tok_s=f"{run_tokens / max(run_time, 1e-9):.1f}",
+                                tau=f"{_safe_div(ds_committed, ds_rounds):.2f}")
+            # per-dataset aggregation, records in the subsampled order
+            recs, prop_all, acc_all, conf_rows = [], [], [], []
+            for i in keep:
+                o = outs[i]
+                rec = {"dataset": name, "index": i, "id": convs[i].id,
+                       "prompt_tokens": len(ids[i]), "output_tokens": len(o["tokens"]),
+                       "proposed": o["proposed"], "accepted": o["accepted"]}
+                if save_outputs:
+                    rec["output_ids"] = o["tokens"]
+                    rec["text"] = tok.decode(o["tokens"])
+                recs.append(rec)
+                prop_all += o["proposed"]
+                acc_all += o["accepted"]
+                if o["confidence"] is not None:
+                    conf_rows.append(o["confidence"])
+            records[name] = recs
+            st = acceptance_stats(prop_all, acc_all, gamma=gamma, name=name)
+            stats_by_ds[name] = st
+            n_tok = sum(r["output_tokens"] for r in recs)
+            entry: dict[str, Any] = {
+                "num_prompts": len(convs),
+                "num_evaluated": len(keep),
+                "num_skipped": len(p["skipped"]),
+                "skipped_ids": [convs[i].id for i in p["skipped"]],
+                **_stats_dict(st),
+                "num_output_tokens": n_tok,
+                "mean_output_tokens": _jf(_safe_div(n_tok, len(recs))),
+                "mean_prompt_tokens": _jf(_safe_div(sum(r["prompt_tokens"] for r in recs),
+                                                    len(recs))),
+                "wall_s": wall,
+                "compile_s": compile_s,
+                "tokens_per_s": _jf(_safe_div(n_tok, wall)),
+                "tokens_per_s_excl_compile": _jf(_safe_div(n_tok, max(wall - compile_s, 0.0))),
+                "calibration": None,
+                "baseline": None,
+            }
+            if has_conf:
+                logits = (np.concatenate(conf_rows, axis=0) if conf_rows
+                          else np.zeros((0, gamma), np.float32))
+                conf_arrays[name] = logits.astype(np.float32)
+                if logits.shape[0]:
+                    rep = calibration_report(logits, np.asarray(acc_all),
+                                             mask=verified_mask(np.asarray(prop_all), gamma))
+                    calib_by_ds[name] = rep
+                    entry["calibration"] = rep.to_dict()
+            per_ds[name] = entry
+    bar.close()
+
+    # ---------------------------------------------------------------- baseline
+    if baseline:
+        from dspark_jax.decoding.autoregressive import autoregressive_generate
+
+        bar = tqdm(total=total, desc="autoregressive", unit="sample", disable=not progress,
+                   dynamic_ncols=True)
+        with timer.active():
+            for name in names:
+                p = prepared[name]
+                ids, keep = p["ids"], p["keep"]
+                bar.set_description(f"autoregressive {name}")
+                wall = compile_s = 0.0
+                n_tok = 0
+                base_out: dict[int, list[int]] = {}
+                for b, idx in enumerate(_length_batches([len(ids[i]) for i in keep], batch_size)):
+                    batch = [keep[j] for j in idx]
+                    c0, t0 = timer.seconds, time.perf_counter()
+                    outs_ar = autoregressive_generate(
+                        target, [ids[i] for i in batch], max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=_batch_seed(seed, name, b),
+                        stop_token_ids=stop_token_ids, max_cache_len=cache_len)
+                    wall += time.perf_counter() - t0
+                    compile_s += timer.seconds - c0
+                    n_tok += sum(len(t) for t in outs_ar)
+                    base_out.update(zip(batch, outs_ar))
+                    bar.update(len(batch))
+                if save_outputs:
+                    for rec in records[name]:
+                        rec["baseline_output_ids"] = base_out[rec["index"]]
+                e = per_ds[name]
+                tps = _safe_div(n_tok, wall)
+                tps_x = _safe_div(n_tok, max(wall - compile_s, 0.0))
+                e["baseline"] = {
+                    "num_output_tokens": n_tok,
+                    "mean_output_tokens": _jf(_safe_div(n_tok, len(keep))),
+                    "wall_s": wall,
+                    "compile_s": compile_s,
+                    "tokens_per_s": _jf(tps),
+                    "tokens_per_s_excl_compile": _jf(tps_x),
+                    "speedup": _jf(_safe_div(e["tokens_per_s"] or math.nan, tps)),
+                    "speedup_excl_compile": _jf(_safe_div(
+                        e["tokens_per_s_excl_compile"] or math.nan, tps_x)),
+                }
+        bar.close()
+
+    # ---------------------------------------------------------------- aggregation
+    evaluated = {n: s for n, s in stats_by_ds.items() if s.rounds > 0}
+    mean_stats = macro_mean(evaluated, name="mean")
+    mean: dict[str, Any] = {
+        "datasets": list(evaluated),
+        **_stats_dict(mean_stats),
+        "num_evaluated": sum(e["num_evaluated"] for e in per_ds.values()),
+        "num_skipped": sum(e["num_skipped"] for e in per_ds.values()),
+        "mean_output_tokens": _jf(_nanmean([per_ds[n]["mean_output_tokens"] for n in evaluated])),
+        "tokens_per_s": _jf(_nanmean([per_ds[n]["tokens_per_s"] for n in evaluated])),
+        "tokens_per_s_excl_compile": _jf(_nanmean(
+            [per_ds[n]["tokens_per_s_excl_compile"] for n in evaluated])),
+        "speedup": None,
+        "speedup_excl_compile": None,
+    }
+    if baseline:
+        mean["speedup"] = _jf(_nanmean([per_ds[n]["baseline"]["speedup"] for n in evaluated]))
+        mean["speedup_excl_compile"] = _jf(_nanmean(
+            [per_ds[n]["baseline"]["speedup_excl_compile"] for n in evaluated]))
+    pooled_calib: CalibrationReport | None = None
+    if has_conf and any(a.shape[0] for a in conf_arrays.values()):
+        logits = np.concatenate([conf_arrays[n] for n in names], axis=0)
+        prop = np.asarray([x for n in names for r in records[n] for x in r["proposed"]])
+        acc = np.asarray([x for n in names for r in records[n] for x in r["accepted"]])
+        pooled_calib = calibration_report(logits, acc, mask=verified_mask(prop, gamma))
+
+    ref_key = paper_reference_for(target_label, draft_type, paper_reference)
+    paper_ref = None
+    if ref_key is not None and any(n in PAPER_DATASETS for n in names):
+        row = PAPER_TABLE1_TAU[ref_key[0]][ref_key[1]]
+        common = [n for n in names if n in row]
+        label = (f"{_PAPER_TARGET_NAMES[ref_key[0]]} {_PAPER_DRAFTER_NAMES[ref_key[1]]}"
+                 " (paper, T=1, γ=7)")
+        paper_ref = {"target": ref_key[0], "drafter": ref_key[1], "label": label,
+                     "tau": dict(row),
+                     "mean_over_evaluated": _jf(_nanmean([row[n] for n in common]))}
+
+    import jax
+
+    results: dict[str, Any] = {
+        "schema": RESULTS_SCHEMA,
+        "config": {
+            "target": target_label,
+            "draft": draft_label,
+            "draft_type": draft_type,
+            "gamma": gamma,
+            "has_confidence_head": has_conf,
+            "data_dir": str(data_dir),
+            "datasets": names,
+            "max_samples": per_ds_max,
+            "seed": int(seed),
+            "temperature": float(temperature),
+            "max_new_tokens": int(max_new_tokens),
+            "batch_size": int(batch_size),
+            "max_cache_len": limit,
+            "cache_len": int(cache_len),
+            "verifier": verifier,
+            "baseline": bool(baseline),
+            "first_turn_only": True,
+            "add_generation_prompt": True,
+            "enable_thinking": bool(enable_thinking),
+            "system_prompt": system_prompt,
+            "stop_token_ids": None if stop_token_ids is None else [int(x) for x in stop_token_ids],
+        },
+        "environment": {"jax": jax.__version__, "backend": jax.default_backend(),
+                        "devices": [str(d.device_kind) for d in jax.devices()][:1],
+                        "num_devices": jax.device_count()},
+        "datasets": per_ds,
+        "mean": mean,
+        "calibration": None if pooled_calib is None else pooled_calib.to_dict(),
+        "paper_reference": paper_ref,
+        "total_wall_s": time.perf_counter() - t_run,
+        "files": {},
+    }
+    if out_dir is not None:
+        _write_outputs(Path(out_dir), results, records, conf_arrays, stats_by_ds, pooled_calib,
+                       plots=plots)
+    return results
+
+
+# ------------------------------------------------------------------------------------------
+# outputs
+# ------------------------------------------------------------------------------------------
+
+def _write_outputs(out: Path, results: dict[str, Any], records: Mapping[str, list[dict]],
+                   conf_arrays: Mapping[str, np.ndarray], stats: Mapping[str, AcceptanceStats],
+                   pooled_calib: CalibrationReport | None, *, plots: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Any] = {"results_json": "results.json", "results_md": "results.md",
+                             "records": "records.jsonl"}
+    with open(out / "records.jsonl", "w", encoding="utf-8") as fh:
+        for name in results["config"]["datasets"]:
+            for rec in records[name]:
+                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    if conf_arrays:
+        np.savez(out / "confidence.npz", **{n: a for n, a in conf_arrays.items()})
+        files["confidence"] = "confidence.npz"
+    if plots:
+        from dspark_jax.eval.plots import plot_conditional_acceptance, plot_reliability, plot_tau
+
+        evaluated = [n for n, s in stats.items() if s.rounds > 0]
+        pngs: dict[str, str] = {}
+        taus = {n: stats[n].tau for n in evaluated}
+        ref = results["paper_reference"]
+        ref_series = None
+        if ref is not None:
+            ref_series = {ref["label"]: {n: ref["tau"][n] for n in evaluated if n in ref["tau"]}}
+            if not next(iter(ref_series.values())):
+                ref_series = None
+        cfg = results["config"]
+        plot_tau(taus, out / "tau.png", reference=ref_series, label=f"{cfg['draft_type']} (ours)",
+                 title=f"Accepted length τ (T={cfg['temperature']:g}, γ={cfg['gamma']})")
+        pngs["tau"] = "tau.png"
+        mean = results["mean"]
+        curves = {n: list(stats[n].conditional_acceptance) for n in evaluated}
+        if len(evaluated) > 1:
+            curves["mean"] = mean["conditional_acceptance"]
+        plot_conditional_acceptance(curves, out / "conditional_acceptance.png",
+                                    title="Position-wise conditional acceptance (paper Fig. 2)")
+        pngs["conditional_acceptance"] = "conditional_acceptance.png"
+        cum = {n: list(stats[n].accept_rate_at) for n in evaluated}
+        plot_conditional_acceptance(cum, out / "accept_rate.png",
+                                    title="Cumulative acceptance accept_rate@k (DeepSpec)",
+                                    ylabel="P(first k drafts accepted)")
+        pngs["accept_rate"] = "accept_rate.png"
+        if pooled_calib is not None:
+            diagrams = {f"slot {s.slot + 1} (ECE {s.ece:.3f})": s.reliability
+                        for s in pooled_calib.slots if s.n > 0}
+            if diagrams:
+                plot_reliability(diagrams, out / "reliability.png",
+                                 title="Confidence head: predicted vs empirical prefix survival")
+                pngs["reliability"] = "reliability.png"
+        files["plots"] = pngs
+    results["files"] = files
+    (out / "results.md").write_text(render_markdown(results), encoding="utf-8")
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, out / "results.json")
+
+
+def _fmt(x: Any, nd: int = 2) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, int):
+        return str(x)
+    return f"{float(x):.{nd}f}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+    """results.md: Table-1 style τ row (+ the paper's row), details, positions, calibration."""
+    cfg = results["config"]
+    names = list(cfg["datasets"])
+    ds = results["datasets"]
+    mean = results["mean"]
+    g = int(cfg["gamma"])
+    out = ["# Speculative decoding evaluation", "",
+           f"- target: `{cfg['target']}`; draft: `{cfg['draft']}` ({cfg['draft_type']}, γ = {g})",
+           f"- T = {cfg['temperature']:g}, max_new_tokens = {cfg['max_new_tokens']}, "
+           f"seed = {cfg['seed']}, batch size = {cfg['batch_size']}, verifier = {cfg['verifier']}, "
+           f"thinking {'on' if cfg['enable_thinking'] else 'off'}, first turn only",
+           f"- prompts evaluated: {mean['num_evaluated']}, skipped (prompt + output over the "
+           f"cache limit {cfg['max_cache_len']}): {mean['num_skipped']}", "",
+           "## Accepted length τ (paper Table 1 layout)", ""]
+    header = ["target", "drafter"] + names + ["Mean"]
+    rows = [[f"`{cfg['target']}`", f"{cfg['draft_type']} (ours)"]
+            + [_fmt(ds[n]["tau"]) for n in names] + [_fmt(mean["tau"])]]
+    ref = results.get("paper_reference")
+    if ref is not None:
+        rows.append([_PAPER_TARGET_NAMES[ref["target"]],
+                     f"{_PAPER_DRAFTER_NAMES[ref['drafter']]} (paper)"]
+                    + [_fmt(ref["tau"].get(n)) for n in names] + [_fmt(ref["mean_over_evaluated"])])
+    out += _table(header, rows)
+    if ref is not None:
+        out += ["", f"Paper row: {ref['label']}; its Mean is over the datasets evaluated here."]
+    out += ["", "## Per dataset", ""]
+    base = cfg["baseline"]
+    header = ["dataset", "samples", "skipped", "rounds", "τ", "verify rate", "tok/s",
+              "tok/s (excl. compile)", "mean out len"]
+    if base:
+        header += ["AR tok/s (excl. compile)", "speedup (excl. compile)", "speedup (wall)"]
+    if cfg["has_confidence_head"]:
+        header += ["mean ECE", "mean AUROC"]
+    rows = []
+    for n in names + ["mean"]:
+        e = ds[n] if n != "mean" else mean
+        r = [f"**{n}**" if n == "mean" else n, _fmt(e["num_evaluated"]), _fmt(e["num_skipped"]),
+             _fmt(e["rounds"]), _fmt(e["tau"]), _fmt(e["verify_rate"], 3),
+             _fmt(e["tokens_per_s"], 1), _fmt(e["tokens_per_s_excl_compile"], 1),
+             _fmt(e["mean_output_tokens"], 1)]
+        if base:
+            b = e.get("baseline") if n != "mean" else None
+            if n == "mean":
+                r += ["", _fmt(mean["speedup_excl_compile"]) + "×", _fmt(mean["speedup"]) + "×"]
+            else:
+                r += [_fmt(b and b["tokens_per_s_excl_compile"], 1),
+                      _fmt(b and b["speedup_excl_compile"]) + "×", _fmt(b and b["speedup"]) + "×"]
+        if cfg["has_confidence_head"]:
+            c = e.get("calibration") if n != "mean" else results.get("calibration")
+            r += [_fmt(c and c["mean_ece"], 3), _fmt(c and c["mean_auroc"], 3)]
+        rows.append(r)
+    out += _table(header, rows)
+    out += ["", "## Acceptance by draft position", "",
+            "Cumulative accept_rate@k = P(first k drafts all accepted) (DeepSpec); conditional "
+            "= accept_rate@k / accept_rate@k−1 (paper Figure 2).", ""]
+    header = ["dataset", "kind"] + [f"@{k + 1}" for k in range(g)]
+    rows = []
+    for n in names + ["mean"]:
+        e = ds[n] if n != "mean" else mean
+        rows.append([n, "cumulative"] + [_fmt(v, 3) for v in e["accept_rate_at"]])
+        rows.append([n, "conditional"] + [_fmt(v, 3) for v in e["conditional_acceptance"]])
+    out += _table(header, rows)
+    cal = results.get("calibration")
+    if cal is not None:
+        out += ["", "## Confidence calibration (all datasets pooled)", "",
+                "Predicted prefix survival Π_{j≤k} σ(c_j) vs. slots ≤ k accepted; ECE with 20 "
+                "bins (SPEC §7).", ""]
+        rows = [[str(s["slot"] + 1), str(s["n"]), _fmt(s["mean_confidence"], 3),
+                 _fmt(s["accuracy"], 3), _fmt(s["ece"], 3), _fmt(s["auroc"], 3),
+                 _fmt(s["brier"], 3)] for s in cal["slots"]]
+        rows.append(["mean", "", "", "", _fmt(cal["mean_ece"], 3), _fmt(cal["mean_auroc"], 3),
+                     _fmt(cal["mean_brier"], 3)])
+        out += _table(["slot", "n", "mean confidence", "accuracy", "ECE", "AUROC", "Brier"], rows)
+    plots = results.get("files", {}).get("plots", {})
+    if plots:
+        out += ["", "## Plots", ""] + [f"![{k}]({v})" for k, v in plots.items()]
+    return "\n".join(out) + "\n"
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------
+
+def _max_samples_arg(text: str) -> int | str | None:
+    if text in ("default", "all"):
+        return None if text == "all" else "default"
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, 'default' or 'all', got {text!r}")
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be ≥ 0")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark_jax.evaluate",
+        description="Offline speculative-decoding evaluation of a drafter (DeepSpec protocol: "
+                    "SPEC §6/§7): τ, acceptance by position, throughput, calibration.")
+    p.add_argument("--target", required=True,
+                   help="embedded target name (smollm2-135m-instruct) or a Hugging Face directory")
+    p.add_argument("--draft", required=True, help="drafter checkpoint directory (DeepSpec format)")
+    p.add_argument("--data-dir", required=True,
+                   help="directory of <name>.jsonl prompt files ({'turns': [...]} per line)")
+    p.add_argument("--datasets", default=None,
+                   help="comma-separated dataset names (default: the DeepSpec datasets present)")
+    p.add_argument("--max-samples", type=_max_samples_arg, default="default",
+                   help="samples per dataset: an int, 'all', or 'default' (DeepSpec's caps: "
+                        + ", ".join(f"{k} {v}" for k, v in DEFAULT_EVAL_SAMPLES.items()) + ")")
+    p.add_argument("--seed", type=int, default=DEEPSPEC_EVAL_SEED,
+                   help="subsampling and sampling seed (default %(default)s)")
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    p.add_argument("--max-cache-len", type=int, default=None,
+                   help="cache limit; longer prompt + max_new_tokens are skipped "
+                        "(default: the target's max_position_embeddings)")
+    p.add_argument("--out", default=DEFAULT_OUT_DIR, help="output directory (default %(default)s)")
+    p.add_argument("--baseline", action="store_true",
+                   help="also run plain autoregressive decoding and report the speedup")
+    p.add_argument("--verifier", choices=("jax", "pallas"), default="jax")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="target compute/param dtype")
+    p.add_argument("--enable-thinking", action="store_true",
+                   help="render prompts with thinking enabled (protocol: off)")
+    p.add_argument("--system-prompt", default=None, help="system prompt (protocol: none)")
+    p.add_argument("--paper-ref", default="auto",
+                   help="paper Table 1 row to show: auto, none, or TARGET/DRAFTER "
+                        "(e.g. qwen3_4b/dspark)")
+    p.add_argument("--save-outputs", action="store_true",
+                   help="store generated ids and text in records.jsonl")
+    p.add_argument("--rounds-per-call", type=int, default=None,
+                   help="speculative rounds per device call (default: until the batch is done)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 on bad input)."""
+    args = build_parser().parse_args(argv)
+    from dspark_jax.models.config import ConfigError
+
+    try:
+        results = evaluate(
+            args.target, args.draft, args.data_dir, datasets=args.datasets,
+            max_samples=args.max_samples, seed=args.seed, temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, out_dir=args.out,
+            baseline=args.baseline, verifier=args.verifier, max_cache_len=args.max_cache_len,
+            enable_thinking=args.enable_thinking, system_prompt=args.system_prompt,
+            dtype=args.dtype, paper_reference=args.paper_ref, save_outputs=args.save_outputs,
+            rounds_per_call=args.rounds_per_call, progress=not args.no_progress,
+            plots=not args.no_plots)
+    except (EvalDatasetError, ConfigError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render_markdown(results))
+    print(f"wrote {Path(args.out) / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

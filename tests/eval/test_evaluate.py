@@ -1,0 +1,386 @@
+"""Offline evaluation (dspark_jax.evaluate; SPEC §6/§7): the numbers in results.json are the
+ones the raw per-round records imply, files are valid, the protocol's prompt handling and the
+bad-input paths behave, and the CLI runs in-process.
+
+The tiny setup is a random 3-layer target with the SmolLM2 vocabulary (49152 ids) saved next to
+the SmolLM2 tokenizer files, so the real chat template renders the prompts; the drafter is a
+random 1-layer DSpark with a confidence head. `tiny_eval_env` builds it (and one evaluation run)
+once per process; `test_notebook.py` reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dspark_jax.data.chat import render_prompt
+from dspark_jax.data.prompts import load_eval_dataset
+from dspark_jax.eval.calibration import calibration_report, verified_mask
+from dspark_jax.evaluate import (EvalDatasetError, RESULTS_SCHEMA, build_parser, evaluate, main,
+                                 paper_reference_for)
+from dspark_jax.models import Draft
+from dspark_jax.models.config import ConfigError
+
+PROMPTS = {
+    "alpha": ["What is 2+2?", "Name a colour.", "Say hi to the reader."],
+    # the second prompt (~300 tokens) does not fit the tiny target's 256-token cache limit
+    "beta": ["Count to three.", "word " * 300, "Why is the sky blue?"],
+}
+DRAFT_CFG = dict(block_size=4, num_draft_layers=1, mask_token_id=0, markov_rank=8)
+MAX_NEW = 12
+RUN_KW = dict(max_new_tokens=MAX_NEW, batch_size=2, progress=False)
+
+_ENV: dict[str, Any] = {}
+
+
+def _write_datasets(root: pathlib.Path) -> pathlib.Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, turns in PROMPTS.items():
+        lines = [json.dumps({"turns": [t, "a second turn that must be ignored"]}) for t in turns]
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _build_env(base: pathlib.Path) -> dict[str, Any]:
+    from dspark_jax.models import init_draft, load_target
+    from dspark_jax.models.config import DecoderConfig
+    from dspark_jax.models.decoder import create_target
+    from dspark_jax.models.hf_io import export_hf_target
+    from dspark_jax.models.tokenizer import load_tokenizer
+
+    cfg = DecoderConfig(family="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, tie_word_embeddings=True, max_position_embeddings=256,
+                        bos_token_id=1, eos_token_id=2)
+    tdir = base / "target"
+    export_hf_target(create_target(cfg, seed=0), tdir)
+    load_tokenizer("smollm2-135m-instruct").hf.save_pretrained(tdir)
+    target = load_target(tdir)
+    draft = init_draft(target, DRAFT_CFG, seed=1)
+    ddir = base / "draft"
+    draft.save(ddir)
+    data = _write_datasets(base / "data")
+    out = base / "run"
+    results = evaluate(target, draft, data, datasets=["alpha", "beta"], out_dir=out,
+                       baseline=True, save_outputs=True, **RUN_KW)
+    return dict(target=target, draft=draft, target_dir=tdir, draft_dir=ddir, data=data, out=out,
+                results=results)
+
+
+def tiny_eval_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny target/draft/datasets and one finished evaluation.
+
+    Built once per test session: under pytest-xdist the first worker builds it in the session's
+    shared temp root (under a file lock) and the others load the saved target/draft/results.
+    """
+    if _ENV:
+        return _ENV
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    shared = root / "tiny_eval_shared"
+    with FileLock(str(root / "tiny_eval_shared.lock")):
+        if (shared / "run" / "results.json").is_file():
+            from dspark_jax.models import load_draft, load_target
+
+            target = load_target(shared / "target")
+            _ENV.update(target=target, draft=load_draft(shared / "draft", target=target),
+                        target_dir=shared / "target", draft_dir=shared / "draft",
+                        data=shared / "data", out=shared / "run",
+                        results=json.loads((shared / "run" / "results.json").read_text()))
+        else:
+            _ENV.update(_build_env(shared))
+    return _ENV
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return tiny_eval_env(tmp_path_factory)
+
+
+def _records(out: pathlib.Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------
+# results.json contents
+# ------------------------------------------------------------------------------------------
+
+DATASET_KEYS = {"num_prompts", "num_evaluated", "num_skipped", "skipped_ids", "rounds", "gamma",
+                "tau", "verify_rate", "accept_rate_at", "conditional_acceptance",
+                "total_accepted", "total_proposed", "num_output_tokens", "mean_output_tokens",
+                "mean_prompt_tokens", "wall_s", "compile_s", "tokens_per_s",
+                "tokens_per_s_excl_compile", "calibration", "baseline"}
+
+
+def test_results_json_has_documented_keys(env):
+    res = json.loads((env["out"] / "results.json").read_text())
+    assert res["schema"] == RESULTS_SCHEMA
+    assert {"schema", "config", "environment", "datasets", "mean", "calibration",
+            "paper_reference", "total_wall_s", "files"} <= set(res)
+    cfg = res["config"]
+    assert cfg["datasets"] == ["alpha", "beta"] and cfg["gamma"] == 4
+    assert cfg["temperature"] == 1.0 and cfg["max_new_tokens"] == MAX_NEW
+    assert cfg["enable_thinking"] is False and cfg["first_turn_only"] is True
+    assert cfg["has_confidence_head"] is True and cfg["baseline"] is True
+    for name in ("alpha", "beta"):
+        e = res["datasets"][name]
+        assert DATASET_KEYS <= set(e), DATASET_KEYS - set(e)
+        assert e["rounds"] > 0 and e["tau"] >= 1.0
+        assert len(e["accept_rate_at"]) == len(e["conditional_acceptance"]) == 4
+        assert e["tokens_per_s"] > 0 and 0 <= e["compile_s"] <= e["wall_s"]
+        assert set(e["baseline"]) >= {"tokens_per_s", "speedup", "speedup_excl_compile",
+                                      "wall_s", "num_output_tokens"}
+        assert e["baseline"]["speedup"] > 0
+        assert set(e["calibration"]) >= {"mean_ece", "mean_auroc", "mean_brier", "slots"}
+        assert len(e["calibration"]["slots"]) == 4
+    assert {"tau", "verify_rate", "accept_rate_at", "conditional_acceptance", "speedup",
+            "tokens_per_s"} <= set(res["mean"])
+    # alpha/beta are not paper datasets: no reference row
+    assert res["paper_reference"] is None
+    # the returned dict is what was written (up to float formatting)
+    returned = env["results"]["datasets"]["alpha"]["tau"]
+    assert res["datasets"]["alpha"]["tau"] == pytest.approx(returned)
+
+
+def test_statistics_recomputed_from_raw_records(env):
+    res = json.loads((env["out"] / "results.json").read_text())
+    recs = _records(env["out"])
+    g = res["config"]["gamma"]
+    taus = []
+    for name in ("alpha", "beta"):
+        rs = [r for r in recs if r["dataset"] == name]
+        e = res["datasets"][name]
+        assert len(rs) == e["num_evaluated"]
+        prop = np.array([p for r in rs for p in r["proposed"]])
+        acc = np.array([a for r in rs for a in r["accepted"]])
+        assert len(prop) == e["rounds"] and (acc <= prop).all() and (prop == g).all()
+        tau = (acc + 1).sum() / len(acc)
+        assert e["tau"] == pytest.approx(tau, rel=1e-12)
+        assert e["verify_rate"] == pytest.approx((acc + 1).sum() / (prop.sum() + len(prop)))
+        cum = [np.sum(acc >= k + 1) / np.sum(prop > k) for k in range(g)]
+        assert e["accept_rate_at"] == pytest.approx(cum)
+        for k in range(g):
+            assert 0.0 <= e["accept_rate_at"][k] <= 1.0
+            c = e["conditional_acceptance"][k]
+            if k == 0:
+                assert c == pytest.approx(cum[0])
+            elif cum[k - 1] > 0:
+                assert c == pytest.approx(cum[k] / cum[k - 1])
+                assert 0.0 <= c <= 1.0
+            else:
+                assert c is None
+        # every round emits accepted + 1 tokens at most (one more from the prefill)
+        for r in rs:
+            assert 1 <= r["output_tokens"] <= 1 + sum(a + 1 for a in r["accepted"])
+            assert r["output_tokens"] <= MAX_NEW and len(r["output_ids"]) == r["output_tokens"]
+        n_tok = sum(r["output_tokens"] for r in rs)
+        assert e["num_output_tokens"] == n_tok
+        assert e["mean_output_tokens"] == pytest.approx(n_tok / len(rs))
+        taus.append(tau)
+    assert res["mean"]["tau"] == pytest.approx(np.mean(taus))
+
+
+def test_calibration_recomputed_from_confidence_logits(env):
+    res = json.loads((env["out"] / "results.json").read_text())
+    recs = _records(env["out"])
+    conf = np.load(env["out"] / "confidence.npz")
+    all_l, all_p, all_a = [], [], []
+    for name in ("alpha", "beta"):
+        rs = [r for r in recs if r["dataset"] == name]
+        prop = np.array([p for r in rs for p in r["proposed"]])
+        acc = np.array([a for r in rs for a in r["accepted"]])
+        logits = conf[name]
+        assert logits.shape == (len(acc), 4) and np.isfinite(logits).all()
+        rep = calibration_report(logits, acc, mask=verified_mask(prop, 4))
+        got = res["datasets"][name]["calibration"]
+        assert got["mean_ece"] == pytest.approx(rep.mean_ece)
+        assert [s["ece"] for s in got["slots"]] == pytest.approx([s.ece for s in rep.slots])
+        assert [s["brier"] for s in got["slots"]] == pytest.approx([s.brier for s in rep.slots])
+        all_l.append(logits), all_p.append(prop), all_a.append(acc)
+    pooled = calibration_report(np.concatenate(all_l), np.concatenate(all_a),
+                                mask=verified_mask(np.concatenate(all_p), 4))
+    assert res["calibration"]["mean_ece"] == pytest.approx(pooled.mean_ece)
+    assert [s["n"] for s in res["calibration"]["slots"]] == [s.n for s in pooled.slots]
+
+
+def test_protocol_prompts_subsampling_and_overlong_skip(env):
+    res = env["results"]
+    recs = _records(env["out"])
+    tok = env["target"].tokenizer
+    beta = res["datasets"]["beta"]
+    assert beta["num_prompts"] == 3 and beta["num_evaluated"] == 2 and beta["num_skipped"] == 1
+    assert beta["skipped_ids"] == ["beta-1"]
+    assert res["mean"]["num_skipped"] == 1
+    assert {r["id"] for r in recs} == {"alpha-0", "alpha-1", "alpha-2", "beta-0", "beta-2"}
+    for r in recs:
+        conv = load_eval_dataset(env["data"], r["dataset"], None)[r["index"]]
+        assert conv.id == r["id"] and len(conv.messages) == 1  # first turn only
+        ids = render_prompt(conv.messages, tok, enable_thinking=False)
+        assert r["prompt_tokens"] == len(ids)
+    # the generation prompt is on: the rendered prompt ends with the assistant header
+    ids = render_prompt(load_eval_dataset(env["data"], "alpha", None)[0].messages, tok)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_png_files_are_valid(env):
+    import matplotlib.image
+
+    res = json.loads((env["out"] / "results.json").read_text())
+    plots = res["files"]["plots"]
+    assert set(plots) == {"tau", "conditional_acceptance", "accept_rate", "reliability"}
+    for rel in plots.values():
+        path = env["out"] / rel
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        img = matplotlib.image.imread(path)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+        assert float(img[..., :3].std()) > 0.01  # not a blank canvas
+
+
+def test_results_markdown(env):
+    md = (env["out"] / "results.md").read_text()
+    res = env["results"]
+    assert "| target | drafter | alpha | beta | Mean |" in md
+    assert f"{res['datasets']['alpha']['tau']:.2f}" in md
+    assert f"{res['mean']['tau']:.2f}" in md
+    assert "conditional" in md and "ECE" in md and "speedup" in md
+
+
+def test_greedy_speculative_equals_autoregressive_baseline(env, tmp_path):
+    res = evaluate(env["target"], env["draft"], env["data"], datasets="alpha,beta",
+                   temperature=0.0, baseline=True,
+                   save_outputs=True, out_dir=tmp_path, plots=False, **RUN_KW)
+    recs = _records(tmp_path)
+    assert len(recs) == 5
+    for r in recs:  # lossless: T = 0 speculative output is the target's greedy output
+        assert r["output_ids"] == r["baseline_output_ids"]
+    assert res["mean"]["speedup"] > 0
+    assert not (tmp_path / "tau.png").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs
+# ------------------------------------------------------------------------------------------
+
+def test_missing_dataset_lists_available(env):
+    with pytest.raises(EvalDatasetError, match=r"\['nope'\].*available: \['alpha', 'beta'\]"):
+        evaluate(env["target"], env["draft"], env["data"], datasets=["alpha", "nope"], **RUN_KW)
+    # no protocol dataset in the directory and none requested
+    with pytest.raises(EvalDatasetError, match="available: \\['alpha', 'beta'\\]"):
+        evaluate(env["target"], env["draft"], env["data"], **RUN_KW)
+    with pytest.raises(EvalDatasetError, match="does not exist"):
+        evaluate(env["target"], env["draft"], env["data"] / "missing", datasets="alpha", **RUN_KW)
+
+
+def test_draft_for_another_target_raises_config_error(env):
+    d = env["draft"]
+    other = d.config.replace(target=d.config.target.replace(hidden_size=64))
+    with pytest.raises(ConfigError, match="hidden_size"):
+        evaluate(env["target"], Draft(other, d.graphdef, d.state), env["data"],
+                 datasets="alpha", **RUN_KW)
+
+
+def test_bad_arguments(env):
+    for kw in (dict(max_new_tokens=0), dict(batch_size=0), dict(temperature=-1.0),
+               dict(verifier="cuda"), dict(max_samples="some")):
+        with pytest.raises(ValueError):
+            evaluate(env["target"], env["draft"], env["data"], datasets="alpha",
+                     **{**RUN_KW, **kw})
+
+
+def test_all_prompts_too_long_for_cache_limit_are_skipped(env, tmp_path):
+    res = evaluate(env["target"], env["draft"], env["data"], datasets="alpha",
+                   max_cache_len=20, out_dir=tmp_path, plots=False, **RUN_KW)
+    a = res["datasets"]["alpha"]
+    assert a["num_skipped"] == 3 and a["num_evaluated"] == 0 and a["rounds"] == 0
+    assert a["tau"] is None
+    assert json.loads((tmp_path / "results.json").read_text())["mean"]["num_skipped"] == 3
+
+
+# ------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------
+
+def test_cli_defaults_follow_the_protocol():
+    args = build_parser().parse_args(["--target", "t", "--draft", "d", "--data-dir", "x"])
+    assert (args.temperature, args.max_new_tokens, args.seed, args.max_samples) == \
+        (1.0, 2048, 980406, "default")
+    assert args.batch_size == 8 and not args.baseline and args.verifier == "jax"
+    assert not args.enable_thinking and args.system_prompt is None
+    args = build_parser().parse_args(["--target", "t", "--draft", "d", "--data-dir", "x",
+                                      "--max-samples", "all", "--verifier", "pallas"])
+    assert args.max_samples is None and args.verifier == "pallas"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--target", "t", "--draft", "d", "--data-dir", "x",
+                                   "--max-samples", "-3"])
+
+
+def test_cli_runs_in_process(env, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main(["--target", str(env["target_dir"]), "--draft", str(env["draft_dir"]),
+               "--data-dir", str(env["data"]), "--datasets", "alpha", "--max-samples", "2",
+               "--max-new-tokens", str(MAX_NEW), "--batch-size", "2", "--temperature", "0",
+               "--out", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["max_samples"] == {"alpha": 2} and res["config"]["temperature"] == 0.0
+    assert res["datasets"]["alpha"]["num_prompts"] == 2
+    # DeepSpec's seeded subsample of 2 out of 3
+    want = [c.id for c in load_eval_dataset(env["data"], "alpha", 2, seed=980406)]
+    assert sorted(r["id"] for r in _records(out)) == sorted(want)
+    assert "| target | drafter | alpha | Mean |" in capsys.readouterr().out
+    # errors: missing dataset → exit 2 with the available names
+    rc = main(["--target", str(env["target_dir"]), "--draft", str(env["draft_dir"]),
+               "--data-dir", str(env["data"]), "--datasets", "gsm8k", "--out", str(out),
+               "--no-progress"])
+    assert rc == 2
+    assert "available: ['alpha', 'beta']" in capsys.readouterr().err
+
+
+def test_paper_reference_selection():
+    assert paper_reference_for("smollm2-135m-instruct", "dspark") == ("qwen3_4b", "dspark")
+    assert paper_reference_for("/ckpt/Qwen3-8B", "dflash") == ("qwen3_8b", "dflash")
+    assert paper_reference_for("x", "dspark", "qwen3_14b/eagle3") == ("qwen3_14b", "eagle3")
+    assert paper_reference_for("x", "dspark", "none") is None
+    with pytest.raises(ValueError):
+        paper_reference_for("x", "dspark", "llama/dspark")
+
+
+# ------------------------------------------------------------------------------------------
+# real model
+# ------------------------------------------------------------------------------------------
+
+EVAL_DIR = pathlib.Path("/work/shared/eval_datasets")
+
+
+@pytest.mark.slow
+def test_real_smollm2_random_draft_gsm8k(tmp_path):
+    if not (EVAL_DIR / "gsm8k.jsonl").is_file():
+        pytest.skip(f"{EVAL_DIR}/gsm8k.jsonl not available")
+    from dspark_jax.models import init_draft, load_target
+
+    target = load_target("smollm2-135m-instruct")
+    draft = init_draft(target, dict(block_size=4, num_draft_layers=1, markov_rank=16), seed=0)
+    res = evaluate(target, draft, EVAL_DIR, datasets="gsm8k", max_samples=2, max_new_tokens=24,
+                   batch_size=2, out_dir=tmp_path, progress=False)
+    g = res["datasets"]["gsm8k"]
+    assert g["num_evaluated"] == 2 and g["rounds"] > 0
+    recs = _records(tmp_path)
+    acc = np.array([a for r in recs for a in r["accepted"]])
+    assert g["tau"] == pytest.approx((acc + 1).mean())
+    assert 1.0 <= g["tau"] <= 5.0
+    want = [c.id for c in load_eval_dataset(EVAL_DIR, "gsm8k", 2)]
+    assert sorted(r["id"] for r in recs) == sorted(want)
+    # gsm8k is a paper dataset: the Qwen3-4B DSpark row is shown for reference
+    assert res["paper_reference"]["tau"]["gsm8k"] == pytest.approx(6.11)
+    assert "DSpark (paper)" in (tmp_path / "results.md").read_text()
+    assert math.isfinite(res["calibration"]["mean_ece"])
