@@ -91,15 +91,11 @@ def apply_temperatures(logits: Any, temperatures: Any) -> Any:
     Returns a JAX array for JAX input (usable under ``jit``), numpy otherwise.  These are the
     *conditional* confidences ``c_k`` the scheduler consumes (it forms the cumulative product).
     """
-    try:
-        import jax
+    import jax
+    import jax.numpy as jnp
 
-        if isinstance(logits, jax.Array):
-            import jax.numpy as jnp
-
-            return jax.nn.sigmoid(logits / jnp.asarray(temperatures, logits.dtype))
-    except ImportError:  # pragma: no cover - jax is a hard dependency of the project
-        pass
+    if isinstance(logits, jax.Array):
+        return jax.nn.sigmoid(logits / jnp.asarray(temperatures, logits.dtype))
     return sigmoid(np.asarray(logits, np.float64) / np.asarray(temperatures, np.float64))
 
 
