@@ -113,3 +113,22 @@ def test_mismatched_and_corrupted_checkpoints(target, tmp_path):
     (bad / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="invalid JSON"):
         load_draft(bad)
+
+
+def test_block_never_sees_context_at_or_after_its_anchor(target, feats):
+    """Visibility (SPEC §3): context strictly before the anchor; the anchor's own feature and
+    everything after it are invisible; the block itself is bidirectional."""
+    draft = init_draft(target, dict(BASE, markov_head_type="rnn"), seed=6)
+    a = 6
+    ref = draft.block_logits(feats, 9, anchor_position=a)["logits"]
+    later = feats.copy()
+    later[a:] = 50.0 * np.random.RandomState(0).randn(*later[a:].shape)
+    np.testing.assert_array_equal(draft.block_logits(later, 9, anchor_position=a)["logits"], ref)
+    earlier = feats.copy()
+    earlier[a - 1] *= 3.0
+    assert np.abs(draft.block_logits(earlier, 9, anchor_position=a)["logits"] - ref).max() > 1e-4
+    # bidirectional inside the block: slot 0's base logits depend on what follows it only via
+    # mask tokens, so changing the mask token id changes slot 0
+    other = init_draft(target, dict(BASE, markov_head_type="rnn", mask_token_id=95), seed=6)
+    assert np.abs(other.block_logits(feats, 9, anchor_position=a)["base_logits"][0]
+                  - draft.block_logits(feats, 9, anchor_position=a)["base_logits"][0]).max() > 1e-5

@@ -172,6 +172,15 @@ def test_export_round_trip_loads_in_transformers(ckpts, tmp_path):
     assert np.abs(ref - target.logits(ids)).max() <= 1e-4
 
 
+def test_sharded_safetensors_index_loads(ckpts, tmp_path):
+    hf = load_hf(ckpts["qwen3_untied_hd16"])
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    ids = _ids(1, 7)
+    ref = load_target(ckpts["qwen3_untied_hd16"]).logits(ids)
+    np.testing.assert_array_equal(load_target(tmp_path / "sharded").logits(ids), ref)
+
+
 def test_bf16_forward_is_close(ckpts):
     path = ckpts["qwen3_tied"]
     ref = load_target(path).logits(_ids(1, 12))
