@@ -274,7 +274,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
         draft = load_draft(draft, target=target)
     check_compatible(target, draft)  # ConfigError before any work
     dcfg = draft.config
-    gamma = int(dcfg.block_size)
+    gamma = int(dcfg.num_drafts)
     draft_type = dcfg.model_type
     if draft_label == "draft":
         draft_label = draft_type

@@ -52,6 +52,7 @@ class DSparkAdapter:
         visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
         h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
                            jnp.ones((B, 1), bool))[:, 0]                     # [B,γ,D]
+        h = model.draft_slots(h)
         return model.sample_block(h, anchor, key, temperature, sample_fn)
 
 
@@ -73,7 +74,7 @@ class Eagle3Adapter:
                 key: jax.Array, temperature: jax.Array, sample_fn: Callable
                 ) -> dict[str, jax.Array]:
         del anchor, anchor_pos  # the last committed pair already ends with the anchor
-        out = model.propose(cache, key, temperature, model.cfg.block_size, sample_fn)
+        out = model.propose(cache, key, temperature, model.cfg.num_drafts, sample_fn)
         B, g = out["tokens"].shape
         out.setdefault("confidence", jnp.zeros((B, g), jnp.float32))
         return out

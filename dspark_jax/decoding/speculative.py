@@ -89,7 +89,7 @@ def _prefill(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
     dcache = adapter.init_cache(draft, B, cache_len)
     dcache = adapter.commit(draft, dcache, out.taps, jnp.zeros((B,), jnp.int32), lens, nxt)
     buf = jnp.full((B, max_new), -1, jnp.int32).at[:, 0].set(anchor)
-    g = cfg.block_size
+    g = cfg.num_drafts
     return SpecState(cache=out.cache.with_lengths(lens), draft_cache=dcache, anchor=anchor,
                      out=buf, num_out=jnp.ones((B,), jnp.int32),
                      done=is_stop(anchor, stop_ids) | (max_new <= 1), key=key,
@@ -107,7 +107,7 @@ def _round(target: Any, draft: Any, s: SpecState, verify_mask: jax.Array,
 
     cfg = draft.cfg
     adapter = adapter_for(cfg.model_type)
-    g = cfg.block_size
+    g = cfg.num_drafts
     B, max_new = s.out.shape
     active = ~s.done
     anchor_pos = s.cache.lengths
@@ -203,7 +203,7 @@ def spec_loop(target_gd, draft_gd, target_state, draft_state, s: SpecState, temp
     """Rounds on device until every request is done (or `num_rounds` more rounds ran)."""
     target = nnx.merge(target_gd, target_state)
     draft = nnx.merge(draft_gd, draft_state)
-    g = draft.cfg.block_size
+    g = draft.cfg.num_drafts
     start = s.rounds
 
     def cond(s: SpecState):
@@ -253,7 +253,7 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     check_compatible(target, draft)
     settings = settings or SpecSettings()
     cfg = target.config
-    g = draft.config.block_size
+    g = draft.config.num_drafts
     default_stops = getattr(target.tokenizer, "stop_token_ids", None) or cfg.stop_token_ids
     stops = stop_array(stop_token_ids, default_stops)
     # room for the prompt, the output and one verification pass of γ+1 tokens past it

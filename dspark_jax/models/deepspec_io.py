@@ -85,6 +85,7 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
         fields["num_draft_layers"] = n_draft
     # our training-only fields, if this checkpoint was written by dspark_jax
     for key in ("num_anchors", "confidence_head_alpha", "loss_decay_gamma", "decay_convention",
+                "block_convention",
                 "ce_loss_alpha", "l1_loss_alpha", "step_loss_decay"):
         if key in ours:
             fields[key] = ours[key]

@@ -63,8 +63,8 @@ class Draft:
             pos = jnp.arange(S, dtype=jnp.int32)[None]
             ck, cv = m.context_kv(feats[None], pos)
             visible = (jnp.arange(S) < anchor_pos)[None, None]
-            h = m.backbone(anchor[None, None], anchor_pos[None, None], ck, cv, visible,
-                           jnp.ones((1, 1), bool))[0, 0]
+            h = m.draft_slots(m.backbone(anchor[None, None], anchor_pos[None, None], ck, cv,
+                                         visible, jnp.ones((1, 1), bool))[0, 0])
             logits, conf = m.heads_teacher_forced(h, prev)
             return m.base_logits(h), logits, conf
 
@@ -86,10 +86,10 @@ class Draft:
             raise ValueError(f"context_features must be [S, {want}], got {feats.shape}")
         S = feats.shape[0]
         pos = S if anchor_position is None else int(anchor_position)
-        prev = np.full((cfg.block_size,), anchor_token) if prev_tokens is None \
-            else np.asarray(prev_tokens)
-        if prev.shape != (cfg.block_size,):
-            raise ValueError(f"prev_tokens must have length block_size={cfg.block_size}")
+        g = cfg.num_drafts
+        prev = np.full((g,), anchor_token) if prev_tokens is None else np.asarray(prev_tokens)
+        if prev.shape != (g,):
+            raise ValueError(f"prev_tokens must have length {g} (one per draft slot)")
         base, logits, conf = self._jit_block(self.state, jnp.asarray(feats),
                                              jnp.asarray(anchor_token, jnp.int32),
                                              jnp.asarray(pos, jnp.int32),
@@ -127,15 +127,18 @@ def init_draft(target: Any, draft_config: DraftConfig | Mapping[str, Any], seed:
 
 
 def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float32",
-               param_dtype: Any = "float32") -> Draft:
+               param_dtype: Any = "float32", block_convention: str | None = None) -> Draft:
     """Loads a DeepSpec-format drafter directory (ours are the same format).
 
     With `target`, checks that the drafter was built for it (vocabulary, width, layer ids).
+    `block_convention` overrides the checkpoint's ("zlab" for z-lab DFlash checkpoints).
     """
     from dspark_jax.models.deepspec_io import read_deepspec_dir
     from dspark_jax.models.hf_io import build_from_pure
 
     cfg, pure = read_deepspec_dir(path, target.config if target is not None else None)
+    if block_convention is not None:
+        cfg = cfg.replace(block_convention=block_convention)
     if target is not None:
         validate_against_target(cfg, target.config, source=str(path))
     dtype, param_dtype = resolve_dtype(dtype), resolve_dtype(param_dtype)

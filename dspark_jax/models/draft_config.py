@@ -13,6 +13,9 @@ from typing import Any, Mapping, Sequence
 from dspark_jax.models.config import ConfigError, DecoderConfig
 
 MODEL_TYPES = ("dspark", "dflash", "eagle3")
+# "deepspec": slot k of the block [x0, M, …, M] predicts position p+k+1 (γ drafts);
+# "zlab": z-lab's DFlash, slot k predicts position p+k (slot 0 is the anchor: γ−1 drafts)
+BLOCK_CONVENTIONS = ("deepspec", "zlab")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DECAY_CONVENTIONS = ("deepspec", "paper")
 
@@ -48,6 +51,7 @@ class DraftConfig:
     confidence_head_with_markov: bool = True
     loss_decay_gamma: float = 4.0
     decay_convention: str = "deepspec"
+    block_convention: str = "deepspec"
     ce_loss_alpha: float = 0.1
     l1_loss_alpha: float = 0.9
     # Eagle3
@@ -92,6 +96,10 @@ class DraftConfig:
             bad("loss_decay_gamma", "must be > 0")
         if self.decay_convention not in DECAY_CONVENTIONS:
             bad("decay_convention", f"{self.decay_convention!r} not one of {DECAY_CONVENTIONS}")
+        if self.block_convention not in BLOCK_CONVENTIONS:
+            bad("block_convention", f"{self.block_convention!r} not one of {BLOCK_CONVENTIONS}")
+        if self.block_convention == "zlab" and self.block_size < 2:
+            bad("block_size", "the zlab convention needs block_size ≥ 2 (slot 0 is the anchor)")
         if self.ttt_length < 1:
             bad("ttt_length", "must be ≥ 1")
         if self.model_type in ("dflash", "eagle3") and (self.markov_rank
@@ -114,8 +122,11 @@ class DraftConfig:
         return self.model_type == "dspark" and self.enable_confidence_head
 
     @property
-    def gamma(self) -> int:
-        """Draft tokens per round: the block size (DSpark/DFlash) or the TTT chain length."""
+    def num_drafts(self) -> int:
+        """Draft tokens per round γ: the block size (DeepSpec convention, Eagle3's chain) or
+        block size − 1 under z-lab's convention."""
+        if self.model_type != "eagle3" and self.block_convention == "zlab":
+            return self.block_size - 1
         return self.block_size
 
     def layer_config(self) -> DecoderConfig:

@@ -144,6 +144,11 @@ class DSparkDraft(nnx.Module):
         h = L.rms_norm(h, self.norm.get_value(), eps)
         return constrain(h, ("batch", None, None, "act_embed"))
 
+    def draft_slots(self, h: jax.Array) -> jax.Array:
+        """The block outputs that predict draft tokens, [..., γ_drafts, D] (drops slot 0 under
+        z-lab's convention, where it sits on the anchor)."""
+        return h[..., 1:, :] if self.cfg.block_convention == "zlab" else h
+
     def base_logits(self, h: jax.Array) -> jax.Array:
         return jnp.einsum("...D,VD->...V", h, self.lm_head.get_value().astype(h.dtype),
                           preferred_element_type=jnp.float32)

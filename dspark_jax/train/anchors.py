@@ -72,9 +72,11 @@ def build_blocks(input_ids: jax.Array, loss_mask: jax.Array, anchors: jax.Array,
                         eval_mask=eval_mask, target_pos=prev_pos)
 
 
-def position_weights(block_size: int, decay_gamma: float, convention: str) -> jax.Array:
-    """w_k before masking: DeepSpec exp(−k/g) (g = loss_decay_gamma) or the paper's
-    exp(−(k₁−1)/γ) with k₁ 1-based (= exp(−k/γ), γ = block size)."""
-    k = jnp.arange(block_size, dtype=jnp.float32)
-    g = decay_gamma if convention == "deepspec" else float(block_size)
+def position_weights(num_slots: int, decay_gamma: float, convention: str,
+                     block_size: int | None = None) -> jax.Array:
+    """w_k before masking for draft slots k = 0..num_slots−1: DeepSpec exp(−k/g)
+    (g = loss_decay_gamma) or the paper's exp(−(k₁−1)/γ) with k₁ 1-based (= exp(−k/γ),
+    γ = block size)."""
+    k = jnp.arange(num_slots, dtype=jnp.float32)
+    g = decay_gamma if convention == "deepspec" else float(block_size or num_slots)
     return jnp.exp(-k / g)

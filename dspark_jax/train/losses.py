@@ -79,7 +79,8 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     anchors, valid = sample_anchors(key, loss_mask, cfg.num_anchors, segment_ids)
     A = anchors.shape[1]
-    blocks = build_blocks(input_ids, loss_mask, anchors, valid, cfg.block_size, segment_ids)
+    g = cfg.num_drafts
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, g, segment_ids)
 
     ctx_k, ctx_v = draft.context_kv(feats, positions)
     s_idx = jnp.arange(S)
@@ -90,9 +91,10 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
     visible = visible & valid[..., None]
     anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
     anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)
-    h = draft.backbone(anchor_tok, anchor_pos, ctx_k, ctx_v, visible, valid, remat=remat)
+    h = draft.draft_slots(draft.backbone(anchor_tok, anchor_pos, ctx_k, ctx_v, visible, valid,
+                                         remat=remat))                       # [B,A,γ,D]
 
-    weights = position_weights(cfg.block_size, cfg.loss_decay_gamma, cfg.decay_convention)
+    weights = position_weights(g, cfg.loss_decay_gamma, cfg.decay_convention, cfg.block_size)
     lm_head = draft.lm_head.get_value()
     c = max(1, min(anchor_chunk, A))
     n_chunks = -(-A // c)
@@ -113,8 +115,8 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
         body = jax.checkpoint(body)
     zeros = {k: jnp.zeros((), jnp.float32) for k in ("ce", "l1", "weight", "conf", "conf_abs_err",
                                                       "conf_bias", "tau_sum", "tau_blocks")}
-    zeros["mask"] = jnp.zeros((cfg.block_size,), jnp.float32)
-    zeros["accept"] = jnp.zeros((cfg.block_size,), jnp.float32)
+    zeros["mask"] = jnp.zeros((g,), jnp.float32)
+    zeros["accept"] = jnp.zeros((g,), jnp.float32)
     sums, _ = jax.lax.scan(body, zeros, xs)
     return sums
 
@@ -137,7 +139,7 @@ def metrics_from_sums(sums: dict[str, jax.Array], cfg: DraftConfig) -> dict[str,
            "tau_probabilistic": sums["tau_sum"] / jnp.maximum(sums["tau_blocks"], 1e-6),
            "loss_tokens": sums["weight"]}
     acc = sums["accept"] / jnp.maximum(sums["mask"], 1e-6)
-    for k in range(cfg.block_size):
+    for k in range(cfg.num_drafts):
         out[f"accept_rate@{k}"] = acc[k]
     if cfg.has_confidence:
         out["conf"] = sums["conf"] / w

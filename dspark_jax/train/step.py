@@ -138,6 +138,7 @@ def metrics_fn(cfg: DraftConfig) -> Callable:
 
 @dataclasses.dataclass
 class StepFns:
+    graphdef: Any            # the drafter's graphdef (merge with params + frozen)
     train: Callable          # (state, frozen, target_state, batch) → (state, metrics)
     evaluate: Callable       # (params, frozen, target_state, batch, key) → metrics
     state_shardings: Any
@@ -207,7 +208,7 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                     out_shardings=(state_sh, repl), donate_argnums=(0,))
     evaluate = jax.jit(wrap(eval_step), in_shardings=(param_sh, frozen_sh, target_sh, batch_sh,
                                                       repl), out_shardings=repl)
-    return StepFns(train=train, evaluate=evaluate, state_shardings=state_sh,
+    return StepFns(graphdef=draft_graphdef, train=train, evaluate=evaluate, state_shardings=state_sh,
                    batch_sharding=batch_sh)
 
 

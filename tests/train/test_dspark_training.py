@@ -220,6 +220,22 @@ def test_tiny_draft_overfits(tmp_path_factory):
             break
     assert first < 0.6, f"target not peaked enough for a meaningful test ({first})"
     assert float(m["accept_rate@0"]) > 0.9, (i, first, float(m["accept_rate@0"]))
+    # the same weights read under z-lab's block convention (slot k predicts p+k) are
+    # silently useless (SPEC §3): teacher-forced acceptance collapses
+    from flax import nnx
+
+    from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
+
+    model = nnx.merge(fns.graphdef, state.params, frozen)
+    feats_out = tgt.model(jnp.asarray(b["input_ids"]), tap_layer_ids=(0, 1))
+    rates = {}
+    for conv in ("deepspec", "zlab"):
+        model.cfg = model.cfg.replace(block_convention=conv)
+        sums = dspark_loss_sums(model, feats_out.taps, feats_out.hidden,
+                                jnp.asarray(b["input_ids"]), jnp.asarray(b["loss_mask"]),
+                                jax.random.key(0))
+        rates[conv] = float(metrics_from_sums(sums, model.cfg)["accept_rate@0"])
+    assert rates["deepspec"] > 0.85 and rates["zlab"] < 0.5, rates
 
 
 def test_config_validation_errors(target):

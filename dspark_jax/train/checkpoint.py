@@ -1,0 +1,287 @@
+"""Checkpointing of drafter training (SPEC §4 "checkpoint every 3000 steps"; DeepSpec's trainer
+saves and resumes its runs the same way, here with Orbax; STYLE habit 7).
+
+One `CheckpointManager` factory (`make_checkpoint_manager`) and a thin `TrainCheckpointer` around
+it. Every checkpoint step directory holds three items:
+- `state`: the `TrainState` pytree (fp32 trainable params, optimizer state, step, and the RNG
+  key as its raw `key_data`, re-wrapped on restore with the key implementation recorded in meta);
+- `data`: the grain iterator state, one JSON file per process (grain's own Orbax handler);
+- `meta`: JSON naming the target (name + a hash of its config) and the full drafter config.
+The frozen embedding / LM head are copied from the target and are not saved here (the DeepSpec
+export in `workdir/export` carries them).
+
+Atomicity is Orbax's: a step is written to `<step>.orbax-checkpoint-tmp-*` and renamed when
+complete, and a `commit_success.txt` marker is written inside it. We only ever resume from a step
+directory that has the marker, so a half-written or half-copied directory is ignored (and moved
+out of the way so a later save of the same step cannot collide with it). Resume is from the latest
+committed step, restored straight into abstract targets (`jax.ShapeDtypeStruct` with the current
+run's shardings), so a run may resume on a different mesh. A checkpoint whose target or drafter
+differs from the config raises `CheckpointMismatchError` naming the directory and the field; an
+unreadable one raises `CheckpointCorruptError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pathlib
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+from dspark_jax.train.step import TrainState
+
+log = logging.getLogger(__name__)
+
+COMMIT_MARKER = "commit_success.txt"
+META_FORMAT = 1
+ITEMS = ("state", "data", "meta")
+
+
+class CheckpointError(RuntimeError):
+    """Base class of checkpoint problems; the message names the directory."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was written for another target or drafter than the config describes."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A committed checkpoint directory cannot be read."""
+
+
+# ------------------------------------------------------------------------------------ metadata
+
+
+def config_hash(d: Mapping[str, Any]) -> str:
+    """A stable short hash of a JSON-able mapping (sorted keys)."""
+    blob = json.dumps(d, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _norm_target_name(name: str) -> str:
+    # a Hugging Face directory may be referenced by different paths; compare its last component
+    return os.path.basename(os.path.normpath(name)) if os.sep in name else name
+
+
+def make_meta(target_name: str, target_config: Mapping[str, Any], draft_config: Mapping[str, Any],
+              key_impl: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The metadata every checkpoint carries. `draft_config` without its `target` entry."""
+    def plain(d: Mapping[str, Any]) -> dict[str, Any]:  # what JSON gives back (tuples → lists)
+        return json.loads(json.dumps(dict(d), default=str))
+
+    draft = {k: v for k, v in dict(draft_config).items() if k != "target"}
+    return {"format": META_FORMAT,
+            "target": {"name": _norm_target_name(str(target_name)),
+                       "config_hash": config_hash(target_config),
+                       "config": plain(target_config)},
+            "draft": plain(draft),
+            "key_impl": key_impl,
+            "info": dict(extra or {})}
+
+
+def check_meta(saved: Mapping[str, Any], expected: Mapping[str, Any], where: str) -> None:
+    """Raises CheckpointMismatchError naming the first differing field."""
+    def bad(field: str, have: Any, want: Any) -> CheckpointMismatchError:
+        return CheckpointMismatchError(
+            f"checkpoint {where} does not match the config: {field} is {have!r} in the checkpoint "
+            f"but {want!r} in the config. Use another workdir (or checkpoint.directory) for a "
+            f"different target/drafter, or delete that checkpoint directory.")
+
+    if saved.get("format") != expected.get("format"):
+        raise bad("format", saved.get("format"), expected.get("format"))
+    st, et = saved.get("target", {}), expected["target"]
+    if st.get("name") != et["name"]:
+        raise bad("target.name", st.get("name"), et["name"])
+    if st.get("config_hash") != et["config_hash"]:
+        sc, ec = st.get("config", {}), et["config"]
+        diff = sorted(k for k in set(sc) | set(ec) if sc.get(k) != ec.get(k))
+        field = f"target.config.{diff[0]}" if diff else "target.config_hash"
+        raise bad(field, sc.get(diff[0]) if diff else st.get("config_hash"),
+                  ec.get(diff[0]) if diff else et["config_hash"])
+    sd, ed = saved.get("draft", {}), expected["draft"]
+    for k in sorted(set(sd) | set(ed)):
+        if sd.get(k) != ed.get(k):
+            raise bad(f"draft.{k}", sd.get(k), ed.get(k))
+    if saved.get("key_impl") != expected.get("key_impl"):
+        raise bad("key_impl", saved.get("key_impl"), expected.get("key_impl"))
+
+
+# ------------------------------------------------------------------------------------ state <-> storage
+
+
+def key_impl_name(key: jax.Array) -> str:
+    return str(jax.random.key_impl(key))
+
+
+def to_storable(state: TrainState) -> TrainState:
+    """PRNG key arrays are not storable; keep their raw uint32 data instead."""
+    return state.replace(key=jax.random.key_data(state.key))
+
+
+def abstract_storable(state: TrainState, shardings: TrainState | None = None) -> TrainState:
+    """ShapeDtypeStructs (with the run's shardings) of `to_storable(state)`: the restore target.
+    `state` may itself be abstract (e.g. from `jax.eval_shape`)."""
+    storable = jax.eval_shape(to_storable, state)
+    shardings = shardings if shardings is not None else jax.tree.map(lambda x: x.sharding, state)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        storable, shardings)
+
+
+def from_storable(stored: TrainState, key_impl: str) -> TrainState:
+    return stored.replace(key=jax.random.wrap_key_data(stored.key, impl=key_impl))
+
+
+# ------------------------------------------------------------------------------------ manager
+
+
+def make_checkpoint_manager(directory: str | os.PathLike, *, keep: int | None = 3,
+                            every_steps: int = 1, async_save: bool = True,
+                            read_only: bool = False) -> ocp.CheckpointManager:
+    """The single Orbax CheckpointManager factory of the project (items: state, data, meta)."""
+    import grain.checkpoint  # noqa: F401  (registers grain's Orbax handler and args)
+
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, save_interval_steps=max(1, int(every_steps)), create=not read_only,
+        read_only=read_only, enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only)
+    return ocp.CheckpointManager(os.fspath(pathlib.Path(directory).absolute()), options=options,
+                                 item_names=ITEMS)
+
+
+@dataclasses.dataclass
+class Restored:
+    step: int
+    state: TrainState
+    meta: dict[str, Any]
+
+
+class TrainCheckpointer:
+    """Save / resume of a training run: train state + grain iterator + metadata."""
+
+    def __init__(self, directory: str | os.PathLike, meta: Mapping[str, Any], *,
+                 keep: int | None = 3, every_steps: int = 1000, async_save: bool = True):
+        self.directory = pathlib.Path(directory).absolute()
+        self.meta = dict(meta)
+        self.every_steps = max(1, int(every_steps))
+        if self.directory.exists() and not self.directory.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a "
+                                  "directory")
+        self._set_aside_uncommitted()
+        try:
+            self.manager = make_checkpoint_manager(self.directory, keep=keep, every_steps=1,
+                                                   async_save=async_save)
+        except Exception as e:  # noqa: BLE001 - orbax raises many types for a broken root
+            raise CheckpointCorruptError(f"cannot open checkpoint directory {self.directory}: "
+                                         f"{type(e).__name__}: {e}") from e
+
+    # -------------------------------------------------------------------------- discovery
+    def _step_dir(self, step: int) -> pathlib.Path:
+        return self.directory / str(step)
+
+    def _set_aside_uncommitted(self) -> None:
+        """Step-named directories without the commit marker never count as checkpoints."""
+        if not self.directory.is_dir() or jax.process_index() != 0:
+            return
+        for p in self.directory.iterdir():
+            if p.is_dir() and p.name.isdigit() and not (p / COMMIT_MARKER).exists():
+                aside = p.with_name(f"{p.name}.uncommitted")
+                log.warning("ignoring checkpoint %s: no %s marker (incomplete write); moved to %s",
+                            p, COMMIT_MARKER, aside)
+                if aside.exists():
+                    import shutil
+
+                    shutil.rmtree(aside)
+                p.rename(aside)
+
+    def all_steps(self) -> list[int]:
+        return sorted(s for s in self.manager.all_steps()
+                      if (self._step_dir(s) / COMMIT_MARKER).exists())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -------------------------------------------------------------------------- save
+    def should_save(self, step: int) -> bool:
+        """Every `every_steps` steps (Orbax's own policy would also save the first step)."""
+        return step > 0 and step % self.every_steps == 0
+
+    def save(self, step: int, state: TrainState, data_iter: Any | None = None, *,
+             force: bool = False) -> bool:
+        """Saves (asynchronously when enabled) if `step` is on the interval or `force`."""
+        import grain.checkpoint as gcp
+
+        if step in self.manager.all_steps() or not (force or self.should_save(step)):
+            return False
+        items: dict[str, Any] = {"state": ocp.args.StandardSave(to_storable(state)),
+                                 "meta": ocp.args.JsonSave(self.meta)}
+        if data_iter is not None:
+            items["data"] = gcp.CheckpointSave(data_iter)
+        return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
+
+    # -------------------------------------------------------------------------- restore
+    def read_meta(self, step: int) -> dict[str, Any]:
+        where = str(self._step_dir(step))
+        path = self._step_dir(step) / "meta" / "metadata"
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore())).meta
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(
+                f"checkpoint {where} is corrupted or incomplete: cannot read its metadata "
+                f"({type(e).__name__}: {e}). Delete {where} to resume from an earlier step "
+                f"(committed steps: {self.all_steps()}).") from e
+        if not isinstance(meta, dict) or "target" not in meta or "draft" not in meta:
+            raise CheckpointCorruptError(f"checkpoint {where} has malformed metadata ({path})")
+        return meta
+
+    def check(self, step: int) -> dict[str, Any]:
+        meta = self.read_meta(step)
+        check_meta(meta, self.meta, str(self._step_dir(step)))
+        return meta
+
+    def restore(self, abstract_state: TrainState, data_iter: Any | None = None,
+                step: int | None = None) -> Restored | None:
+        """Restores `step` (default: the latest committed one) into `abstract_state` (from
+        `abstract_storable`) and, if given, sets `data_iter`'s position. None if there is
+        nothing to resume."""
+        import grain.checkpoint as gcp
+
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        meta = self.check(step)
+        where = str(self._step_dir(step))
+        items: dict[str, Any] = {"state": ocp.args.StandardRestore(abstract_state)}
+        if data_iter is not None:
+            items["data"] = gcp.CheckpointRestore(data_iter)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(**items))
+            stored = out.state
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointCorruptError(
+                f"checkpoint {where} is corrupted or incomplete ({type(e).__name__}: {e}). "
+                f"Delete {where} to resume from an earlier step (committed steps: "
+                f"{self.all_steps()}).") from e
+        got, want = jax.tree.structure(stored), jax.tree.structure(abstract_state)
+        if got != want:
+            raise CheckpointCorruptError(f"checkpoint {where}: saved state has another structure "
+                                         "than this run's train state")
+        return Restored(step=step, state=from_storable(stored, meta["key_impl"]), meta=meta)
+
+    def wait(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointCorruptError",
+           "TrainCheckpointer", "make_checkpoint_manager", "make_meta", "check_meta",
+           "abstract_storable", "to_storable", "from_storable", "config_hash", "key_impl_name"]
