@@ -91,12 +91,13 @@ def ar_prefill(graphdef: Any, state: Any, tokens: jax.Array, lens: jax.Array, ke
                    steps=jnp.zeros((), jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "top_p"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "top_p"),
                    donate_argnames=("s",))
 def ar_decode(graphdef: Any, state: Any, s: ARState, temperature: jax.Array,
-              stop_ids: jax.Array, *, num_steps: int, top_k: int = 0,
+              stop_ids: jax.Array, *, num_steps: int | jax.Array, top_k: int = 0,
               top_p: float = 1.0) -> ARState:
-    """Runs up to `num_steps` decode steps on device (stops early when all requests are done)."""
+    """Runs up to `num_steps` decode steps on device (stops early when all requests are done).
+    `num_steps` is traced: changing it does not recompile."""
     model = nnx.merge(graphdef, state)
     max_new = s.out.shape[1]
     B = s.out.shape[0]

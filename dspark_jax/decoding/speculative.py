@@ -194,13 +194,13 @@ def spec_step(target_gd, draft_gd, target_state, draft_state, s: SpecState,
     return _round(target, draft, s, verify_mask, temperature, stop_ids, settings)
 
 
-@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "settings", "policy",
-                                             "num_rounds"),
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "settings", "policy"),
                    donate_argnames=("s",))
 def spec_loop(target_gd, draft_gd, target_state, draft_state, s: SpecState, temperature,
               stop_ids, *, settings: SpecSettings, policy: Callable = default_policy,
-              num_rounds: int = 1 << 30) -> SpecState:
-    """Rounds on device until every request is done (or `num_rounds` more rounds ran)."""
+              num_rounds: int | jax.Array = 1 << 30) -> SpecState:
+    """Rounds on device until every request is done (or `num_rounds` more rounds ran; traced,
+    so changing it does not recompile)."""
     target = nnx.merge(target_gd, target_state)
     draft = nnx.merge(draft_gd, draft_state)
     g = draft.cfg.num_drafts
