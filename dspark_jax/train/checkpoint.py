@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 from typing import Any, Mapping
 
 import jax
@@ -111,7 +112,7 @@ def check_meta(saved: Mapping[str, Any], expected: Mapping[str, Any], where: str
         raise bad("key_impl", saved.get("key_impl"), expected.get("key_impl"))
 
 
-# ------------------------------------------------------------------------------------ state <-> storage
+# ---------------------------------------------------------------------------- state <-> storage
 
 
 def key_impl_name(key: jax.Array) -> str:
@@ -193,8 +194,6 @@ class TrainCheckpointer:
                 log.warning("ignoring checkpoint %s: no %s marker (incomplete write); moved to %s",
                             p, COMMIT_MARKER, aside)
                 if aside.exists():
-                    import shutil
-
                     shutil.rmtree(aside)
                 p.rename(aside)
 

@@ -12,8 +12,9 @@ DeepSpec's end-to-end drafter recipe (SPEC §4) as one resumable command:
       tqdm / TensorBoard / JSONL logging;
   (e) export of the drafter in DeepSpec's format to `<workdir>/export/` and a held-out
       teacher-forced acceptance summary (accept_rate@k, tau_probabilistic) in
-      `<workdir>/summary.json`. `config.eval.speculative=True` additionally calls the measured-τ
-      evaluation `dspark_jax.evaluate.evaluate_trained_draft` when that module exists.
+      `<workdir>/summary.json`. `config.eval.speculative=True` additionally measures τ with
+      speculative decoding (`dspark_jax.evaluate.evaluate`, when that module exists) on the
+      held-out prompts (or `eval.speculative_data_dir`), into `<workdir>/speculative/`.
 
 `main(argv)` is the in-process entry point (argv[0] is the program name); it returns the summary.
 `train.max_steps=0` stops after data preparation (e.g. to regenerate once before a multi-host
@@ -232,7 +233,8 @@ def heldout_arg(x: float) -> float | int:
     return int(x) if x >= 1 else float(x)
 
 
-def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool) -> tuple[list, list, dict]:
+def prepare_conversations(c, target, workdir: pathlib.Path,
+                          is_main: bool) -> tuple[list, list, dict]:
     """(a)+(b): training and held-out regenerated conversations, and info for the summary."""
     import jax
 
@@ -250,8 +252,8 @@ def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool) -> tu
         info["prompts"] = len(prompts)
         if jax.process_count() > 1:
             if not path.is_file():
-                raise UsageError(f"multi-host runs need the regenerated data first: run once on one "
-                                 f"host with --config.train.max_steps=0 (writes {path}), or set "
+                raise UsageError("multi-host runs need the regenerated data first: run once on "
+                                 f"one host with --config.train.max_steps=0 (writes {path}), or set "
                                  "config.data.regenerated")
         else:
             stats = regenerate(target, prompts, path, max_new_tokens=c.data.max_new_tokens,
@@ -338,17 +340,36 @@ def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) 
     return {k: float(np.asarray(v)) for k, v in metrics.items()}
 
 
-def speculative_hook(c, target, draft, heldout_convs, workdir) -> dict[str, Any]:
-    """`config.eval.speculative`: measured τ by `dspark_jax.evaluate` (another module's job)."""
+def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> dict[str, Any]:
+    """`config.eval.speculative`: measured τ with speculative decoding by `dspark_jax.evaluate`
+    (DeepSpec's protocol, another module's job). Default data: the held-out prompts (first user
+    turn), written as a DeepSpec `{"turns"}` file; or `eval.speculative_data_dir`."""
     try:
         mod = importlib.import_module("dspark_jax.evaluate")
     except ImportError:
         return {"skipped": "dspark_jax.evaluate is not available"}
-    fn = getattr(mod, "evaluate_trained_draft", None)
+    fn = getattr(mod, "evaluate", None)
     if fn is None:
-        return {"skipped": "dspark_jax.evaluate has no evaluate_trained_draft(...)"}
-    return dict(fn(target=target, draft=draft, conversations=heldout_convs,
-                   workdir=str(workdir), config=c))
+        return {"skipped": "dspark_jax.evaluate has no evaluate(target, draft, data_dir, ...)"}
+    e = c.eval
+    if e.speculative_data_dir:
+        data_dir, datasets = pathlib.Path(e.speculative_data_dir), None
+    else:
+        data_dir, datasets = workdir / "data" / "eval", ["heldout"]
+        data_dir.mkdir(parents=True, exist_ok=True)
+        firsts = [next(m["content"] for m in conv.messages if m["role"] == "user")
+                  for conv in heldout_convs]
+        if not firsts:
+            return {"skipped": "no held-out prompts (config.data.heldout)"}
+        (data_dir / "heldout.jsonl").write_text(
+            "".join(json.dumps({"turns": [t]}) + "\n" for t in firsts))
+    max_new = e.speculative_max_new_tokens if e.speculative_max_new_tokens > 0 \
+        else c.data.max_new_tokens
+    out_dir = workdir / "speculative"
+    results = fn(target, draft, data_dir, datasets=datasets, max_samples=None,
+                 max_new_tokens=max_new, batch_size=e.speculative_batch_size, out_dir=out_dir,
+                 progress=c.logging.progress, plots=False)
+    return {"out_dir": str(out_dir), "data_dir": str(data_dir), "mean": results.get("mean")}
 
 
 def export_draft(graphdef, params, frozen, out: pathlib.Path) -> pathlib.Path:
@@ -437,7 +458,8 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     held_records, hstats = records_from_conversations(held_convs, target.tokenizer,
                                                       c.data.max_length)
     data_info["records"] = {"train": len(records), "heldout": len(held_records),
-                            "render_stats_train": dict(rstats), "render_stats_heldout": dict(hstats)}
+                            "render_stats_train": dict(rstats),
+                            "render_stats_heldout": dict(hstats)}
     if not records:
         raise UsageError(f"no training records after rendering ({dict(rstats)}): more prompts or "
                          "a larger config.data.max_new_tokens / max_length are needed")
@@ -452,6 +474,9 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
                          "config.train.global_batch_size or add prompts")
     spe = steps_per_epoch(len(records), pc, lengths=record_lengths(source) if c.data.pack else None)
     total = c.train.max_steps if c.train.max_steps >= 0 else spe * c.train.epochs
+    if total == 0:
+        print(f"train.max_steps=0: data prepared in {workdir / 'data'}", flush=True)
+        return {"workdir": str(workdir), "data": data_info, "steps": 0}
 
     # (d) training
     oc = OptimConfig(lr=c.train.lr, b1=c.train.b1, b2=c.train.b2, eps=c.train.eps,
@@ -482,10 +507,6 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     if restored is not None:
         state, start = restored.state, restored.step
         print(f"resumed from {ckpt_dir / str(start)} (step {start} of {total})", flush=True)
-    if total == 0:
-        ckpt.close()
-        print(f"train.max_steps=0: data prepared in {workdir / 'data'}", flush=True)
-        return {"workdir": str(workdir), "data": data_info, "steps": 0}
 
     logger = MetricsLogger(workdir, total, start, enabled=is_main,
                            progress=c.logging.progress, tensorboard=c.logging.tensorboard,
@@ -554,6 +575,12 @@ def format_summary(s: dict[str, Any]) -> str:
                      + (f", tau_probabilistic = {tau:.3f}" if tau is not None else ""))
     else:
         lines.append("held-out: no held-out records (config.data.heldout)")
+    spec = s.get("speculative") or {}
+    if (spec.get("mean") or {}).get("tau") is not None:
+        lines.append(f"speculative decoding (measured): tau = {spec['mean']['tau']:.3f} "
+                     f"({spec['out_dir']})")
+    elif spec.get("skipped"):
+        lines.append(f"speculative evaluation skipped: {spec['skipped']}")
     o = s["outputs"]
     lines.append(f"drafter (DeepSpec format): {o['export']}")
     lines.append(f"summary: {o['summary']}  metrics: {o['metrics']}  checkpoints: "
@@ -575,6 +602,10 @@ def entry() -> None:
     from dspark_jax.models.config import ConfigError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if any(a in ("-h", "--help", "-help") for a in sys.argv[1:]):
+        print(__doc__)
+        print("Config keys: see configs/common.py; experiments: configs/*.py")
+        return
     try:
         main(sys.argv)
     except (UsageError, ConfigError) as e:

@@ -1,0 +1,1 @@
+"""Experiment configs (ml_collections). Each file defines `get_config()`; see configs/common.py."""

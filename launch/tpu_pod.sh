@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# TPU pod slice: run the same command on every host of the slice, e.g.
+#   gcloud compute tpus tpu-vm ssh $TPU --zone=$ZONE --worker=all \
+#     --command="cd dspark_jax && launch/tpu_pod.sh configs/qwen3_14b_dspark.py \
+#                --config.target=/mnt/ckpt/Qwen3-14B --config.mesh.fsdp=8"
+# jax.distributed.initialize() discovers the slice topology itself (DSPARK_DISTRIBUTED=1).
+# Regenerate the data (and the feature cache, if offline) once before, on one host:
+#   launch/single_host.sh CONFIG --config.train.max_steps=0 ...   (then point
+#   --config.data.regenerated at the file, on storage every host can read).
+set -euo pipefail
+CONFIG=${1:?usage: $0 configs/NAME.py [--config.key=value ...]}; shift
+cd "$(dirname "$0")/.."
+export DSPARK_DISTRIBUTED=1
+# Per-topology XLA flags for TPU: async collectives fused with compute and the latency-hiding
+# scheduler (FSDP all-gathers / reduce-scatters overlap the layer matmuls).
+export LIBTPU_INIT_ARGS="${LIBTPU_INIT_ARGS:-} \
+ --xla_tpu_enable_async_collective_fusion=true \
+ --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true \
+ --xla_tpu_enable_async_collective_fusion_multiple_steps=true \
+ --xla_tpu_overlap_compute_collective_tc=true \
+ --xla_enable_async_all_gather=true \
+ --xla_enable_async_reduce_scatter=true"
+exec python -m dspark_jax.train --config "$CONFIG" "$@"

@@ -1,0 +1,242 @@
+"""Checkpointing of training runs: round trip into abstract targets with other shardings, the
+grain iterator position, keep-N, uncommitted directories ignored, mismatch and corruption errors,
+and a SIGKILLed run that resumes to exactly the uninterrupted result on exactly the same batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.sharding import make_mesh
+from dspark_jax.train.checkpoint import (COMMIT_MARKER, CheckpointCorruptError,
+                                         CheckpointMismatchError, TrainCheckpointer,
+                                         abstract_storable, key_impl_name, make_meta)
+from dspark_jax.train.metrics_log import read_jsonl
+from dspark_jax.train.step import OptimConfig, init_train_state, make_optimizer, split_draft
+from hf_tiny import save_tiny_hf
+from tiny_job import REPO, TINY_CONFIG, make_tiny_target, write_regenerated
+
+DRAFT = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,
+             markov_rank=8, num_anchors=6)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16, layers=4))
+
+
+def _state(target, mesh, seed=0, draft_kw=None):
+    draft = init_draft(target, dict(DRAFT, **(draft_kw or {})), seed=seed)
+    _, params, _ = split_draft(draft.model)
+    tx = make_optimizer(OptimConfig(total_steps=10))
+    state, sh = init_train_state(params, tx, seed, mesh)
+    return draft, state, sh
+
+
+def _meta(target, draft, state, name="tiny"):
+    return make_meta(name, target.config.to_hf_dict(), draft.config.to_dict(),
+                     key_impl_name(state.key))
+
+
+def _advance(state, k=1):
+    """A different state: perturbed params, a later key and step (no optimizer needed)."""
+    params = jax.tree.map(lambda x: x + 0.01 * k, state.params)
+    return state.replace(params=params, step=state.step + k, key=jax.random.split(state.key)[0])
+
+
+def _iterator():
+    return iter(grain.MapDataset.range(50).shuffle(seed=3).batch(4).to_iter_dataset())
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_roundtrip_into_other_shardings_with_iterator(target, tmp_path):
+    one = make_mesh(devices=jax.devices()[:1])
+    draft, state, _ = _state(target, one)
+    state = _advance(state, 3)
+    it = _iterator()
+    for _ in range(3):
+        next(it)
+    ck = TrainCheckpointer(tmp_path / "ck", _meta(target, draft, state), every_steps=1,
+                           async_save=True)
+    assert ck.save(3, state, it)
+    ck.close()
+    expected_next = next(it)
+
+    # restore on an 8-device (data, fsdp, tensor) mesh: the shardings come from the abstract target
+    eight = make_mesh(data=2, fsdp=2, tensor=2)
+    _, fresh, sh8 = _state(target, eight, seed=5)
+    it2 = _iterator()
+    ck2 = TrainCheckpointer(tmp_path / "ck", _meta(target, draft, fresh))
+    r = ck2.restore(abstract_storable(fresh, sh8), it2)
+    assert r is not None and r.step == 3 and int(r.state.step) == int(state.step)
+    for a, b in zip(_leaves(r.state.params), _leaves(state.params)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_leaves(r.state.opt_state), _leaves(state.opt_state)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(jax.random.key_data(r.state.key), jax.random.key_data(state.key))
+    assert jax.dtypes.issubdtype(r.state.key.dtype, jax.dtypes.prng_key)
+    got_sh = jax.tree.leaves(jax.tree.map(lambda x: x.sharding, r.state.params))
+    want_sh = jax.tree.leaves(sh8.params)
+    assert any(len(s.device_set) == 8 for s in got_sh)
+    assert all(g.is_equivalent_to(w, np.ndim(x)) for g, w, x in
+               zip(got_sh, want_sh, jax.tree.leaves(r.state.params)))
+    np.testing.assert_array_equal(next(it2), expected_next)   # the data position came back
+    ck2.close()
+
+
+def test_keep_n_and_resume_from_latest(target, tmp_path):
+    mesh = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, mesh)
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state), keep=2, every_steps=2,
+                           async_save=False)
+    saved = [s for s in range(1, 8) if ck.save(s, _advance(state, s))]
+    assert saved == [2, 4, 6]                       # the interval decides
+    assert ck.save(7, _advance(state, 7), force=True)
+    ck.close()
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [6, 7]
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state))
+    r = ck.restore(abstract_storable(state, sh))
+    assert r.step == 7
+    np.testing.assert_array_equal(_leaves(r.state.params)[0], _leaves(_advance(state, 7).params)[0])
+    ck.close()
+
+
+def test_uncommitted_and_temporary_directories_are_ignored(target, tmp_path):
+    mesh = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, mesh)
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state), every_steps=1, async_save=False)
+    ck.save(2, _advance(state, 2))
+    ck.close()
+    # a step directory whose write never committed (no marker), and an orbax temporary directory
+    shutil.copytree(tmp_path / "2", tmp_path / "9")
+    (tmp_path / "9" / COMMIT_MARKER).unlink()
+    shutil.copytree(tmp_path / "2", tmp_path / "11.orbax-checkpoint-tmp-1234567")
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state), every_steps=1, async_save=False)
+    assert ck.all_steps() == [2] and ck.latest_step() == 2
+    r = ck.restore(abstract_storable(state, sh))
+    assert r.step == 2
+    assert ck.save(9, _advance(state, 9))           # the uncommitted 9 does not block a real one
+    ck.close()
+    assert TrainCheckpointer(tmp_path, _meta(target, draft, state)).latest_step() == 9
+
+
+def test_mismatching_target_or_drafter_is_a_clear_error(target, tmp_path):
+    mesh = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, mesh)
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state), every_steps=1, async_save=False)
+    ck.save(1, state)
+    ck.close()
+    other_draft, _, _ = _state(target, mesh, draft_kw=dict(block_size=5))
+    cases = [(_meta(target, other_draft, state), "draft.block_size"),
+             (_meta(target, draft, state, name="another-target"), "target.name")]
+    bigger = load_target(save_tiny_hf(tmp_path / "t2", "qwen3", head_dim=16, layers=5))
+    cases.append((make_meta("tiny", bigger.config.to_hf_dict(), draft.config.to_dict(),
+                            key_impl_name(state.key)), "target.config.num_hidden_layers"))
+    for meta, field in cases:
+        with pytest.raises(CheckpointMismatchError) as e:
+            TrainCheckpointer(tmp_path, meta).restore(abstract_storable(state, sh))
+        assert field in str(e.value) and str(tmp_path / "1") in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["state_files", "meta"])
+def test_corrupted_checkpoint_is_a_clear_error(target, tmp_path, damage):
+    mesh = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, mesh)
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state), every_steps=1, async_save=False)
+    ck.save(4, state)
+    ck.close()
+    step_dir = tmp_path / "4"
+    if damage == "state_files":
+        for p in (step_dir / "state").rglob("*"):
+            if p.is_file() and p.stat().st_size > 0:
+                p.write_bytes(b"\x00garbage")
+    else:
+        for p in (step_dir / "meta").iterdir():
+            if p.is_file():
+                p.write_text("{not json")
+    with pytest.raises(CheckpointCorruptError) as e:
+        TrainCheckpointer(tmp_path, _meta(target, draft, state)).restore(abstract_storable(state, sh))
+    assert str(step_dir) in str(e.value) and "corrupt" in str(e.value)
+
+
+# ------------------------------------------------------------------------- kill -9 and resume
+
+
+def _env(cache: pathlib.Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+               JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def _train(target, workdir, regenerated, cache, *extra) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "dspark_jax.train", f"--config={TINY_CONFIG}",
+           f"--config.target={target}", f"--config.workdir={workdir}",
+           f"--config.data.regenerated={regenerated}",
+           "--config.train.max_steps=10", "--config.checkpoint.every_steps=3",
+           "--config.checkpoint.async_save=True", "--config.data.heldout=0", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=_env(cache), capture_output=True, text=True,
+                          timeout=300)
+
+
+def _batches(workdir) -> dict[int, str]:
+    """step → fingerprint of the batch it trained on (a re-run step overwrites its entry)."""
+    return {r["step"]: r["batch_hash"] for r in read_jsonl(workdir / "metrics.jsonl")
+            if "batch_hash" in r}
+
+
+def _params(workdir) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(workdir / "export" / "model.safetensors")
+
+
+def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
+    """Regeneration is exercised by test_cli; here all runs train on one regenerated file.
+    The three subprocesses share a JAX compilation cache, so only the first one compiles."""
+    tgt = make_tiny_target(tmp_path / "target")
+    data = write_regenerated(tmp_path / "regenerated.jsonl")
+    cache = tmp_path / "jax_cache"
+    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
+
+    a = _train(tgt, ref, data, cache)
+    assert a.returncode == 0, a.stderr[-3000:]
+
+    b = _train(tgt, run, data, cache, "--config.debug.sigkill_at_step=7")
+    assert b.returncode == -9, (b.returncode, b.stderr[-3000:])
+    assert not (run / "export").exists()
+    first = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in first] == list(range(1, 8))
+
+    c = _train(tgt, run, data, cache)
+    assert c.returncode == 0, c.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    resumed = summary["resumed_from_step"]
+    assert resumed in (3, 6), resumed               # the last committed checkpoint before the kill
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl")]
+    assert steps == list(range(1, 8)) + list(range(resumed + 1, 11))
+
+    # same batches at every step, and the same final parameters
+    want, got = _batches(ref), _batches(run)
+    assert sorted(want) == list(range(1, 11))
+    assert got == want
+    assert len(set(want.values())) > 1
+    pa, pb = _params(ref), _params(run)
+    assert pa.keys() == pb.keys()
+    worst = max(float(np.abs(pa[k].astype(np.float64) - pb[k]).max()) for k in pa)
+    assert worst <= 1e-6, worst
