@@ -42,16 +42,20 @@ def get_config():
     c.data.heldout = 8.0             # held-out prompts (a count)
     c.data.max_new_tokens = 96
     c.data.regen_batch_size = 20
-    c.data.max_length = 512
+    c.data.max_length = 384          # HumanEval prompt + 96-token reply fits; less padding
     c.data.features = "offline"
 
     c.train.global_batch_size = 8
-    c.train.epochs = 8               # 48 training records / 8 → 6 steps per epoch
-    c.train.lr = 2e-3
+    # 48 training records / 8 → 6 steps per epoch; 150 steps take ~6 min on 2 cores. The draft
+    # starts out copying its input token (tied LM head over an embedding-dominated residual),
+    # escapes that in ~40 steps and generalises after: 48 steps left held-out accept@0 at 0.04,
+    # 150 steps reach ~0.2 (tau_probabilistic ~1.24)
+    c.train.epochs = 25
+    c.train.lr = 3e-3
     c.train.compute_dtype = "float32"
     c.train.target_dtype = "float32"
     c.train.anchor_chunk = 16
     c.train.log_every = 1
-    c.checkpoint.every_steps = 10
+    c.checkpoint.every_steps = 50
     c.eval.batch_size = 8
     return c

@@ -162,12 +162,13 @@ def test_shipped_configs_load(name):
 
 @pytest.mark.slow
 def test_smollm2_default_job(tmp_path):
-    """The README's main job on the real SmolLM2 (≈4–5 min on 2 otherwise idle CPU cores).
+    """The README's main job on the real SmolLM2 (≈8 min on 2 otherwise idle CPU cores).
     One device, as `python -m dspark_jax.train` sees this machine: the suite's 8 fake CPU
     devices would replicate regeneration and the feature pass 8× over the same 2 cores."""
     s = cli.main(["dspark_jax.train", f"--config={CONFIGS / 'smollm2_dspark.py'}",
                   f"--config.workdir={tmp_path}", "--config.logging.progress=False",
                   "--config.mesh.num_devices=1"])
     assert (tmp_path / "export" / "model.safetensors").is_file()
-    assert s["heldout_teacher_forced"]["tau_probabilistic"] > 1.0
+    # the drafter learned something that generalises to held-out prompts (≈1.24 measured)
+    assert s["heldout_teacher_forced"]["tau_probabilistic"] > 1.1
     assert s["wall_time_s"] < 15 * 60
