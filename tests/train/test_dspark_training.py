@@ -250,3 +250,38 @@ def test_config_validation_errors(target):
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):
             DraftConfig(target=target.config, **dict(base, **kw))
+
+
+def test_online_and_offline_features_give_the_same_loss(target, tmp_path):
+    """Online (target inside the step) vs offline (features in the batch: exact when given in
+    fp32, within bf16 rounding when read back from the on-disk feature cache)."""
+    from dspark_jax.data.features import FeatureCache, write_feature_cache
+
+    draft = init_draft(target, DRAFT, seed=1)
+    gd, params, frozen = split_draft(draft.model)
+    oc = OptimConfig(total_steps=10)
+    tx = make_optimizer(oc)
+    mesh = make_mesh(devices=jax.devices()[:1])
+    state, sh = init_train_state(params, tx, 0, mesh)
+    b = _batch(B=2)
+    common = dict(mesh=mesh, state_sh=sh, frozen=frozen, micro_batches=1)
+    online = build_train_step(gd, draft.config, tx, make_schedule(oc),
+                              target_graphdef=target.graphdef, target_state=target.state,
+                              **common)
+    offline = build_train_step(gd, draft.config, tx, make_schedule(oc), target_graphdef=None,
+                               target_state=None, **common)
+    key = jax.random.key(3)
+    m_on = online.evaluate(state.params, frozen, target.state, b, key)
+    out = target.model(jnp.asarray(b["input_ids"]), tap_layer_ids=(0, 1))
+    fb = dict(b, features=np.asarray(out.taps), target_hidden=np.asarray(out.hidden))
+    m_off = offline.evaluate(state.params, frozen, None, fb, key)
+    np.testing.assert_allclose(float(m_off["loss"]), float(m_on["loss"]), rtol=1e-5)
+
+    records = [dict(input_ids=b["input_ids"][i], loss_mask=b["loss_mask"][i]) for i in range(2)]
+    write_feature_cache(target, records, tmp_path / "cache", (0, 1), batch_size=2,
+                        progress=False)
+    cache = FeatureCache(tmp_path / "cache")
+    cb = dict(b, features=np.stack([cache[i]["features"] for i in range(2)]),
+              target_hidden=np.stack([cache[i]["target_hidden"] for i in range(2)]))
+    m_cache = offline.evaluate(state.params, frozen, None, cb, key)
+    np.testing.assert_allclose(float(m_cache["loss"]), float(m_on["loss"]), rtol=2e-2)
