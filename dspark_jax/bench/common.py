@@ -6,12 +6,12 @@ weights created directly on the device (PERFORMANCE.md).
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig, RopeConfig
@@ -72,6 +72,13 @@ def median(xs: list[float]) -> float:
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}"
+
+
+def save_json(result: dict, path: str | None) -> None:
+    """Writes a benchmark's result dict when `--json PATH` was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def print_table(rows: list[tuple[str, str]], title: str) -> None:

@@ -11,14 +11,12 @@ Times one batched decode step at batch B and context C from inside an on-device
 from __future__ import annotations
 
 import argparse
-import json
 
-import jax
 import jax.numpy as jnp
 
-from dspark_jax.bench.common import (build_target, device_name, median, print_table,
+from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
                                      time_call, weight_bytes)
-from dspark_jax.decoding.autoregressive import ARState, ar_decode
+from dspark_jax.decoding.autoregressive import ARState, ar_decode, row_key_data
 from dspark_jax.models.decoder import init_cache
 
 
@@ -29,7 +27,7 @@ def make_state(target, batch: int, context: int, steps: int) -> ARState:
     return ARState(cache=cache, last_token=jnp.ones((batch,), jnp.int32),
                    out=jnp.zeros((batch, steps + 1), jnp.int32),
                    num_out=jnp.ones((batch,), jnp.int32),
-                   done=jnp.zeros((batch,), bool), key=jax.random.key(0),
+                   done=jnp.zeros((batch,), bool), key_data=row_key_data(0, batch),
                    steps=jnp.zeros((), jnp.int32))
 
 
@@ -70,9 +68,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None, help="also write the result here")
     a = p.parse_args(argv)
     r = run(a.target, a.batch, a.context, a.steps, a.dtype, a.bandwidth_gbs, a.repeats)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
+    save_json(r, a.json)
     print_table([
         ("target / dtype", f"{r['target']} / {r['dtype']}"),
         ("device", r["device"]),

@@ -14,13 +14,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.bench.common import (build_target, device_name, median, print_table,
+from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
                                      time_call)
 from dspark_jax.bench.decode_step import make_state
 from dspark_jax.decoding.autoregressive import ar_decode
@@ -155,9 +154,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     r = run(a)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
+    save_json(r, a.json)
     print_table([
         ("target / dtype / device", f"{r['target']} / {r['dtype']} / {r['device']}"),
         ("batch × context, γ", f"{r['batch']} × {r['context']}, γ={r['gamma']}"),

@@ -8,14 +8,13 @@ DSpark drafter, times it, and prints step time, tokens/s, an MFU estimate and pe
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.bench.common import build_target, device_name, median, print_table, time_call
+from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
+                                     time_call)
 from dspark_jax.models import init_draft
 from dspark_jax.models.draft_config import default_target_layer_ids
 from dspark_jax.sharding import make_mesh
@@ -94,9 +93,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     r = run(a)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
+    save_json(r, a.json)
     print_table([
         ("target / device", f"{r['target']} / {r['device']}"),
         ("batch × seq, anchors × γ", f"{r['batch']} × {r['seq']}, {r['anchors']} × {r['gamma']}"),

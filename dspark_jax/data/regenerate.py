@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
-import functools
 import hashlib
 import json
 import logging
@@ -43,17 +42,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import flax.struct
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dspark_jax.data.chat import render_prompt, with_system_prompt
 from dspark_jax.data.prompts import Conversation, Message, load_conversations, read_eval_file
-from dspark_jax.decoding.autoregressive import is_stop, pad_prompts, stop_array
-from dspark_jax.decoding.sampling import sample_logits
-from dspark_jax.models.decoder import KVCache, init_cache
+from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts, stop_array
 
 log = logging.getLogger(__name__)
 
@@ -98,69 +92,6 @@ def sample_key_data(seed: int, sample_id: str, turn: int) -> np.ndarray:
     return np.frombuffer(digest, dtype=">u4").astype(np.uint32)
 
 
-def _sample_rows(key_data: jax.Array, index: jax.Array, logits: jax.Array, temperature: jax.Array,
-                 top_k: int, top_p: float) -> jax.Array:
-    """Token `index[b]` of row b from its own key: independent of the batch it is in."""
-    keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-    keys = jax.vmap(jax.random.fold_in)(keys, index)
-    return jax.vmap(lambda k, lg: sample_logits(k, lg, temperature, top_k, top_p))(keys, logits)
-
-
-@flax.struct.dataclass
-class _GenState:
-    cache: KVCache
-    last_token: jax.Array   # [B]
-    out: jax.Array          # [B, max_new] (−1 = none)
-    num_out: jax.Array      # [B]
-    done: jax.Array         # [B] bool
-    key_data: jax.Array     # [B, 2] uint32
-    steps: jax.Array        # []
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "max_new", "top_k", "top_p"))
-def _prefill(graphdef: Any, state: Any, tokens: jax.Array, lens: jax.Array, active: jax.Array,
-             key_data: jax.Array, temperature: jax.Array, stop_ids: jax.Array, *, cache_len: int,
-             max_new: int, top_k: int, top_p: float) -> _GenState:
-    model = nnx.merge(graphdef, state)
-    B = tokens.shape[0]
-    out = model(tokens, cache=init_cache(model.cfg, B, cache_len, model.dtype))
-    last_h = out.hidden[jnp.arange(B), lens - 1]
-    first = _sample_rows(key_data, jnp.zeros((B,), jnp.int32), model.logits(last_h), temperature,
-                         top_k, top_p)
-    buf = jnp.full((B, max_new), -1, jnp.int32).at[:, 0].set(first)
-    done = ~active | is_stop(first, stop_ids) | (max_new <= 1)
-    return _GenState(cache=out.cache.with_lengths(lens), last_token=first, out=buf,
-                     num_out=jnp.ones((B,), jnp.int32), done=done, key_data=key_data,
-                     steps=jnp.zeros((), jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "top_k", "top_p"),
-                   donate_argnames=("s",))
-def _decode(graphdef: Any, state: Any, s: _GenState, temperature: jax.Array, stop_ids: jax.Array,
-            *, num_steps: int, top_k: int, top_p: float) -> _GenState:
-    model = nnx.merge(graphdef, state)
-    B, max_new = s.out.shape
-    rows = jnp.arange(B)
-    start = s.steps
-
-    def cond(s: _GenState) -> jax.Array:
-        return jnp.any(~s.done) & (s.steps - start < num_steps)
-
-    def body(s: _GenState) -> _GenState:
-        active = ~s.done
-        out = model(s.last_token[:, None], cache=s.cache, advance=active.astype(jnp.int32))
-        nxt = _sample_rows(s.key_data, s.num_out, model.logits(out.hidden[:, 0]), temperature,
-                           top_k, top_p)
-        slot = jnp.minimum(s.num_out, max_new - 1)
-        buf = s.out.at[rows, slot].set(jnp.where(active, nxt, s.out[rows, slot]))
-        num_out = s.num_out + active.astype(jnp.int32)
-        done = s.done | (active & is_stop(nxt, stop_ids)) | (num_out >= max_new)
-        return _GenState(cache=out.cache, last_token=jnp.where(active, nxt, s.last_token), out=buf,
-                         num_out=num_out, done=done, key_data=s.key_data, steps=s.steps + 1)
-
-    return jax.lax.while_loop(cond, body, s)
-
-
 def generate_rows(target: Any, prompts: Sequence[np.ndarray], key_data: np.ndarray, *,
                   max_new_tokens: int, batch_size: int, temperature: float, top_k: int,
                   top_p: float, stop_token_ids: Sequence[int],
@@ -178,15 +109,15 @@ def generate_rows(target: Any, prompts: Sequence[np.ndarray], key_data: np.ndarr
     keys[:n] = key_data
     temp = jnp.asarray(temperature, jnp.float32)
     stops = stop_array(stop_token_ids, ())
-    s = _prefill(target.graphdef, target.state, jnp.asarray(tokens), jnp.asarray(lens),
-                 jnp.asarray(active), jnp.asarray(keys), temp, stops, cache_len=cache_len,
-                 max_new=max_new_tokens, top_k=top_k, top_p=top_p)
+    s = ar_prefill(target.graphdef, target.state, jnp.asarray(tokens), jnp.asarray(lens),
+                   jnp.asarray(keys), temp, stops, jnp.asarray(active), cache_len=cache_len,
+                   max_new=max_new_tokens, top_k=top_k, top_p=top_p)
     counted = n
     if on_tokens is not None:
         on_tokens(n)
     while not bool(jnp.all(s.done)):
-        s = _decode(target.graphdef, target.state, s, temp, stops, num_steps=_STEPS_PER_CALL,
-                    top_k=top_k, top_p=top_p)
+        s = ar_decode(target.graphdef, target.state, s, temp, stops, num_steps=_STEPS_PER_CALL,
+                      top_k=top_k, top_p=top_p)
         if on_tokens is not None:
             total = int(jnp.sum(jnp.where(jnp.asarray(active), s.num_out, 0)))
             on_tokens(total - counted)

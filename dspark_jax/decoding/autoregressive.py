@@ -32,8 +32,22 @@ class ARState:
     out: jax.Array          # [B, max_new] generated ids (−1 = none)
     num_out: jax.Array      # [B]
     done: jax.Array         # [B] bool
-    key: jax.Array
+    key_data: jax.Array     # [B, 2] uint32: one threefry key per row
     steps: jax.Array        # [] int32 device steps taken
+
+
+def sample_rows(key_data: jax.Array, index: jax.Array, logits: jax.Array,
+                temperature: jax.Array, top_k: int, top_p: float) -> jax.Array:
+    """Token number `index[b]` of row b from row b's own key (fold_in), so a row's sample does
+    not depend on the batch it is decoded in (regeneration resumes reproducibly)."""
+    keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    keys = jax.vmap(jax.random.fold_in)(keys, index)
+    return jax.vmap(lambda k, lg: sample_logits(k, lg, temperature, top_k, top_p))(keys, logits)
+
+
+def row_key_data(seed: int, batch: int) -> jax.Array:
+    """[B, 2] uint32 per-row keys derived from one seed."""
+    return jax.random.key_data(jax.random.split(jax.random.key(seed, impl="threefry2x32"), batch))
 
 
 def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -74,20 +88,25 @@ def stop_array(stop_token_ids: Sequence[int] | None, default: Sequence[int]) -> 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "max_new", "top_k",
                                              "top_p"))
-def ar_prefill(graphdef: Any, state: Any, tokens: jax.Array, lens: jax.Array, key: jax.Array,
-               temperature: jax.Array, stop_ids: jax.Array, *, cache_len: int, max_new: int,
+def ar_prefill(graphdef: Any, state: Any, tokens: jax.Array, lens: jax.Array,
+               key_data: jax.Array, temperature: jax.Array, stop_ids: jax.Array,
+               active: jax.Array | None = None, *, cache_len: int, max_new: int,
                top_k: int = 0, top_p: float = 1.0) -> ARState:
+    """Prefill + the first sampled token. `active` [B] marks real rows (padding rows start
+    done); `key_data` [B, 2] holds one key per row."""
     model = nnx.merge(graphdef, state)
     B = tokens.shape[0]
     cache = init_cache(model.cfg, B, cache_len, model.dtype)
     out = model(tokens, cache=cache)
     last_h = out.hidden[jnp.arange(B), lens - 1]  # [B, D]
-    key, sub = jax.random.split(key)
-    first = sample_logits(sub, model.logits(last_h), temperature, top_k, top_p)
+    first = sample_rows(key_data, jnp.zeros((B,), jnp.int32), model.logits(last_h), temperature,
+                        top_k, top_p)
     buf = jnp.full((B, max_new), -1, jnp.int32).at[:, 0].set(first)
     done = is_stop(first, stop_ids) | (max_new <= 1)
+    if active is not None:
+        done = done | ~active
     return ARState(cache=out.cache.with_lengths(lens), last_token=first, out=buf,
-                   num_out=jnp.ones((B,), jnp.int32), done=done, key=key,
+                   num_out=jnp.ones((B,), jnp.int32), done=done, key_data=key_data,
                    steps=jnp.zeros((), jnp.int32))
 
 
@@ -108,15 +127,15 @@ def ar_decode(graphdef: Any, state: Any, s: ARState, temperature: jax.Array,
 
     def body(s: ARState) -> ARState:
         out = model(s.last_token[:, None], cache=s.cache, advance=(~s.done).astype(jnp.int32))
-        key, sub = jax.random.split(s.key)
-        nxt = sample_logits(sub, model.logits(out.hidden[:, 0]), temperature, top_k, top_p)
+        nxt = sample_rows(s.key_data, s.num_out, model.logits(out.hidden[:, 0]), temperature,
+                          top_k, top_p)
         active = ~s.done
         buf = s.out.at[jnp.arange(B), jnp.minimum(s.num_out, max_new - 1)].set(
             jnp.where(active, nxt, s.out[jnp.arange(B), jnp.minimum(s.num_out, max_new - 1)]))
         num_out = s.num_out + active.astype(jnp.int32)
         done = s.done | (active & is_stop(nxt, stop_ids)) | (num_out >= max_new)
         return ARState(cache=out.cache, last_token=jnp.where(active, nxt, s.last_token), out=buf,
-                       num_out=num_out, done=done, key=key, steps=s.steps + 1)
+                       num_out=num_out, done=done, key_data=s.key_data, steps=s.steps + 1)
 
     return jax.lax.while_loop(cond, body, s)
 
@@ -140,7 +159,7 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
     tokens, lens, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len, max_new_tokens)
     temp = jnp.asarray(temperature, jnp.float32)
     s = ar_prefill(target.graphdef, target.state, jnp.asarray(tokens), jnp.asarray(lens),
-                   jax.random.key(seed), temp, stops, cache_len=cache_len,
+                   row_key_data(seed, len(prompts)), temp, stops, cache_len=cache_len,
                    max_new=max_new_tokens, top_k=top_k, top_p=top_p)
     per_call = steps_per_call or max_new_tokens
     bar = None

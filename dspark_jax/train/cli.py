@@ -396,7 +396,6 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     t0 = time.perf_counter()
     maybe_initialize_distributed(c)
     import jax
-    import numpy as np
 
     from dspark_jax.data.pipeline import (PipelineConfig, make_dataset,
                                           records_from_conversations, record_lengths,
