@@ -8,23 +8,36 @@ pass 1 sums the masses, pass 2 runs a tiled prefix sum and counts CDF entries �
 
 Triton constraints honoured: every load/store is a power-of-two vector (V is zero-padded to a
 multiple of the tile, γ to a power of two), no dynamic shapes, boolean outputs are stored as
-int32. `ref_verify` (the pure-JAX `rejection_verify_with_uniforms`) is the oracle: the kernel
-consumes the same uniforms, so tokens and counts agree exactly (barring a uniform landing
-within f32 rounding of a CDF step, where the tiled and global prefix sums may differ).
+int32. `ref_verify` is the pure-JAX oracle (the standard speculative-sampling rule, vectorised):
+the kernel consumes the same uniforms, so tokens and counts agree exactly (barring a uniform
+landing within f32 rounding of a CDF step, where the tiled and global prefix sums may differ).
+Nothing here imports dspark_jax.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dspark_jax.decoding.verify import (RESIDUAL_EPS, VerifyResult,
-                                        rejection_verify_with_uniforms)
+from pallas_kernels.common import inverse_cdf_sample
 
-__all__ = ["DEFAULT_BLOCK_V", "verify", "ref_verify", "check_verify_inputs"]
+__all__ = ["DEFAULT_BLOCK_V", "RESIDUAL_EPS", "VerifyResult", "verify", "ref_verify",
+           "check_verify_inputs"]
+
+# Residual mass below which the correction is drawn from p_t instead (SPEC §1 step 5).
+RESIDUAL_EPS = 1e-8
+
+
+class VerifyResult(NamedTuple):
+    """Outcome of verifying one round for every batch row."""
+
+    num_accepted: jax.Array   # [B] int32 in [0, ℓ]
+    next_token: jax.Array     # [B] int32: correction at the first rejected slot, or the bonus
+    accepted_mask: jax.Array  # [B, γ] bool: a prefix of length num_accepted
 
 # Tile over the vocabulary. Untuned (no GPU was available when written): 1024 f32 per tile keeps
 # the two live vectors of pass 2 in registers with 4 warps.
@@ -66,10 +79,29 @@ def check_verify_inputs(accept_u: jax.Array, sample_u: jax.Array, target_probs: 
 def ref_verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
                draft_probs: jax.Array, draft_tokens: jax.Array, verify_len: jax.Array
                ) -> VerifyResult:
-    """Pure-JAX oracle with the kernel's signature."""
-    check_verify_inputs(accept_u, sample_u, target_probs, draft_probs, draft_tokens, verify_len)
-    return rejection_verify_with_uniforms(accept_u, sample_u, target_probs, draft_probs,
-                                          draft_tokens, verify_len)
+    """Pure-JAX oracle with the kernel's signature.
+
+    Accept draft x_k (k < ℓ) iff u_k · p_d(x_k) < p_t(x_k), stop at the first rejection n, then
+    draw the emitted token from norm(max(p_t,n − p_d,n, 0)) (p_t,n if that mass ≤ RESIDUAL_EPS)
+    or, when all ℓ were accepted, the bonus from p_t,ℓ — inverse CDF with sample_u.
+    """
+    B, G, V = check_verify_inputs(accept_u, sample_u, target_probs, draft_probs, draft_tokens,
+                                  verify_len)
+    tp = target_probs.astype(jnp.float32)                                    # [B, γ+1, V]
+    dp = draft_probs.astype(jnp.float32)                                     # [B, γ, V]
+    ell = jnp.clip(verify_len.astype(jnp.int32), 0, G)                       # [B]
+    x = jnp.clip(draft_tokens.astype(jnp.int32), 0, V - 1)                   # [B, γ]
+    pt_x = jnp.take_along_axis(tp[:, :G], x[..., None], axis=-1)[..., 0]     # [B, γ]
+    pd_x = jnp.take_along_axis(dp, x[..., None], axis=-1)[..., 0]            # [B, γ]
+    ok = (accept_u.astype(jnp.float32) * pd_x < pt_x) & (jnp.arange(G)[None] < ell[:, None])
+    accepted = jnp.cumprod(ok.astype(jnp.int32), axis=-1) > 0                # stop at 1st reject
+    n = jnp.sum(accepted.astype(jnp.int32), axis=-1)                         # [B]
+    pt_n = jnp.take_along_axis(tp, n[:, None, None], axis=1)[:, 0]           # [B, V]
+    pd_n = jnp.take_along_axis(dp, jnp.minimum(n, G - 1)[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(pt_n - pd_n, 0.0)                                    # [B, V]
+    use_resid = (n < ell) & (jnp.sum(resid, axis=-1) > RESIDUAL_EPS)
+    dist = jnp.where(use_resid[:, None], resid, pt_n)
+    return VerifyResult(n, inverse_cdf_sample(dist, sample_u), accepted)
 
 
 def _verify_kernel(tp_ref, dp_ref, tok_ref, len_ref, au_ref, su_ref,   # inputs
@@ -138,7 +170,7 @@ def verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
            draft_probs: jax.Array, draft_tokens: jax.Array, verify_len: jax.Array, *,
            block_v: int | None = None, interpret: bool = False,
            num_warps: int = DEFAULT_NUM_WARPS) -> VerifyResult:
-    """Kernel version of `rejection_verify_with_uniforms` (same arguments and result).
+    """Kernel version of `ref_verify` (same arguments and result).
 
     accept_u [B, γ], sample_u [B] f32 in [0, 1); target_probs [B, γ+1, V]; draft_probs [B, γ, V]
     (f32 or bf16; computed in f32); draft_tokens [B, γ] int; verify_len [B] int.

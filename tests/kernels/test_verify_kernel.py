@@ -124,3 +124,12 @@ def test_lowers_for_triton():
     assert "__gpu$xla.gpu.triton" in text
     assert f"grid_x = {B}" in text
     assert DEFAULT_BLOCK_V & (DEFAULT_BLOCK_V - 1) == 0
+
+
+def test_reference_is_the_engine_rule():
+    """The kernel's own oracle equals the engine's pure-JAX rule (decoding/verify.py)."""
+    from dspark_jax.decoding.verify import rejection_verify_with_uniforms
+
+    for seed in range(3):
+        args = _case(4, 5, 60, seed)
+        _assert_same(ref_verify(*args), rejection_verify_with_uniforms(*args))
