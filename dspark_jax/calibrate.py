@@ -300,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", required=True, help="directory of <name>.jsonl prompt files")
     p.add_argument("--datasets", default=None,
                    help="comma-separated dataset names (default: every .jsonl in --data-dir)")
-    p.add_argument("--max-samples", type=int, default=None, help="prompts per dataset (default all)")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="prompts per dataset (default all)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--seed", type=int, default=0,

@@ -459,7 +459,8 @@ def save_temperatures(
     return dest
 
 
-def load_temperatures(path: str | os.PathLike, gamma: int | None = None) -> tuple[float, ...] | None:
+def load_temperatures(path: str | os.PathLike, gamma: int | None = None
+                      ) -> tuple[float, ...] | None:
     """Per-slot temperatures from a drafter directory (or the file); None when there is no file.
 
     With ``gamma``, the file must hold exactly that many.  Raises :class:`CalibrationFileError`

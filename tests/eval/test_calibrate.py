@@ -4,8 +4,8 @@ rounds and reported on the other, the drafter-side file, and `load_draft` pickin
 Reuses the tiny target/drafter of test_evaluate (random 3-layer target with the SmolLM2
 tokenizer, random 1-layer DSpark with a confidence head, γ = 4). At T = 1 both are close to
 uniform, so most drafts are accepted; the copy calibrated here gets a confidence head that is
-deliberately under-confident (bias +1 on logits within ±0.05 of 0: σ ≈ 0.73 per slot), which STS must
-fix on the held-out split. The shared drafter directory stays uncalibrated.
+deliberately under-confident (bias +1 on logits within ±0.05 of 0: σ ≈ 0.73 per slot), which
+STS must fix on the held-out split. The shared drafter directory stays uncalibrated.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import pytest
 from dspark_jax.calibrate import main, split_by_prompt
 from dspark_jax.eval.calibration import (CALIBRATION_FILE, CALIBRATION_FORMAT,
                                          CalibrationFileError, calibration_report,
-                                         load_temperatures, prefix_labels, sequential_temperature_scaling,
+                                         load_temperatures, prefix_labels,
+                                         sequential_temperature_scaling,
                                          verified_mask)
 from dspark_jax.models import Draft, load_draft
 

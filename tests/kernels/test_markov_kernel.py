@@ -132,3 +132,52 @@ def test_kernels_import_nothing_from_dspark_jax():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "dspark_jax" for n in names), f
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_sampled_draws_follow_the_markov_distribution():
+    """T = 1: 20,480 draws of (x1, x2) from the kernel (fresh uniforms, not the oracle's) follow
+    the exact joint p(x1)·p(x2 | x1) of the vanilla Markov head, as do the pure-JAX sampler's;
+    a stateless head (x2 conditioned on the anchor instead of x1) is rejected."""
+    from dspark_jax.decoding.verify import sequential_markov_sample
+    from tests.decoding.test_verify import chi2_crit, chi2_stat
+
+    V, G, r, B, calls = 5, 2, 4, 64, 320
+    rng = np.random.default_rng(7)
+    U = 0.8 * rng.normal(size=(G, V))
+    w1, w2 = rng.normal(size=(V, r)), 0.5 * rng.normal(size=(V, r))
+    anchor = 2
+    p1 = _softmax(U[0] + w1[anchor] @ w2.T)                                  # [V]
+    p2 = _softmax(U[1][None] + w1 @ w2.T)                                     # [V(x1), V]
+    joint = (p1[:, None] * p2).ravel()
+    stateless = (p1[:, None] * p2[anchor][None, :]).ravel()
+    assert np.abs(joint - stateless).max() > 0.02  # the broken rule is really different
+
+    args = (jnp.asarray(np.broadcast_to(U, (B, G, V)), jnp.float32), jnp.asarray(w1, jnp.float32),
+            jnp.asarray(w2, jnp.float32), jnp.full((B,), anchor, jnp.int32))
+    kernel = functools.partial(markov_sample, block_b=B, interpret=True, backend="triton")
+
+    @jax.jit
+    def draws(key):
+        us = jax.random.uniform(key, (calls, B, G))
+        return jax.lax.map(lambda u: kernel(u, *args, 1.0)[0], us).reshape(-1, G)
+
+    @jax.jit
+    def jax_draws(key):
+        keys = jax.random.split(key, calls)
+        return jax.lax.map(lambda k: sequential_markov_sample(k, *args, 1.0)[0], keys
+                           ).reshape(-1, G)
+
+    pairs = lambda t: np.asarray(t[:, 0] * V + t[:, 1])  # noqa: E731
+    got = pairs(draws(jax.random.key(11)))
+    ref = pairs(jax_draws(jax.random.key(12)))
+    stat, df = chi2_stat(got, joint)
+    assert stat < chi2_crit(df), (stat, chi2_crit(df))
+    stat_ref, _ = chi2_stat(ref, joint)
+    assert stat_ref < chi2_crit(df)
+    stat_broken, _ = chi2_stat(got, stateless)
+    assert stat_broken > 5 * chi2_crit(df)
