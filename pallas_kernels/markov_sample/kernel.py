@@ -11,9 +11,16 @@ x_k becomes the previous token of slot k+1, so the head's bias really conditions
 token. Pass 2 recomputes the W2 product instead of re-reading pass 1's stores: a global-memory
 round trip inside one program would need a barrier between differently-laid-out threads.
 
-Triton constraints honoured: power-of-two tiles (V padded with −inf logits / zero weight rows,
-r zero-padded, B padded to the row block, γ padded for the token vector), no dynamic shapes,
-every tile dimension of the dot ≥ 16, f32 operands with HIGHEST precision (no TF32).
+One algorithm body (`_markov_body`) runs on two access layers. Triton (`_markov_kernel`):
+operands are plain refs in global memory; power-of-two tiles (V padded with −inf logits / zero
+weight rows, r zero-padded, B padded to the row block, γ padded for the token vector), no dynamic
+shapes, every dot dimension ≥ 16, f32 operands with HIGHEST precision (no TF32). TPU / Mosaic
+(`_markov_kernel_tpu`): logits, probabilities and W1/W2 stay in HBM and tiles are DMA'd into
+VMEM scratch (lane-aligned V tiles, sublane-aligned row blocks, W1 rows via aligned 16-row
+windows, slot-major logits so no tiled dim is indexed by the slot), and the prefix sum is a
+matmul with a triangular ones matrix (Mosaic has no cumsum). Both are exercised in interpret
+mode on CPU; the TPU one compiles ahead of time for v5e with libtpu, the Triton one exports
+for CUDA (tests/kernels/test_lowering.py).
 `ref_markov_sample` is the pure-JAX oracle (sequential scan, one inverse-CDF draw per slot):
 same uniforms → same tokens, probabilities within f32 rounding. Nothing here imports dspark_jax.
 """
@@ -29,8 +36,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import GREEDY_T_EPS, inverse_cdf_sample, probs_from_logits
 
-__all__ = ["DEFAULT_BLOCK_V", "MAX_TILE_ELEMS", "markov_sample", "ref_markov_sample",
-           "check_markov_inputs", "default_block_v", "default_block_b"]
+__all__ = ["BACKENDS", "DEFAULT_BLOCK_V", "MAX_TILE_ELEMS", "markov_sample", "ref_markov_sample",
+           "check_markov_inputs", "default_backend", "default_block_v", "default_block_b"]
 
 # Tile over the vocabulary, capped so the [BV, r] W2 tile stays ≤ MAX_TILE_ELEMS values (BV = 32
 # at DeepSpec's r = 256). Untuned: no GPU was available when written.

@@ -6,9 +6,12 @@ samples the emitted token from row j: the residual max(p_t − p_d, 0) (p_t when
 ≤ 1e-8, or when all ℓ were accepted and row j = ℓ is the bonus row) by inverse CDF over V tiles:
 pass 1 sums the masses, pass 2 runs a tiled prefix sum and counts CDF entries ≤ u·mass.
 
-Triton constraints honoured: every load/store is a power-of-two vector (V is zero-padded to a
-multiple of the tile, γ to a power of two), no dynamic shapes, boolean outputs are stored as
-int32. `ref_verify` is the pure-JAX oracle (the standard speculative-sampling rule, vectorised):
+One algorithm body (`_verify_body`) runs on two access layers: Triton (`_verify_kernel`, plain
+refs) and TPU / Mosaic (`_verify_kernel_tpu`: probabilities stay in HBM, p(x_k) is read from a
+DMA'd 128-lane window, V tiles are DMA'd into VMEM, the prefix sum is a triangular matmul, the
+per-row scalars live in SMEM). Triton constraints honoured: every load/store is a power-of-two
+vector (V is zero-padded to a multiple of the tile, γ to a power of two), no dynamic shapes,
+boolean outputs are stored as int32. `ref_verify` is the pure-JAX oracle (the standard speculative-sampling rule, vectorised):
 the kernel consumes the same uniforms, so tokens and counts agree exactly (barring a uniform
 landing within f32 rounding of a CDF step, where the tiled and global prefix sums may differ).
 Nothing here imports dspark_jax.
@@ -25,8 +28,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import inverse_cdf_sample
 
-__all__ = ["DEFAULT_BLOCK_V", "RESIDUAL_EPS", "VerifyResult", "verify", "ref_verify",
-           "check_verify_inputs"]
+__all__ = ["BACKENDS", "DEFAULT_BLOCK_V", "RESIDUAL_EPS", "VerifyResult", "verify", "ref_verify",
+           "check_verify_inputs", "default_backend"]
 
 # Residual mass below which the correction is drawn from p_t instead (SPEC §1 step 5).
 RESIDUAL_EPS = 1e-8
