@@ -5,10 +5,15 @@ Reports, from one run on one device:
     sequential sampling + verification of γ+1 tokens + commit; on-device loop),
     and their ratio (bar ≤ 1.15 at γ = 7);
   * the sequential (Markov) stage's share of the round (bar ≤ 2%);
-  * recompilations of the host-stepped round in steady state (bar: zero).
+  * recompilations of the host-stepped round in steady state (bar: zero);
+  * the Pallas kernels (pallas_kernels/markov_sample, pallas_kernels/verify) against the pure-JAX
+    paths they replace (decoding/verify.py), at the round's B, γ, V and r. Kernels are timed only
+    on GPU (Triton) and TPU (Mosaic): on CPU they could only run in interpret mode, which says
+    nothing about speed, so the table shows the pure-JAX time and marks the kernel "n/a".
 Example:
   python -m dspark_jax.bench.spec_round --target qwen3-4b --context 1024 --gamma 7
   python -m dspark_jax.bench.spec_round --target smollm2-135m-instruct --dtype float32
+  python -m dspark_jax.bench.spec_round --target qwen3-4b --kernels-only --batch 16
 """
 
 from __future__ import annotations
@@ -40,6 +45,68 @@ class CompileCounter:
     def _on(self, event: str, *_a, **_k) -> None:
         if "backend_compile" in event:
             self.n += 1
+
+
+def kernel_timings(batch: int, gamma: int, vocab: int, rank: int, dtype: str,
+                   temperature: float, repeats: int) -> dict:
+    """Seconds per call of the Markov sampler and the verifier: pure JAX vs the Pallas kernel.
+
+    The kernel entries are None on CPU (interpret mode only; not a timing).
+    """
+    from dspark_jax.decoding.verify import (rejection_verify_with_uniforms,
+                                            sequential_markov_sample_with_uniforms)
+    from dspark_jax.models.target import resolve_dtype
+    from pallas_kernels.markov_sample import markov_sample
+    from pallas_kernels.verify import verify
+
+    B, G, V, r = batch, gamma, vocab, rank
+    dt = resolve_dtype(dtype)
+    ks = jax.random.split(jax.random.key(0), 8)
+    u = jax.random.uniform(ks[0], (B, G))
+    U = (2.0 * jax.random.normal(ks[1], (B, G, V))).astype(dt)
+    w1 = jax.random.normal(ks[2], (V, r)).astype(dt)
+    w2 = (0.1 * jax.random.normal(ks[3], (V, r))).astype(dt)
+    anchor = jax.random.randint(ks[4], (B,), 0, V)
+    temp = jnp.full((B,), temperature, jnp.float32)
+    tp = jax.nn.softmax(jax.random.normal(ks[5], (B, G + 1, V)), -1)
+    dp = jax.nn.softmax(jax.random.normal(ks[6], (B, G, V)), -1)
+    drafts = jax.random.randint(ks[7], (B, G), 0, V)
+    ell = jnp.full((B,), G, jnp.int32)
+    su = u[:, 0]
+    on_accel = jax.default_backend() in ("gpu", "tpu")
+
+    def t(fn, *args):
+        f = jax.jit(fn)
+        return median(time_call(lambda: f(*args), repeats=repeats))
+
+    out = {"batch": B, "gamma": G, "vocab": V, "rank": r, "dtype": dtype,
+           "backend": jax.default_backend(),
+           "markov_jax_ms": 1e3 * t(sequential_markov_sample_with_uniforms, u, U, w1, w2, anchor,
+                                    temp),
+           "verify_jax_ms": 1e3 * t(rejection_verify_with_uniforms, u, su, tp, dp, drafts, ell),
+           "markov_kernel_ms": None, "verify_kernel_ms": None}
+    if on_accel:
+        out["markov_kernel_ms"] = 1e3 * t(markov_sample, u, U, w1, w2, anchor, temp)
+        out["verify_kernel_ms"] = 1e3 * t(verify, u, su, tp, dp, drafts, ell)
+    return out
+
+
+def kernel_rows(k: dict) -> list[tuple[str, str]]:
+    note = ("" if k["markov_kernel_ms"] is not None else
+            "n/a on CPU: kernels run only in interpret mode here (not a timing); "
+            "run on GPU (Triton) or TPU (Mosaic)")
+    fmt = lambda x: note if x is None else f"{x:.3f} ms"  # noqa: E731
+    ratio = lambda a, b: "" if a is None else f" ({b / a:.2f}× the pure-JAX speed)"  # noqa: E731
+    return [
+        ("shape", f"B={k['batch']}, γ={k['gamma']}, V={k['vocab']}, r={k['rank']}, "
+                  f"{k['dtype']} on {k['backend']}"),
+        ("Markov sampling, pure JAX", f"{k['markov_jax_ms']:.3f} ms"),
+        ("Markov sampling, Pallas", fmt(k["markov_kernel_ms"])
+         + ratio(k["markov_kernel_ms"], k["markov_jax_ms"])),
+        ("verification, pure JAX", f"{k['verify_jax_ms']:.3f} ms"),
+        ("verification, Pallas", fmt(k["verify_kernel_ms"])
+         + ratio(k["verify_kernel_ms"], k["verify_jax_ms"])),
+    ]
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -129,6 +196,7 @@ def run(a: argparse.Namespace) -> dict:
     jax.block_until_ready(s.out)
     recompiles = counter.n - before
     return {"target": a.target, "device": device_name(), "dtype": a.dtype, "batch": B,
+            "vocab": cfg.vocab_size,
             "context": C, "gamma": g, "draft_layers": a.draft_layers, "markov_rank": a.rank,
             "head": a.head, "verifier": a.verifier, "plain_step_ms": step_s * 1e3,
             "round_ms": round_s * 1e3, "round_over_step": round_s / step_s,
@@ -152,8 +220,23 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-kernels", action="store_true", help="skip the kernel section")
+    p.add_argument("--kernels-only", action="store_true",
+                   help="only the kernel section (no target or drafter is built)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="kernel section vocabulary (default: the target's; 151936 with "
+                        "--kernels-only)")
     a = p.parse_args(argv)
+    if a.kernels_only:
+        k = kernel_timings(a.batch, a.gamma, a.vocab or 151_936, a.rank, a.dtype, a.temperature,
+                           a.repeats)
+        save_json({"kernels": k}, a.json)
+        print_table(kernel_rows(k), "Pallas kernels vs pure JAX")
+        return {"kernels": k}
     r = run(a)
+    if not a.no_kernels:
+        r["kernels"] = kernel_timings(a.batch, a.gamma, a.vocab or r["vocab"], a.rank, a.dtype,
+                                      a.temperature, a.repeats)
     save_json(r, a.json)
     print_table([
         ("target / dtype / device", f"{r['target']} / {r['dtype']} / {r['device']}"),
@@ -166,6 +249,8 @@ def main(argv=None) -> dict:
                              f"{100 * r['sequential_share']:.2f}% of a round (bar ≤ 2%)"),
         ("steady-state recompiles", f"{r['steady_state_recompiles']} (bar: 0)"),
     ], "speculative round benchmark")
+    if "kernels" in r:
+        print_table(kernel_rows(r["kernels"]), "Pallas kernels vs pure JAX")
     return r
 
 

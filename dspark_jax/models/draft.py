@@ -42,6 +42,9 @@ class Draft:
     config: DraftConfig
     graphdef: Any
     state: Any
+    # per-slot confidence temperatures fitted by `python -m dspark_jax.calibrate` (paper §3.2.1
+    # STS), read from the drafter directory's confidence_calibration.json; None = uncalibrated
+    confidence_temperatures: tuple[float, ...] | None = None
 
     @classmethod
     def from_model(cls, model: nnx.Module) -> "Draft":
@@ -132,6 +135,7 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float3
 
     With `target`, checks that the drafter was built for it (vocabulary, width, layer ids).
     `block_convention` overrides the checkpoint's ("zlab" for z-lab DFlash checkpoints).
+    A `confidence_calibration.json` in the directory sets `confidence_temperatures`.
     """
     from dspark_jax.models.deepspec_io import read_deepspec_dir
     from dspark_jax.models.hf_io import build_from_pure
@@ -144,7 +148,20 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float3
     dtype, param_dtype = resolve_dtype(dtype), resolve_dtype(param_dtype)
     abstract = nnx.eval_shape(lambda: create_draft_module(cfg, 0, dtype, param_dtype))
     model = build_from_pure(abstract, pure, lambda x: param_dtype)
-    return Draft.from_model(model)
+    draft = Draft.from_model(model)
+    draft.confidence_temperatures = _load_confidence_temperatures(path, cfg)
+    return draft
+
+
+def _load_confidence_temperatures(path: str | os.PathLike, cfg: DraftConfig
+                                  ) -> tuple[float, ...] | None:
+    from dspark_jax.eval.calibration import CalibrationFileError, load_temperatures
+
+    temps = load_temperatures(path, gamma=cfg.num_drafts)
+    if temps is not None and not cfg.has_confidence:
+        raise CalibrationFileError(f"{path}: has confidence temperatures but the drafter has no "
+                                   "confidence head (enable_confidence_head is false)")
+    return temps
 
 
 __all__ = ["Draft", "init_draft", "load_draft", "create_draft_module", "ConfigError"]

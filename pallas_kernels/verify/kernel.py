@@ -6,25 +6,41 @@ samples the emitted token from row j: the residual max(p_t − p_d, 0) (p_t when
 ≤ 1e-8, or when all ℓ were accepted and row j = ℓ is the bonus row) by inverse CDF over V tiles:
 pass 1 sums the masses, pass 2 runs a tiled prefix sum and counts CDF entries ≤ u·mass.
 
-Triton constraints honoured: every load/store is a power-of-two vector (V is zero-padded to a
-multiple of the tile, γ to a power of two), no dynamic shapes, boolean outputs are stored as
-int32. `ref_verify` (the pure-JAX `rejection_verify_with_uniforms`) is the oracle: the kernel
-consumes the same uniforms, so tokens and counts agree exactly (barring a uniform landing
-within f32 rounding of a CDF step, where the tiled and global prefix sums may differ).
+One algorithm body (`_verify_body`) runs on two access layers: Triton (`_verify_kernel`, plain
+refs) and TPU / Mosaic (`_verify_kernel_tpu`: probabilities stay in HBM, p(x_k) is read from a
+DMA'd 128-lane window, V tiles are DMA'd into VMEM, the prefix sum is a triangular matmul, the
+per-row scalars live in SMEM). Triton constraints honoured: every load/store is a power-of-two
+vector (V is zero-padded to a multiple of the tile, γ to a power of two), no dynamic shapes,
+boolean outputs are stored as int32. `ref_verify` is the pure-JAX oracle (the standard speculative-sampling rule, vectorised):
+the kernel consumes the same uniforms, so tokens and counts agree exactly (barring a uniform
+landing within f32 rounding of a CDF step, where the tiled and global prefix sums may differ).
+Nothing here imports dspark_jax.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dspark_jax.decoding.verify import (RESIDUAL_EPS, VerifyResult,
-                                        rejection_verify_with_uniforms)
+from pallas_kernels.common import inverse_cdf_sample
 
-__all__ = ["DEFAULT_BLOCK_V", "verify", "ref_verify", "check_verify_inputs"]
+__all__ = ["BACKENDS", "DEFAULT_BLOCK_V", "RESIDUAL_EPS", "VerifyResult", "verify", "ref_verify",
+           "check_verify_inputs", "default_backend"]
+
+# Residual mass below which the correction is drawn from p_t instead (SPEC §1 step 5).
+RESIDUAL_EPS = 1e-8
+
+
+class VerifyResult(NamedTuple):
+    """Outcome of verifying one round for every batch row."""
+
+    num_accepted: jax.Array   # [B] int32 in [0, ℓ]
+    next_token: jax.Array     # [B] int32: correction at the first rejected slot, or the bonus
+    accepted_mask: jax.Array  # [B, γ] bool: a prefix of length num_accepted
 
 # Tile over the vocabulary. Untuned (no GPU was available when written): 1024 f32 per tile keeps
 # the two live vectors of pass 2 in registers with 4 warps.
@@ -66,63 +82,153 @@ def check_verify_inputs(accept_u: jax.Array, sample_u: jax.Array, target_probs: 
 def ref_verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
                draft_probs: jax.Array, draft_tokens: jax.Array, verify_len: jax.Array
                ) -> VerifyResult:
-    """Pure-JAX oracle with the kernel's signature."""
-    check_verify_inputs(accept_u, sample_u, target_probs, draft_probs, draft_tokens, verify_len)
-    return rejection_verify_with_uniforms(accept_u, sample_u, target_probs, draft_probs,
-                                          draft_tokens, verify_len)
+    """Pure-JAX oracle with the kernel's signature.
+
+    Accept draft x_k (k < ℓ) iff u_k · p_d(x_k) < p_t(x_k), stop at the first rejection n, then
+    draw the emitted token from norm(max(p_t,n − p_d,n, 0)) (p_t,n if that mass ≤ RESIDUAL_EPS)
+    or, when all ℓ were accepted, the bonus from p_t,ℓ — inverse CDF with sample_u.
+    """
+    B, G, V = check_verify_inputs(accept_u, sample_u, target_probs, draft_probs, draft_tokens,
+                                  verify_len)
+    tp = target_probs.astype(jnp.float32)                                    # [B, γ+1, V]
+    dp = draft_probs.astype(jnp.float32)                                     # [B, γ, V]
+    ell = jnp.clip(verify_len.astype(jnp.int32), 0, G)                       # [B]
+    x = jnp.clip(draft_tokens.astype(jnp.int32), 0, V - 1)                   # [B, γ]
+    pt_x = jnp.take_along_axis(tp[:, :G], x[..., None], axis=-1)[..., 0]     # [B, γ]
+    pd_x = jnp.take_along_axis(dp, x[..., None], axis=-1)[..., 0]            # [B, γ]
+    ok = (accept_u.astype(jnp.float32) * pd_x < pt_x) & (jnp.arange(G)[None] < ell[:, None])
+    accepted = jnp.cumprod(ok.astype(jnp.int32), axis=-1) > 0                # stop at 1st reject
+    n = jnp.sum(accepted.astype(jnp.int32), axis=-1)                         # [B]
+    pt_n = jnp.take_along_axis(tp, n[:, None, None], axis=1)[:, 0]           # [B, V]
+    pd_n = jnp.take_along_axis(dp, jnp.minimum(n, G - 1)[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(pt_n - pd_n, 0.0)                                    # [B, V]
+    use_resid = (n < ell) & (jnp.sum(resid, axis=-1) > RESIDUAL_EPS)
+    dist = jnp.where(use_resid[:, None], resid, pt_n)
+    return VerifyResult(n, inverse_cdf_sample(dist, sample_u), accepted)
 
 
-def _verify_kernel(tp_ref, dp_ref, tok_ref, len_ref, au_ref, su_ref,   # inputs
-                   nacc_ref, next_ref, mask_ref,                        # outputs
-                   *, gamma: int, vocab: int, block_v: int):
-    # tp [γ+1, Vp], dp [γ, Vp], tok/au/mask [Gp], len/su/nacc/next scalars (this row's blocks).
-    n_tiles = tp_ref.shape[-1] // block_v
-    ell = jnp.clip(len_ref[...], 0, gamma)
+class _Access(NamedTuple):
+    """How the shared body reaches its operands (plain refs on Triton, DMAs on TPU)."""
 
+    prob_at: Callable     # (which "t"/"d", k, x) → p[k, x] as [1, 1] f32
+    tile: Callable        # (which, k, i) → p[k, tile i] as [1, BV] f32
+    prefix_sum: Callable  # [1, BV] → inclusive prefix sums
+    token: Callable       # k → draft token x_k (int scalar)
+    accept_u: Callable    # k → u_k as [1, 1] f32
+
+
+def _verify_body(acc: _Access, ell, sample_u, *, gamma: int, vocab: int, n_tiles: int,
+                 block_v: int):
+    """One row: ratio tests, then the correction/bonus draw. Returns (n, next_token) scalars.
+
+    ell: clipped verify length (scalar); sample_u [1, 1] f32.
+    """
     def ratio_test(k, carry):
         n, alive = carry
-        x = jnp.clip(tok_ref[k], 0, vocab - 1)
-        pt = tp_ref[k, x].astype(jnp.float32)
-        pd = dp_ref[k, x].astype(jnp.float32)
-        ok = (au_ref[k] * pd < pt) & (k < ell) & (alive > 0)
-        ok = ok.astype(jnp.int32)
+        x = jnp.clip(acc.token(k), 0, vocab - 1)
+        ok = (acc.accept_u(k) * acc.prob_at("d", k, x) < acc.prob_at("t", k, x))
+        ok = jnp.sum((ok & (k < ell)).astype(jnp.int32)) * alive   # scalar 0/1
         return n + ok, ok
 
     n, _ = jax.lax.fori_loop(0, gamma, ratio_test, (jnp.int32(0), jnp.int32(1)))
     jd = jnp.minimum(n, gamma - 1)  # draft row paired with p_t,n (unused for the bonus row)
+    row_sum = lambda x: jnp.sum(x, axis=1, keepdims=True)  # noqa: E731
+    row_max = lambda x: jnp.max(x, axis=1, keepdims=True)  # noqa: E731
+    lane = jax.lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
 
     def tile(i):
-        sl = pl.ds(pl.multiple_of(i * block_v, block_v), block_v)
-        pt = tp_ref[n, sl].astype(jnp.float32)                          # [BV]
-        pd = dp_ref[jd, sl].astype(jnp.float32)
-        return pt, jnp.maximum(pt - pd, 0.0)
+        pt = acc.tile("t", n, i)                                             # [1, BV]
+        return pt, jnp.maximum(pt - acc.tile("d", jd, i), 0.0)
 
     def masses(i, carry):
         m_res, m_pt = carry
         pt, res = tile(i)
-        return m_res + jnp.sum(res), m_pt + jnp.sum(pt)
+        return m_res + row_sum(res), m_pt + row_sum(pt)
 
-    zero = jnp.float32(0.0)
+    zero = jnp.zeros((1, 1), jnp.float32)
     m_res, m_pt = jax.lax.fori_loop(0, n_tiles, masses, (zero, zero))
-    use_res = (n < ell) & (m_res > RESIDUAL_EPS)
-    thr = su_ref[...] * jnp.where(use_res, m_res, m_pt)
+    use_res = (n < ell) & (m_res > RESIDUAL_EPS)                             # [1, 1]
+    thr = sample_u * jnp.where(use_res, m_res, m_pt)
 
     def search(i, carry):
         cum, count, last_pos = carry
         pt, res = tile(i)
         w = jnp.where(use_res, res, pt)
-        cdf = cum + jnp.cumsum(w)
-        idx = i * block_v + jax.lax.broadcasted_iota(jnp.int32, (block_v,), 0)
-        count = count + jnp.sum((cdf <= thr).astype(jnp.int32))
-        last_pos = jnp.maximum(last_pos, jnp.max(jnp.where(w > 0, idx, 0)))
-        return jnp.max(cdf), count, last_pos   # max(cdf) is its last entry: the running total
+        cdf = cum + acc.prefix_sum(w)
+        idx = i * block_v + lane
+        count = count + row_sum((cdf <= thr).astype(jnp.int32))
+        last_pos = jnp.maximum(last_pos, row_max(jnp.where(w > 0, idx, 0)))
+        return row_max(cdf), count, last_pos   # max(cdf) is its last entry: the running total
 
-    _, count, last_pos = jax.lax.fori_loop(0, n_tiles, search, (zero, jnp.int32(0),
-                                                                 jnp.int32(0)))
+    izero = jnp.zeros((1, 1), jnp.int32)
+    _, count, last_pos = jax.lax.fori_loop(0, n_tiles, search, (zero, izero, izero))
+    return n, jnp.sum(jnp.minimum(count, last_pos))
+
+
+def _verify_kernel(tp_ref, dp_ref, tok_ref, len_ref, au_ref, su_ref,   # inputs
+                   nacc_ref, next_ref, mask_ref,                        # outputs
+                   *, gamma: int, vocab: int, block_v: int):
+    """Triton / interpret. tp [γ+1, Vp], dp [γ, Vp], tok/au/mask [Gp], len/su/nacc/next
+    scalars (this row's blocks)."""
+    refs = {"t": tp_ref, "d": dp_ref}
+    tile = lambda i: pl.ds(pl.multiple_of(i * block_v, block_v), block_v)  # noqa: E731
+    acc = _Access(
+        prob_at=lambda w, k, x: jnp.reshape(refs[w][k, x].astype(jnp.float32), (1, 1)),
+        tile=lambda w, k, i: refs[w][k, tile(i)].astype(jnp.float32)[None, :],
+        prefix_sum=lambda w: jnp.cumsum(w, axis=1),
+        token=lambda k: tok_ref[k],
+        accept_u=lambda k: jnp.reshape(au_ref[k], (1, 1)))
+    n, nxt = _verify_body(acc, jnp.clip(len_ref[...], 0, gamma),
+                          jnp.reshape(su_ref[...], (1, 1)), gamma=gamma, vocab=vocab,
+                          n_tiles=tp_ref.shape[-1] // block_v, block_v=block_v)
     nacc_ref[...] = n
-    next_ref[...] = jnp.minimum(count, last_pos)
+    next_ref[...] = nxt
     slots = jax.lax.broadcasted_iota(jnp.int32, mask_ref.shape, 0)
     mask_ref[...] = (slots < n).astype(jnp.int32)
+
+
+def _verify_kernel_tpu(tok_ref, len_ref, au_ref, su_ref, tp_hbm, dp_hbm, tri_ref,  # inputs
+                       nacc_ref, next_ref, mask_ref,                              # outputs
+                       win_t, win_d, tile_t, tile_d,                              # scratch
+                       *, gamma: int, vocab: int, block_v: int):
+    """TPU (Mosaic), one program per row. Probabilities stay in HBM as [B, γ(+1), 1, Vp] (the
+    unit dim keeps row and slot off the tiled dims); p(x_k) comes from a DMA'd 128-lane window,
+    tiles are DMA'd synchronously (untuned), the prefix sum is a matmul with the triangular
+    ones matrix. tok/au [B, Gp], len/su [B] and the outputs live in SMEM."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    b = pl.program_id(0)
+    hbm = {"t": tp_hbm, "d": dp_hbm}
+    wins, tiles = {"t": win_t, "d": win_d}, {"t": tile_t, "d": tile_d}
+    win = win_t.shape[-1]
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, win), 1)
+    tile = lambda i: pl.ds(pl.multiple_of(i * block_v, block_v), block_v)  # noqa: E731
+
+    def prob_at(w, k, x):
+        start = pl.multiple_of(jax.lax.div(x, jnp.int32(win)) * win, win)   # x ≥ 0
+        pltpu.sync_copy(hbm[w].at[b, k, :, pl.ds(start, win)], wins[w])
+        vals = wins[w][...].astype(jnp.float32)
+        return jnp.sum(jnp.where(lanes == x - start, vals, 0.0), axis=1, keepdims=True)
+
+    def load_tile(w, k, i):
+        pltpu.sync_copy(hbm[w].at[b, k, :, tile(i)], tiles[w])
+        return tiles[w][...].astype(jnp.float32)
+
+    def prefix_sum(w):
+        return jax.lax.dot_general(w, tri_ref[...], (((1,), (0,)), ((), ())),
+                                   precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+
+    acc = _Access(prob_at=prob_at, tile=load_tile, prefix_sum=prefix_sum,
+                  token=lambda k: tok_ref[b, k],
+                  accept_u=lambda k: jnp.full((1, 1), au_ref[b, k], jnp.float32))
+    n, nxt = _verify_body(acc, jnp.clip(len_ref[b], 0, gamma),
+                          jnp.full((1, 1), su_ref[b], jnp.float32), gamma=gamma, vocab=vocab,
+                          n_tiles=tp_hbm.shape[-1] // block_v, block_v=block_v)
+    nacc_ref[b] = n
+    next_ref[b] = nxt
+    for k in range(mask_ref.shape[1]):
+        mask_ref[b, k] = (k < n).astype(jnp.int32)
 
 
 def _pad_axis(x: jax.Array, axis: int, size: int, value) -> jax.Array:
@@ -133,22 +239,40 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value) -> jax.Array:
     return jnp.pad(x, pad, constant_values=value)
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "interpret", "num_warps"))
+BACKENDS = ("triton", "mosaic")
+#: TPU: V tile (lane-aligned) and the window p(x_k) is read from.
+TPU_BLOCK_V, TPU_WINDOW = 512, 128
+
+
+def default_backend() -> str:
+    """"mosaic" when JAX's default backend is a TPU, else "triton"."""
+    return "mosaic" if jax.default_backend() == "tpu" else "triton"
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "interpret", "num_warps", "backend"))
 def verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
            draft_probs: jax.Array, draft_tokens: jax.Array, verify_len: jax.Array, *,
            block_v: int | None = None, interpret: bool = False,
-           num_warps: int = DEFAULT_NUM_WARPS) -> VerifyResult:
-    """Kernel version of `rejection_verify_with_uniforms` (same arguments and result).
+           num_warps: int = DEFAULT_NUM_WARPS, backend: str | None = None) -> VerifyResult:
+    """Kernel version of `ref_verify` (same arguments and result).
 
     accept_u [B, γ], sample_u [B] f32 in [0, 1); target_probs [B, γ+1, V]; draft_probs [B, γ, V]
-    (f32 or bf16; computed in f32); draft_tokens [B, γ] int; verify_len [B] int.
+    (f32 or bf16; computed in f32); draft_tokens [B, γ] int; verify_len [B] int. `backend`:
+    "triton" (GPU) or "mosaic" (TPU); default from the JAX backend.
     """
     B, G, V = check_verify_inputs(accept_u, sample_u, target_probs, draft_probs, draft_tokens,
                                   verify_len)
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    tpu = backend == "mosaic"
     if block_v is None:
-        block_v = min(DEFAULT_BLOCK_V, pl.next_power_of_2(V))
+        block_v = (min(TPU_BLOCK_V, max(TPU_WINDOW, pl.next_power_of_2(V))) if tpu
+                   else min(DEFAULT_BLOCK_V, pl.next_power_of_2(V)))
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
+    if tpu and block_v % TPU_WINDOW:
+        raise ValueError(f"the TPU kernel needs block_v % {TPU_WINDOW} == 0, got {block_v}")
     Vp = pl.cdiv(V, block_v) * block_v
     Gp = pl.next_power_of_2(G)
 
@@ -158,6 +282,34 @@ def verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
     au = _pad_axis(accept_u.astype(jnp.float32), 1, Gp, 1.0)                   # [B, Gp]
     su = sample_u.astype(jnp.float32)                                          # [B]
     vlen = verify_len.astype(jnp.int32)                                        # [B]
+    out_shape = [jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32),
+                 jax.ShapeDtypeStruct((B, Gp), jnp.int32)]
+
+    if tpu:
+        from jax.experimental.pallas import tpu as pltpu
+
+        smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+        hbm = pl.BlockSpec(memory_space=pl.ANY)
+        kernel = functools.partial(_verify_kernel_tpu, gamma=G, vocab=V, block_v=block_v)
+        nacc, nxt, mask = pl.pallas_call(
+            kernel,
+            grid=(B,),
+            in_specs=[smem, smem, smem, smem, hbm, hbm,
+                      pl.BlockSpec((block_v, block_v), lambda b: (0, 0))],
+            out_specs=[smem, smem, smem],
+            out_shape=out_shape,
+            scratch_shapes=[pltpu.VMEM((1, TPU_WINDOW), tp.dtype),
+                            pltpu.VMEM((1, TPU_WINDOW), dp.dtype),
+                            pltpu.VMEM((1, block_v), tp.dtype),
+                            pltpu.VMEM((1, block_v), dp.dtype)],
+            # every row writes its own SMEM entries of whole-array outputs: run the rows in order
+            compiler_params=None if interpret else pltpu.CompilerParams(
+                dimension_semantics=("arbitrary",)),
+            interpret=interpret,
+            name="dspark_verify",
+        )(tok, vlen, au, su, tp[:, :, None, :], dp[:, :, None, :],
+          jnp.triu(jnp.ones((block_v, block_v), jnp.float32)))
+        return VerifyResult(nacc, nxt, mask[:, :G] > 0)
 
     row = lambda b: (b,)  # noqa: E731
     kernel = functools.partial(_verify_kernel, gamma=G, vocab=V, block_v=block_v)
@@ -181,11 +333,7 @@ def verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
             pl.BlockSpec((None,), row),
             pl.BlockSpec((None, Gp), lambda b: (b, 0)),
         ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B,), jnp.int32),
-            jax.ShapeDtypeStruct((B,), jnp.int32),
-            jax.ShapeDtypeStruct((B, Gp), jnp.int32),
-        ],
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=compiler_params,
         name="dspark_verify",

@@ -171,3 +171,32 @@ def test_reliability_plot(tmp_path) -> None:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     single = plot_reliability(rep.slots[2].reliability, tmp_path / "rel2.png")
     assert single.stat().st_size > 1000
+
+
+def test_save_and_load_temperatures(tmp_path) -> None:
+    from dspark_jax.eval.calibration import (CALIBRATION_FILE, CALIBRATION_FORMAT,
+                                             CalibrationFileError, load_temperatures,
+                                             save_temperatures)
+
+    assert load_temperatures(tmp_path) is None  # no file: uncalibrated
+    path = save_temperatures(tmp_path, [0.5, 1, 2.25], before={"mean_ece": 0.1},
+                             after={"mean_ece": 0.01}, num_rounds=7, data={"seed": 0})
+    assert path == tmp_path / CALIBRATION_FILE and not list(tmp_path.glob("*.tmp*"))
+    doc = json.loads(path.read_text())
+    assert doc["format"] == CALIBRATION_FORMAT and doc["gamma"] == 3
+    assert doc["num_rounds"] == 7 and doc["after"] == {"mean_ece": 0.01}
+    assert load_temperatures(tmp_path) == (0.5, 1.0, 2.25) == load_temperatures(path, gamma=3)
+    with pytest.raises(CalibrationFileError, match="γ = 4"):
+        load_temperatures(tmp_path, gamma=4)
+    with pytest.raises(CalibrationFileError, match=r"temperatures\[1\]"):
+        save_temperatures(tmp_path, [1.0, 0.0])
+    for bad, field in [({**doc, "format": "x"}, "'format'"),
+                       ({**doc, "temperatures": []}, "'temperatures'"),
+                       ({**doc, "temperatures": [1.0, "a", 1.0]}, r"'temperatures\[1\]'"),
+                       ({**doc, "temperatures": [1.0, float("inf"), 1.0]}, r"'temperatures\[1\]'"),
+                       ({**doc, "gamma": 2}, "'gamma'"),
+                       ([1, 2], "JSON object")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(CalibrationFileError, match=field) as e:
+            load_temperatures(tmp_path)
+        assert str(path) in str(e.value)
