@@ -165,3 +165,10 @@ def test_bad_inputs(target, draft):
     plain = Engine(target, None, scheduler="none", **ENGINE_KW)
     assert plain.generate([[5, 6]], max_new_tokens=3).tokens == autoregressive_generate(
         target, [[5, 6]], max_new_tokens=3, stop_token_ids=[])
+
+
+@pytest.mark.slow
+def test_pallas_verifier_greedy_equals_autoregressive(target, draft, greedy_ref):
+    """verifier="pallas" runs the Pallas verification kernel (interpreted on CPU)."""
+    eng = Engine(target, draft, scheduler="fixed", verifier="pallas", **ENGINE_KW)
+    assert eng.generate(PROMPTS, max_new_tokens=MAX_NEW).tokens == greedy_ref
