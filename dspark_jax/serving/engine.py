@@ -261,8 +261,10 @@ class _Run:
         self.temps, self.tks, self.tps, self.kd, self.arrivals = temps, tks, tps, kd, arrivals
         n = len(prompts)
         self.out: list[list[int]] = [[] for _ in range(n)]
-        self.per = [dict(accepted=[], proposed=[], acceptance=[], arrival_s=arrivals[i],
-                         prompt_tokens=len(prompts[i]), first_token_s=None, finish_s=None)
+        self.per = [dict(accepted=[], proposed=[], acceptance=[], confidence=[],
+                         arrival_s=arrivals[i],
+                         join_s=None, prompt_tokens=len(prompts[i]), first_token_s=None,
+                         finish_s=None)
                     for i in range(n)]
         self.rounds: list[dict[str, Any]] = []
         self.h = eng._host_arrays()
@@ -282,6 +284,7 @@ class _Run:
             i = self.pending.popleft()
             r = self.free.popleft()
             self.slot_req[r] = i
+            self.per[i]["join_s"] = now
             h = self.h
             h["temperature"][r], h["top_k"][r], h["top_p"][r] = (self.temps[i], self.tks[i],
                                                                   self.tps[i])
@@ -350,6 +353,7 @@ class _Run:
         t_start = time.perf_counter()
         p = e._params(h)
         n_active = int(h["active"].sum())
+        conf = None
         if e.mode == "none":
             drafts, probs = self.no_drafts
             ell = jnp.zeros((e.R,), jnp.int32)
@@ -358,7 +362,7 @@ class _Run:
             d = R_.draft_and_schedule(e._dgd, e._dstate, s, p, e.stop_ids, e.conf_temps,
                                       jnp.asarray(e.threshold, jnp.float32), e.sps,
                                       jnp.asarray(self.cap_queue[0], jnp.int32), mode=e.mode)
-            drafts, probs, ell = d["tokens"], d["probs"], d["lengths"]
+            drafts, probs, ell, conf = d["tokens"], d["probs"], d["lengths"], d["confidence"]
             n_tokens, cap_new = (int(x) for x in jax.device_get((d["n_tokens"],
                                                                    d["capacity_new"])))
             self.cap_queue = [self.cap_queue[1], cap_new]
@@ -366,6 +370,7 @@ class _Run:
         s, o = e._verify(s, p, drafts, probs, ell, K)
         o = jax.device_get(o)
         ell_h = np.asarray(ell)
+        conf_h = None if conf is None else np.asarray(conf, np.float32)
         now = time.perf_counter() - self.t0
         emitted = 0
         for r in np.nonzero(h["active"])[0]:
@@ -377,6 +382,8 @@ class _Run:
             pr["accepted"].append(int(o["accepted"][r]))
             pr["proposed"].append(int(o["proposed"][r]))
             pr["acceptance"].append(int(o["tau_term"][r]))
+            if conf_h is not None:   # confidence logits of this round's proposals
+                pr["confidence"].append(conf_h[r])
             h["remaining"][r] -= m
             h["counter"][r] += 1
             if o["finished"][r]:

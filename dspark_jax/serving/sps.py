@@ -59,9 +59,12 @@ def bucket_for(buckets: Sequence[int], n_tokens: int) -> int:
 def sps_table(buckets: Sequence[int], seconds: Mapping[int, float]) -> np.ndarray:
     """sps[B] for B = 0..max bucket: 1 / (time of the smallest bucket ≥ B)."""
     top = int(max(buckets))
+    bs = sorted(int(b) for b in buckets)
+    # timing noise must not make a larger bucket look faster: running max of the seconds
+    secs = np.maximum.accumulate([float(seconds[b]) for b in bs])
     table = np.zeros((top + 1,), np.float32)
     for B in range(top + 1):
-        table[B] = 1.0 / max(float(seconds[bucket_for(buckets, max(B, 1))]), 1e-12)
+        table[B] = 1.0 / max(float(secs[bs.index(bucket_for(bs, max(B, 1)))]), 1e-12)
     return table
 
 
