@@ -10,8 +10,10 @@ One round, for a batch of requests at different lengths:
      samples a correction or bonus token;
   4. commit by moving lengths: the anchor and accepted drafts stay in the target cache, their
      features go to the draft context; rejected entries are simply overwritten later.
-`generate` runs rounds in a `lax.while_loop` with no host round trip; `SpecEngine.step` runs
-one round per call for serving and scheduling.
+`spec_loop` runs rounds in a `lax.while_loop` with no host round trip (the round benchmark
+times it); `spec_step` runs one round per call. `speculative_generate` is a thin wrapper over
+the serving engine (`dspark_jax.serving.Engine`: ragged verification, schedulers, continuous
+batching), so evaluation and serving decode through the same code.
 """
 
 from __future__ import annotations
@@ -271,7 +273,9 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     _, lens, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len,
                                      max_new_tokens + g + 1)
     R = len(prompts)
-    kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=int(min(sum(lens), 8192)))
+    # DeepSpec's protocol: every round verifies γ drafts, also near the token budget
+    kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=int(min(sum(lens), 8192)),
+              cap_to_budget=False)
     kw.update(engine_kw)
     eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,
                  verifier=settings.verifier, stop_token_ids=stop_token_ids, **kw)

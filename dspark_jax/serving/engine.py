@@ -67,7 +67,7 @@ class Engine:
                  sps: Any = None, sps_cache_dir: str | None = None, profile_repeats: int = 3,
                  confidence_temperatures: Sequence[float] | None = None,
                  verifier: str = "jax", sampler: str = "jax",
-                 stop_token_ids: Sequence[int] | None = None):
+                 stop_token_ids: Sequence[int] | None = None, cap_to_budget: bool = True):
         if scheduler not in R_.MODES:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(R_.MODES)}")
         if verifier not in R_.VERIFY_FNS:
@@ -96,6 +96,7 @@ class Engine:
         self.R, self.max_len = int(max_requests), int(max_len)
         self.threshold = float(threshold)
         self.verifier, self.prefill_chunk = verifier, int(prefill_chunk)
+        self.cap_to_budget = bool(cap_to_budget)
         self.buckets = sps_mod.capacity_buckets(self.R, self.gamma, capacity_buckets)
         if self.buckets[-1] > self.max_len * self.R:
             raise ValueError("capacity_buckets exceed what max_len can hold")
@@ -271,11 +272,10 @@ class _Run:
         self.slot_req = [-1] * eng.R
         self.free = collections.deque(range(eng.R))
         self.pending = collections.deque(sorted(range(n), key=lambda i: (arrivals[i], i)))
+        # adaptive: capacities of the last two rounds; the first two rounds admit everything
         self.cap_queue = [eng.R * eng.gamma] * 2
-        g = eng.gamma
         self.no_drafts = (jnp.zeros((eng.R, 0), jnp.int32),
                           jnp.zeros((eng.R, 0, eng.V), jnp.float32))
-        del g
 
     # -------------------------------------------------------------- joins
     def _admit(self, now: float) -> list[int]:
@@ -361,7 +361,8 @@ class _Run:
         else:
             d = R_.draft_and_schedule(e._dgd, e._dstate, s, p, e.stop_ids, e.conf_temps,
                                       jnp.asarray(e.threshold, jnp.float32), e.sps,
-                                      jnp.asarray(self.cap_queue[0], jnp.int32), mode=e.mode)
+                                      jnp.asarray(self.cap_queue[0], jnp.int32), mode=e.mode,
+                                      cap_budget=e.cap_to_budget)
             drafts, probs, ell, conf = d["tokens"], d["probs"], d["lengths"], d["confidence"]
             n_tokens, cap_new = (int(x) for x in jax.device_get((d["n_tokens"],
                                                                    d["capacity_new"])))

@@ -98,13 +98,14 @@ def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
     raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
 
 
-@functools.partial(jax.jit, static_argnames=("draft_gd", "mode"))
+@functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget"))
 def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Params,
                        stop_ids: jax.Array, conf_temps: jax.Array | None,
                        threshold: jax.Array, sps: jax.Array, capacity: jax.Array, *,
-                       mode: str) -> dict[str, jax.Array]:
+                       mode: str, cap_budget: bool = True) -> dict[str, jax.Array]:
     """Drafts γ tokens for every slot and schedules them. → tokens, probs, confidence logits,
-    lengths ℓ [R], n_tokens = Σ_active(1 + ℓ_r), capacity_new (adaptive)."""
+    lengths ℓ [R], n_tokens = Σ_active(1 + ℓ_r), capacity_new (adaptive). `cap_budget`: never
+    verify drafts past a request's token budget (off = DeepSpec's protocol, always γ)."""
     draft = nnx.merge(draft_gd, draft_state)
     adapter = adapter_for(draft.cfg.model_type)
     g = draft.cfg.num_drafts
@@ -130,8 +131,9 @@ def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Param
     ell, cap_new = schedule_lengths(mode, conf, p.active, g, threshold, sps, capacity)
     if "length" in prop:      # Eagle3's chain stopped at a drafted stop token
         ell = jnp.minimum(ell, prop["length"])
-    # drafts past the request's token budget can never be emitted
-    ell = jnp.where(p.active, jnp.clip(jnp.minimum(ell, p.remaining - 1), 0, g), 0)
+    if cap_budget:   # drafts past the request's token budget can never be emitted
+        ell = jnp.minimum(ell, p.remaining - 1)
+    ell = jnp.where(p.active, jnp.clip(ell, 0, g), 0)
     n_tokens = jnp.sum(jnp.where(p.active, 1 + ell, 0)).astype(jnp.int32)
     return dict(tokens=prop["tokens"], probs=prop["probs"], confidence=conf_logits,
                 lengths=ell.astype(jnp.int32), n_tokens=n_tokens, capacity_new=cap_new)
