@@ -22,7 +22,8 @@ What this module implements:
   `baseline=True` plain autoregressive decoding of the same prompts and the speedup.
 
 Prompts of a dataset are sorted by length and decoded in batches of `batch_size` with
-`decoding.speculative.speculative_generate` (lossless rejection sampling, SPEC §1). One cache
+`decoding.speculative.speculative_generate` — the serving engine (lossless rejection sampling,
+SPEC §1; any scheduler mode, `scheduler=`). One cache
 length is used for the whole run so the decoding loop compiles once per batch size. A prompt
 whose length + max_new_tokens + γ + 1 does not fit the cache limit (default: the target's
 `max_position_embeddings`) is skipped and counted, not decoded.
@@ -235,8 +236,13 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
              stop_token_ids: Sequence[int] | None = None, tokenizer: Any = None,
              dtype: str = "float32", paper_reference: str | None = "auto",
              save_outputs: bool = False, rounds_per_call: int | None = None,
-             progress: bool = True, plots: bool = True) -> dict[str, Any]:
+             progress: bool = True, plots: bool = True,
+             scheduler: str = "fixed") -> dict[str, Any]:
     """Evaluates `draft` on `target` over DeepSpec-format prompt files; returns results.json.
+
+    Decoding runs through the serving engine (`dspark_jax.serving.Engine`, one slot per prompt
+    of a batch) with `scheduler` ("fixed" = DeepSpec's protocol: verify all γ drafts; any
+    engine mode works, e.g. "adaptive").
 
     `target`: a loaded `Target` or a name/directory for `load_target`; `draft`: a `Draft` or a
     DeepSpec-format checkpoint directory (`load_draft`). `datasets`: names (or a comma
@@ -336,7 +342,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
                     target, draft, [ids[i] for i in batch], max_new_tokens=max_new_tokens,
                     temperature=temperature, seed=_batch_seed(seed, name, b),
                     stop_token_ids=stop_token_ids, max_cache_len=cache_len, settings=settings,
-                    rounds_per_call=rounds_per_call)
+                    rounds_per_call=rounds_per_call, scheduler=scheduler)
                 dt, dc = time.perf_counter() - t0, timer.seconds - c0
                 wall += dt
                 compile_s += dc
@@ -346,7 +352,8 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
                         conf_j = np.asarray(res.confidence[j], np.float32).reshape(-1, gamma)
                     outs[i] = dict(tokens=res.tokens[j], proposed=res.proposed[j],
                                    accepted=res.accepted[j], confidence=conf_j)
-                    ds_committed += sum(a + 1 for a in res.accepted[j])
+                    ds_committed += (sum(res.acceptance[j]) if res.acceptance is not None
+                                     else sum(a + 1 for a in res.accepted[j]))
                     ds_rounds += len(res.accepted[j])
                 n_tok = sum(len(t) for t in res.tokens)
                 run_tokens += n_tok
@@ -504,6 +511,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
             "max_cache_len": limit,
             "cache_len": int(cache_len),
             "verifier": verifier,
+            "scheduler": scheduler,
             "baseline": bool(baseline),
             "first_turn_only": True,
             "add_generation_prompt": True,
@@ -724,6 +732,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", action="store_true",
                    help="also run plain autoregressive decoding and report the speedup")
     p.add_argument("--verifier", choices=("jax", "pallas"), default="jax")
+    p.add_argument("--scheduler", default="fixed",
+                   choices=("none", "fixed", "threshold", "algorithm1", "adaptive"),
+                   help="verification scheduler of the serving engine (default: DeepSpec's "
+                        "fixed γ)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="target compute/param dtype")
     p.add_argument("--enable-thinking", action="store_true",
@@ -752,6 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_samples=args.max_samples, seed=args.seed, temperature=args.temperature,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, out_dir=args.out,
             baseline=args.baseline, verifier=args.verifier, max_cache_len=args.max_cache_len,
+            scheduler=args.scheduler,
             enable_thinking=args.enable_thinking, system_prompt=args.system_prompt,
             dtype=args.dtype, paper_reference=args.paper_ref, save_outputs=args.save_outputs,
             rounds_per_call=args.rounds_per_call, progress=not args.no_progress,

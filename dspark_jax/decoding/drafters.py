@@ -6,8 +6,12 @@ Eagle3 run through one loop:
   commit(model, cache, feats [B,T,n·d], start [B], count [B], next_tokens [B,T]) → cache
       (target features of newly committed tokens at positions start..start+count−1;
        next_tokens[t] is the token that follows position start+t — Eagle3 pairs them)
-  propose(model, cache, anchor [B], anchor_pos [B], key, temperature, sample_fn)
-      → dict(tokens [B,γ], probs [B,γ,V], confidence [B,γ])
+  propose(model, cache, anchor [B], anchor_pos [B], key, temperature, sample_fn,
+          probs_fn=None, stop_ids=None)
+      → dict(tokens [B,γ], probs [B,γ,V], confidence [B,γ], length [B] (with stop_ids))
+  commit_ragged(model, cache, feats [K,n·d], slot [K], pos [K], valid [K], lengths [B],
+                dense_idx [B,T], count [B], next_tokens [B,T]) → cache
+      (the serving engine's flattened form: only the `valid` tokens' features are written)
 DSpark/DFlash cache the per-layer context K/V of committed features (context visible strictly
 before the anchor; stale entries past it are overwritten before they become visible).
 """
@@ -44,16 +48,33 @@ class DSparkAdapter:
         return DraftCache(k=k_all, v=v_all)
 
     @staticmethod
+    def commit_ragged(model: DSparkDraft, cache: DraftCache, feats_kf: jax.Array,
+                      slot_k: jax.Array, pos_k: jax.Array, valid_k: jax.Array,
+                      lengths: jax.Array, dense_idx: jax.Array, count: jax.Array,
+                      next_tokens: jax.Array) -> DraftCache:
+        """Context K/V of the valid flattened tokens at (slot, position); the rest drop."""
+        del lengths, dense_idx, count, next_tokens
+        B = cache.k.shape[1]
+        k, v = model.context_kv(feats_kf[None], pos_k[None])                 # [Ld,1,K,Kh,H]
+        slot_w = jnp.where(valid_k, slot_k, B)
+        return DraftCache(k=cache.k.at[:, slot_w, pos_k].set(k[:, 0].astype(cache.k.dtype),
+                                                             mode="drop"),
+                          v=cache.v.at[:, slot_w, pos_k].set(v[:, 0].astype(cache.v.dtype),
+                                                             mode="drop"))
+
+    @staticmethod
     def propose(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
                 anchor_pos: jax.Array, key: jax.Array, temperature: jax.Array,
-                sample_fn: Callable) -> dict[str, jax.Array]:
+                sample_fn: Callable, probs_fn: Callable | None = None,
+                stop_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+        del stop_ids  # a parallel block has no chain to stop
         S = cache.k.shape[2]
         B = anchor.shape[0]
         visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
         h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
                            jnp.ones((B, 1), bool))[:, 0]                     # [B,γ,D]
         h = model.draft_slots(h)
-        return model.sample_block(h, anchor, key, temperature, sample_fn)
+        return model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn)
 
 
 class Eagle3Adapter:
@@ -70,11 +91,24 @@ class Eagle3Adapter:
         return model.commit(cache, feats, next_tokens, count)
 
     @staticmethod
+    def commit_ragged(model: Any, cache: Any, feats_kf: jax.Array, slot_k: jax.Array,
+                      pos_k: jax.Array, valid_k: jax.Array, lengths: jax.Array,
+                      dense_idx: jax.Array, count: jax.Array, next_tokens: jax.Array) -> Any:
+        """Eagle3 appends pairs in order per request: gather each request's run of flattened
+        tokens (`dense_idx` [B, T]) into [B, T] and commit `count` of them at `lengths`."""
+        del slot_k, pos_k, valid_k
+        feats = feats_kf[jnp.clip(dense_idx, 0, feats_kf.shape[0] - 1)]       # [B,T,F]
+        cache = cache.replace(lengths=lengths.astype(jnp.int32))
+        return model.commit(cache, feats, next_tokens, count)
+
+    @staticmethod
     def propose(model: Any, cache: Any, anchor: jax.Array, anchor_pos: jax.Array,
-                key: jax.Array, temperature: jax.Array, sample_fn: Callable
+                key: jax.Array, temperature: jax.Array, sample_fn: Callable,
+                probs_fn: Callable | None = None, stop_ids: jax.Array | None = None
                 ) -> dict[str, jax.Array]:
         del anchor, anchor_pos  # the last committed pair already ends with the anchor
-        out = model.propose(cache, key, temperature, model.cfg.num_drafts, sample_fn)
+        out = model.propose(cache, key, temperature, model.cfg.num_drafts, sample_fn,
+                            probs_fn=probs_fn, stop_ids=stop_ids)
         B, g = out["tokens"].shape
         out.setdefault("confidence", jnp.zeros((B, g), jnp.float32))
         return out

@@ -10,8 +10,10 @@ One round, for a batch of requests at different lengths:
      samples a correction or bonus token;
   4. commit by moving lengths: the anchor and accepted drafts stay in the target cache, their
      features go to the draft context; rejected entries are simply overwritten later.
-`generate` runs rounds in a `lax.while_loop` with no host round trip; `SpecEngine.step` runs
-one round per call for serving and scheduling.
+`spec_loop` runs rounds in a `lax.while_loop` with no host round trip (the round benchmark
+times it); `spec_step` runs one round per call. `speculative_generate` is a thin wrapper over
+the serving engine (`dspark_jax.serving.Engine`: ragged verification, schedulers, continuous
+batching), so evaluation and serving decode through the same code.
 """
 
 from __future__ import annotations
@@ -226,11 +228,16 @@ class SpecResult:
     # per request, [its rounds, γ] float32 confidence-head logits of the proposals, aligned with
     # `proposed`/`accepted` (None when SpecSettings.record_confidence is off)
     confidence: list[np.ndarray] | None = None
+    # per request, per round: DeepSpec's acceptance length (accepted+1; eos_pos+1 on a round
+    # whose accepted drafts hold a stop token). None: accepted+1 everywhere
+    acceptance: list[list[int]] | None = None
 
     @property
     def tau(self) -> float:
-        """DeepSpec's pooled accepted length Σ(accepted+1)/#rounds over all requests."""
+        """DeepSpec's pooled accepted length Σ(acceptance)/#rounds over all requests."""
         n = sum(len(a) for a in self.accepted)
+        if self.acceptance is not None:
+            return sum(x for a in self.acceptance for x in a) / max(n, 1)
         return sum(x + 1 for a in self.accepted for x in a) / max(n, 1)
 
 
@@ -243,53 +250,41 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
                          stop_token_ids: Sequence[int] | None = None,
                          max_cache_len: int | None = None, settings: SpecSettings | None = None,
                          policy: Callable = default_policy, rounds_per_call: int | None = None,
-                         progress: bool = False) -> SpecResult:
+                         progress: bool = False, scheduler: str = "fixed",
+                         **engine_kw: Any) -> SpecResult:
     """Speculative decoding of a batch of prompts (token-id lists); lossless w.r.t. the target.
 
-    Returns the generated ids per prompt and per-round statistics (proposed/accepted counts).
+    A thin wrapper over `dspark_jax.serving.Engine` with one slot per prompt (`scheduler`
+    "fixed" verifies all γ drafts, as DeepSpec's evaluator; any engine mode works). Returns
+    the generated ids per prompt and per-round statistics (proposed/accepted counts, DeepSpec's
+    bookkeeping on stop tokens). `policy` and `rounds_per_call` belong to the on-device loop
+    (`spec_loop`) and are ignored here; `progress` is accepted for compatibility.
     """
+    del policy, rounds_per_call, progress
+    from dspark_jax.serving import Engine
+
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")
     check_compatible(target, draft)
     settings = settings or SpecSettings()
     cfg = target.config
     g = draft.config.num_drafts
-    default_stops = getattr(target.tokenizer, "stop_token_ids", None) or cfg.stop_token_ids
-    stops = stop_array(stop_token_ids, default_stops)
-    # room for the prompt, the output and one verification pass of γ+1 tokens past it
-    tokens, lens, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len,
-                                          max_new_tokens + g + 1)
-    temp = jnp.asarray(temperature, jnp.float32)
-    max_rounds = max_new_tokens
-    s = spec_prefill(target.graphdef, draft.graphdef, target.state, draft.state,
-                     jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(seed), temp, stops,
-                     cache_len=cache_len, max_new=max_new_tokens, max_rounds=max_rounds,
-                     settings=settings)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=int(max_new_tokens * len(prompts)), desc="speculative", unit="tok")
-    done_tokens = int(jnp.sum(s.num_out))
-    if bar is not None:
-        bar.update(done_tokens)
-    while not bool(jnp.all(s.done)):
-        s = spec_loop(target.graphdef, draft.graphdef, target.state, draft.state, s, temp,
-                      stops, settings=settings, policy=policy,
-                      num_rounds=rounds_per_call or (1 << 30))
-        if bar is not None:
-            now = int(jnp.sum(s.num_out))
-            bar.update(now - done_tokens)
-            done_tokens = now
-    if bar is not None:
-        bar.close()
-    out, num = np.asarray(s.out), np.asarray(s.num_out)
-    prop, acc = np.asarray(s.proposed), np.asarray(s.accepted)
-    conf = np.asarray(s.confidence, np.float32) if settings.record_confidence else None
-    B = len(prompts)
-    return SpecResult(
-        tokens=[out[i, :num[i]].tolist() for i in range(B)],
-        proposed=[[int(x) for x in prop[:, i] if x >= 0] for i in range(B)],
-        accepted=[[int(x) for x in acc[:, i] if x >= 0] for i in range(B)],
-        rounds=int(s.rounds),
-        confidence=None if conf is None else [conf[prop[:, i] >= 0, i] for i in range(B)])
+    # validates the prompts; room for the prompt, the output and one verification of γ+1
+    _, lens, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len,
+                                     max_new_tokens + g + 1)
+    R = len(prompts)
+    # DeepSpec's protocol: every round verifies γ drafts, also near the token budget
+    kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=int(min(sum(lens), 8192)),
+              cap_to_budget=False)
+    kw.update(engine_kw)
+    eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,
+                 verifier=settings.verifier, stop_token_ids=stop_token_ids, **kw)
+    res = eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                       seed=seed, top_k=settings.top_k, top_p=settings.top_p)
+    per = res.per_request
+    conf = None
+    if settings.record_confidence:
+        conf = [np.asarray(p["confidence"], np.float32).reshape(-1, g) for p in per]
+    return SpecResult(tokens=res.tokens, proposed=[p["proposed"] for p in per],
+                      accepted=[p["accepted"] for p in per], rounds=len(res.rounds),
+                      confidence=conf, acceptance=[p["acceptance"] for p in per])

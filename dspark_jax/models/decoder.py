@@ -184,6 +184,81 @@ class TargetDecoder(nnx.Module):
         return DecoderOutput(hidden=hidden, taps=taps_out, cache=new_cache)
 
 
+@flax.struct.dataclass
+class RaggedOutput:
+    hidden: jax.Array          # [K, D] final-normed hidden state per flattened token
+    taps: jax.Array | None     # [K, n·D] layer outputs for tap_layer_ids, concatenated
+    cache: KVCache             # K/V of the valid tokens written; lengths unchanged
+
+
+def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
+                   position_k: jax.Array, valid_k: jax.Array, cache: KVCache,
+                   tap_layer_ids: Sequence[int] = ()) -> RaggedOutput:
+    """The verification forward of load-aware decoding (paper §5.2–5.3; SPEC §9).
+
+    The admitted tokens of all requests are flattened along one token axis of static capacity
+    K: token k belongs to request `slot_k[k]` of the static cache [R, S_max] and sits at
+    `position_k[k]`. Valid tokens write their K/V at (slot, position) (padding writes nothing:
+    its scatter index is out of range and dropped) and attend to their request's cache at
+    positions ≤ their own — the committed prefix plus the request's own earlier admitted
+    tokens, which are written first. Every matmul runs over the K tokens only, so the cost of a
+    step scales with the tokens admitted, not with R·(γ+1). Lengths are not advanced (the
+    caller commits by moving them).
+    """
+    cfg = model.cfg
+    K = tokens_k.shape[0]
+    R, S = cache.k.shape[1], cache.k.shape[2]
+    pos_1k = position_k.astype(jnp.int32)[None]                               # [1,K]
+    slot_r = jnp.clip(slot_k.astype(jnp.int32), 0, R - 1)                     # read index
+    slot_w = jnp.where(valid_k, slot_r, R)                                    # write: R = drop
+    key_pos = jnp.arange(S, dtype=jnp.int32)
+    mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & valid_k[:, None])[:, None, :]
+
+    h = model.embed_tokens(tokens_k[None])                                    # [1,K,D]
+    tap_ids = model.tap_slots(tap_layer_ids)
+    n_taps = len(tap_ids)
+    slot_of_layer = [-1] * cfg.num_hidden_layers
+    for t, lid in enumerate(tap_ids):
+        if lid >= 0:
+            slot_of_layer[lid] = t
+    taps0 = jnp.zeros((max(n_taps, 1), 1, K, cfg.hidden_size), model.dtype)
+    for t, lid in enumerate(tap_ids):
+        if lid == -1:
+            taps0 = taps0.at[t].set(h)
+
+    stack = model.layers.stacked(model.dtype)
+    eps = cfg.rms_norm_eps
+
+    def body(carry, xs):
+        h, taps, kc, vc = carry
+        lp, layer_idx, tap_slot = xs
+        x = L.rms_norm(h, lp["input_norm"], eps)
+        q = L.apply_rope(L.project_q(lp, x, eps), pos_1k, cfg.rope)           # [1,K,N,H]
+        k, v = L.project_kv(lp, x, eps)
+        k = L.apply_rope(k, pos_1k, cfg.rope)                                 # [1,K,Kh,H]
+        kc = kc.at[layer_idx, slot_w, position_k].set(k[0], mode="drop")
+        vc = vc.at[layer_idx, slot_w, position_k].set(v[0], mode="drop")
+        # each token is its own attention row over its request's cache: [K, 1, ·] vs [K, S, ·]
+        k_tok, v_tok = kc[layer_idx][slot_r], vc[layer_idx][slot_r]           # [K,S,Kh,H]
+        attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]    # [1,K,N,H]
+        h = L.attn_out_and_mlp(lp, h, attn, eps)
+        if n_taps:
+            cur = taps[jnp.maximum(tap_slot, 0)]
+            taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h, cur))
+        return (h, taps, kc, vc), None
+
+    xs = (stack, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
+    init = (h, taps0, cache.k.astype(model.dtype), cache.v.astype(model.dtype))
+    (h, taps, kc, vc), _ = jax.lax.scan(body, init, xs)
+    hidden = L.rms_norm(h, model.final_norm.get_value(), eps)[0]
+    taps_out = None
+    if n_taps:
+        taps_out = jnp.transpose(taps[:, 0], (1, 0, 2)).reshape(K, n_taps * cfg.hidden_size)
+    return RaggedOutput(hidden=hidden, taps=taps_out,
+                        cache=cache.replace(k=kc.astype(cache.k.dtype),
+                                            v=vc.astype(cache.v.dtype)))
+
+
 def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,
                   param_dtype: Any = jnp.float32) -> TargetDecoder:
     return TargetDecoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
@@ -196,4 +271,4 @@ def abstract_target(cfg: DecoderConfig, dtype: Any = jnp.float32,
 
 
 __all__ = ["KVCache", "init_cache", "DecoderOutput", "TargetDecoder", "create_target",
-           "abstract_target"]
+           "abstract_target", "RaggedOutput", "ragged_forward"]

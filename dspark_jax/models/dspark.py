@@ -166,10 +166,12 @@ class DSparkDraft(nnx.Module):
         return logits, conf
 
     def sample_block(self, h_btd: jax.Array, anchor_b: jax.Array, key: jax.Array,
-                     temperature: jax.Array, sample_fn: Any) -> dict[str, jax.Array]:
+                     temperature: jax.Array, sample_fn: Any, probs_fn: Any = None
+                     ) -> dict[str, jax.Array]:
         """Sequential sampling over the γ slots (each slot conditioned on the sampled previous
-        token). h [B, γ, D] → tokens [B, γ], probs [B, γ, V], confidence logits [B, γ]."""
-        from dspark_jax.decoding.sampling import probs_from_logits
+        token). h [B, γ, D] → tokens [B, γ], probs [B, γ, V], confidence logits [B, γ].
+        `probs_fn(logits [B, V]) → probs` replaces softmax(·/T) (e.g. per-request top-k/top-p)."""
+        from dspark_jax.sampling import probs_from_logits
 
         B, g, _ = h_btd.shape
         base = self.base_logits(h_btd)                                      # [B,γ,V]
@@ -188,7 +190,8 @@ class DSparkDraft(nnx.Module):
                 logits = logits + bias
                 emb = self.markov.embed_prev(prev, h.dtype)
             conf = self.confidence(h, emb) if has_conf else jnp.zeros((B,), jnp.float32)
-            p = probs_from_logits(logits, temperature)
+            p = (probs_fn(logits) if probs_fn is not None
+                 else probs_from_logits(logits, temperature))
             tok = sample_fn(k, p)
             return (tok, state), (tok, p, conf)
 

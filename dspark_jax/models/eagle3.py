@@ -306,19 +306,26 @@ class Eagle3Draft(nnx.Module):
             last_logits=jnp.where(has[:, None], logits, cache.last_logits))
 
     def propose(self, cache: Eagle3Cache, key: jax.Array, temperature: jax.Array | float,
-                gamma: int, sample_fn: Callable[[jax.Array, jax.Array], jax.Array]
-                ) -> dict[str, jax.Array]:
+                gamma: int, sample_fn: Callable[[jax.Array, jax.Array], jax.Array],
+                probs_fn: Callable[[jax.Array], jax.Array] | None = None,
+                stop_ids: jax.Array | None = None) -> dict[str, jax.Array]:
         """γ autoregressive draft tokens (SPEC §5 inference). Draft 1 ~ softmax(last_logits/T);
         chain step s = 1..γ−1 reads (previous output hidden, embed(draft s)) at position
         lengths−1+s, writing scratch K/V visible to later steps only (lengths unchanged).
-        → tokens [B, γ] int32, probs [B, γ, V] f32 (the distributions sampled from)."""
-        from dspark_jax.decoding.sampling import probs_from_logits
+        → tokens [B, γ] int32, probs [B, γ, V] f32 (the distributions sampled from).
+        `probs_fn(logits [B, V])` replaces softmax(·/T); with `stop_ids` [n] the chain stops at
+        a drafted stop token like DeepSpec's evaluator: "length" [B] = drafts up to and
+        including the first stop token (γ without one)."""
+        from dspark_jax.sampling import probs_from_logits
+
+        if probs_fn is None:
+            probs_fn = lambda lg: probs_from_logits(lg, temperature)  # noqa: E731
 
         keys = jax.random.split(key, gamma)
-        p0 = probs_from_logits(cache.last_logits, temperature)                # [B,V]
+        p0 = probs_fn(cache.last_logits)                # [B,V]
         t0 = sample_fn(keys[0], p0).astype(jnp.int32)
         if gamma == 1:
-            return {"tokens": t0[:, None], "probs": p0[:, None]}
+            return _with_stop_length({"tokens": t0[:, None], "probs": p0[:, None]}, stop_ids)
 
         def step(carry, xs):
             h_prev, tok, kc, vc = carry
@@ -326,7 +333,7 @@ class Eagle3Draft(nnx.Module):
             pos = (cache.lengths - 1 + s)[:, None]                            # [B,1]
             h, kc, vc = self._cached_forward(h_prev[:, None], self.embed_tokens(tok[:, None]),
                                              pos, kc, vc)
-            p = probs_from_logits(self.logits(h[:, 0]), temperature)
+            p = probs_fn(self.logits(h[:, 0]))
             nt = sample_fn(k, p).astype(jnp.int32)
             return (h[:, 0], nt, kc, vc), (nt, p)
 
@@ -335,7 +342,21 @@ class Eagle3Draft(nnx.Module):
                                         (jnp.arange(1, gamma, dtype=jnp.int32), keys[1:]))
         tokens = jnp.concatenate([t0[:, None], toks.T], axis=1)
         probs = jnp.concatenate([p0[:, None], jnp.moveaxis(probs, 0, 1)], axis=1)
-        return {"tokens": tokens, "probs": probs}
+        return _with_stop_length({"tokens": tokens, "probs": probs}, stop_ids)
+
+
+def _with_stop_length(out: dict[str, jax.Array], stop_ids: jax.Array | None
+                      ) -> dict[str, jax.Array]:
+    """Adds "length" [B]: drafts up to and including the first drafted stop token. (The chain
+    is static-shape, so later slots are still computed, but never proposed.)"""
+    if stop_ids is None:
+        return out
+    toks = out["tokens"]
+    g = toks.shape[1]
+    hit = jnp.any(toks[..., None] == stop_ids, axis=-1)                        # [B, γ]
+    out["length"] = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, g
+                              ).astype(jnp.int32)
+    return out
 
 
 __all__ = ["Eagle3Draft", "Eagle3Cache", "base_positions", "ttt_positions", "ttt_base_mask",

@@ -173,12 +173,11 @@ def _sample_positions(target, draft, verifier: str, prompt, n: int = N_SAMPLES):
     return toks, res
 
 
-def _always_accept(key, target_probs, draft_probs, draft_tokens, verify_len):
+def _always_accept(accept_u, sample_u, target_probs, draft_probs, draft_tokens, verify_len):
     """A deliberately broken rule: accept every verified draft."""
     B, g = draft_tokens.shape
     n = verify_len.astype(jnp.int32)
-    bonus = verify_mod.inverse_cdf_sample(
-        target_probs[jnp.arange(B), n], jax.random.uniform(key, (B,)))
+    bonus = verify_mod.inverse_cdf_sample(target_probs[jnp.arange(B), n], sample_u)
     return verify_mod.VerifyResult(num_accepted=n, next_token=bonus,
                                    accepted_mask=jnp.arange(g)[None] < n[:, None])
 
@@ -198,7 +197,9 @@ def test_sampled_output_matches_target_distribution(small_target, monkeypatch):
         stat, df = _chi2_stat(np.bincount(toks[:, i], minlength=V_SMALL), exact[i])
         assert stat < CHI2_Q9999[df], (i, stat, df)
     # the same statistic rejects a broken acceptance rule
-    monkeypatch.setitem(verify_mod.VERIFIERS, "always_accept", _always_accept)
+    from dspark_jax.serving import rounds as rounds_mod
+
+    monkeypatch.setitem(rounds_mod.VERIFY_FNS, "always_accept", _always_accept)
     bad, _ = _sample_positions(small_target, draft, "always_accept", prompt, n=4000)
     stats = [_chi2_stat(np.bincount(bad[:, i], minlength=V_SMALL), exact[i]) for i in range(1, 4)]
     assert any(s > 5 * CHI2_Q9999[df] for s, df in stats), stats

@@ -1,0 +1,194 @@
+"""Load benchmark of the serving engine (paper §5.3–5.4, Figures 7 and 8 analogs).
+
+Closed loop: for each concurrency c, an engine with c request slots decodes `--requests-per-slot`
+× c prompts (a finished request's slot is refilled at once, so c requests stay in flight), for
+each scheduler mode. Per (mode, c): aggregate output tok/s, per-user tok/s (median and p10 of
+tokens / (finish − join)), mean verified draft tokens per request per round, τ, the mean round
+time per capacity bucket; per c: the verification-step time per capacity bucket (profiled on the
+compiled ragged programs). Writes JSON plus two PNGs:
+  * `<out>_fig7.png` — aggregate throughput against per-user tok/s, one curve per mode;
+  * `<out>_fig8.png` — throughput and per-request verification budget against concurrency.
+
+    python -m dspark_jax.bench.load --target smollm2-135m-instruct --draft DIR|random \
+        --concurrency 1,2,4,8 --max-new-tokens 32 --out bench_load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Give me three tips for writing clear commit messages.",
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the ocean.",
+    "Summarise what a hash map is in two sentences.",
+    "List the first ten square numbers.",
+    "How do I reverse a string in JavaScript?",
+]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="target name or HF directory")
+    p.add_argument("--draft", required=True,
+                   help="DeepSpec-format drafter directory, or 'random' (random-init DSpark)")
+    p.add_argument("--modes", default="none,fixed,threshold,algorithm1,adaptive")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--requests-per-slot", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--out", default="bench_load", help="output prefix (.json, _fig7/_fig8.png)")
+    return p.parse_args(argv)
+
+
+def _prompts(target: Any, n: int) -> list[list[int]]:
+    tok = target.tokenizer
+    out = []
+    for i in range(n):
+        text = PROMPTS[i % len(PROMPTS)]
+        if tok is None:
+            out.append([(7 * i + j) % target.config.vocab_size for j in range(8 + i % 8)])
+        else:
+            out.append(list(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                    add_generation_prompt=True)))
+    return out
+
+
+def _load_draft(target: Any, spec: str) -> Any:
+    from dspark_jax.models import init_draft, load_draft
+
+    if spec != "random":
+        return load_draft(spec, target=target)
+    from configs.smollm2_dspark import get_config
+
+    d = get_config().draft.to_dict()
+    n = target.config.num_hidden_layers
+    d["target_layer_ids"] = tuple(x for x in d["target_layer_ids"] if x < n - 1) or (0,)
+    d["mask_token_id"] = min(int(d["mask_token_id"]), target.config.vocab_size - 1)
+    keep = ("model_type", "num_draft_layers", "block_size", "markov_rank", "target_layer_ids",
+            "mask_token_id")
+    return init_draft(target, {k: d[k] for k in keep if k in d}, seed=0)
+
+
+def run_point(target: Any, draft: Any, mode: str, c: int, a: argparse.Namespace
+              ) -> tuple[dict[str, Any], Any]:
+    from dspark_jax.serving import Engine
+
+    eng = Engine(target, draft if mode != "none" else None, max_requests=c,
+                 max_len=a.max_len, scheduler=mode, threshold=a.threshold,
+                 prefill_chunk=a.prefill_chunk)
+    prompts = _prompts(target, c * a.requests_per_slot)
+    eng.warmup()
+    eng.generate(prompts[:c], max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+    res = eng.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+    n_tok = sum(len(t) for t in res.tokens)
+    per_user = [len(t) / max(p["finish_s"] - p["join_s"], 1e-9)
+                for t, p in zip(res.tokens, res.per_request)]
+    by_bucket: dict[int, list[float]] = {}
+    for r in res.rounds:
+        by_bucket.setdefault(r["capacity"], []).append(r["seconds"])
+    point = dict(
+        mode=mode, concurrency=c, requests=len(prompts), output_tokens=n_tok,
+        wall_s=res.wall_s, aggregate_tok_s=n_tok / res.wall_s,
+        per_user_tok_s_median=float(np.median(per_user)),
+        per_user_tok_s_p10=float(np.percentile(per_user, 10)),
+        verified_per_request_round=float(np.mean([r["verified_tokens"] / r["active"]
+                                                  for r in res.rounds])),
+        tau=res.tau, rounds=len(res.rounds),
+        round_s_by_bucket={str(k): float(np.mean(v)) for k, v in sorted(by_bucket.items())},
+        rounds_by_bucket={str(k): len(v) for k, v in sorted(by_bucket.items())},
+        sps_profile_s=eng.profile_seconds)
+    return point, eng
+
+
+def plots(points: list[dict[str, Any]], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({p["mode"] for p in points}, key=lambda m: [p["mode"] for p in points].index(m))
+    f7, f8 = f"{out}_fig7.png", f"{out}_fig8.png"
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for m in modes:
+        ps = sorted((p for p in points if p["mode"] == m), key=lambda p: p["concurrency"])
+        ax.plot([p["per_user_tok_s_median"] for p in ps], [p["aggregate_tok_s"] for p in ps],
+                "o-", label=m)
+        for p in ps:
+            ax.annotate(str(p["concurrency"]), (p["per_user_tok_s_median"], p["aggregate_tok_s"]),
+                        fontsize=7)
+    ax.set_xlabel("per-user tok/s (median)")
+    ax.set_ylabel("aggregate output tok/s")
+    ax.set_title("throughput vs per-user speed (labels: concurrency)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(f7, dpi=120)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for m in modes:
+        ps = sorted((p for p in points if p["mode"] == m), key=lambda p: p["concurrency"])
+        cs = [p["concurrency"] for p in ps]
+        a1.plot(cs, [p["aggregate_tok_s"] for p in ps], "o-", label=m)
+        a2.plot(cs, [p["verified_per_request_round"] for p in ps], "o-", label=m)
+    for a_, yl in ((a1, "aggregate output tok/s"), (a2, "verified draft tokens / request / round")):
+        a_.set_xscale("log", base=2)
+        a_.set_xlabel("concurrency")
+        a_.set_ylabel(yl)
+        a_.legend()
+    fig.tight_layout()
+    fig.savefig(f8, dpi=120)
+    plt.close("all")
+    return [f7, f8]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    from dspark_jax.bench.common import device_name
+    from dspark_jax.models import load_target
+    from dspark_jax.serving import sps as sps_mod
+
+    target = load_target(a.target, dtype=a.dtype)
+    draft = _load_draft(target, a.draft)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not draft.config.has_confidence:
+        modes = [m for m in modes if m in ("none", "fixed")]
+    conc = [int(x) for x in a.concurrency.split(",")]
+    points, verify_s = [], {}
+    t_all = time.perf_counter()
+    for c in conc:
+        for m in modes:
+            t0 = time.perf_counter()
+            point, eng = run_point(target, draft, m, c, a)
+            points.append(point)
+            print(f"c={c:3d} {m:10s} agg {point['aggregate_tok_s']:8.1f} tok/s  per-user "
+                  f"{point['per_user_tok_s_median']:7.1f} (p10 {point['per_user_tok_s_p10']:.1f})"
+                  f"  verified/req/round {point['verified_per_request_round']:.2f}  "
+                  f"tau {point['tau']:.2f}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+            if m != "none" and c not in verify_s:   # verification step time per bucket
+                verify_s[c] = {str(k): v for k, v in sps_mod.profile_buckets(
+                    eng._dummy_step_fn(), eng.buckets).items()}
+                print(f"c={c:3d} verification step s per bucket: "
+                      + ", ".join(f"K={k}: {v * 1e3:.1f} ms" for k, v in verify_s[c].items()),
+                      flush=True)
+    result = dict(device=device_name(), target=a.target, draft=a.draft,
+                  gamma=int(draft.config.num_drafts), settings=vars(a), points=points,
+                  verify_step_s_by_bucket=verify_s, total_s=time.perf_counter() - t_all)
+    result["figures"] = plots(points, a.out)
+    with open(f"{a.out}.json", "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {a.out}.json, {', '.join(result['figures'])}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""`dspark_jax.serving.Engine`: continuous-batching speculative decoding with load-aware
+verification (paper §3.2.2 Algorithm 1, §5.2–5.4; SPEC §1, §8, §9).
+
+A fixed number of request slots share one static target KV cache [R, max_len] and one drafter
+context cache. Requests join between rounds (their prompts are prefilled in chunks, several
+requests per chunk) and leave at a stop token or at max_new_tokens; a freed slot is reused by
+the next request without recompiling. Every round: draft all slots → schedule on the current
+confidences (`scheduler`: none / fixed / threshold / algorithm1 / adaptive) → ragged
+verification of exactly the admitted tokens in the smallest capacity bucket that holds them →
+commit. Each request keeps its own temperature, top-k, top-p and seed. SPS(B) for the
+scheduler is profiled at start over the buckets (cached on disk) or passed in.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.decoding.autoregressive import stop_array
+from dspark_jax.models.decoder import init_cache
+from dspark_jax.models.draft_config import validate_against_target
+from dspark_jax.serving import rounds as R_
+from dspark_jax.serving import sps as sps_mod
+
+log = logging.getLogger(__name__)
+
+SAMPLERS = ("jax",)
+
+
+@dataclasses.dataclass
+class EngineResult:
+    """Output of `Engine.generate` (the names are part of the stable API)."""
+
+    tokens: list[list[int]]          # generated ids per prompt (prompt excluded)
+    rounds: list[dict[str, Any]]     # per engine step: active, verified_tokens, capacity, seconds
+    per_request: list[dict[str, Any]]  # accepted/proposed per round, first_token_s, finish_s
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """DeepSpec's pooled accepted length over all requests and rounds."""
+        terms = [t for r in self.per_request for t in r["acceptance"]]
+        return float(sum(terms) / max(len(terms), 1))
+
+
+def _per_prompt(value: Any, n: int, name: str, cast: type) -> list:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} values for {n} prompts")
+        return [cast(v) for v in value]
+    return [cast(value)] * n
+
+
+class Engine:
+    """Continuous-batching speculative decoding engine (see module docstring)."""
+
+    def __init__(self, target: Any, draft: Any = None, max_requests: int = 16,
+                 max_len: int = 2048, scheduler: str = "adaptive", threshold: float = 0.5, *,
+                 capacity_buckets: Sequence[int] | None = None, prefill_chunk: int = 128,
+                 sps: Any = None, sps_cache_dir: str | None = None, profile_repeats: int = 3,
+                 confidence_temperatures: Sequence[float] | None = None,
+                 verifier: str = "jax", sampler: str = "jax",
+                 stop_token_ids: Sequence[int] | None = None, cap_to_budget: bool = True):
+        if scheduler not in R_.MODES:
+            raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(R_.MODES)}")
+        if verifier not in R_.VERIFY_FNS:
+            raise ValueError(f"unknown verifier {verifier!r}; choose from "
+                             f"{sorted(R_.VERIFY_FNS)}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose from {list(SAMPLERS)}")
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be ≥ 1, got {max_requests}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be ≥ 1, got {prefill_chunk}")
+        if scheduler != "none" and draft is None:
+            raise ValueError(f"scheduler={scheduler!r} needs a drafter (draft=None only works "
+                             "with scheduler='none')")
+        if scheduler == "threshold" and not 0.0 <= float(threshold) <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        self.target, self.mode = target, scheduler
+        self.draft = draft if scheduler != "none" else None
+        if self.draft is not None:
+            validate_against_target(draft.config, target.config, source="draft")
+            if scheduler in R_.CONFIDENCE_MODES and not draft.config.has_confidence:
+                raise ValueError(f"scheduler={scheduler!r} needs the drafter's confidence head, "
+                                 f"but this {draft.config.model_type} drafter has none; use "
+                                 "scheduler='fixed' (or 'none')")
+        self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
+        self.R, self.max_len = int(max_requests), int(max_len)
+        self.threshold = float(threshold)
+        self.verifier, self.prefill_chunk = verifier, int(prefill_chunk)
+        self.cap_to_budget = bool(cap_to_budget)
+        self.buckets = sps_mod.capacity_buckets(self.R, self.gamma, capacity_buckets)
+        if self.buckets[-1] > self.max_len * self.R:
+            raise ValueError("capacity_buckets exceed what max_len can hold")
+        cfg = target.config
+        self.V = int(cfg.vocab_size)
+        default_stops = getattr(target.tokenizer, "stop_token_ids", None) or cfg.stop_token_ids
+        self.stop_ids = stop_array(stop_token_ids, default_stops)
+        self.tap_ids = (tuple(self.draft.config.target_layer_ids) if self.draft is not None
+                        else ())
+        temps = confidence_temperatures
+        if temps is None and draft is not None:
+            temps = getattr(draft, "confidence_temperatures", None)
+        if temps is not None:
+            temps = [float(t) for t in temps]
+            if len(temps) != self.gamma or min(temps) <= 0:
+                raise ValueError(f"confidence_temperatures must be {self.gamma} positive "
+                                 f"floats (one per draft slot), got {temps}")
+        self.conf_temps = None if temps is None else jnp.asarray(temps, jnp.float32)
+        self._dgd = self.draft.graphdef if self.draft is not None else None
+        self._dstate = self.draft.state if self.draft is not None else None
+        self.bucket_seconds: dict[int, float] | None = None
+        self.profile_seconds = 0.0
+        self.sps = self._init_sps(sps, sps_cache_dir, profile_repeats)
+
+    # ------------------------------------------------------------------ state
+    def _fresh_state(self) -> R_.EngineState:
+        t = self.target
+        cache = init_cache(t.config, self.R, self.max_len, t.dtype)
+        dcache = None
+        if self.draft is not None:
+            from dspark_jax.decoding.drafters import adapter_for
+
+            dcache = adapter_for(self.draft.config.model_type).init_cache(
+                self.draft.model, self.R, self.max_len)
+        return R_.EngineState(cache=cache, draft_cache=dcache,
+                              anchor=jnp.zeros((self.R,), jnp.int32))
+
+    def _params(self, h: dict[str, np.ndarray]) -> R_.Params:
+        return R_.Params(active=jnp.asarray(h["active"]), remaining=jnp.asarray(h["remaining"]),
+                         counter=jnp.asarray(h["counter"]),
+                         temperature=jnp.asarray(h["temperature"]),
+                         top_k=jnp.asarray(h["top_k"]), top_p=jnp.asarray(h["top_p"]),
+                         key_data=jnp.asarray(h["key_data"]))
+
+    def _host_arrays(self) -> dict[str, np.ndarray]:
+        R = self.R
+        return dict(active=np.zeros(R, bool), remaining=np.zeros(R, np.int32),
+                    counter=np.zeros(R, np.int32), temperature=np.zeros(R, np.float32),
+                    top_k=np.zeros(R, np.int32), top_p=np.ones(R, np.float32),
+                    key_data=np.zeros((R, 2), np.uint32))
+
+    # ------------------------------------------------------------------ SPS
+    def _verify(self, s, p, drafts, probs, ell, K):
+        return R_.verify_and_commit(self.target.graphdef, self._dgd, self.target.state,
+                                    self._dstate, s, p, drafts, probs, ell, self.stop_ids, K=K,
+                                    verifier=self.verifier, tap_layer_ids=self.tap_ids)
+
+    def _dummy_step_fn(self):
+        """step_fn(K): one verification step with exactly K admitted tokens (all slots)."""
+        R, g = self.R, self.gamma
+        h = self._host_arrays()
+        h["active"][:] = True
+        h["remaining"][:] = self.max_len
+        p = self._params(h)
+        drafts = jnp.zeros((R, g), jnp.int32)
+        probs = jnp.full((R, g, self.V), 1.0 / self.V, jnp.float32)
+        holder = {"s": self._fresh_state()}
+
+        def step(K: int):
+            extra = K - R
+            ell = np.minimum(g, extra // R + (np.arange(R) < extra % R)).astype(np.int32)
+            holder["s"], out = self._verify(holder["s"], p, drafts, probs, jnp.asarray(ell), K)
+            holder["s"] = holder["s"].replace(
+                cache=holder["s"].cache.with_lengths(jnp.zeros((R,), jnp.int32)))
+            return out["n_emit"]
+
+        return step
+
+    def _init_sps(self, sps: Any, cache_dir: str | None, repeats: int) -> jax.Array:
+        top = self.buckets[-1]
+        if sps is not None:
+            if isinstance(sps, Mapping):
+                secs = {int(b): 1.0 / float(sps[b]) for b in sps}
+                missing = [b for b in self.buckets if b not in secs]
+                if missing:
+                    raise ValueError(f"sps has no value for capacity buckets {missing}")
+                self.bucket_seconds = {b: secs[b] for b in self.buckets}
+                table = sps_mod.sps_table(self.buckets, self.bucket_seconds)
+            else:
+                table = np.asarray(sps, np.float32)
+                if table.ndim != 1 or table.shape[0] < top + 1:
+                    raise ValueError(f"sps table must be 1-D with ≥ {top + 1} entries (SPS(B) "
+                                     f"for B = 0..{top}), got shape {table.shape}")
+                table = table[:top + 1]
+            return jnp.asarray(table)
+        if self.mode not in ("algorithm1", "adaptive"):
+            return jnp.ones((top + 1,), jnp.float32)
+        key = sps_mod.cache_key(self.target.config, self.target.dtype, self.R, self.max_len,
+                                self.buckets)
+        secs, took, cached = sps_mod.load_or_profile(key, cache_dir, self._dummy_step_fn(),
+                                                     self.buckets, repeats=repeats)
+        self.bucket_seconds, self.profile_seconds = secs, took
+        log.info("SPS over buckets %s: %s (%s)", self.buckets,
+                 {b: f"{1 / s:.1f}/s" for b, s in secs.items()},
+                 "from cache" if cached else f"profiled in {took:.2f} s")
+        return jnp.asarray(sps_mod.sps_table(self.buckets, secs))
+
+    def warmup(self) -> None:
+        """Compiles every program the engine can run (prefill, draft, each bucket)."""
+        step = self._dummy_step_fn()
+        for K in self.buckets:
+            jax.block_until_ready(step(K))
+        self.generate([[0]], max_new_tokens=2)
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
+                 temperature: Any = 0.0, seed: Any = 0, arrivals: Sequence[float] | None = None,
+                 top_k: Any = 0, top_p: Any = 1.0) -> EngineResult:
+        """Decodes every prompt (token-id lists); temperature/top_k/top_p/seed may be one value
+        or one per prompt; `arrivals` [s after the call] delays each request's join."""
+        n = len(prompts)
+        if n == 0:
+            raise ValueError("no prompts given")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        for i, pr in enumerate(prompts):
+            if len(pr) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            arr = np.asarray(pr)
+            if arr.min() < 0 or arr.max() >= self.V:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.V})")
+            need = len(pr) + max_new_tokens + self.gamma + 1
+            if need > self.max_len:
+                raise ValueError(f"prompt {i} ({len(pr)} tokens) + max_new_tokens "
+                                 f"({max_new_tokens}) + γ+1 ({self.gamma + 1}) exceeds "
+                                 f"max_len={self.max_len}")
+        temps = _per_prompt(temperature, n, "temperature", float)
+        tks = _per_prompt(top_k, n, "top_k", int)
+        tps = _per_prompt(top_p, n, "top_p", float)
+        seeds = _per_prompt(seed, n, "seed", int)
+        if any(t < 0 for t in temps):
+            raise ValueError("temperature must be ≥ 0")
+        if any(not 0.0 < p <= 1.0 for p in tps):
+            raise ValueError("top_p must be in (0, 1]")
+        if isinstance(seed, (list, tuple, np.ndarray)):
+            kd = [np.asarray(jax.random.key_data(jax.random.key(s_, impl="threefry2x32")))
+                  for s_ in seeds]
+        else:
+            base = jax.random.split(jax.random.key(int(seed), impl="threefry2x32"), n)
+            kd = list(np.asarray(jax.random.key_data(base)))
+        arr_t = [0.0] * n if arrivals is None else [float(a) for a in arrivals]
+        if len(arr_t) != n:
+            raise ValueError(f"arrivals: {len(arr_t)} values for {n} prompts")
+        run = _Run(self, prompts, max_new_tokens, temps, tks, tps, kd, arr_t)
+        return run.loop()
+
+
+class _Run:
+    """Host bookkeeping of one `Engine.generate` call."""
+
+    def __init__(self, eng: Engine, prompts, max_new, temps, tks, tps, kd, arrivals):
+        self.e, self.prompts, self.max_new = eng, [list(map(int, p)) for p in prompts], max_new
+        self.temps, self.tks, self.tps, self.kd, self.arrivals = temps, tks, tps, kd, arrivals
+        n = len(prompts)
+        self.out: list[list[int]] = [[] for _ in range(n)]
+        self.per = [dict(accepted=[], proposed=[], acceptance=[], confidence=[],
+                         arrival_s=arrivals[i],
+                         join_s=None, prompt_tokens=len(prompts[i]), first_token_s=None,
+                         finish_s=None)
+                    for i in range(n)]
+        self.rounds: list[dict[str, Any]] = []
+        self.h = eng._host_arrays()
+        self.slot_req = [-1] * eng.R
+        self.free = collections.deque(range(eng.R))
+        self.pending = collections.deque(sorted(range(n), key=lambda i: (arrivals[i], i)))
+        # adaptive: capacities of the last two rounds; the first two rounds admit everything
+        self.cap_queue = [eng.R * eng.gamma] * 2
+        self.no_drafts = (jnp.zeros((eng.R, 0), jnp.int32),
+                          jnp.zeros((eng.R, 0, eng.V), jnp.float32))
+
+    # -------------------------------------------------------------- joins
+    def _admit(self, now: float) -> list[int]:
+        joined = []
+        while self.pending and self.free and self.arrivals[self.pending[0]] <= now:
+            i = self.pending.popleft()
+            r = self.free.popleft()
+            self.slot_req[r] = i
+            self.per[i]["join_s"] = now
+            h = self.h
+            h["temperature"][r], h["top_k"][r], h["top_p"][r] = (self.temps[i], self.tks[i],
+                                                                  self.tps[i])
+            h["key_data"][r] = self.kd[i]
+            h["counter"][r], h["remaining"][r], h["active"][r] = 1, self.max_new, False
+            joined.append(r)
+        return joined
+
+    def _prefill(self, s, slots: list[int]):
+        e, Kp, R = self.e, self.e.prefill_chunk, self.e.R
+        todo = collections.deque((r, 0) for r in slots)
+        while todo:
+            tok = np.zeros(Kp, np.int32)
+            slot = np.zeros(Kp, np.int32)
+            pos = np.zeros(Kp, np.int32)
+            valid = np.zeros(Kp, bool)
+            nxt = np.zeros(Kp, np.int32)
+            final_k = np.full(R, -1, np.int32)
+            first_k = np.zeros(R, np.int32)
+            count = np.zeros(R, np.int32)
+            start = np.zeros(R, np.int32)
+            k = 0
+            while todo and k < Kp:
+                r, off = todo.popleft()
+                prompt = self.prompts[self.slot_req[r]]
+                m = min(len(prompt) - off, Kp - k)
+                tok[k:k + m] = prompt[off:off + m]
+                slot[k:k + m], pos[k:k + m], valid[k:k + m] = r, np.arange(off, off + m), True
+                ext = prompt[off + 1:off + m + 1]
+                nxt[k:k + len(ext)] = ext
+                first_k[r], count[r], start[r] = k, m, off
+                if off + m == len(prompt):
+                    nxt[k + m - 1] = -1
+                    final_k[r] = k + m - 1
+                else:
+                    todo.appendleft((r, off + m))
+                k += m
+            s, first = R_.prefill_chunk(
+                e.target.graphdef, e._dgd, e.target.state, e._dstate, s, e._params(self.h),
+                jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(valid),
+                jnp.asarray(nxt), jnp.asarray(final_k), jnp.asarray(first_k),
+                jnp.asarray(count), jnp.asarray(start), tap_layer_ids=e.tap_ids)
+            first = np.asarray(first)
+            now = time.perf_counter() - self.t0
+            stops = set(np.asarray(e.stop_ids).tolist()) - {-1}
+            for r in np.nonzero(final_k >= 0)[0]:
+                i = self.slot_req[r]
+                t = int(first[r])
+                self.out[i].append(t)
+                self.per[i]["first_token_s"] = now
+                if t in stops or self.max_new <= 1:
+                    self._finish(r, now)
+                else:
+                    self.h["active"][r], self.h["remaining"][r] = True, self.max_new - 1
+        return s
+
+    def _finish(self, r: int, now: float) -> None:
+        self.per[self.slot_req[r]]["finish_s"] = now
+        self.h["active"][r] = False
+        self.slot_req[r] = -1
+        self.free.append(r)
+
+    # -------------------------------------------------------------- rounds
+    def _round(self, s):
+        e, h = self.e, self.h
+        t_start = time.perf_counter()
+        p = e._params(h)
+        n_active = int(h["active"].sum())
+        conf = None
+        if e.mode == "none":
+            drafts, probs = self.no_drafts
+            ell = jnp.zeros((e.R,), jnp.int32)
+            n_tokens = n_active
+        else:
+            d = R_.draft_and_schedule(e._dgd, e._dstate, s, p, e.stop_ids, e.conf_temps,
+                                      jnp.asarray(e.threshold, jnp.float32), e.sps,
+                                      jnp.asarray(self.cap_queue[0], jnp.int32), mode=e.mode,
+                                      cap_budget=e.cap_to_budget)
+            drafts, probs, ell, conf = d["tokens"], d["probs"], d["lengths"], d["confidence"]
+            n_tokens, cap_new = (int(x) for x in jax.device_get((d["n_tokens"],
+                                                                   d["capacity_new"])))
+            self.cap_queue = [self.cap_queue[1], cap_new]
+        K = sps_mod.bucket_for(e.buckets, max(n_tokens, 1))
+        s, o = e._verify(s, p, drafts, probs, ell, K)
+        o = jax.device_get(o)
+        ell_h = np.asarray(ell)
+        conf_h = None if conf is None else np.asarray(conf, np.float32)
+        now = time.perf_counter() - self.t0
+        emitted = 0
+        for r in np.nonzero(h["active"])[0]:
+            i = self.slot_req[r]
+            m = int(o["n_emit"][r])
+            self.out[i].extend(int(x) for x in o["tokens"][r, :m])
+            emitted += m
+            pr = self.per[i]
+            pr["accepted"].append(int(o["accepted"][r]))
+            pr["proposed"].append(int(o["proposed"][r]))
+            pr["acceptance"].append(int(o["tau_term"][r]))
+            if conf_h is not None:   # confidence logits of this round's proposals
+                pr["confidence"].append(conf_h[r])
+            h["remaining"][r] -= m
+            h["counter"][r] += 1
+            if o["finished"][r]:
+                self._finish(r, now)
+        self.rounds.append(dict(active=n_active, verified_tokens=int(ell_h.sum()), capacity=K,
+                                tokens=emitted, seconds=time.perf_counter() - t_start))
+        return s
+
+    def loop(self) -> EngineResult:
+        e = self.e
+        s = e._fresh_state()
+        self.t0 = time.perf_counter()
+        while self.pending or self.h["active"].any():
+            now = time.perf_counter() - self.t0
+            joined = self._admit(now)
+            if joined:
+                s = self._prefill(s, joined)
+            if not self.h["active"].any():
+                if self.pending and self.free:
+                    wait = self.arrivals[self.pending[0]] - (time.perf_counter() - self.t0)
+                    if wait > 0:
+                        time.sleep(wait)
+                continue
+            s = self._round(s)
+        return EngineResult(tokens=self.out, rounds=self.rounds, per_request=self.per,
+                            wall_s=time.perf_counter() - self.t0)

@@ -1,0 +1,285 @@
+"""The jitted pieces of one serving-engine round (paper §3.2.2, §5.2–5.3; SPEC §1, §8, §9).
+
+A round is host-stepped because the capacity bucket of the verification forward must be known
+on the host before that program is launched:
+  1. `draft_and_schedule` — every slot's drafter proposes γ tokens; the scheduler picks ℓ_r
+     from the CURRENT round's confidences σ(c_k / T_k); returns ℓ and Σ(1 + ℓ_r);
+  2. the host picks the smallest capacity bucket K ≥ Σ(1 + ℓ_r);
+  3. `verify_and_commit` (compiled once per bucket) — the admitted tokens of all requests are
+     flattened into K slots (`models.decoder.ragged_forward`), verified with the lossless rule
+     at every verified position under each request's own temperature / top-k / top-p, and
+     committed by moving lengths; only the committed tokens' features reach the drafter.
+`prefill_chunk` runs joins (chunks of prompts of several requests, also flattened).
+
+Randomness is per request (`key_data[r]`, folded with the request's round counter), so a
+request's output does not depend on the slot it sits in or on the other requests.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.decoding import scheduler as sched
+from dspark_jax.decoding.autoregressive import is_stop
+from dspark_jax.decoding.drafters import adapter_for
+from dspark_jax.decoding.verify import inverse_cdf_sample, rejection_verify_with_uniforms
+from dspark_jax.models.decoder import KVCache, ragged_forward
+from dspark_jax.sampling import filtered_probs
+
+MODES = ("none", "fixed", "threshold", "algorithm1", "adaptive")
+CONFIDENCE_MODES = ("threshold", "algorithm1", "adaptive")
+
+
+@flax.struct.dataclass
+class EngineState:
+    """Device state of the request slots (per-request settings are host arrays, see Params)."""
+
+    cache: KVCache        # target K/V [L, R, S]; lengths[r] = committed tokens = anchor position
+    draft_cache: Any      # drafter context cache (None with scheduler "none")
+    anchor: jax.Array     # [R] last committed token, not yet in the target cache
+
+
+class Params(NamedTuple):
+    """Per-slot settings sent with every call ([R] arrays; tiny)."""
+
+    active: jax.Array       # bool: slot holds a running request
+    remaining: jax.Array    # int32: tokens it may still emit
+    counter: jax.Array      # int32: rounds it has run (folds its key)
+    temperature: jax.Array  # f32
+    top_k: jax.Array        # int32 (0 = off)
+    top_p: jax.Array        # f32 (1 = off)
+    key_data: jax.Array     # [R, 2] uint32
+
+
+def _row_keys(p: Params, salt: int) -> jax.Array:
+    keys = jax.random.wrap_key_data(p.key_data, impl="threefry2x32")
+    keys = jax.vmap(jax.random.fold_in)(keys, p.counter)
+    return jax.vmap(lambda k: jax.random.fold_in(k, salt))(keys)
+
+
+def _row_uniforms(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return jax.vmap(lambda k: jax.random.uniform(k, shape, jnp.float32))(keys)
+
+
+# ------------------------------------------------------------------------------ 1. draft
+def confidence_probs(conf_logits: jax.Array, temperatures: jax.Array | None) -> jax.Array:
+    """σ(c_k / T_k) [R, γ]: calibrated per-slot acceptance probabilities."""
+    c = conf_logits.astype(jnp.float32)
+    if temperatures is not None:
+        c = c / temperatures[None, :]
+    return jax.nn.sigmoid(c)
+
+
+def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
+                     threshold: jax.Array, sps: jax.Array, capacity: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+    """ℓ [R] for the mode (SPEC §8) and the §5.2 capacity K computed from these confidences
+    (used two rounds later by "adaptive"; 0 for the other modes)."""
+    R = active.shape[0]
+    zero = jnp.zeros((), jnp.int32)
+    if mode == "none":
+        return jnp.zeros((R,), jnp.int32), zero
+    if mode == "fixed":
+        return jnp.where(active, gamma, 0).astype(jnp.int32), zero
+    if mode == "threshold":   # DeepSpec's static cut: the first slot with σ(c) < t ends it
+        keep = jnp.cumprod((conf >= threshold).astype(jnp.int32), axis=-1)
+        return jnp.where(active, jnp.sum(keep, axis=-1), 0).astype(jnp.int32), zero
+    if mode == "algorithm1":  # causal early stop (Appendix A)
+        return sched.schedule_verification(conf, active, sps, early_stop=True).lengths, zero
+    if mode == "adaptive":    # K from two rounds ago; top-K of the current candidates
+        lengths = sched.topk_admission(conf, active, capacity, sps).lengths
+        return lengths, sched.global_capacity(conf, active, sps)
+    raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
+
+
+@functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget"))
+def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Params,
+                       stop_ids: jax.Array, conf_temps: jax.Array | None,
+                       threshold: jax.Array, sps: jax.Array, capacity: jax.Array, *,
+                       mode: str, cap_budget: bool = True) -> dict[str, jax.Array]:
+    """Drafts γ tokens for every slot and schedules them. → tokens, probs, confidence logits,
+    lengths ℓ [R], n_tokens = Σ_active(1 + ℓ_r), capacity_new (adaptive). `cap_budget`: never
+    verify drafts past a request's token budget (off = DeepSpec's protocol, always γ)."""
+    draft = nnx.merge(draft_gd, draft_state)
+    adapter = adapter_for(draft.cfg.model_type)
+    g = draft.cfg.num_drafts
+    row_keys = _row_keys(p, 0)
+    salt_key = jax.random.key(0, impl="threefry2x32")  # per-slot keys below carry no randomness
+
+    def sample_fn(k, probs_rv):
+        salt = jax.random.key_data(k)[-1]
+        u = jax.vmap(lambda rk: jax.random.uniform(jax.random.fold_in(rk, salt), (),
+                                                   jnp.float32))(row_keys)
+        return inverse_cdf_sample(probs_rv, u)
+
+    def probs_fn(logits_rv):
+        return filtered_probs(logits_rv, p.temperature, p.top_k, p.top_p)
+
+    prop = adapter.propose(draft, s.draft_cache, s.anchor, s.cache.lengths, salt_key,
+                           p.temperature[:, None], sample_fn, probs_fn=probs_fn,
+                           stop_ids=stop_ids)
+    conf_logits = prop.get("confidence")
+    if conf_logits is None:
+        conf_logits = jnp.zeros(prop["tokens"].shape, jnp.float32)
+    conf = confidence_probs(conf_logits, conf_temps)
+    ell, cap_new = schedule_lengths(mode, conf, p.active, g, threshold, sps, capacity)
+    if "length" in prop:      # Eagle3's chain stopped at a drafted stop token
+        ell = jnp.minimum(ell, prop["length"])
+    if cap_budget:   # drafts past the request's token budget can never be emitted
+        ell = jnp.minimum(ell, p.remaining - 1)
+    ell = jnp.where(p.active, jnp.clip(ell, 0, g), 0)
+    n_tokens = jnp.sum(jnp.where(p.active, 1 + ell, 0)).astype(jnp.int32)
+    return dict(tokens=prop["tokens"], probs=prop["probs"], confidence=conf_logits,
+                lengths=ell.astype(jnp.int32), n_tokens=n_tokens, capacity_new=cap_new)
+
+
+# ------------------------------------------------------------------------------ flattening
+def flatten_plan(n_tok: jax.Array, K: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Flattened layout of n_tok[r] tokens per request in K slots, request-major.
+    → slot [K], index within its request [K], valid [K], start offset per request [R]."""
+    R = n_tok.shape[0]
+    cum = jnp.cumsum(n_tok)
+    start = cum - n_tok
+    k = jnp.arange(K, dtype=jnp.int32)
+    slot = jnp.clip(jnp.searchsorted(cum, k, side="right"), 0, R - 1).astype(jnp.int32)
+    j = k - start[slot]
+    valid = k < cum[-1]
+    return slot, j.astype(jnp.int32), valid, start.astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------ 3. verify
+def _pallas_verify(accept_u, sample_u, tp, dp, drafts, ell):
+    """The Pallas verification kernel (compiled on GPU, interpreted elsewhere)."""
+    from pallas_kernels.verify.kernel import verify as verify_kernel  # kernels stand alone
+
+    return verify_kernel(accept_u, sample_u, tp, dp, drafts, ell,
+                         interpret=jax.default_backend() != "gpu")
+
+
+# verification rules by name, all taking explicit uniforms (same uniforms → same result)
+VERIFY_FNS: dict[str, Any] = {"jax": rejection_verify_with_uniforms, "pallas": _pallas_verify}
+
+
+def _verify(name: str, accept_u, sample_u, tp, dp, drafts, ell):
+    if drafts.shape[1] == 0:   # scheduler "none": plain decoding, nothing to verify
+        return rejection_verify_with_uniforms(accept_u, sample_u, tp, dp, drafts, ell)
+    return VERIFY_FNS[name](accept_u, sample_u, tp, dp, drafts, ell)
+
+
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "verifier",
+                                             "tap_layer_ids"),
+                   donate_argnames=("s",))
+def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+                      s: EngineState, p: Params, drafts: jax.Array, draft_probs: jax.Array,
+                      ell: jax.Array, stop_ids: jax.Array, *, K: int, verifier: str,
+                      tap_layer_ids: tuple[int, ...]) -> tuple[EngineState, dict[str, jax.Array]]:
+    """Ragged verification of the admitted tokens in capacity K, then commit.
+
+    drafts [R, γ], draft_probs [R, γ, V], ell [R] (0 for inactive slots). Returns the new state
+    and per slot: emitted tokens [R, γ+1] with their count, and DeepSpec's bookkeeping (SPEC §1
+    step 6): a stop token among the accepted drafts at index e records e+1 as both accepted and
+    proposed, and adds e+1 (no bonus) to τ.
+    """
+    target = nnx.merge(target_gd, target_state)
+    R, g = drafts.shape
+    V = target.cfg.vocab_size
+    n_tok = jnp.where(p.active, 1 + ell, 0)
+    slot, j, valid, start = flatten_plan(n_tok, K)
+    drafts_pad = jnp.concatenate([s.anchor[:, None], drafts], axis=1)         # [R, γ+1]
+    tok = drafts_pad[slot, jnp.clip(j, 0, g)]
+    pos = s.cache.lengths[slot] + j
+    out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids)
+    logits = target.logits(out.hidden)                                          # [K, V]
+    probs_k = filtered_probs(logits, p.temperature[slot], p.top_k[slot], p.top_p[slot])
+    jj = jnp.arange(g + 1, dtype=jnp.int32)
+    dense_idx = jnp.clip(start[:, None] + jj[None], 0, K - 1)                   # [R, γ+1]
+    tp = probs_k[dense_idx]                                                     # [R, γ+1, V]
+
+    vkeys = _row_keys(p, 1)
+    ku = jax.vmap(lambda k: jax.random.split(k))(vkeys)
+    accept_u = _row_uniforms(ku[:, 0], (g,))
+    sample_u = _row_uniforms(ku[:, 1], ())
+    dp = draft_probs if g > 0 else jnp.zeros((R, 0, V), jnp.float32)
+    res = _verify(verifier, accept_u, sample_u, tp, dp, drafts, ell)
+    n_acc = res.num_accepted
+
+    # emitted: accepted drafts then the correction/bonus; cut after a stop token / at budget
+    cand = jnp.where(jj[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                     res.next_token[:, None])                                   # [R, γ+1]
+    n_emit = n_acc + 1
+    stop_hit = is_stop(cand, stop_ids) & (jj[None] < n_emit[:, None])
+    any_stop = jnp.any(stop_hit, axis=1)
+    first_stop = jnp.argmax(stop_hit, axis=1)
+    stop_in_drafts = any_stop & (first_stop < n_acc)
+    n_emit = jnp.where(any_stop, first_stop + 1, n_emit)
+    n_emit = jnp.where(p.active, jnp.minimum(n_emit, p.remaining), 0)
+    finished = p.active & (any_stop | (n_emit >= p.remaining))
+    acc_rec = jnp.where(stop_in_drafts, first_stop + 1, n_acc)
+    prop_rec = jnp.where(stop_in_drafts, first_stop + 1, ell)
+    tau_term = jnp.where(stop_in_drafts, first_stop + 1, n_acc + 1)
+
+    # commit: anchor + accepted drafts enter the cache (lengths move); the drafter gets the
+    # features of exactly those tokens
+    n_commit = jnp.where(p.active, n_acc + 1, 0)
+    new_lengths = s.cache.lengths + n_commit
+    dcache = s.draft_cache
+    if draft_gd is not None and g > 0:
+        draft = nnx.merge(draft_gd, draft_state)
+        adapter = adapter_for(draft.cfg.model_type)
+        commit_valid = valid & (j <= n_acc[slot]) & p.active[slot]
+        next_tokens = jnp.where(jj[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                                res.next_token[:, None])
+        dcache = adapter.commit_ragged(draft, dcache, out.taps, slot, pos, commit_valid,
+                                       s.cache.lengths, dense_idx, n_commit, next_tokens)
+    new_s = EngineState(cache=out.cache.with_lengths(new_lengths), draft_cache=dcache,
+                        anchor=jnp.where(p.active, res.next_token, s.anchor))
+    return new_s, dict(tokens=cand, n_emit=n_emit, finished=finished, accepted=acc_rec,
+                       proposed=prop_rec, tau_term=tau_term)
+
+
+# ------------------------------------------------------------------------------ prefill
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "tap_layer_ids"),
+                   donate_argnames=("s",))
+def prefill_chunk(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+                  s: EngineState, p: Params, tok: jax.Array, slot: jax.Array, pos: jax.Array,
+                  valid: jax.Array, next_tok: jax.Array, final_k: jax.Array,
+                  first_k: jax.Array, count: jax.Array, start_pos: jax.Array, *,
+                  tap_layer_ids: tuple[int, ...]) -> tuple[EngineState, jax.Array]:
+    """Prefills a chunk of prompt tokens of one or more joining requests (flattened like a
+    verification step). tok/slot/pos/valid/next_tok [Kp] (next_tok −1 marks a request's last
+    prompt token, whose next token is the sampled anchor); per slot: final_k (chunk index of
+    its last prompt token, −1 if its prompt continues), first_k / count / start_pos (its run in
+    this chunk). → (state, first sampled token [R])."""
+    target = nnx.merge(target_gd, target_state)
+    R = s.anchor.shape[0]
+    out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids)
+    fin = final_k >= 0
+    h_last = out.hidden[jnp.clip(final_k, 0, tok.shape[0] - 1)]                # [R, D]
+    probs = filtered_probs(target.logits(h_last), p.temperature, p.top_k, p.top_p)
+    u = _row_uniforms(jax.vmap(jax.random.fold_in)(
+        jax.random.wrap_key_data(p.key_data, impl="threefry2x32"),
+        jnp.full((R,), -1, jnp.int32).astype(jnp.uint32)), ())
+    first = inverse_cdf_sample(probs, u)
+    anchor = jnp.where(fin, first, s.anchor)
+    # a slot in this chunk has committed its prompt prefix up to the chunk's end
+    in_chunk = count > 0
+    start_pos = jnp.where(in_chunk, start_pos, s.cache.lengths)
+    lengths = jnp.where(in_chunk, start_pos + count, s.cache.lengths)
+    dcache = s.draft_cache
+    if draft_gd is not None:
+        draft = nnx.merge(draft_gd, draft_state)
+        adapter = adapter_for(draft.cfg.model_type)
+        nxt = jnp.where(next_tok < 0, anchor[slot], next_tok)
+        T = tok.shape[0]
+        dense_idx = first_k[:, None] + jnp.arange(T, dtype=jnp.int32)[None]    # [R, Kp]
+        next_dense = nxt[jnp.clip(dense_idx, 0, T - 1)]
+        dcache = adapter.commit_ragged(draft, dcache, out.taps, slot, pos, valid, start_pos,
+                                       dense_idx, count, next_dense)
+    return (EngineState(cache=out.cache.with_lengths(lengths), draft_cache=dcache,
+                        anchor=anchor), first)

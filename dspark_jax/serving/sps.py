@@ -1,0 +1,122 @@
+"""SPS(B) of the verification step, profiled over the engine's capacity buckets (paper §3.2.2,
+§5.2; SPEC §8–9).
+
+The scheduler's objective Θ = τ · SPS(B) needs the target's verification steps per second at
+B batch tokens. With ragged verification the program that runs for B tokens is the one of the
+smallest capacity bucket ≥ B, so SPS is a step function over the buckets: it is measured on
+exactly those compiled programs, once per engine, and cached on disk keyed by the device kind,
+the target's shapes and the buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+ENV_CACHE_DIR = "DSPARK_JAX_CACHE_DIR"
+
+
+def default_cache_dir() -> pathlib.Path:
+    """~/.cache/dspark_jax/sps (or $DSPARK_JAX_CACHE_DIR/sps)."""
+    root = os.environ.get(ENV_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "dspark_jax")
+    return pathlib.Path(root) / "sps"
+
+
+def capacity_buckets(num_slots: int, gamma: int, buckets: Sequence[int] | None = None
+                     ) -> tuple[int, ...]:
+    """The static token capacities of the verification step: by default R, 2R, 4R, R(γ+1)
+    (those ≤ R(γ+1)), rounded up to a multiple of 8 above 8. A given set must cover R(γ+1)
+    and may not go below R (every active request verifies at least its anchor)."""
+    R, top = int(num_slots), int(num_slots) * (int(gamma) + 1)
+    if buckets is None:
+        cand = {R, 2 * R, 4 * R, top}
+        rnd = {min(top, ((c + 7) // 8) * 8) if c > 8 else c for c in cand if c <= top}
+        return tuple(sorted(rnd | {top}))
+    out = sorted({int(b) for b in buckets})
+    if not out or out[0] < R:
+        raise ValueError(f"capacity_buckets {out}: a capacity smaller than the number of "
+                         f"request slots (max_requests={R}) cannot hold every anchor")
+    if out[-1] < top:
+        out.append(top)
+    return tuple(out)
+
+
+def bucket_for(buckets: Sequence[int], n_tokens: int) -> int:
+    for b in buckets:
+        if n_tokens <= b:
+            return int(b)
+    raise ValueError(f"{n_tokens} tokens exceed the largest capacity bucket {buckets[-1]}")
+
+
+def sps_table(buckets: Sequence[int], seconds: Mapping[int, float]) -> np.ndarray:
+    """sps[B] for B = 0..max bucket: 1 / (time of the smallest bucket ≥ B)."""
+    top = int(max(buckets))
+    bs = sorted(int(b) for b in buckets)
+    # timing noise must not make a larger bucket look faster: running max of the seconds
+    secs = np.maximum.accumulate([float(seconds[b]) for b in bs])
+    table = np.zeros((top + 1,), np.float32)
+    for B in range(top + 1):
+        table[B] = 1.0 / max(float(secs[bs.index(bucket_for(bs, max(B, 1)))]), 1e-12)
+    return table
+
+
+def cache_key(target_cfg: Any, dtype: Any, num_slots: int, max_len: int,
+              buckets: Sequence[int]) -> str:
+    dev = jax.devices()[0]
+    shape = {f: getattr(target_cfg, f, None) for f in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim")}
+    blob = json.dumps(dict(platform=dev.platform, kind=getattr(dev, "device_kind", ""),
+                           shape=shape, dtype=str(dtype), slots=int(num_slots),
+                           max_len=int(max_len), buckets=[int(b) for b in buckets]),
+                      sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:20]
+
+
+def profile_buckets(step_fn: Callable[[int], Any], buckets: Sequence[int], *,
+                    repeats: int = 3) -> dict[int, float]:
+    """Median seconds of `step_fn(K)` per bucket (one untimed call first: compilation)."""
+    out = {}
+    for K in buckets:
+        jax.block_until_ready(step_fn(int(K)))
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step_fn(int(K)))
+            times.append(time.perf_counter() - t0)
+        out[int(K)] = float(np.median(times))
+    return out
+
+
+def load_or_profile(key: str, cache_dir: str | os.PathLike | None, step_fn: Callable[[int], Any],
+                    buckets: Sequence[int], *, repeats: int = 3
+                    ) -> tuple[dict[int, float], float, bool]:
+    """Bucket seconds from the disk cache, else profiled (and written there).
+    → (seconds per bucket, profiling wall seconds (0 if cached), from_cache)."""
+    path = pathlib.Path(cache_dir or default_cache_dir()) / f"{key}.json"
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            secs = {int(k): float(v) for k, v in data["seconds"].items()}
+            if set(secs) == {int(b) for b in buckets}:
+                return secs, 0.0, True
+        except (ValueError, KeyError, OSError):
+            pass   # a damaged cache entry is re-profiled
+    t0 = time.perf_counter()
+    secs = profile_buckets(step_fn, buckets, repeats=repeats)
+    took = time.perf_counter() - t0
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"seconds": {str(k): v for k, v in secs.items()},
+                                    "profile_s": took, "device": str(jax.devices()[0])}))
+    except OSError:
+        pass   # a read-only cache dir only costs a re-profile next time
+    return secs, took, False

@@ -1,0 +1,97 @@
+"""The ragged verification forward equals the dense [R, γ+1] forward, token for token and logit
+for logit (paper §5.2–5.3, SPEC §9), and padding writes nothing into the cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.models import load_target
+from dspark_jax.models.decoder import init_cache, ragged_forward
+from hf_tiny import save_tiny_hf
+
+TAPS = (-1, 0, 2)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    t = load_target(save_tiny_hf(tmp_path_factory.mktemp("rg"), "qwen3", head_dim=16, layers=3,
+                                 seed=2))
+    return t.model
+
+
+def _prefilled(model, prompts, S=32):
+    R = len(prompts)
+    P = max(map(len, prompts))
+    toks = np.zeros((R, P), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    out = model(jnp.asarray(toks), cache=init_cache(model.cfg, R, S, model.dtype))
+    return out.cache.with_lengths(lens)
+
+
+def _flatten(seq, lens, ell, K):
+    tok, slot, pos, valid = (np.zeros(K, np.int32) for _ in range(4))
+    k = 0
+    for r, l in enumerate(ell):
+        for j in range(l + 1):
+            tok[k], slot[k], pos[k], valid[k] = seq[r, j], r, lens[r] + j, 1
+            k += 1
+    slot[k:] = 7  # padding points anywhere: it must write nothing
+    pos[k:] = 3
+    return tuple(jnp.asarray(a) for a in (tok, slot, pos)) + (jnp.asarray(valid, bool),), k
+
+
+def test_ragged_equals_dense(model):
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23, 24]]
+    cache = _prefilled(model, prompts)
+    lens = np.asarray(cache.lengths)
+    rng = np.random.RandomState(0)
+    seq = rng.randint(3, 90, (4, 5)).astype(np.int32)          # [R, γ+1]: anchor + 4 drafts
+    dense = model(jnp.asarray(seq), cache=cache, tap_layer_ids=TAPS)
+    d_logits = np.asarray(model.logits(dense.hidden))
+    ell = [0, 2, 4, 1]
+    (tok, slot, pos, valid), n = _flatten(seq, lens, ell, K=16)
+    rag = jax.jit(lambda *a: ragged_forward(model, *a, tap_layer_ids=TAPS))(
+        tok, slot, pos, valid, cache)
+    r_logits = np.asarray(model.logits(rag.hidden))
+    k = 0
+    for r, l in enumerate(ell):
+        for j in range(l + 1):
+            np.testing.assert_allclose(r_logits[k], d_logits[r, j], atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(np.asarray(rag.taps[k]), np.asarray(dense.taps[r, j]),
+                                       atol=1e-5, rtol=1e-5)
+            assert r_logits[k].argmax() == d_logits[r, j].argmax()
+            # K/V written where the dense pass wrote them
+            np.testing.assert_allclose(np.asarray(rag.cache.k[:, r, lens[r] + j]),
+                                       np.asarray(dense.cache.k[:, r, lens[r] + j]), atol=1e-5)
+            k += 1
+        # nothing written past the request's admitted tokens; committed prefix untouched
+        np.testing.assert_array_equal(np.asarray(rag.cache.k[:, r, lens[r] + l + 1:]),
+                                      np.asarray(cache.k[:, r, lens[r] + l + 1:]))
+        np.testing.assert_array_equal(np.asarray(rag.cache.v[:, r, :lens[r]]),
+                                      np.asarray(cache.v[:, r, :lens[r]]))
+    np.testing.assert_array_equal(np.asarray(rag.cache.lengths), lens)
+
+
+def test_ragged_prefill_of_several_requests_equals_dense(model):
+    """Prompts of different requests packed in one call (how the engine prefills joins)."""
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    ref = _prefilled(model, prompts)
+    cache = init_cache(model.cfg, 2, 32, model.dtype)
+    tok = jnp.asarray([5, 6, 7, 8, 9, 10, 0, 0], jnp.int32)
+    slot = jnp.asarray([0, 0, 0, 0, 1, 1, 0, 0], jnp.int32)
+    pos = jnp.asarray([0, 1, 2, 3, 0, 1, 0, 0], jnp.int32)
+    valid = jnp.asarray([1, 1, 1, 1, 1, 1, 0, 0], bool)
+    out = ragged_forward(model, tok, slot, pos, valid, cache)
+    np.testing.assert_allclose(np.asarray(out.cache.k[:, 0, :4]), np.asarray(ref.k[:, 0, :4]),
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.cache.k[:, 1, :2]), np.asarray(ref.k[:, 1, :2]),
+                               atol=1e-5)
+    dense_last = model(jnp.asarray([[5, 6, 7, 8]]))
+    np.testing.assert_allclose(np.asarray(model.logits(out.hidden[3])),
+                               np.asarray(model.logits(dense_last.hidden[0, 3])), atol=1e-5)

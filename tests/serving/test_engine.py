@@ -1,0 +1,174 @@
+"""The serving engine is lossless under every scheduler: greedy output equals
+`autoregressive_generate` token for token with prompts of different lengths, chunked prefill
+and requests joining mid-run (slots reused); no recompiles after warm-up; DeepSpec's
+bookkeeping on stop tokens; bad settings fail naming the setting."""
+
+from __future__ import annotations
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.decoding import autoregressive_generate
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.serving import Engine
+from dspark_jax.serving import engine as engine_mod
+from hf_tiny import save_tiny_hf
+
+BASE = dict(block_size=3, num_draft_layers=1, target_layer_ids=(-1, 0), mask_token_id=96,
+            markov_rank=8)
+# 5 requests over 2 slots: three join mid-run; the 13-token prompt spans two prefill chunks
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23, 24],
+           list(range(30, 43))]
+MAX_NEW = 12
+ENGINE_KW = dict(max_requests=2, max_len=32, prefill_chunk=8, stop_token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16,
+                                    layers=2, seed=1))
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return init_draft(target, BASE, seed=3)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(target):
+    return autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
+
+
+# a steep SPS so that algorithm1 / adaptive actually prune (top bucket = 2·(γ+1) = 8)
+SPS = np.asarray([1.0, 1.0, 1.0, 0.8, 0.7, 0.5, 0.45, 0.4, 0.35], np.float32)
+
+
+@pytest.mark.parametrize("mode", ["none", "fixed", "threshold", "algorithm1", "adaptive"])
+def test_greedy_every_mode_equals_autoregressive(target, draft, greedy_ref, mode):
+    eng = Engine(target, draft, scheduler=mode, threshold=0.5, sps=SPS, **ENGINE_KW)
+    res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert res.tokens == greedy_ref
+    # API fields
+    assert {"active", "verified_tokens", "capacity", "seconds"} <= set(res.rounds[0])
+    for pr, toks in zip(res.per_request, res.tokens):
+        assert {"accepted", "proposed", "first_token_s", "finish_s"} <= set(pr)
+        assert len(pr["accepted"]) == len(pr["proposed"])
+        assert all(0 <= a <= p <= 3 for a, p in zip(pr["accepted"], pr["proposed"]))
+        assert pr["first_token_s"] <= pr["finish_s"]
+        assert sum(pr["acceptance"]) + 1 == len(toks)
+    assert max(r["active"] for r in res.rounds) == 2
+    for r in res.rounds:   # the capacity holds the admitted tokens: Σ(1 + ℓ_r) ≤ K
+        assert r["active"] + r["verified_tokens"] <= r["capacity"] in eng.buckets
+    if mode == "none":
+        assert all(r["verified_tokens"] == 0 for r in res.rounds)
+    if mode == "fixed":   # γ, or fewer where the token budget cannot use them
+        assert all(p == min(3, MAX_NEW - 2 - sum(a + 1 for a in pr["accepted"][:i]))
+                   for pr in res.per_request for i, p in enumerate(pr["proposed"]))
+    if mode in ("algorithm1", "adaptive"):   # the scheduler prunes with this SPS
+        assert sum(r["verified_tokens"] for r in res.rounds) < 3 * sum(
+            r["active"] for r in res.rounds)
+
+
+@pytest.mark.slow
+def test_eagle3_greedy_and_chain_stops_at_drafted_stop(target):
+    dr = init_draft(target, dict(BASE, model_type="eagle3", draft_num_hidden_layers=1),
+                    seed=4)
+    stop = 9999 % 97
+    ref = autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW,
+                                  stop_token_ids=[stop])
+    eng = Engine(target, dr, scheduler="fixed", **dict(ENGINE_KW, stop_token_ids=[stop]))
+    res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert res.tokens == ref
+
+
+def _prefilled(eng, prompt):
+    run = engine_mod._Run(eng, [prompt], 8, [0.0], [0], [1.0],
+                          [np.zeros(2, np.uint32)], [0.0])
+    run.t0 = 0.0
+    s = run._prefill(eng._fresh_state(), run._admit(0.0))
+    return run, s
+
+
+def test_stop_token_among_accepted_drafts_follows_deepspec(target, draft):
+    """Drafts = the target's greedy continuation, a stop token at draft index 1: accepted =
+    proposed = eos_pos + 1 = 2, τ term 2 (no bonus), emission cut after the stop token."""
+    cands = [[5, 6, 7], [8, 9], [20, 21, 22], [40, 3], [11, 60, 12]]
+    outs = autoregressive_generate(target, cands, max_new_tokens=5, stop_token_ids=[])
+    prompt, greedy = next((p, g) for p, g in zip(cands, outs) if g[2] not in g[:2])
+    stop = greedy[2]
+    eng = Engine(target, draft, scheduler="fixed", max_requests=1, max_len=32,
+                 stop_token_ids=[stop])
+    run, s = _prefilled(eng, prompt)
+    assert run.out[0] == greedy[:1]
+    drafts = jnp.asarray([greedy[1:4]], jnp.int32)
+    probs = jax.nn.one_hot(drafts, 97, dtype=jnp.float32)
+    s, o = eng._verify(s, eng._params(run.h), drafts, probs, jnp.asarray([3]), 4)
+    o = jax.device_get(o)
+    assert int(o["accepted"][0]) == int(o["proposed"][0]) == 2
+    assert int(o["tau_term"][0]) == 2 and int(o["n_emit"][0]) == 2 and bool(o["finished"][0])
+    assert o["tokens"][0, :2].tolist() == greedy[1:3]
+
+
+def test_no_recompile_after_warmup(target, draft):
+    eng = Engine(target, draft, scheduler="adaptive", sps=SPS, **ENGINE_KW)
+    eng.warmup()
+    eng.generate(PROMPTS[:3], max_new_tokens=MAX_NEW)
+    events = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:   # other prompts, other join pattern, sampled with per-request settings
+        res = eng.generate(PROMPTS[::-1] + [[7, 7]], max_new_tokens=MAX_NEW - 3,
+                           temperature=[0.0, 1.0, 0.7, 0.0, 1.0, 0.5], top_k=[0, 5, 0, 0, 3, 0],
+                           top_p=[1.0, 1.0, 0.9, 1.0, 1.0, 0.8], seed=[1, 2, 3, 4, 5, 6],
+                           arrivals=[0.0, 0.0, 0.01, 0.02, 0.02, 0.03])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == [], f"{len(events)} compilations after warm-up"
+    assert len(res.tokens) == 6 and all(len(t) >= 1 for t in res.tokens)
+
+
+def test_request_output_independent_of_batch(target, draft):
+    """Per-request seeds: a sampled request decodes the same alone and among others."""
+    eng = Engine(target, draft, scheduler="fixed", **ENGINE_KW)
+    alone = eng.generate([PROMPTS[1]], max_new_tokens=MAX_NEW, temperature=1.0, seed=[42])
+    mixed = eng.generate(PROMPTS, max_new_tokens=MAX_NEW, temperature=1.0,
+                         seed=[0, 42, 1, 2, 3])
+    assert mixed.tokens[1] == alone.tokens[0]
+
+
+def test_bad_inputs(target, draft):
+    dflash = init_draft(target, dict(BASE, model_type="dflash", markov_rank=0,
+                                     enable_confidence_head=False), seed=0)
+    with pytest.raises(ValueError, match="unknown scheduler"):
+        Engine(target, draft, scheduler="greedy")
+    with pytest.raises(ValueError, match="max_requests"):
+        Engine(target, draft, max_requests=4, scheduler="fixed", capacity_buckets=[2, 8])
+    with pytest.raises(ValueError, match="confidence head"):
+        Engine(target, dflash, scheduler="adaptive", sps=SPS)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, None, scheduler="fixed")
+    with pytest.raises(ValueError, match="confidence_temperatures"):
+        Engine(target, draft, scheduler="fixed", confidence_temperatures=[1.0])
+    eng = Engine(target, draft, scheduler="fixed", **ENGINE_KW)
+    with pytest.raises(ValueError, match="max_len=32"):
+        eng.generate([list(range(3, 30))], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        eng.generate([[1], []], max_new_tokens=4)
+    # draft=None works with scheduler="none"
+    plain = Engine(target, None, scheduler="none", **ENGINE_KW)
+    assert plain.generate([[5, 6]], max_new_tokens=3).tokens == autoregressive_generate(
+        target, [[5, 6]], max_new_tokens=3, stop_token_ids=[])
+
+
+@pytest.mark.slow
+def test_pallas_verifier_greedy_equals_autoregressive(target, draft, greedy_ref):
+    """verifier="pallas" runs the Pallas verification kernel (interpreted on CPU)."""
+    eng = Engine(target, draft, scheduler="fixed", verifier="pallas", **ENGINE_KW)
+    assert eng.generate(PROMPTS, max_new_tokens=MAX_NEW).tokens == greedy_ref
