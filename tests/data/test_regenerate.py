@@ -173,7 +173,7 @@ def test_skip_rules(target, tmp_path, monkeypatch):
     ]
     out = tmp_path / "o.jsonl"
     stats = R.regenerate(target, convs, out, max_new_tokens=8, batch_size=4, progress=False,
-                         max_prompt_tokens=100)
+                         max_prompt_tokens=100, engine="static")
     got = {json.loads(line)["id"]: json.loads(line)["conversations"] for line in out.read_text().splitlines()}
     assert set(got) == {"ok", "ends", "ends-empty", "endless"}
     assert (stats.duplicate_ids, stats.skipped_no_user_turn, stats.skipped_prompt_too_long,
@@ -187,7 +187,7 @@ def test_skip_rules(target, tmp_path, monkeypatch):
     # a second call finds everything done and generates nothing new
     calls.clear()
     again = R.regenerate(target, convs, out, max_new_tokens=8, batch_size=4, progress=False,
-                         max_prompt_tokens=100)
+                         max_prompt_tokens=100, engine="static")
     assert again.written == 0 and again.already_done == 4
     assert len(out.read_text().splitlines()) == 4
 
