@@ -50,7 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.data.chat import render_prompt, with_system_prompt
-from dspark_jax.data.prompts import Conversation, Message, load_conversations, read_eval_file
+from dspark_jax.data.prompts import (PROMPT_SOURCES, Conversation, Message, load_conversations,
+                                     load_named_prompts, read_eval_file)
 from dspark_jax.data.continuous import ContinuousBatcher
 from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts, stop_array
 
@@ -450,10 +451,16 @@ def _end(c: _Conv, k: int, stats: RegenStats, reason: str) -> None:
 # ---------------------------------------------------------------- CLI
 
 
-def load_prompt_files(paths: Sequence[str | os.PathLike[str]]) -> list[Conversation]:
-    """Training conversation JSONL files, or DeepSpec `{"turns": [...]}` prompt files (all turns)."""
+def load_prompt_files(paths: Sequence[str | os.PathLike[str]], *,
+                      decontaminate: str | os.PathLike[str] | None = None) -> list[Conversation]:
+    """Training conversation JSONL files, DeepSpec `{"turns": [...]}` prompt files (all turns),
+    or named sources (`prompts.PROMPT_SOURCES`, e.g. "offline-mix"), in order. `decontaminate`:
+    drop prompts overlapping the evaluation files of that directory (the count is logged)."""
     out: list[Conversation] = []
     for path in paths:
+        if not os.path.exists(path) and str(path) in PROMPT_SOURCES:
+            out.extend(load_named_prompts(str(path)))
+            continue
         first = None
         with open(path, "rb") as fh:
             for raw in fh:
@@ -467,6 +474,11 @@ def load_prompt_files(paths: Sequence[str | os.PathLike[str]]) -> list[Conversat
             out.extend(read_eval_file(path, first_turn_only=False))
         else:
             out.extend(load_conversations(path))
+    if decontaminate is not None:
+        from dspark_jax.data.contamination import filter_contaminated
+
+        out, report = filter_contaminated(out, decontaminate)
+        log.warning("%s", report.summary())
     return out
 
 
@@ -474,7 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.data.regenerate",
                                 description="Regenerate assistant turns with the target (resumable).")
     p.add_argument("--target", required=True, help="embedded target name or Hugging Face directory")
-    p.add_argument("--prompts", required=True, nargs="+", help="conversation / prompt JSONL files")
+    p.add_argument("--prompts", required=True, nargs="+",
+                   help=f"conversation / prompt JSONL files, or named sources {list(PROMPT_SOURCES)}")
+    p.add_argument("--decontaminate", default=None, metavar="EVAL_DIR",
+                   help="drop prompts sharing a 13-gram with any {\"turns\"} file of EVAL_DIR")
     p.add_argument("--out", required=True, help="output JSONL (appended to; resumed if present)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
@@ -496,7 +511,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        conversations = load_prompt_files(args.prompts)
+        conversations = load_prompt_files(args.prompts, decontaminate=args.decontaminate)
         if args.limit is not None:
             conversations = conversations[: args.limit]
         if not conversations:
