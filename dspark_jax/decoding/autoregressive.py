@@ -180,7 +180,7 @@ def ar_refill(graphdef: Any, state: Any, s: ARState, tokens: jax.Array, lens: ja
                      done=put(s.done, new.done), key_data=put(s.key_data, new.key_data))
 
 
-@functools.partial(jax.jit, static_argnames=("cache_len",), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("cache_len",))
 def ar_grow(s: ARState, *, cache_len: int) -> ARState:
     """The same state with a KV cache of `cache_len` ≥ its current length (zero-padded)."""
     extra = cache_len - s.cache.max_len
