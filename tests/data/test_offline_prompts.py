@@ -147,3 +147,21 @@ def test_offline_mix_against_the_shared_benchmarks(mix) -> None:
     kept, report = C.filter_contaminated(mix[:300] + [planted], SHARED_EVAL)
     assert "planted" in report.dropped_ids and report.dropped_by_file["gsm8k"] >= 1
     assert report.kept >= 295  # the generated prompts are (nearly all) clean
+
+
+def test_training_config_takes_named_sources_and_decontaminates(tmp_path: Path) -> None:
+    from dspark_jax.train import cli
+
+    def prompts(*overrides: str) -> list[P.Conversation]:
+        c = cli.parse_config(["p", "--config=configs/tiny.py", "--config.target=x", *overrides])
+        return cli.load_prompts(c)
+
+    assert len(prompts("--config.data.prompts=('offline-chat',)")) == O.DEFAULT_SIZES["chat"]
+    d = tmp_path / "evals"
+    d.mkdir()
+    chat = P.load_named_prompts("offline-chat")
+    (d / "bench.jsonl").write_text(json.dumps({"turns": [_text(chat[5])]}) + "\n")
+    kept = prompts("--config.data.prompts=('offline-chat',)", f"--config.data.decontaminate={d}")
+    assert [c.id for c in kept] == [c.id for c in chat if c.id != chat[5].id]
+    with pytest.raises(cli.UsageError, match="'offline-poems' not found .*named source"):
+        prompts("--config.data.prompts=('offline-poems',)")
