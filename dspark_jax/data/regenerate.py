@@ -7,18 +7,22 @@ generation prompt (`chat.render_prompt`), sample a reply from the target (T = 0.
 top-k 20 by default), append it as the assistant turn, continue with the next user turn. The
 original assistant turns are discarded; system turns are kept where they were.
 
-Batching: conversations are planned into fixed groups of `batch_size` (sorted by number of user
-turns, then by the length of their first prompt, so a turn's batch has similar lengths and later
-turns stay full); the k-th turns of a group are generated together with on-device sampling
-(`lax.while_loop` over a KV cache, one compiled program per length bucket). A group's records
-are appended to the JSONL output with one write + flush + `os.fsync`.
+Batching (`engine`): "refill" (default) keeps `batch_size` rows busy with continuous batching
+(`data/continuous.py`): when a reply ends, its row is refilled from the queue (the conversation's
+next turn is queued at once), prompts are padded to 64-token buckets and the cache only grows,
+so steady state never recompiles. "static" is the reference: conversations planned into fixed
+groups of `batch_size` (sorted by number of user turns, then by first-prompt length), the k-th
+turns of a group generated together, waiting for the group's slowest row. Finished
+conversations are appended to the JSONL output with one write + flush + `os.fsync` per device
+call that finished any (refill) or per group (static); both engines write the same records.
 
 Resuming: on start the existing output is read, completed ids are skipped, and a torn last
-line (a kill during the write) is truncated away; so a kill loses at most the group in flight,
-and the output never holds an id twice. Every sampled token uses its own key,
-`fold_in(key(hash(seed, id, turn)), token index)`, and the group plan depends only on the input,
-so a resumed run writes exactly the text an uninterrupted run would (same settings). The settings
-are stored beside the output (`<out>.regen.json`); resuming with different ones is refused.
+line (a kill during the write) is truncated away; so a kill loses at most the conversations in
+flight, and the output never holds an id twice. Every sampled token uses its own key,
+`fold_in(key(hash(seed, id, turn)), token index)`, so a reply does not depend on its batch, its
+row or when it ran, and a resumed run writes the text an uninterrupted run would (same settings).
+The settings are stored beside the output (`<out>.regen.json`); resuming with different ones
+(or with outputs of an older sampler, `SAMPLER_VERSION`) is refused.
 
 Skips (counted in `RegenStats`, warned about, never fatal): conversations without a user turn,
 duplicate ids (the first is kept), a first prompt longer than `max_prompt_tokens` (default: the
@@ -46,7 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.data.chat import render_prompt, with_system_prompt
-from dspark_jax.data.prompts import Conversation, Message, load_conversations, read_eval_file
+from dspark_jax.data.prompts import (PROMPT_SOURCES, Conversation, Message, load_conversations,
+                                     load_named_prompts, read_eval_file)
+from dspark_jax.data.continuous import ContinuousBatcher
 from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts, stop_array
 
 log = logging.getLogger(__name__)
@@ -55,6 +61,9 @@ DEFAULT_TEMPERATURE = 0.7
 DEFAULT_TOP_P = 0.8
 DEFAULT_TOP_K = 20
 _STEPS_PER_CALL = 32
+# Bumped when the tokens sampled for a (seed, id, turn) change: an output written by another
+# sampler is not resumed (2: top-k draws among the k candidates, `autoregressive.sample_rows`).
+SAMPLER_VERSION = 2
 
 
 class RegenerationError(RuntimeError):
@@ -209,6 +218,43 @@ def _turn_groups(messages: Sequence[Message]) -> list[list[Message]]:
     return groups
 
 
+class _Replay:
+    """The per-conversation state machine both engines drive: render turn k's prompt (or end
+    the conversation when it is too long), take turn k's reply (or end it when empty)."""
+
+    def __init__(self, tok: Any, stats: RegenStats, *, seed: int, limit: int, stops: list[int]):
+        self.tok, self.stats, self.seed, self.limit = tok, stats, seed, limit
+        self.stop_set = set(stops)
+
+    def prompt(self, c: _Conv, k: int) -> np.ndarray | None:
+        ids = render_prompt(c.history + c.groups[k], self.tok)
+        if len(ids) > self.limit:
+            _end(c, k, self.stats, "skipped_prompt_too_long")
+            return None
+        return np.asarray(ids, np.int32)
+
+    def key(self, c: _Conv, k: int) -> np.ndarray:
+        return sample_key_data(self.seed, c.id, k)
+
+    def reply(self, c: _Conv, k: int, reply: list[int]) -> bool:
+        """Records reply k; True when the conversation goes on with turn k + 1."""
+        self.stats.turns_generated += 1
+        self.stats.generated_tokens += len(reply)
+        if reply and reply[-1] in self.stop_set:
+            reply = reply[:-1]
+        else:
+            self.stats.replies_hit_max_new_tokens += 1
+        text = self.tok.decode(reply)
+        if not text.strip():
+            _end(c, k, self.stats, "skipped_empty_reply")
+            return False
+        c.history = c.history + c.groups[k] + [{"role": "assistant", "content": text}]
+        return k + 1 < len(c.groups)
+
+
+ENGINES = ("refill", "static")
+
+
 def regenerate(
     target: Any,
     conversations: Sequence[Conversation],
@@ -223,12 +269,16 @@ def regenerate(
     progress: bool = True,
     system_prompt: str | None = None,
     max_prompt_tokens: int | None = None,
+    engine: str = "refill",
 ) -> RegenStats:
     """Replays every conversation's user turns through `target`, appending `{"id",
     "conversations"}` records to `out_path` (JSONL); resumes a partial output. See the module
     docstring for batching, determinism and skip rules. `system_prompt` is added to
-    conversations without one (and stored in the record)."""
+    conversations without one (and stored in the record). `engine`: "refill" (continuous
+    batching, the default) or "static" (fixed groups; the reference it must equal)."""
     t0 = time.perf_counter()
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not conversations:
         raise ValueError("no conversations to regenerate (empty prompt set)")
     if max_new_tokens < 1 or batch_size < 1:
@@ -249,7 +299,7 @@ def regenerate(
     settings = {"target": getattr(target, "name", ""), "max_new_tokens": max_new_tokens,
                 "batch_size": batch_size, "temperature": temperature, "top_p": top_p,
                 "top_k": top_k, "seed": seed, "system_prompt": system_prompt,
-                "max_prompt_tokens": limit}
+                "max_prompt_tokens": limit, "sampler": SAMPLER_VERSION}
     with open(out_path, "ab") as out:
         try:
             fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -273,7 +323,6 @@ def regenerate(
         stats.conversations = len(convs)
         # The plan depends only on the input, never on what is done: resumed groups are identical.
         convs.sort(key=lambda c: (len(c.groups), sum(len(m["content"]) for m in c.groups[0])))
-        plan = [convs[i:i + batch_size] for i in range(0, len(convs), batch_size)]
         stats.already_done = sum(c.id in done for c in convs)
 
         bar = None
@@ -282,31 +331,35 @@ def regenerate(
 
             bar = tqdm(total=len(convs), initial=stats.already_done, desc="regenerate", unit="conv")
         gen_t0 = time.perf_counter()
+        finished: list[_Conv] = []
 
-        def on_tokens(k: int) -> None:
-            stats.generated_tokens += k
-            if bar is not None:
-                rate = stats.generated_tokens / max(time.perf_counter() - gen_t0, 1e-9)
-                bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
-
-        for group in plan:
-            if all(c.id in done for c in group):
-                continue
-            _replay_group(target, group, stats, seed=seed, max_new_tokens=max_new_tokens,
-                          batch_size=batch_size, temperature=temperature, top_k=top_k,
-                          top_p=top_p, stops=stops, limit=limit, on_tokens=on_tokens)
+        def flush() -> None:
+            """Appends the finished conversations with one write + fsync."""
             lines = [json.dumps({"id": c.id, "conversations": c.history}, ensure_ascii=False) + "\n"
-                     for c in group if not c.skipped and c.id not in done]
+                     for c in finished if not c.skipped and c.id not in done]
             if lines:
                 out.write("".join(lines).encode("utf-8"))
                 out.flush()
                 os.fsync(out.fileno())
             stats.written += len(lines)
-            done.update(c.id for c in group)
-            for c in group:
-                c.history = []  # free memory of written groups
+            done.update(c.id for c in finished)
             if bar is not None:
-                bar.update(len(group))
+                rate = stats.generated_tokens / max(time.perf_counter() - gen_t0, 1e-9)
+                bar.set_postfix(tok_s=f"{rate:.1f}", refresh=False)
+                bar.update(len(finished))
+            for c in finished:
+                c.history = []  # free the memory of written conversations
+            finished.clear()
+
+        replay = _Replay(tok, stats, seed=seed, limit=limit, stops=stops)
+        kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature,
+                  top_k=top_k, top_p=top_p, stops=stops)
+        if engine == "refill":
+            _run_refill(target, [c for c in convs if c.id not in done], replay, finished.append,
+                        flush, **kw)
+        else:
+            _run_static(target, convs, done, replay, finished.append, flush, **kw)
+        flush()
         if bar is not None:
             bar.close()
     for name in ("duplicate_ids", "skipped_no_user_turn", "skipped_prompt_too_long",
@@ -314,45 +367,75 @@ def regenerate(
         if getattr(stats, name):
             log.warning("regeneration: %s = %d", name, getattr(stats, name))
     stats.elapsed_s = time.perf_counter() - t0
+    log.info("regenerate: %d conversations written, %d tokens in %.1f s = %.1f tok/s (%s engine, "
+             "batch %d)", stats.written, stats.generated_tokens, stats.elapsed_s,
+             stats.tokens_per_s, engine, batch_size)
     return stats
 
 
-def _replay_group(target: Any, group: list[_Conv], stats: RegenStats, *, seed: int,
-                  max_new_tokens: int, batch_size: int, temperature: float, top_k: int,
-                  top_p: float, stops: list[int], limit: int,
-                  on_tokens: Callable[[int], None]) -> None:
-    tok = target.tokenizer
-    stop_set = set(stops)
-    for c in group:
+def _run_refill(target: Any, todo: list[_Conv], replay: _Replay, finish: Callable[[_Conv], None],
+                flush: Callable[[], None], *, max_new_tokens: int, batch_size: int,
+                temperature: float, top_k: int, top_p: float, stops: list[int]) -> None:
+    """Continuous batching: a conversation's next turn is queued as soon as its reply ends."""
+    batcher = ContinuousBatcher(target, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p,
+                                stop_token_ids=stops)
+
+    def submit(i: int, k: int) -> None:
+        c = todo[i]
+        ids = replay.prompt(c, k)
+        if ids is None:
+            finish(c)
+        else:
+            batcher.submit((i, k), ids, replay.key(c, k))
+
+    def on_reply(handle: tuple[int, int], reply: list[int]) -> None:
+        i, k = handle
+        if replay.reply(todo[i], k, reply):
+            submit(i, k + 1)
+        else:
+            finish(todo[i])
+
+    for c in todo:
         c.history, c.alive, c.skipped = [], True, False
-    for k in range(max(len(c.groups) for c in group)):
-        rows, prompts = [], []
+    for i in range(len(todo)):
+        submit(i, 0)
+    batcher.run(on_reply, on_chunk=flush)
+
+
+def _run_static(target: Any, convs: list[_Conv], done: set[str], replay: _Replay,
+                finish: Callable[[_Conv], None], flush: Callable[[], None], *,
+                max_new_tokens: int, batch_size: int, temperature: float, top_k: int,
+                top_p: float, stops: list[int]) -> None:
+    """Fixed groups of `batch_size` conversations, planned from the whole input (so a resumed
+    run batches exactly as an uninterrupted one); turn k of a group is one static batch."""
+    for start in range(0, len(convs), batch_size):
+        group = convs[start:start + batch_size]
+        if all(c.id in done for c in group):
+            continue
         for c in group:
-            if not c.alive or k >= len(c.groups):
-                continue
-            ids = render_prompt(c.history + c.groups[k], tok)
-            if len(ids) > limit:
-                _end(c, k, stats, "skipped_prompt_too_long")
-                continue
-            rows.append(c)
-            prompts.append(ids)
-        if not rows:
-            break
-        keys = np.stack([sample_key_data(seed, c.id, k) for c in rows])
-        replies = generate_rows(target, prompts, keys, max_new_tokens=max_new_tokens,
-                                batch_size=batch_size, temperature=temperature, top_k=top_k,
-                                top_p=top_p, stop_token_ids=stops, on_tokens=on_tokens)
-        for c, reply in zip(rows, replies):
-            stats.turns_generated += 1
-            if reply and reply[-1] in stop_set:
-                reply = reply[:-1]
-            else:
-                stats.replies_hit_max_new_tokens += 1
-            text = tok.decode(reply)
-            if not text.strip():
-                _end(c, k, stats, "skipped_empty_reply")
-                continue
-            c.history = c.history + c.groups[k] + [{"role": "assistant", "content": text}]
+            c.history, c.alive, c.skipped = [], True, False
+        for k in range(max(len(c.groups) for c in group)):
+            rows, prompts = [], []
+            for c in group:
+                if not c.alive or k >= len(c.groups):
+                    continue
+                ids = replay.prompt(c, k)
+                if ids is not None:
+                    rows.append(c)
+                    prompts.append(ids)
+            if not rows:
+                break
+            keys = np.stack([replay.key(c, k) for c in rows])
+            replies = generate_rows(target, prompts, keys, max_new_tokens=max_new_tokens,
+                                    batch_size=batch_size, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, stop_token_ids=stops)
+            for c, reply in zip(rows, replies):
+                if not replay.reply(c, k, reply):
+                    c.alive = False
+        for c in group:
+            finish(c)
+        flush()
 
 
 def _end(c: _Conv, k: int, stats: RegenStats, reason: str) -> None:
@@ -368,10 +451,16 @@ def _end(c: _Conv, k: int, stats: RegenStats, reason: str) -> None:
 # ---------------------------------------------------------------- CLI
 
 
-def load_prompt_files(paths: Sequence[str | os.PathLike[str]]) -> list[Conversation]:
-    """Training conversation JSONL files, or DeepSpec `{"turns": [...]}` prompt files (all turns)."""
+def load_prompt_files(paths: Sequence[str | os.PathLike[str]], *,
+                      decontaminate: str | os.PathLike[str] | None = None) -> list[Conversation]:
+    """Training conversation JSONL files, DeepSpec `{"turns": [...]}` prompt files (all turns),
+    or named sources (`prompts.PROMPT_SOURCES`, e.g. "offline-mix"), in order. `decontaminate`:
+    drop prompts overlapping the evaluation files of that directory (the count is logged)."""
     out: list[Conversation] = []
     for path in paths:
+        if not os.path.exists(path) and str(path) in PROMPT_SOURCES:
+            out.extend(load_named_prompts(str(path)))
+            continue
         first = None
         with open(path, "rb") as fh:
             for raw in fh:
@@ -385,6 +474,11 @@ def load_prompt_files(paths: Sequence[str | os.PathLike[str]]) -> list[Conversat
             out.extend(read_eval_file(path, first_turn_only=False))
         else:
             out.extend(load_conversations(path))
+    if decontaminate is not None:
+        from dspark_jax.data.contamination import filter_contaminated
+
+        out, report = filter_contaminated(out, decontaminate)
+        log.warning("%s", report.summary())
     return out
 
 
@@ -392,7 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dspark_jax.data.regenerate",
                                 description="Regenerate assistant turns with the target (resumable).")
     p.add_argument("--target", required=True, help="embedded target name or Hugging Face directory")
-    p.add_argument("--prompts", required=True, nargs="+", help="conversation / prompt JSONL files")
+    p.add_argument("--prompts", required=True, nargs="+",
+                   help=f"conversation / prompt JSONL files, or named sources {list(PROMPT_SOURCES)}")
+    p.add_argument("--decontaminate", default=None, metavar="EVAL_DIR",
+                   help="drop prompts sharing a 13-gram with any {\"turns\"} file of EVAL_DIR")
     p.add_argument("--out", required=True, help="output JSONL (appended to; resumed if present)")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=16)
@@ -408,11 +505,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="skip (first turn) or end (later turns) conversations with longer prompts "
                         "(default: context length - max new tokens)")
     p.add_argument("--dtype", default="float32", help="compute dtype (float32 / bfloat16)")
+    p.add_argument("--engine", choices=ENGINES, default="refill",
+                   help="refill: continuous batching (default); static: fixed batches (reference)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        conversations = load_prompt_files(args.prompts)
+        conversations = load_prompt_files(args.prompts, decontaminate=args.decontaminate)
         if args.limit is not None:
             conversations = conversations[: args.limit]
         if not conversations:
@@ -429,10 +528,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                            batch_size=args.batch_size, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            progress=not args.no_progress, system_prompt=system_prompt,
-                           max_prompt_tokens=args.max_prompt_tokens)
+                           max_prompt_tokens=args.max_prompt_tokens, engine=args.engine)
     except (ValueError, OSError, RegenerationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"regenerated {stats.written} conversations ({stats.already_done} already done): "
+          f"{stats.generated_tokens} tokens in {stats.elapsed_s:.1f} s = "
+          f"{stats.tokens_per_s:.1f} tok/s", file=sys.stderr)
     print(json.dumps(dataclasses.asdict(stats) | {"tokens_per_s": round(stats.tokens_per_s, 2)}))
     return 0
 

@@ -217,11 +217,16 @@ def load_prompts(c: ml_collections.ConfigDict) -> list:
     from dspark_jax.data.prompts import load_humaneval, subsample
     from dspark_jax.data.regenerate import load_prompt_files
 
+    from dspark_jax.data.prompts import PROMPT_SOURCES
+
     paths = [str(p) for p in c.data.prompts]
     for p in paths:
-        if not os.path.isfile(p):
-            raise UsageError(f"config.data.prompts: file {p!r} not found")
-    convs = load_prompt_files(paths) if paths else load_humaneval()
+        if not os.path.isfile(p) and p not in PROMPT_SOURCES:
+            raise UsageError(f"config.data.prompts: file {p!r} not found (and not a named "
+                             f"source {list(PROMPT_SOURCES)})")
+    decontaminate = c.data.get("decontaminate", "") or None
+    convs = (load_prompt_files(paths, decontaminate=decontaminate) if paths
+             else load_humaneval())
     if c.data.max_prompts >= 0:
         convs = subsample(convs, c.data.max_prompts, seed=c.data.split_seed)
     if not convs:

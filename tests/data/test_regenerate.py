@@ -3,6 +3,7 @@ uninterrupted run; multi-turn replay; skip rules; resume safety checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -142,7 +143,29 @@ def test_a_reply_does_not_depend_on_its_batch(target):
     assert other[0] != alone[0]
 
 
-def test_skip_rules(target, tmp_path, monkeypatch):
+def test_refill_engine_equals_the_static_one_at_t0(target, prompts_file, tmp_path):
+    user = lambda s: {"role": "user", "content": s}  # noqa: E731
+    convs = load_conversations(prompts_file) + [
+        Conversation("too-long", [user("word " * 300)]),
+        Conversation("long-second", [user("short"), user("word " * 300)])]
+    kw = SETTINGS | dict(temperature=0.0, batch_size=3, max_prompt_tokens=200, progress=False)
+    static = R.regenerate(target, convs, tmp_path / "s.jsonl", engine="static", **kw)
+    refill = R.regenerate(target, convs, tmp_path / "r.jsonl", engine="refill", **kw)
+
+    def records(path):
+        return {json.loads(x)["id"]: json.loads(x) for x in path.read_text().splitlines()}
+
+    assert records(tmp_path / "r.jsonl") == records(tmp_path / "s.jsonl")
+    assert len(records(tmp_path / "r.jsonl")) == 11
+    same = lambda st: dataclasses.asdict(st) | {"elapsed_s": 0}  # noqa: E731
+    assert same(refill) == same(static)
+    assert static.skipped_prompt_too_long == 1 and static.ended_early == 1
+    with pytest.raises(ValueError, match="engine must be one of"):
+        R.regenerate(target, convs, tmp_path / "x.jsonl", engine="fast", **kw)
+
+
+@pytest.mark.parametrize("engine", R.ENGINES)
+def test_skip_rules(target, tmp_path, monkeypatch, engine):
     tok = target.tokenizer
     calls: list[int] = []
 
@@ -159,7 +182,22 @@ def test_skip_rules(target, tmp_path, monkeypatch):
                 out.append(tok.encode("Sure.") + [tok.eos_token_id])
         return out
 
+    class FakeBatcher:  # the refill engine's seam: same scripted replies, batches of 4
+        def __init__(self, target, **kw):
+            self.queue = []
+
+        def submit(self, handle, ids, key):
+            self.queue.append((handle, ids))
+
+        def run(self, on_reply, on_chunk=None):
+            while self.queue:
+                batch, self.queue = self.queue[:4], self.queue[4:]
+                for (handle, _), reply in zip(batch, fake_generate(None, [i for _, i in batch], None)):
+                    on_reply(handle, reply)
+                on_chunk()
+
     monkeypatch.setattr(R, "generate_rows", fake_generate)
+    monkeypatch.setattr(R, "ContinuousBatcher", FakeBatcher)
     user = lambda s: {"role": "user", "content": s}  # noqa: E731
     convs = [
         Conversation("ok", [user("hello")]),
@@ -173,7 +211,7 @@ def test_skip_rules(target, tmp_path, monkeypatch):
     ]
     out = tmp_path / "o.jsonl"
     stats = R.regenerate(target, convs, out, max_new_tokens=8, batch_size=4, progress=False,
-                         max_prompt_tokens=100)
+                         max_prompt_tokens=100, engine=engine)
     got = {json.loads(line)["id"]: json.loads(line)["conversations"] for line in out.read_text().splitlines()}
     assert set(got) == {"ok", "ends", "ends-empty", "endless"}
     assert (stats.duplicate_ids, stats.skipped_no_user_turn, stats.skipped_prompt_too_long,
@@ -187,7 +225,7 @@ def test_skip_rules(target, tmp_path, monkeypatch):
     # a second call finds everything done and generates nothing new
     calls.clear()
     again = R.regenerate(target, convs, out, max_new_tokens=8, batch_size=4, progress=False,
-                         max_prompt_tokens=100)
+                         max_prompt_tokens=100, engine=engine)
     assert again.written == 0 and again.already_done == 4
     assert len(out.read_text().splitlines()) == 4
 
@@ -197,7 +235,8 @@ def test_resume_safety_checks(target, tmp_path, monkeypatch, capsys):
                         [target.tokenizer.encode("Fine.") + [2] for _ in prompts])
     convs = [Conversation(f"x{i}", [{"role": "user", "content": f"q{i}"}]) for i in range(3)]
     out = tmp_path / "o.jsonl"
-    R.regenerate(target, convs, out, max_new_tokens=4, batch_size=2, progress=False)
+    R.regenerate(target, convs, out, max_new_tokens=4, batch_size=2, progress=False,
+                 engine="static")
     with pytest.raises(R.RegenerationError, match="other settings"):
         R.regenerate(target, convs, out, max_new_tokens=4, batch_size=2, seed=1, progress=False)
     lines = out.read_text().splitlines(keepends=True)
@@ -205,7 +244,8 @@ def test_resume_safety_checks(target, tmp_path, monkeypatch, capsys):
     with pytest.raises(R.RegenerationError, match=r"o.jsonl:2"):
         R.regenerate(target, convs, out, max_new_tokens=4, batch_size=2, progress=False)
     out.write_text(lines[0] + "garbage\n")  # a bad LAST line is a torn write: dropped, redone
-    stats = R.regenerate(target, convs, out, max_new_tokens=4, batch_size=2, progress=False)
+    stats = R.regenerate(target, convs, out, max_new_tokens=4, batch_size=2, progress=False,
+                         engine="static")
     assert stats.already_done == 1 and stats.written == 2
     assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == ["x0", "x1", "x2"]
     with pytest.raises(ValueError, match="empty prompt set"):
