@@ -79,7 +79,7 @@ def save_tiny_gemma4(path: pathlib.Path, variant: str, seed: int = 0, **override
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif p.ndim == 2:  # larger than the 0.02 default so layers visibly matter
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))

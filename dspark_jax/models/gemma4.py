@@ -108,7 +108,7 @@ class Gemma4Stack(nnx.Module):
     per-layer-input embedding table and its projection."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, param_dtype: Any = jnp.float32):
-        self.segments = plan_segments(cfg)
+        self.segments = tuple(plan_segments(cfg))  # static: graphdefs must hash
         self.groups = nnx.List([
             Gemma4Group(cfg, seg.layer_ids(j), seg.owns_kv, rngs=rngs, param_dtype=param_dtype)
             for seg in self.segments for j in range(seg.period)])

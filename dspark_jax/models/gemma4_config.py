@@ -132,6 +132,9 @@ def gemma4_from_hf(cls: type, raw: Mapping[str, Any], source: str) -> DecoderCon
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
     global_hd, global_kv = _layer_shapes(cfg, layer_types, k_eq_v, src)
     hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    n_kv = int(cfg.get("num_key_value_heads") or heads)
+    if global_kv == n_kv:  # one canonical form, so configs round-trip exactly
+        global_kv = None
     eos = cfg.get("eos_token_id", 1)
     try:
         out = cls(
@@ -141,7 +144,7 @@ def gemma4_from_hf(cls: type, raw: Mapping[str, Any], source: str) -> DecoderCon
             intermediate_size=int(need("intermediate_size")),
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_key_value_heads=n_kv,
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=rope.get("full_attention", rope[layer_types[0]]),
