@@ -150,6 +150,37 @@ def cache_shapes(cfg: DecoderConfig, batch: int, max_len: int) -> list[tuple[int
     return out
 
 
+# ----------------------------------------------------------------------------- layer pieces
+def project_q(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
+              rope: Any, eps: float) -> jax.Array:
+    """q = RoPE(q_norm(x·Wq)) [B, T, N, H]."""
+    q = L.rms_norm(jnp.einsum("BTD,DNH->BTNH", x_btd, lp["wq"]), lp["q_norm"], eps)
+    return L.apply_rope(q, positions_bt, rope)
+
+
+def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
+               rope: Any, eps: float) -> tuple[jax.Array, jax.Array]:
+    """k = RoPE(k_norm(x·Wk)), v = v_norm(x·Wv) (k=v layers: v_norm(x·Wk)) [B, T, K, H]."""
+    k_raw = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wk"])
+    v_raw = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wv"]) if "wv" in lp else k_raw
+    k = L.apply_rope(L.rms_norm(k_raw, lp["k_norm"], eps), positions_bt, rope)
+    return k, L.rms_norm_noscale(v_raw, eps)
+
+
+def attn_out_and_mlp(lp: dict[str, jax.Array], h: jax.Array, attn_btnh: jax.Array,
+                     eps: float, ple_btp: jax.Array | None = None) -> jax.Array:
+    """The sandwich-normed residual updates after attention, the PLE gate, the layer scalar."""
+    o = jnp.einsum("BTNH,NHD->BTD", attn_btnh, lp["wo"])
+    h = h + L.rms_norm(o, lp["post_attn_norm"], eps)
+    m = L.geglu(L.rms_norm(h, lp["pre_ff_norm"], eps), lp)
+    h = h + L.rms_norm(m, lp["post_ff_norm"], eps)
+    if ple_btp is not None:
+        g = L.gelu_tanh(jnp.einsum("BTD,DP->BTP", h, lp["ple_gate"])) * ple_btp
+        g = jnp.einsum("BTP,PD->BTD", g, lp["ple_proj"])
+        h = h + L.rms_norm(g, lp["ple_norm"], eps)
+    return constrain(h * lp["layer_scalar"], ("batch", "seq", "act_embed"))
+
+
 # ----------------------------------------------------------------------------- forward
 def per_layer_inputs(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array,
                      emb_btd: jax.Array, dtype: Any) -> jax.Array:
@@ -224,13 +255,9 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
               ple_i: jax.Array | None) -> tuple[jax.Array, Any]:
         rope = cfg.rope_for(ltype)
         x = L.rms_norm(h, lp["input_norm"], eps)
-        q = L.rms_norm(jnp.einsum("BTD,DNH->BTNH", x, lp["wq"]), lp["q_norm"], eps)
-        q = L.apply_rope(q, positions_bt, rope)
+        q = project_q(lp, x, positions_bt, rope, eps)
         if "wk" in lp:
-            k_raw = jnp.einsum("BTD,DKH->BTKH", x, lp["wk"])
-            v_raw = jnp.einsum("BTD,DKH->BTKH", x, lp["wv"]) if "wv" in lp else k_raw
-            k = L.apply_rope(L.rms_norm(k_raw, lp["k_norm"], eps), positions_bt, rope)
-            v = L.rms_norm_noscale(v_raw, eps)
+            k, v = project_kv(lp, x, positions_bt, rope, eps)
             kv_out = (k, v)
             if kv_in is not None:  # this group's caches [n, B, S, K, H]: write, attend over row n
                 kc_all, vc_all, n = kv_in
@@ -242,16 +269,7 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
             k, v = kv_in[0].astype(dtype), kv_in[1].astype(dtype)
             kv_out = None
         attn = L.attend(q, k, v, masks[ltype], scale=1.0)
-        o = jnp.einsum("BTNH,NHD->BTD", attn, lp["wo"])
-        h = h + L.rms_norm(o, lp["post_attn_norm"], eps)
-        m = L.geglu(L.rms_norm(h, lp["pre_ff_norm"], eps), lp)
-        h = h + L.rms_norm(m, lp["post_ff_norm"], eps)
-        if ple_i is not None:
-            g = L.gelu_tanh(jnp.einsum("BTD,DP->BTP", h, lp["ple_gate"])) * ple_i
-            g = jnp.einsum("BTP,PD->BTD", g, lp["ple_proj"])
-            h = h + L.rms_norm(g, lp["ple_norm"], eps)
-        h = h * lp["layer_scalar"]
-        return constrain(h, ("batch", "seq", "act_embed")), kv_out
+        return attn_out_and_mlp(lp, h, attn, eps, ple_i), kv_out
 
     groups = stack.group_index()
     cache_slot = {g: c for c, g in enumerate(g for seg, _, g in groups if seg.owns_kv)}

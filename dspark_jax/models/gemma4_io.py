@@ -109,12 +109,7 @@ def _to_hf(name: str, t: np.ndarray) -> np.ndarray:
     return t
 
 
-def gemma4_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
-                     source: str) -> dict[str, Any]:
-    """HF Gemma4 tensors → nested dict matching a Gemma4 TargetDecoder."""
-    pre = text_prefix(tensors, source)
-    V, D, Lh = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
-
+def _check(tensors: Mapping[str, np.ndarray], source: str):
     def get(key: str, shape: tuple[int, ...], field: str) -> np.ndarray:
         if key not in tensors:
             raise _err(f"{source}: missing tensor {key!r}")
@@ -123,18 +118,42 @@ def gemma4_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
             raise _err(f"{source}: tensor {key!r} has shape {t.shape}, but config.json field "
                        f"{field!r} implies {shape}")
         return t
+    return get
 
-    groups: dict[int, dict[str, np.ndarray]] = {}
-    g = 0
-    for seg in plan_segments(cfg):
-        for j in range(seg.period):
-            per: dict[str, list[np.ndarray]] = {}
-            for i in seg.layer_ids(j):
-                for name, (suffix, shape, field) in _layer_tensors(cfg, i).items():
-                    t = get(f"{pre}layers.{i}.{suffix}", shape, field)
-                    per.setdefault(name, []).append(_to_ours(name, t, cfg, i))
-            groups[g] = {k: np.stack(v) for k, v in per.items()}
-            g += 1
+
+def import_layers(tensors: Mapping[str, np.ndarray], prefix: str, cfg: DecoderConfig,
+                  layer_ids: list[int], source: str) -> dict[str, np.ndarray]:
+    """HF per-layer tensors `{prefix}{i}.…` for `layer_ids` → one stacked Gemma4Group dict."""
+    get = _check(tensors, source)
+    per: dict[str, list[np.ndarray]] = {}
+    for i in layer_ids:
+        for name, (suffix, shape, field) in _layer_tensors(cfg, i).items():
+            t = get(f"{prefix}{i}.{suffix}", shape, field)
+            per.setdefault(name, []).append(_to_ours(name, t, cfg, i))
+    return {k: np.stack(v) for k, v in per.items()}
+
+
+def export_layers(group: Mapping[str, Any], prefix: str, cfg: DecoderConfig,
+                  layer_ids: list[int]) -> dict[str, np.ndarray]:
+    """Inverse of `import_layers`."""
+    out = {}
+    for n, i in enumerate(layer_ids):
+        for name, (suffix, _, _) in _layer_tensors(cfg, i).items():
+            out[f"{prefix}{i}.{suffix}"] = np.ascontiguousarray(
+                _to_hf(name, np.asarray(group[name])[n]))
+    return out
+
+
+def gemma4_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
+                     source: str) -> dict[str, Any]:
+    """HF Gemma4 tensors → nested dict matching a Gemma4 TargetDecoder."""
+    pre = text_prefix(tensors, source)
+    V, D, Lh = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+
+    get = _check(tensors, source)
+    groups = {g: import_layers(tensors, f"{pre}layers.", cfg, ids, source)
+              for g, ids in enumerate(seg.layer_ids(j) for seg in plan_segments(cfg)
+                                      for j in range(seg.period))}
     layers: dict[str, Any] = {"groups": groups}
     P = cfg.hidden_size_per_layer_input
     if P:
@@ -167,14 +186,9 @@ def gemma4_export_tensors(pure: Mapping[str, Any], cfg: DecoderConfig) -> dict[s
         "model.norm.weight": to_np(pure["final_norm"]),
     }
     layers = pure["layers"]
-    g = 0
-    for seg in plan_segments(cfg):
-        for j in range(seg.period):
-            grp = layers["groups"][g]
-            for n, i in enumerate(seg.layer_ids(j)):
-                for name, (suffix, _, _) in _layer_tensors(cfg, i).items():
-                    out[f"model.layers.{i}.{suffix}"] = _to_hf(name, to_np(grp[name])[n])
-            g += 1
+    all_ids = [seg.layer_ids(j) for seg in plan_segments(cfg) for j in range(seg.period)]
+    for g, ids in enumerate(all_ids):
+        out.update(export_layers(layers["groups"][g], "model.layers.", cfg, ids))
     if cfg.hidden_size_per_layer_input:
         out["model.embed_tokens_per_layer.weight"] = to_np(layers["ple_embed"])
         out["model.per_layer_model_projection.weight"] = to_np(layers["ple_model_proj"]).T
