@@ -154,8 +154,15 @@ def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]
         "fc": g("fc.weight", (D, n * D)).T,
     }
     if cfg.model_type == "eagle3":
-        pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc, source,
-                                            attn_in_dim=2 * D)
+        if lc.is_gemma4:
+            from dspark_jax.models.gemma4_io import import_layers
+
+            pure["layers"] = import_layers(tensors, "layers.", lc,
+                                           list(range(lc.num_hidden_layers)), source,
+                                           attn_in_dim=2 * D)
+        else:
+            pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc,
+                                                source, attn_in_dim=2 * D)
         pure["hidden_norm"] = np.stack([g(f"layers.{i}.hidden_norm.weight", (D,))
                                         for i in range(lc.num_hidden_layers)])
         return pure

@@ -25,12 +25,11 @@ from dspark_jax.models.target import resolve_dtype
 
 def draft_module_class(cfg: DraftConfig) -> type:
     if cfg.target.is_gemma4:
-        if cfg.model_type == "eagle3":
-            raise ConfigError("Eagle3 drafters for Gemma4 targets are not implemented yet "
-                              "(DSpark and DFlash are)")
-        from dspark_jax.models.gemma4_draft import Gemma4DSparkDraft
+        from dspark_jax.models import gemma4_draft
 
-        return Gemma4DSparkDraft
+        if cfg.model_type == "eagle3":
+            return gemma4_draft.Gemma4Eagle3Draft
+        return gemma4_draft.Gemma4DSparkDraft
     if cfg.model_type == "eagle3":
         from dspark_jax.models.eagle3 import Eagle3Draft
 

@@ -67,8 +67,9 @@ class Gemma4Group(nnx.Module):
     """Stacked parameters of the n layers sitting in one period slot (identical shapes)."""
 
     def __init__(self, cfg: DecoderConfig, layer_ids: Sequence[int], owns_kv: bool, *,
-                 rngs: nnx.Rngs, param_dtype: Any):
+                 rngs: nnx.Rngs, param_dtype: Any, attn_in_dim: int | None = None):
         n, D, N = len(layer_ids), cfg.hidden_size, cfg.num_attention_heads
+        A = attn_in_dim or D  # width q/k/v read (2·D for Eagle3's fused layer)
         ltype = cfg.layer_type(layer_ids[0])
         K, H = cfg.attn_shape(ltype)
         F = cfg.mlp_size(layer_ids[0])
@@ -77,14 +78,14 @@ class Gemma4Group(nnx.Module):
         ax = lambda *a: ("layers",) + a
         for name in ("input_norm", "post_attn_norm", "pre_ff_norm", "post_ff_norm"):
             setattr(self, name, L.param(None, (n, D), ax("norm"), pd, "ones"))
-        self.wq = L.param(rngs, (n, D, N, H), ax("embed", "q_heads", "head_dim"), pd)
+        self.wq = L.param(rngs, (n, A, N, H), ax("embed", "q_heads", "head_dim"), pd)
         self.q_norm = L.param(None, (n, H), ax("norm"), pd, "ones")
         self.wo = L.param(rngs, (n, N, H, D), ax("q_heads", "head_dim", "embed"), pd)
         if owns_kv:
-            self.wk = L.param(rngs, (n, D, K, H), ax("embed", "kv_heads", "head_dim"), pd)
+            self.wk = L.param(rngs, (n, A, K, H), ax("embed", "kv_heads", "head_dim"), pd)
             self.k_norm = L.param(None, (n, H), ax("norm"), pd, "ones")
             if cfg.has_v_proj(ltype):
-                self.wv = L.param(rngs, (n, D, K, H), ax("embed", "kv_heads", "head_dim"), pd)
+                self.wv = L.param(rngs, (n, A, K, H), ax("embed", "kv_heads", "head_dim"), pd)
         self.w_gate = L.param(rngs, (n, D, F), ax("embed", "mlp"), pd)
         self.w_up = L.param(rngs, (n, D, F), ax("embed", "mlp"), pd)
         self.w_down = L.param(rngs, (n, F, D), ax("mlp", "embed"), pd)

@@ -1,5 +1,5 @@
-"""DSpark / DFlash drafters for a Gemma4 target, as DeepSpec's `Gemma4DSparkModel` builds them
-(SPEC §3; the paper's cross-family Gemma4-12B result).
+"""DSpark / DFlash / Eagle3 drafters for a Gemma4 target, as DeepSpec's `Gemma4DSparkModel` and
+`Gemma4Eagle3Model` build them (SPEC §3, §5; the paper's cross-family Gemma4-12B result).
 
 The parallel block backbone, context injection, Markov and confidence heads are those of
 models/dspark.py; what changes is the draft layer, which follows Gemma4's full-attention layer:
@@ -7,8 +7,9 @@ head dim `global_head_dim`, K/V heads `num_global_key_value_heads` when `attenti
 (then no v_proj: values are the v-normed k_proj output) else `num_key_value_heads`, q/k norms
 and the scale-free v norm on context and block K/V alike, attention scale 1, sandwich norms,
 GELU-tanh MLP, a per-layer scalar, the full-attention (proportional) RoPE, a √D-scaled token
-embedding and `final_logit_softcapping` on the draft logits. Like DeepSpec, targets with
-per-layer input embeddings or MoE blocks are refused.
+embedding and `final_logit_softcapping` on the draft logits. Eagle3's fused layer is the same
+layer reading [input_layernorm(embed) ; hidden_norm(h)] (2·D wide) with the un-normed h as its
+residual. Like DeepSpec, targets with per-layer input embeddings or MoE blocks are refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dspark_jax.models import layers as L
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.dspark import DSparkDraft, block_attend, frozen
+from dspark_jax.models.eagle3 import Eagle3Draft
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
 
@@ -118,6 +120,50 @@ class Gemma4DSparkDraft(DSparkDraft):
         return softcap(super().base_logits(h), self.cfg.target.final_logit_softcapping)
 
 
+class Gemma4Eagle3Draft(Eagle3Draft):
+    """EAGLE-3 drafter with Gemma4 fused draft layers (DeepSpec's `Gemma4Eagle3Model`)."""
+
+    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        t = cfg.target
+        V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
+        Ld = cfg.draft_num_hidden_layers
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.lm_head = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)
+        self.hidden_norm = L.param(None, (Ld, D), ("layers", "norm"), param_dtype, "ones")
+        self.layers = G.Gemma4Group(cfg.layer_config(), list(range(Ld)), True, rngs=rngs,
+                                    param_dtype=param_dtype, attn_in_dim=2 * D)
+        self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+
+    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+        table = self.embed.get_value()
+        emb = jnp.take(table, tokens_bt, axis=0)
+        return (emb * jnp.asarray(self.cfg.target.hidden_size ** 0.5, table.dtype)
+                ).astype(self.dtype)
+
+    def logits(self, h_btd: jax.Array) -> jax.Array:
+        return softcap(super().logits(h_btd), self.cfg.target.final_logit_softcapping)
+
+    def _qkv(self, lp: dict[str, jax.Array], hn_d: jax.Array, emb_btd: jax.Array,
+             h_btd: jax.Array, positions_bt: jax.Array
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        lc = self.cfg.layer_config()
+        eps = lc.rms_norm_eps
+        x = jnp.concatenate([L.rms_norm(emb_btd, lp["input_norm"], eps),
+                             L.rms_norm(h_btd, hn_d, eps)], axis=-1)     # [B,T,2D]
+        # the shared attention helpers scale scores by H^-½; Gemma4's scale is 1
+        q = G.project_q(lp, x, positions_bt, lc.rope, eps) * (lc.head_dim ** 0.5)
+        k, v = G.project_kv(lp, x, positions_bt, lc.rope, eps)
+        return q, k, v
+
+    def _layer_out(self, lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array
+                   ) -> jax.Array:
+        return G.attn_out_and_mlp(lp, h_btd, attn_btnh, self.cfg.target.rms_norm_eps)
+
+
 # ----------------------------------------------------------------------------- DeepSpec layout
 def deepspec_base_config(cfg: DraftConfig) -> dict[str, Any]:
     """The Gemma4 part of a DeepSpec drafter config.json: the target's text config with
@@ -133,6 +179,8 @@ def deepspec_base_config(cfg: DraftConfig) -> dict[str, Any]:
                                 for i in range(n)},
               hidden_size_per_layer_input=0, num_kv_shared_layers=0,
               target_model_type="gemma4", target_text_model_type="gemma4_text")
+    if cfg.model_type == "eagle3":  # fields DeepSpec's Gemma4Eagle3Model requires
+        hf.update(ttt_length=cfg.ttt_length, step_loss_decay=cfg.step_loss_decay)
     if "sliding_attention" not in t.layer_types:
         hf["rope_parameters"].pop("sliding_attention", None)
     return hf

@@ -43,9 +43,11 @@ def text_prefix(tensors: Mapping[str, np.ndarray], source: str) -> str:
                "'model.language_model.embed_tokens.weight' for a multimodal Gemma4 checkpoint)")
 
 
-def _layer_tensors(cfg: DecoderConfig, i: int) -> dict[str, tuple[str, tuple[int, ...], str]]:
+def _layer_tensors(cfg: DecoderConfig, i: int, attn_in_dim: int | None = None
+                   ) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """Our name → (HF suffix, HF shape, config field that sets it) for layer i."""
     D, N = cfg.hidden_size, cfg.num_attention_heads
+    A = attn_in_dim or D
     t = cfg.layer_type(i)
     K, H = cfg.attn_shape(t)
     F = cfg.mlp_size(i)
@@ -59,7 +61,7 @@ def _layer_tensors(cfg: DecoderConfig, i: int) -> dict[str, tuple[str, tuple[int
         "post_attn_norm": ("post_attention_layernorm.weight", (D,), "hidden_size"),
         "pre_ff_norm": ("pre_feedforward_layernorm.weight", (D,), "hidden_size"),
         "post_ff_norm": ("post_feedforward_layernorm.weight", (D,), "hidden_size"),
-        "wq": ("self_attn.q_proj.weight", (N * H, D), hd_field),
+        "wq": ("self_attn.q_proj.weight", (N * H, A), hd_field),
         "q_norm": ("self_attn.q_norm.weight", (H,), hd_field),
         "wo": ("self_attn.o_proj.weight", (D, N * H), hd_field),
         "w_gate": ("mlp.gate_proj.weight", (F, D), f_field),
@@ -68,10 +70,10 @@ def _layer_tensors(cfg: DecoderConfig, i: int) -> dict[str, tuple[str, tuple[int
         "layer_scalar": ("layer_scalar", (1,), "num_hidden_layers"),
     }
     if cfg.kv_producer(i) == i:
-        out["wk"] = ("self_attn.k_proj.weight", (K * H, D), kv_field)
+        out["wk"] = ("self_attn.k_proj.weight", (K * H, A), kv_field)
         out["k_norm"] = ("self_attn.k_norm.weight", (H,), hd_field)
         if cfg.has_v_proj(t):
-            out["wv"] = ("self_attn.v_proj.weight", (K * H, D), kv_field)
+            out["wv"] = ("self_attn.v_proj.weight", (K * H, A), kv_field)
     P = cfg.hidden_size_per_layer_input
     if P:
         out["ple_gate"] = ("per_layer_input_gate.weight", (P, D), "hidden_size_per_layer_input")
@@ -85,9 +87,9 @@ def _to_ours(name: str, t: np.ndarray, cfg: DecoderConfig, i: int) -> np.ndarray
     D, N = cfg.hidden_size, cfg.num_attention_heads
     K, H = cfg.attn_shape(cfg.layer_type(i))
     if name == "wq":
-        return t.T.reshape(D, N, H)
+        return t.T.reshape(-1, N, H)
     if name in ("wk", "wv"):
-        return t.T.reshape(D, K, H)
+        return t.T.reshape(-1, K, H)
     if name == "wo":
         return t.T.reshape(N, H, D)
     if name in ("w_gate", "w_up", "w_down", "ple_gate", "ple_proj"):
@@ -122,12 +124,13 @@ def _check(tensors: Mapping[str, np.ndarray], source: str):
 
 
 def import_layers(tensors: Mapping[str, np.ndarray], prefix: str, cfg: DecoderConfig,
-                  layer_ids: list[int], source: str) -> dict[str, np.ndarray]:
+                  layer_ids: list[int], source: str, attn_in_dim: int | None = None
+                  ) -> dict[str, np.ndarray]:
     """HF per-layer tensors `{prefix}{i}.…` for `layer_ids` → one stacked Gemma4Group dict."""
     get = _check(tensors, source)
     per: dict[str, list[np.ndarray]] = {}
     for i in layer_ids:
-        for name, (suffix, shape, field) in _layer_tensors(cfg, i).items():
+        for name, (suffix, shape, field) in _layer_tensors(cfg, i, attn_in_dim).items():
             t = get(f"{prefix}{i}.{suffix}", shape, field)
             per.setdefault(name, []).append(_to_ours(name, t, cfg, i))
     return {k: np.stack(v) for k, v in per.items()}
