@@ -1,6 +1,6 @@
-"""DeepSpec's Gemma4-12B drafter settings (config/{dspark,dflash}/*_gemma4_12b.py), shared by
-gemma4_12b_{dspark,dflash}.py: 5 draft layers, block 7, target layer ids (5, 17, 29, 41, 46),
-mask token 4, 512 anchors, AdamW lr 6e-4 with 4% warmup and no weight decay, global batch 512,
+"""DeepSpec's Gemma4-12B drafter settings (config/{dspark,dflash,eagle3}/*_gemma4_12b.py), shared
+by gemma4_12b_{dspark,dflash,eagle3}.py: 5 draft layers (Eagle3: 1, TTT 7, step decay 0.8),
+block 7, target layer ids (5, 17, 29, 41, 46), mask token 4, 512 anchors, AdamW lr 6e-4 with 4% warmup and no weight decay, global batch 512,
 10 epochs, max_length 4096, bf16, gradient clipping 1.0, a checkpoint every 3000 steps; the
 "gemma4" chat format (data/chat.py: empty thought-channel prefix, no default system prompt).
 
@@ -25,7 +25,13 @@ def gemma4_12b_config(name: str, model_type: str):
     c.draft.mask_token_id = GEMMA4_MASK_TOKEN
     c.draft.num_anchors = 512
     c.draft.loss_decay_gamma = 4.0
-    if model_type == "dspark":
+    if model_type == "eagle3":
+        c.draft.draft_num_hidden_layers = 1
+        c.draft.ttt_length = 7
+        c.draft.step_loss_decay = 0.8
+        c.draft.markov_rank = 0
+        c.draft.enable_confidence_head = False
+    elif model_type == "dspark":
         c.draft.markov_rank = 256
         c.draft.markov_head_type = "vanilla"
         c.draft.enable_confidence_head = True

@@ -162,8 +162,12 @@ def test_shipped_configs_load(name):
         assert (c.draft.num_draft_layers, c.draft.block_size, c.draft.mask_token_id) == (5, 7, 4)
         assert c.draft.markov_rank == (256 if kind == "dspark" else 0)
         assert c.draft.enable_confidence_head is (kind == "dspark")
-        assert (c.draft.ce_loss_alpha, c.draft.l1_loss_alpha) == (
-            (0.1, 0.9) if kind == "dspark" else (1.0, 0.0))
+        if kind == "eagle3":
+            assert (c.draft.draft_num_hidden_layers, c.draft.ttt_length,
+                    c.draft.step_loss_decay) == (1, 7, 0.8)
+        else:
+            assert (c.draft.ce_loss_alpha, c.draft.l1_loss_alpha) == (
+                (0.1, 0.9) if kind == "dspark" else (1.0, 0.0))
         assert (c.train.lr, c.train.warmup_ratio, c.train.weight_decay) == (6e-4, 0.04, 0.0)
         assert (c.train.global_batch_size, c.train.epochs, c.data.max_length) == (512, 10, 4096)
         assert c.checkpoint.every_steps == 3000
