@@ -1,8 +1,8 @@
 """DeepSpec's Gemma4-12B drafter settings (config/{dspark,dflash,eagle3}/*_gemma4_12b.py), shared
 by gemma4_12b_{dspark,dflash,eagle3}.py: 5 draft layers (Eagle3: 1, TTT 7, step decay 0.8),
-block 7, target layer ids (5, 17, 29, 41, 46), mask token 4, 512 anchors, AdamW lr 6e-4 with 4% warmup and no weight decay, global batch 512,
-10 epochs, max_length 4096, bf16, gradient clipping 1.0, a checkpoint every 3000 steps; the
-"gemma4" chat format (data/chat.py: empty thought-channel prefix, no default system prompt).
+block 7, target layer ids (5, 17, 29, 41, 46), mask token 4, 512 anchors, AdamW lr 6e-4 with
+4% warmup and no weight decay, global batch 512, 10 epochs, max_length 4096, bf16, gradient
+clipping 1.0, a checkpoint every 3000 steps; the "gemma4" chat format (data/chat.py: empty thought-channel prefix, no default system prompt).
 
 `target` is a local Hugging Face directory of google/gemma-4-12B-it (its `text_config` is used;
 vision/audio weights are skipped): `--config.target=/path/to/gemma-4-12B-it`.
