@@ -37,3 +37,51 @@ def save_tiny_hf(path: pathlib.Path, family: str, seed: int = 0, **kw) -> pathli
 
 def load_hf(path: pathlib.Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# ----------------------------------------------------------------------------- Gemma4
+GEMMA4_VARIANTS = {
+    # every feature at once: 3 periods of sliding/full K/V owners + 2 KV-shared layers, window
+    # 5 < test sequence, proportional RoPE (¼ rotated) on full layers with their own head dim
+    # and k=v attention, per-layer inputs, double-wide MLP on shared layers, softcap, tied head
+    "all_features": dict(
+        num_hidden_layers=8, layer_types=["sliding_attention", "full_attention"] * 4,
+        sliding_window=5, head_dim=8, global_head_dim=16, num_key_value_heads=2,
+        num_global_key_value_heads=1, attention_k_eq_v=True, hidden_size_per_layer_input=4,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, final_logit_softcapping=3.0,
+        tie_word_embeddings=True),
+    # plain: untied head, separate v_proj on full layers, half-rotated RoPE, no PLE/sharing/cap
+    "untied_plain": dict(
+        num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        sliding_window=3, head_dim=8, global_head_dim=16, num_key_value_heads=2,
+        attention_k_eq_v=False, hidden_size_per_layer_input=0, tie_word_embeddings=False,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                               "rope_theta": 1_000_000.0}}),
+}
+
+
+def tiny_gemma4_config(variant: str, vocab: int = 97, **overrides):
+    kw = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=32,
+              intermediate_size=64, num_attention_heads=4, max_position_embeddings=256,
+              rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    kw.update(GEMMA4_VARIANTS[variant])
+    kw.update(overrides)
+    return transformers.Gemma4TextConfig(**kw)
+
+
+def save_tiny_gemma4(path: pathlib.Path, variant: str, seed: int = 0, **overrides) -> pathlib.Path:
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForCausalLM(tiny_gemma4_config(variant, **overrides)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 2:  # larger than the 0.02 default so layers visibly matter
+                p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(0.5 + torch.rand_like(b))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -26,6 +26,11 @@ at inference with thinking disabled that block belongs to the prompt). `enable_t
 changes Qwen3's generation prompt, which training renders do not use; `render_prompt` (eval and
 regeneration prompts) passes `enable_thinking=False` as DeepSpec does.
 
+Gemma4 (DeepSpec's "gemma4" template): turns open with `<|turn>model\n` and close with
+`<turn|>\n` (the end-of-turn token is the stop token); like DeepSpec, every assistant content is
+rendered behind the empty thought-channel prefix `<|channel>thought\n<channel|>` (unless it
+already starts with it), which is outside the loss, and no default system prompt is added.
+
 Tokenizers: a `dspark_jax.models.tokenizer.Tokenizer` (its `.hf` is used) or any transformers
 fast tokenizer with a chat template.
 """
@@ -54,12 +59,20 @@ class TurnMarkers:
     name: str
     assistant_header: str
     end_of_turn: str
+    # rendered in front of every assistant content and kept out of the loss (DeepSpec's
+    # `assistant_loss_prefix`)
+    assistant_prefix: str = ""
+    # None: never add DeepSpec's default system prompt for this format
+    adds_default_system_prompt: bool = True
 
 
 CHATML = TurnMarkers("chatml", "<|im_start|>assistant\n", "<|im_end|>\n")  # Qwen, SmolLM2
 GEMMA = TurnMarkers("gemma", "<start_of_turn>model\n", "<end_of_turn>\n")
 LLAMA3 = TurnMarkers("llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>")
-KNOWN_TURN_MARKERS: tuple[TurnMarkers, ...] = (CHATML, GEMMA, LLAMA3)
+GEMMA4 = TurnMarkers("gemma4", "<|turn>model\n", "<turn|>\n",
+                     assistant_prefix="<|channel>thought\n<channel|>",
+                     adds_default_system_prompt=False)
+KNOWN_TURN_MARKERS: tuple[TurnMarkers, ...] = (CHATML, GEMMA4, GEMMA, LLAMA3)
 
 _PROBE = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
 _markers_cache: dict[str, TurnMarkers] = {}
@@ -116,8 +129,22 @@ def template_inserts_system_prompt(tokenizer: Any) -> bool:
 
 def default_system_prompt_for(tokenizer: Any) -> str | None:
     """DeepSpec's rule: Qwen-style templates get `DEFAULT_SYSTEM_PROMPT`; templates that insert
-    their own default system prompt (SmolLM2) get None so theirs is kept."""
+    their own default system prompt (SmolLM2) get None so theirs is kept; Gemma4 gets none."""
+    try:
+        if not detect_turn_markers(tokenizer).adds_default_system_prompt:
+            return None
+    except ChatTemplateError:
+        pass
     return None if template_inserts_system_prompt(tokenizer) else DEFAULT_SYSTEM_PROMPT
+
+
+def with_assistant_prefix(messages: Sequence[Mapping[str, str]], prefix: str) -> list[Message]:
+    """Puts `prefix` in front of every assistant content that does not already start with it."""
+    out = [{"role": m["role"], "content": m["content"]} for m in messages]
+    for m in out:
+        if prefix and m["role"] == "assistant" and not m["content"].startswith(prefix):
+            m["content"] = prefix + m["content"]
+    return out
 
 
 def with_system_prompt(messages: Sequence[Mapping[str, str]], system_prompt: str | None) -> list[Message]:
@@ -150,6 +177,11 @@ def assistant_char_spans(
         if header < 0:
             raise ChatTemplateError(f"assistant turn {i}: header {markers.assistant_header!r} not found")
         start = header + len(markers.assistant_header)
+        prefix = markers.assistant_prefix
+        if prefix and text.startswith(prefix, start):
+            start += len(prefix)
+        if prefix and content.startswith(prefix):
+            content = content[len(prefix):]
         if not loss_on_empty_think and text.startswith(EMPTY_THINK_BLOCK, start):
             start += len(EMPTY_THINK_BLOCK)
         visible = content.split("</think>")[-1].strip()
@@ -205,8 +237,11 @@ def render_for_training(
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
     hf = hf_tokenizer(tokenizer)
-    messages = with_system_prompt(_messages(conv), default_system_prompt)
     markers = markers or detect_turn_markers(hf)
+    if not markers.adds_default_system_prompt:
+        default_system_prompt = None
+    messages = with_system_prompt(_messages(conv), default_system_prompt)
+    messages = with_assistant_prefix(messages, markers.assistant_prefix)
     text = _render_text(hf, messages, add_generation_prompt=False, enable_thinking=enable_thinking)
     ids, starts = _tokenize_with_offsets(hf, text)
     mask = np.zeros(ids.shape, dtype=np.int32)

@@ -27,6 +27,9 @@ CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 class KVCache:
     """Keys/values [L, B, S_max, K, H] and committed lengths [B] (int32).
 
+    (Gemma4: k and v are tuples with one [n, B, S_max, K, H] array per K/V-owning layer group,
+    since layer types differ in head shape; see models/gemma4.py.)
+
     Positions ≥ lengths[b] hold stale entries that are overwritten before they become visible,
     so rolling back rejected draft tokens is just `with_lengths(...)`.
     """
@@ -37,7 +40,8 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        k = self.k[0] if isinstance(self.k, tuple) else self.k
+        return k.shape[2]
 
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
@@ -45,6 +49,13 @@ class KVCache:
 
 def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
                num_layers: int | None = None) -> KVCache:
+    if cfg.is_gemma4:
+        from dspark_jax.models.gemma4 import cache_shapes
+
+        shapes = cache_shapes(cfg, batch, max_len)
+        return KVCache(k=tuple(jnp.zeros(s, dtype) for s in shapes),
+                       v=tuple(jnp.zeros(s, dtype) for s in shapes),
+                       lengths=jnp.zeros((batch,), jnp.int32))
     shape = (num_layers or cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads,
              cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
@@ -59,7 +70,8 @@ class DecoderOutput:
 
 
 class TargetDecoder(nnx.Module):
-    """Llama / Qwen3 decoder-only LM. `dtype` is the compute dtype, `param_dtype` the storage."""
+    """Llama / Qwen3 / Gemma4 decoder-only LM. `dtype` is the compute dtype, `param_dtype` the
+    storage. Gemma4's layers live in a `gemma4.Gemma4Stack` the forward dispatches to."""
 
     def __init__(self, cfg: DecoderConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
@@ -67,15 +79,24 @@ class TargetDecoder(nnx.Module):
         self.dtype = dtype
         V, D = cfg.vocab_size, cfg.hidden_size
         self.embed = L.param(rngs, (V, D), ("vocab", "embed"), param_dtype)
-        self.layers = L.DecoderLayers(cfg, cfg.num_hidden_layers, rngs=rngs,
-                                      param_dtype=param_dtype)
+        if cfg.is_gemma4:
+            from dspark_jax.models.gemma4 import Gemma4Stack
+
+            self.layers = Gemma4Stack(cfg, rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.layers = L.DecoderLayers(cfg, cfg.num_hidden_layers, rngs=rngs,
+                                          param_dtype=param_dtype)
         self.final_norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = L.param(rngs, (V, D), ("vocab", "embed"), param_dtype)
 
     # ------------------------------------------------------------------ pieces
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
-        emb = jnp.take(self.embed.get_value(), tokens_bt, axis=0).astype(self.dtype)
+        table = self.embed.get_value()
+        emb = jnp.take(table, tokens_bt, axis=0)
+        if self.cfg.is_gemma4:  # scaled by √D rounded to the storage dtype, as Hugging Face
+            emb = emb * jnp.asarray(self.cfg.hidden_size ** 0.5, table.dtype)
+        emb = emb.astype(self.dtype)
         return constrain(emb, ("batch", "seq", "act_embed"))
 
     def lm_head_weight(self) -> jax.Array:
@@ -83,10 +104,13 @@ class TargetDecoder(nnx.Module):
         return w.get_value()
 
     def logits(self, hidden_btd: jax.Array) -> jax.Array:
-        """float32 logits [..., V] from final-normed hidden states."""
+        """float32 logits [..., V] from final-normed hidden states (Gemma4: softcapped)."""
         w = self.lm_head_weight().astype(self.dtype)
         out = jnp.einsum("...D,VD->...V", hidden_btd.astype(self.dtype), w,
                          preferred_element_type=jnp.float32)
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            out = jnp.tanh(out / cap) * cap
         return out
 
     def tap_slots(self, tap_layer_ids: Sequence[int]) -> list[int]:
@@ -120,6 +144,9 @@ class TargetDecoder(nnx.Module):
 
         h = self.embed_tokens(tokens_bt)
         tap_ids = self.tap_slots(tap_layer_ids)
+        if cfg.is_gemma4:
+            return self._gemma4_call(tokens_bt, h, positions_bt, cache, segment_ids_bt, tap_ids,
+                                     advance)
         n_taps = len(tap_ids)
         slot_of_layer = [-1] * cfg.num_hidden_layers
         for slot, lid in enumerate(tap_ids):
@@ -181,6 +208,32 @@ class TargetDecoder(nnx.Module):
         taps_out = None
         if n_taps:
             taps_out = jnp.transpose(taps, (1, 2, 0, 3)).reshape(B, T, n_taps * cfg.hidden_size)
+        return DecoderOutput(hidden=hidden, taps=taps_out, cache=new_cache)
+
+    def _gemma4_call(self, tokens_bt: jax.Array, h: jax.Array, positions_bt: jax.Array,
+                     cache: KVCache | None, segment_ids_bt: jax.Array | None,
+                     tap_ids: list[int], advance: jax.Array | None) -> DecoderOutput:
+        from dspark_jax.models import gemma4
+
+        cfg = self.cfg
+        B, T = tokens_bt.shape
+        kv = None
+        if cache is not None:
+            kv = (tuple(k.astype(self.dtype) for k in cache.k),
+                  tuple(v.astype(self.dtype) for v in cache.v))
+        h, taps, kv = gemma4.forward(self.layers, cfg, tokens_bt, h, positions_bt, kv,
+                                     segment_ids_bt, tap_ids, self.dtype)
+        hidden = L.rms_norm(h, self.final_norm.get_value(), cfg.rms_norm_eps)
+        new_cache = None
+        if cache is not None:
+            lengths = cache.lengths if advance is None else cache.lengths + advance
+            new_cache = KVCache(k=tuple(a.astype(b.dtype) for a, b in zip(kv[0], cache.k)),
+                                v=tuple(a.astype(b.dtype) for a, b in zip(kv[1], cache.v)),
+                                lengths=lengths.astype(jnp.int32))
+        taps_out = None
+        if taps is not None:
+            n = len(tap_ids)
+            taps_out = jnp.transpose(taps, (1, 2, 0, 3)).reshape(B, T, n * cfg.hidden_size)
         return DecoderOutput(hidden=hidden, taps=taps_out, cache=new_cache)
 
 

@@ -25,14 +25,15 @@ from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.hf_io import (CheckpointError, export_layer_stack, import_layer_stack,
                                      read_config_json, read_safetensors_dir, write_safetensors)
 
-_ARCH = re.compile(r"^(Qwen3|Llama)(DSpark|DFlash|Eagle3)(Model|ForCausalLM)?$")
+_ARCH = re.compile(r"^(Qwen3|Llama|Gemma4)(DSpark|DFlash|Eagle3)(Model|ForCausalLM)?$")
+_FAMILY = {"Qwen3": "qwen3", "Llama": "llama", "Gemma4": "gemma4"}
 
 
 def _arch_info(raw: Mapping[str, Any], source: str) -> tuple[str, str]:
     for a in raw.get("architectures") or []:
         m = _ARCH.match(a)
         if m:
-            family = "qwen3" if m.group(1) == "Qwen3" else "llama"
+            family = _FAMILY[m.group(1)]
             return family, m.group(2).lower()
     raise ConfigError(f"{source}: not a DeepSpec drafter (architectures "
                       f"{raw.get('architectures')!r}; expected e.g. Qwen3DSparkModel, "
@@ -44,9 +45,16 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
     """DeepSpec config.json → DraftConfig (the target shape comes from `target` if given)."""
     family, kind = _arch_info(raw, source)
     ours = dict(raw.get("dspark_jax") or {})
-    shape = dict(raw)
-    shape["architectures"] = ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"]
-    layer_shape = DecoderConfig.from_hf_dict(shape, source=source)
+    if family == "gemma4":
+        from dspark_jax.models import gemma4_draft
+
+        layer_shape = gemma4_draft.layer_shape_from_deepspec(raw, source)
+        if target is not None:
+            gemma4_draft.check_draft_shapes(layer_shape, target, source)
+    else:
+        shape = dict(raw)
+        shape["architectures"] = ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"]
+        layer_shape = DecoderConfig.from_hf_dict(shape, source=source)
     n_draft = layer_shape.num_hidden_layers
     ids = tuple(int(i) for i in raw.get("target_layer_ids") or ours.get("target_layer_ids") or ())
     if not ids:
@@ -61,6 +69,8 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
         n_target = int(raw.get("num_target_layers") or ours.get("num_target_layers")
                        or max(ids) + 2)
         target = layer_shape.replace(num_hidden_layers=n_target)
+        if family == "gemma4":
+            target = target.replace(layer_types=("full_attention",) * n_target)
     rank = int(raw.get("markov_rank", 0) or 0)
     conf = bool(raw.get("enable_confidence_head", False))
     model_type = "eagle3" if kind == "eagle3" else ("dspark" if (rank > 0 or conf or kind == "dspark") else "dflash")
@@ -94,8 +104,13 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
 
 def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
     layer_cfg = cfg.layer_config()
-    hf = layer_cfg.to_hf_dict()
-    prefix = "Qwen3" if cfg.target.family == "qwen3" else "Llama"
+    if cfg.target.is_gemma4:
+        from dspark_jax.models.gemma4_draft import deepspec_base_config
+
+        hf = deepspec_base_config(cfg)
+    else:
+        hf = layer_cfg.to_hf_dict()
+    prefix = {"qwen3": "Qwen3", "llama": "Llama", "gemma4": "Gemma4"}[cfg.target.family]
     kind = {"dspark": "DSpark", "dflash": "DSpark", "eagle3": "Eagle3"}[cfg.model_type]
     hf["architectures"] = [f"{prefix}{kind}Model"]
     hf.update(
@@ -139,13 +154,26 @@ def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]
         "fc": g("fc.weight", (D, n * D)).T,
     }
     if cfg.model_type == "eagle3":
-        pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc, source,
-                                            attn_in_dim=2 * D)
+        if lc.is_gemma4:
+            from dspark_jax.models.gemma4_io import import_layers
+
+            pure["layers"] = import_layers(tensors, "layers.", lc,
+                                           list(range(lc.num_hidden_layers)), source,
+                                           attn_in_dim=2 * D)
+        else:
+            pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc,
+                                                source, attn_in_dim=2 * D)
         pure["hidden_norm"] = np.stack([g(f"layers.{i}.hidden_norm.weight", (D,))
                                         for i in range(lc.num_hidden_layers)])
         return pure
     pure["hidden_norm"] = g("hidden_norm.weight", (D,))
-    pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc, source)
+    if lc.is_gemma4:
+        from dspark_jax.models.gemma4_io import import_layers
+
+        pure["layers"] = import_layers(tensors, "layers.", lc, list(range(lc.num_hidden_layers)),
+                                       source)
+    else:
+        pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc, source)
     if cfg.has_markov:
         r = cfg.markov_rank
         mk = {"w1": g("markov_head.markov_w1.weight", (V, r)),
@@ -166,12 +194,20 @@ def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]
 
 def deepspec_tensors_from_pure(cfg: DraftConfig, pure: Mapping[str, Any]) -> dict[str, np.ndarray]:
     to_np = lambda x: np.asarray(jax.device_get(x))
+    layers = {k: to_np(v) for k, v in pure["layers"].items()}
+    if cfg.target.is_gemma4:
+        from dspark_jax.models.gemma4_io import export_layers
+
+        lc = cfg.layer_config()
+        layer_tensors = export_layers(layers, "layers.", lc, list(range(lc.num_hidden_layers)))
+    else:
+        layer_tensors = export_layer_stack(layers, "layers.")
     out = {
         "embed_tokens.weight": to_np(pure["embed"]),
         "lm_head.weight": to_np(pure["lm_head"]),
         "norm.weight": to_np(pure["norm"]),
         "fc.weight": to_np(pure["fc"]).T,
-        **export_layer_stack({k: to_np(v) for k, v in pure["layers"].items()}, "layers."),
+        **layer_tensors,
     }
     if cfg.model_type == "eagle3":
         for i, w in enumerate(to_np(pure["hidden_norm"])):

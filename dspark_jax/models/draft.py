@@ -24,6 +24,12 @@ from dspark_jax.models.target import resolve_dtype
 
 
 def draft_module_class(cfg: DraftConfig) -> type:
+    if cfg.target.is_gemma4:
+        from dspark_jax.models import gemma4_draft
+
+        if cfg.model_type == "eagle3":
+            return gemma4_draft.Gemma4Eagle3Draft
+        return gemma4_draft.Gemma4DSparkDraft
     if cfg.model_type == "eagle3":
         from dspark_jax.models.eagle3 import Eagle3Draft
 

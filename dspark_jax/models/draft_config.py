@@ -132,6 +132,10 @@ class DraftConfig:
     def layer_config(self) -> DecoderConfig:
         """The draft layers follow the target's family and shapes."""
         n = self.draft_num_hidden_layers if self.model_type == "eagle3" else self.num_draft_layers
+        if self.target.is_gemma4:
+            from dspark_jax.models.gemma4_draft import gemma4_draft_layer_config
+
+            return gemma4_draft_layer_config(self.target, n)
         return self.target.replace(num_hidden_layers=n)
 
     def replace(self, **kw: Any) -> "DraftConfig":

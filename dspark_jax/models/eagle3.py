@@ -176,6 +176,11 @@ class Eagle3Draft(nnx.Module):
     def _stack(self) -> tuple[dict[str, jax.Array], jax.Array]:
         return self.layers.stacked(self.dtype), self.hidden_norm.get_value().astype(self.dtype)
 
+    def _layer_out(self, lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array
+                   ) -> jax.Array:
+        """o_proj + residual, then the MLP block (the family's layer tail)."""
+        return L.attn_out_and_mlp(lp, h_btd, attn_btnh, self._eps)
+
     def _qkv(self, lp: dict[str, jax.Array], hn_d: jax.Array, emb_btd: jax.Array,
              h_btd: jax.Array, positions_bt: jax.Array
              ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -198,7 +203,6 @@ class Eagle3Draft(nnx.Module):
         RoPE positions are `positions_bs` if given, else 0..S−1 restarting per segment."""
         T = int(ttt_length or self.cfg.ttt_length)
         B, S = input_ids_bs.shape
-        eps = self._eps
         stack, hn = self._stack()
         pos0 = (base_positions(B, S, segment_ids_bs) if positions_bs is None
                 else positions_bs.astype(jnp.int32))
@@ -215,7 +219,7 @@ class Eagle3Draft(nnx.Module):
         def layer0(h, xs):
             lp, hn_d = xs
             q, k, v = self._qkv(lp, hn_d, emb0, h, pos0)
-            return L.attn_out_and_mlp(lp, h, L.attend(q, k, v, base_mask), eps), (k, v)
+            return self._layer_out(lp, h, L.attend(q, k, v, base_mask)), (k, v)
 
         if remat:
             layer0 = jax.checkpoint(layer0)
@@ -239,7 +243,7 @@ class Eagle3Draft(nnx.Module):
                 kd_l = jax.lax.dynamic_update_index_in_dim(kd_l, k, s - 1, axis=0)
                 vd_l = jax.lax.dynamic_update_index_in_dim(vd_l, v, s - 1, axis=0)
                 attn = ttt_attend(q, k0_l, v0_l, kd_l, vd_l, base_mask, valid)
-                return L.attn_out_and_mlp(lp, h, attn, eps), (kd_l, vd_l)
+                return self._layer_out(lp, h, attn), (kd_l, vd_l)
 
             if remat:
                 layer = jax.checkpoint(layer)
@@ -265,7 +269,6 @@ class Eagle3Draft(nnx.Module):
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the layers on T new inputs at per-row positions; each writes its K/V at its
         position and sees every cached key at a position ≤ its own. → (h [B,T,D], k, v)."""
-        eps = self._eps
         stack, hn = self._stack()
         B = g_btd.shape[0]
         key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
@@ -278,7 +281,7 @@ class Eagle3Draft(nnx.Module):
             kc = kc.at[b_idx, positions_bt].set(k.astype(kc.dtype), mode="drop")
             vc = vc.at[b_idx, positions_bt].set(v.astype(vc.dtype), mode="drop")
             attn = L.attend(q, kc.astype(self.dtype), vc.astype(self.dtype), mask)
-            return L.attn_out_and_mlp(lp, h, attn, eps), (kc, vc)
+            return self._layer_out(lp, h, attn), (kc, vc)
 
         h, (k_new, v_new) = jax.lax.scan(layer, g_btd.astype(self.dtype),
                                          (stack, hn, k_cache, v_cache))

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint interop for target decoders (and the layer stacks drafters share).
 
 Reads `config.json` + `model.safetensors` (or a sharded `model.safetensors.index.json`) for
-Llama and Qwen3, converts torch `Linear` layouts ([out, in]) into our einsum layouts, and writes
+Llama, Qwen3 and Gemma4 (its layout lives in gemma4_io.py), converts torch `Linear` layouts
+([out, in]) into our einsum layouts, and writes
 params back as a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 Never unpickles: only safetensors are read.
 """
@@ -155,7 +156,11 @@ def export_layer_stack(stack: Mapping[str, np.ndarray], prefix: str) -> dict[str
 # ----------------------------------------------------------------------------- target
 def target_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
                      source: str) -> dict[str, Any]:
-    """HF LlamaForCausalLM/Qwen3ForCausalLM tensors → nested dict matching TargetDecoder."""
+    """HF LlamaForCausalLM/Qwen3ForCausalLM/Gemma4 tensors → nested dict matching TargetDecoder."""
+    if cfg.is_gemma4:
+        from dspark_jax.models.gemma4_io import gemma4_pure_dict
+
+        return gemma4_pure_dict(tensors, cfg, source)
     V, D = cfg.vocab_size, cfg.hidden_size
 
     def get(key: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -265,13 +270,12 @@ def export_hf_target(model: TargetDecoder, path: str | os.PathLike) -> pathlib.P
     cfg = model.cfg
     pure = nnx.to_pure_dict(nnx.state(model))
     to_np = lambda x: np.asarray(jax.device_get(x))
-    tensors = {
-        "model.embed_tokens.weight": to_np(pure["embed"]),
-        "model.norm.weight": to_np(pure["final_norm"]),
-        **export_layer_stack({k: to_np(v) for k, v in pure["layers"].items()}, "model.layers."),
-    }
-    if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = to_np(pure["lm_head"])
+    if cfg.is_gemma4:
+        from dspark_jax.models.gemma4_io import gemma4_export_tensors
+
+        tensors = gemma4_export_tensors(jax.tree.map(to_np, pure), cfg)
+    else:
+        tensors = _llama_export_tensors(pure, cfg, to_np)
     dtype_name = "bfloat16" if tensors["model.norm.weight"].dtype.name == "bfloat16" else "float32"
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = dtype_name
@@ -280,3 +284,15 @@ def export_hf_target(model: TargetDecoder, path: str | os.PathLike) -> pathlib.P
     tmp.write_text(json.dumps(hf, indent=2))
     os.replace(tmp, path / "config.json")
     return path
+
+
+def _llama_export_tensors(pure: Mapping[str, Any], cfg: DecoderConfig,
+                          to_np: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
+    tensors = {
+        "model.embed_tokens.weight": to_np(pure["embed"]),
+        "model.norm.weight": to_np(pure["final_norm"]),
+        **export_layer_stack({k: to_np(v) for k, v in pure["layers"].items()}, "model.layers."),
+    }
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = to_np(pure["lm_head"])
+    return tensors

@@ -54,14 +54,24 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, rope: RopeConfig) -> 
     return out.astype(x_btnh.dtype)
 
 
+def rms_norm_noscale(x: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm without a learned scale (Gemma4's value norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-           mask_bts: jax.Array) -> jax.Array:
-    """Grouped-query attention with a boolean visibility mask; fully masked rows give zeros."""
+           mask_bts: jax.Array, scale: float | None = None) -> jax.Array:
+    """Grouped-query attention with a boolean visibility mask; fully masked rows give zeros.
+
+    `scale` multiplies the scores (default head_dim^-0.5; Gemma4 uses 1, its q/k norms set it).
+    """
     b, t, n, h = q_btnh.shape
     kvh = k_bskh.shape[2]
     q = q_btnh.reshape(b, t, kvh, n // kvh, h)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_bskh,
-                        preferred_element_type=jnp.float32) * (h ** -0.5)
+                        preferred_element_type=jnp.float32) * (h ** -0.5 if scale is None
+                                                               else scale)
     mask = mask_bts[:, None, None, :, :]
     scores = jnp.where(mask, scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -75,6 +85,19 @@ def swiglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
     gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
     up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
     act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+    return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU, tanh approximation (PyTorch's gelu_pytorch_tanh)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def geglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
+    """Gated GELU-tanh MLP (Gemma4): down(gelu_tanh(gate(x)) · up(x))."""
+    gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
+    up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
+    act = constrain(gelu_tanh(gate) * up, ("batch", "seq", "act_mlp"))
     return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
 
 

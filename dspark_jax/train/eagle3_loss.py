@@ -86,14 +86,18 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     eps = cfg.target.rms_norm_eps
     norm_w = model.norm.get_value()
     lm_w = jax.lax.stop_gradient(model.lm_head.get_value()).astype(model.dtype)  # [V,D]
+    cap = cfg.target.final_logit_softcapping  # Gemma4: target and draft logits are softcapped
+    capped = (lambda z: z) if cap is None else (lambda z: jnp.tanh(z / cap) * cap)
 
     def chunk(carry, xs):
         h_tbcd, tgt_bcd, m_tbc = xs
-        t_logits = jnp.einsum("BCD,VD->BCV", tgt_bcd, lm_w, preferred_element_type=jnp.float32)
+        t_logits = capped(jnp.einsum("BCD,VD->BCV", tgt_bcd, lm_w,
+                                     preferred_element_type=jnp.float32))
         t_logits = jax.lax.stop_gradient(t_logits)
         t_p = jax.nn.softmax(t_logits, axis=-1)                        # [B,C,V]
         x = L.rms_norm(h_tbcd, norm_w, eps)
-        d_logits = jnp.einsum("TBCD,VD->TBCV", x, lm_w, preferred_element_type=jnp.float32)
+        d_logits = capped(jnp.einsum("TBCD,VD->TBCV", x, lm_w,
+                                     preferred_element_type=jnp.float32))
         ce = -jnp.sum(t_p[None] * jax.nn.log_softmax(d_logits, axis=-1), axis=-1)  # [T,B,C]
         correct = (jnp.argmax(d_logits, -1) == jnp.argmax(t_logits, -1)[None])
         loss_sum, corr, cnt = carry

@@ -39,6 +39,9 @@ def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: Anch
     t_hidden = _gather_bs(target_hidden, blocks.target_pos)                      # [B,Ac,γ,D]
     t_logits = jnp.einsum("...D,VD->...V", t_hidden.astype(h.dtype), lm_head.astype(h.dtype),
                           preferred_element_type=jnp.float32)
+    cap = cfg.target.final_logit_softcapping  # Gemma4: the target's logits are softcapped
+    if cap is not None:
+        t_logits = jnp.tanh(t_logits / cap) * cap
     t_probs = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
     d_logp = jax.nn.log_softmax(d_logits, axis=-1)
     d_probs = jnp.exp(d_logp)

@@ -286,3 +286,37 @@ def test_render_prompt_smollm2(smol: Any) -> None:
     ids = C.render_prompt(messages, smol)
     assert ids.tolist() == _template_ids(smol, messages, add_generation_prompt=True)
     assert _decode(smol, ids).endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+
+
+# A Gemma4-style template (turn markers as Gemma4's) on the Qwen3 vocabulary: no Gemma4
+# tokenizer ships offline; the loss rule only depends on the rendered text and offsets.
+GEMMA4_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|turn>model\n{% else %}<|turn>{{ m.role }}\n{% endif %}"
+    "{{ m.content }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+def test_gemma4_thought_prefix_loss_mask_and_no_system_prompt(qwen: Any) -> None:
+    import copy
+
+    from dspark_jax.data.chat import GEMMA4, default_system_prompt_for, detect_turn_markers
+
+    hf = copy.deepcopy(_hf(qwen))
+    hf.chat_template = GEMMA4_TEMPLATE
+    assert detect_turn_markers(hf) is GEMMA4
+    assert default_system_prompt_for(hf) is None
+    msgs = [{"role": "user", "content": "What is two plus two? Answer in a sentence."},
+            {"role": "assistant", "content": "Two plus two is four, as everyone knows well."},
+            {"role": "user", "content": "And three plus three, please?"},
+            {"role": "assistant", "content": "Three plus three is six, which is also easy."}]
+    out = C.render_for_training(msgs, hf, 512, min_loss_tokens=1)  # default system prompt ignored
+    prefix = "<|channel>thought\n<channel|>"
+    text = _decode(hf, out["input_ids"])
+    assert not text.startswith("<|turn>system")
+    assert text.count("<|turn>model\n" + prefix) == 2  # DeepSpec's empty thought channel
+    assert _masked_runs(hf, out) == [m["content"] + "<turn|>\n" for m in msgs[1::2]]
+    # a content already carrying the prefix is not prefixed twice
+    again = C.render_for_training([msgs[0], dict(msgs[1], content=prefix + msgs[1]["content"])],
+                                hf, 512, min_loss_tokens=1)
+    assert _decode(hf, again["input_ids"]).count(prefix) == 1

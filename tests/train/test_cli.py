@@ -144,7 +144,8 @@ def test_entry_point_reports_config_errors_in_one_line():
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.py")
-                                        if p.stem not in ("__init__", "common", "qwen3")))
+                                        if p.stem not in ("__init__", "common", "qwen3",
+                                                          "gemma4")))
 def test_shipped_configs_load(name):
     c = cli.parse_config(["p", f"--config={CONFIGS / name}.py", "--config.target=some/target"])
     if name.startswith("qwen3"):
@@ -152,6 +153,22 @@ def test_shipped_configs_load(name):
         assert tuple(c.draft.target_layer_ids) == ids
         assert (c.draft.num_draft_layers, c.draft.block_size, c.draft.markov_rank) == (5, 7, 256)
         assert c.draft.mask_token_id == 151669 and c.train.lr == 6e-4
+        assert (c.train.global_batch_size, c.train.epochs, c.data.max_length) == (512, 10, 4096)
+        assert c.checkpoint.every_steps == 3000
+    if name.startswith("gemma4"):  # DeepSpec's config/{dspark,dflash}/*_gemma4_12b.py
+        kind = name.split("_")[-1]
+        assert c.draft.model_type == kind
+        assert tuple(c.draft.target_layer_ids) == (5, 17, 29, 41, 46)
+        assert (c.draft.num_draft_layers, c.draft.block_size, c.draft.mask_token_id) == (5, 7, 4)
+        assert c.draft.markov_rank == (256 if kind == "dspark" else 0)
+        assert c.draft.enable_confidence_head is (kind == "dspark")
+        if kind == "eagle3":
+            assert (c.draft.draft_num_hidden_layers, c.draft.ttt_length,
+                    c.draft.step_loss_decay) == (1, 7, 0.8)
+        else:
+            assert (c.draft.ce_loss_alpha, c.draft.l1_loss_alpha) == (
+                (0.1, 0.9) if kind == "dspark" else (1.0, 0.0))
+        assert (c.train.lr, c.train.warmup_ratio, c.train.weight_decay) == (6e-4, 0.04, 0.0)
         assert (c.train.global_batch_size, c.train.epochs, c.data.max_length) == (512, 10, 4096)
         assert c.checkpoint.every_steps == 3000
     if name.startswith("smollm2"):

@@ -1,0 +1,210 @@
+"""DSpark / DFlash / Eagle3 drafters for a Gemma4 target, as DeepSpec's `Gemma4DSparkModel` and
+`Gemma4Eagle3Model` build them (SPEC §3, §5; the paper's cross-family Gemma4-12B result).
+
+The parallel block backbone, context injection, Markov and confidence heads are those of
+models/dspark.py; what changes is the draft layer, which follows Gemma4's full-attention layer:
+head dim `global_head_dim`, K/V heads `num_global_key_value_heads` when `attention_k_eq_v`
+(then no v_proj: values are the v-normed k_proj output) else `num_key_value_heads`, q/k norms
+and the scale-free v norm on context and block K/V alike, attention scale 1, sandwich norms,
+GELU-tanh MLP, a per-layer scalar, the full-attention (proportional) RoPE, a √D-scaled token
+embedding and `final_logit_softcapping` on the draft logits. Eagle3's fused layer is the same
+layer reading [input_layernorm(embed) ; hidden_norm(h)] (2·D wide) with the un-normed h as its
+residual. Like DeepSpec, targets with per-layer input embeddings or MoE blocks are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models import gemma4 as G
+from dspark_jax.models import layers as L
+from dspark_jax.models.config import ConfigError, DecoderConfig
+from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.dspark import DSparkDraft, block_attend, frozen
+from dspark_jax.models.eagle3 import Eagle3Draft
+from dspark_jax.models.heads import ConfidenceHead, MarkovHead
+from dspark_jax.sharding import constrain
+
+
+def gemma4_draft_layer_config(target: DecoderConfig, n: int) -> DecoderConfig:
+    """n full-attention layers with the target's full-attention head shapes (DeepSpec's
+    `build_draft_config`: layer_types all full, the target's rope_parameters)."""
+    if target.hidden_size_per_layer_input:
+        raise ConfigError("Gemma4 drafters: targets with per-layer input embeddings "
+                          "(hidden_size_per_layer_input > 0) are not supported (nor by DeepSpec)")
+    kv, hd = target.attn_shape("full_attention")
+    return target.replace(
+        num_hidden_layers=n, layer_types=("full_attention",) * n, head_dim=hd,
+        num_key_value_heads=kv, global_head_dim=None, num_global_key_value_heads=None,
+        num_kv_shared_layers=0, use_double_wide_mlp=False, sliding_rope=None,
+        tie_word_embeddings=False)
+
+
+def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    return logits if cap is None else jnp.tanh(logits / cap) * cap
+
+
+class Gemma4DSparkDraft(DSparkDraft):
+    """DSpark (Markov + confidence heads) or DFlash drafter with Gemma4 draft layers."""
+
+    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        t = cfg.target
+        lc = cfg.layer_config()
+        V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.lm_head = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)
+        self.hidden_norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+        self.layers = G.Gemma4Group(lc, list(range(cfg.num_draft_layers)), True, rngs=rngs,
+                                    param_dtype=param_dtype)
+        self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+        if cfg.has_markov:
+            self.markov = MarkovHead(cfg, rngs=rngs, param_dtype=param_dtype)
+        if cfg.has_confidence:
+            self.confidence = ConfidenceHead(cfg, rngs=rngs, param_dtype=param_dtype)
+
+    def context_kv(self, feats_bsf: jax.Array, positions_bs: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+        """Per-layer context K/V [Ld, B, S, K, H] (k_norm + RoPE on K, v_norm on V)."""
+        ctx = self.context(feats_bsf)
+        lc = self.cfg.layer_config()
+        stack = self.layers.stacked(self.dtype)
+        return jax.vmap(lambda lp: G.project_kv(lp, ctx, positions_bs, lc.rope,
+                                                lc.rms_norm_eps))(stack)
+
+    def backbone(self, anchor_tokens_ba: jax.Array, anchor_pos_ba: jax.Array,
+                 ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array,
+                 blk_valid_ba: jax.Array, remat: bool = False) -> jax.Array:
+        """Final-normed block hidden states h [B, A, γ, D]."""
+        cfg, lc = self.cfg, self.cfg.layer_config()
+        eps, rope, g = lc.rms_norm_eps, lc.rope, cfg.block_size
+        toks = self.block_tokens(anchor_tokens_ba)                          # [B,A,γ]
+        pos = anchor_pos_ba[..., None] + jnp.arange(g, dtype=jnp.int32)     # [B,A,γ]
+        B, A = toks.shape[:2]
+        table = self.embed.get_value()
+        h = (jnp.take(table, toks, axis=0)
+             * jnp.asarray(lc.hidden_size ** 0.5, table.dtype)).astype(self.dtype)
+        flat_pos = pos.reshape(B, A * g)
+        # block_attend scales scores by H^-½; Gemma4 attends with scale 1 (its q/k norms set
+        # the scale), so q is pre-multiplied by H^½
+        q_scale = lc.head_dim ** 0.5
+
+        def layer(h, xs):
+            lp, ck, cv = xs
+            x = L.rms_norm(h, lp["input_norm"], eps).reshape(B, A * g, -1)
+            q = G.project_q(lp, x, flat_pos, rope, eps) * q_scale
+            k, v = G.project_kv(lp, x, flat_pos, rope, eps)
+            split = lambda t: t.reshape((B, A, g) + t.shape[2:])
+            attn = block_attend(split(q), ck, cv, split(k), split(v), ctx_visible_bas,
+                                blk_valid_ba)
+            h_flat = G.attn_out_and_mlp(lp, h.reshape(B, A * g, -1),
+                                        attn.reshape(B, A * g, *attn.shape[3:]), eps)
+            return h_flat.reshape(h.shape), None
+
+        if remat:
+            layer = jax.checkpoint(layer)
+        stack = self.layers.stacked(self.dtype)
+        h, _ = jax.lax.scan(layer, h, (stack, ctx_k.astype(self.dtype), ctx_v.astype(self.dtype)))
+        h = L.rms_norm(h, self.norm.get_value(), eps)
+        return constrain(h, ("batch", None, None, "act_embed"))
+
+    def base_logits(self, h: jax.Array) -> jax.Array:
+        """Softcapped LM-head logits (DeepSpec's `compute_logits`); heads add on top."""
+        return softcap(super().base_logits(h), self.cfg.target.final_logit_softcapping)
+
+
+class Gemma4Eagle3Draft(Eagle3Draft):
+    """EAGLE-3 drafter with Gemma4 fused draft layers (DeepSpec's `Gemma4Eagle3Model`)."""
+
+    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        t = cfg.target
+        V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
+        Ld = cfg.draft_num_hidden_layers
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.lm_head = frozen((V, D), ("vocab", "embed"), param_dtype)
+        self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)
+        self.hidden_norm = L.param(None, (Ld, D), ("layers", "norm"), param_dtype, "ones")
+        self.layers = G.Gemma4Group(cfg.layer_config(), list(range(Ld)), True, rngs=rngs,
+                                    param_dtype=param_dtype, attn_in_dim=2 * D)
+        self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+
+    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+        table = self.embed.get_value()
+        emb = jnp.take(table, tokens_bt, axis=0)
+        return (emb * jnp.asarray(self.cfg.target.hidden_size ** 0.5, table.dtype)
+                ).astype(self.dtype)
+
+    def logits(self, h_btd: jax.Array) -> jax.Array:
+        return softcap(super().logits(h_btd), self.cfg.target.final_logit_softcapping)
+
+    def _qkv(self, lp: dict[str, jax.Array], hn_d: jax.Array, emb_btd: jax.Array,
+             h_btd: jax.Array, positions_bt: jax.Array
+             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        lc = self.cfg.layer_config()
+        eps = lc.rms_norm_eps
+        x = jnp.concatenate([L.rms_norm(emb_btd, lp["input_norm"], eps),
+                             L.rms_norm(h_btd, hn_d, eps)], axis=-1)     # [B,T,2D]
+        # the shared attention helpers scale scores by H^-½; Gemma4's scale is 1
+        q = G.project_q(lp, x, positions_bt, lc.rope, eps) * (lc.head_dim ** 0.5)
+        k, v = G.project_kv(lp, x, positions_bt, lc.rope, eps)
+        return q, k, v
+
+    def _layer_out(self, lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array
+                   ) -> jax.Array:
+        return G.attn_out_and_mlp(lp, h_btd, attn_btnh, self.cfg.target.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------- DeepSpec layout
+def deepspec_base_config(cfg: DraftConfig) -> dict[str, Any]:
+    """The Gemma4 part of a DeepSpec drafter config.json: the target's text config with
+    `num_hidden_layers` = draft layers, all full attention, untied (DeepSpec's
+    `build_draft_config`), keeping `global_head_dim` / `num_global_key_value_heads`."""
+    from dspark_jax.models.gemma4_config import gemma4_to_hf
+
+    t, n = cfg.target, cfg.layer_config().num_hidden_layers
+    hf = gemma4_to_hf(t)
+    kv, hd = t.attn_shape("full_attention")
+    hf.update(num_hidden_layers=n, layer_types=["full_attention"] * n, tie_word_embeddings=False,
+              per_layer_config={str(i): {"head_dim": hd, "num_key_value_heads": kv}
+                                for i in range(n)},
+              hidden_size_per_layer_input=0, num_kv_shared_layers=0,
+              target_model_type="gemma4", target_text_model_type="gemma4_text")
+    if cfg.model_type == "eagle3":  # fields DeepSpec's Gemma4Eagle3Model requires
+        hf.update(ttt_length=cfg.ttt_length, step_loss_decay=cfg.step_loss_decay)
+    if "sliding_attention" not in t.layer_types:
+        hf["rope_parameters"].pop("sliding_attention", None)
+    return hf
+
+
+def layer_shape_from_deepspec(raw: dict[str, Any], source: str) -> DecoderConfig:
+    """A Gemma4 drafter config.json → DecoderConfig of its (full-attention) draft layers."""
+    from dspark_jax.models.gemma4_config import gemma4_from_hf
+
+    shape = dict(raw)
+    shape["architectures"] = ["Gemma4ForCausalLM"]
+    shape.setdefault("model_type", "gemma4_text")
+    if shape["model_type"] == "gemma4":  # DeepSpec copies the *text* config; accept both
+        shape["model_type"] = "gemma4_text"
+    if "global_head_dim" in shape:  # a per_layer_config copied from the target is stale
+        shape.pop("per_layer_config", None)
+    return gemma4_from_hf(DecoderConfig, shape, source)
+
+
+def check_draft_shapes(layer_shape: DecoderConfig, target: DecoderConfig, source: str) -> None:
+    """The checkpoint's draft layers must have the target's full-attention head shapes."""
+    got, want = layer_shape.attn_shape("full_attention"), target.attn_shape("full_attention")
+    for field, a, b in (("num_global_key_value_heads", got[0], want[0]),
+                        ("global_head_dim", got[1], want[1])):
+        if a != b:
+            raise ConfigError(f"{source}: field {field!r} gives draft layers {a}, but the "
+                              f"target's full-attention layers have {b}")

@@ -1,0 +1,201 @@
+"""Gemma4 Hugging Face tensors ⇄ the TargetDecoder's Gemma4 parameters (SPEC §2).
+
+Reads `Gemma4ForCausalLM` checkpoints (`model.layers.i.…`) and the text decoder of multimodal
+`Gemma4ForConditionalGeneration` ones (`model.language_model.layers.i.…`; vision/audio tensors
+are skipped with a log line). Per-layer tensors are regrouped into the period-slot stacks of
+models/gemma4.py; a tensor whose shape disagrees with config.json fails naming file, tensor and
+the config field that sets the expected shape. Writes back the `Gemma4ForCausalLM` layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+import numpy as np
+
+from dspark_jax.models.config import DecoderConfig
+from dspark_jax.models.gemma4 import plan_segments
+
+log = logging.getLogger(__name__)
+
+PREFIXES = ("model.language_model.", "model.")
+
+
+def _err(msg: str) -> Exception:
+    from dspark_jax.models.hf_io import CheckpointError
+
+    return CheckpointError(msg)
+
+
+def text_prefix(tensors: Mapping[str, np.ndarray], source: str) -> str:
+    for p in PREFIXES:
+        if p + "embed_tokens.weight" in tensors:
+            other = sorted({k.split(".")[1] for k in tensors
+                            if k.startswith("model.") and not k.startswith(p)
+                            and k.split(".")[1] in ("vision_tower", "audio_tower",
+                                                     "embed_vision", "embed_audio")})
+            if other:
+                log.info("%s: loading the text decoder only; ignoring %s", source,
+                         ", ".join(other))
+            return p
+    raise _err(f"{source}: missing tensor 'model.embed_tokens.weight' (or "
+               "'model.language_model.embed_tokens.weight' for a multimodal Gemma4 checkpoint)")
+
+
+def _layer_tensors(cfg: DecoderConfig, i: int, attn_in_dim: int | None = None
+                   ) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """Our name → (HF suffix, HF shape, config field that sets it) for layer i."""
+    D, N = cfg.hidden_size, cfg.num_attention_heads
+    A = attn_in_dim or D
+    t = cfg.layer_type(i)
+    K, H = cfg.attn_shape(t)
+    F = cfg.mlp_size(i)
+    hd_field = "global_head_dim" if (t == "full_attention" and H != cfg.head_dim) else "head_dim"
+    f_field = "use_double_wide_mlp" if F != cfg.intermediate_size else "intermediate_size"
+    kv_field = ("num_global_key_value_heads" if (t == "full_attention"
+                                                 and K != cfg.num_key_value_heads)
+                else "num_key_value_heads")
+    out = {
+        "input_norm": ("input_layernorm.weight", (D,), "hidden_size"),
+        "post_attn_norm": ("post_attention_layernorm.weight", (D,), "hidden_size"),
+        "pre_ff_norm": ("pre_feedforward_layernorm.weight", (D,), "hidden_size"),
+        "post_ff_norm": ("post_feedforward_layernorm.weight", (D,), "hidden_size"),
+        "wq": ("self_attn.q_proj.weight", (N * H, A), hd_field),
+        "q_norm": ("self_attn.q_norm.weight", (H,), hd_field),
+        "wo": ("self_attn.o_proj.weight", (D, N * H), hd_field),
+        "w_gate": ("mlp.gate_proj.weight", (F, D), f_field),
+        "w_up": ("mlp.up_proj.weight", (F, D), f_field),
+        "w_down": ("mlp.down_proj.weight", (D, F), f_field),
+        "layer_scalar": ("layer_scalar", (1,), "num_hidden_layers"),
+    }
+    if cfg.kv_producer(i) == i:
+        out["wk"] = ("self_attn.k_proj.weight", (K * H, A), kv_field)
+        out["k_norm"] = ("self_attn.k_norm.weight", (H,), hd_field)
+        if cfg.has_v_proj(t):
+            out["wv"] = ("self_attn.v_proj.weight", (K * H, A), kv_field)
+    P = cfg.hidden_size_per_layer_input
+    if P:
+        out["ple_gate"] = ("per_layer_input_gate.weight", (P, D), "hidden_size_per_layer_input")
+        out["ple_proj"] = ("per_layer_projection.weight", (D, P), "hidden_size_per_layer_input")
+        out["ple_norm"] = ("post_per_layer_input_norm.weight", (D,), "hidden_size")
+    return out
+
+
+def _to_ours(name: str, t: np.ndarray, cfg: DecoderConfig, i: int) -> np.ndarray:
+    """HF [out, in] layout → our einsum layout."""
+    D, N = cfg.hidden_size, cfg.num_attention_heads
+    K, H = cfg.attn_shape(cfg.layer_type(i))
+    if name == "wq":
+        return t.T.reshape(-1, N, H)
+    if name in ("wk", "wv"):
+        return t.T.reshape(-1, K, H)
+    if name == "wo":
+        return t.T.reshape(N, H, D)
+    if name in ("w_gate", "w_up", "w_down", "ple_gate", "ple_proj"):
+        return t.T
+    if name == "layer_scalar":
+        return t.reshape(())
+    return t
+
+
+def _to_hf(name: str, t: np.ndarray) -> np.ndarray:
+    if name in ("wq", "wk", "wv"):
+        return t.reshape(t.shape[0], -1).T
+    if name == "wo":
+        return t.reshape(-1, t.shape[-1]).T
+    if name in ("w_gate", "w_up", "w_down", "ple_gate", "ple_proj"):
+        return t.T
+    if name == "layer_scalar":
+        return t.reshape(1)
+    return t
+
+
+def _check(tensors: Mapping[str, np.ndarray], source: str):
+    def get(key: str, shape: tuple[int, ...], field: str) -> np.ndarray:
+        if key not in tensors:
+            raise _err(f"{source}: missing tensor {key!r}")
+        t = np.asarray(tensors[key])
+        if t.shape != shape:
+            raise _err(f"{source}: tensor {key!r} has shape {t.shape}, but config.json field "
+                       f"{field!r} implies {shape}")
+        return t
+    return get
+
+
+def import_layers(tensors: Mapping[str, np.ndarray], prefix: str, cfg: DecoderConfig,
+                  layer_ids: list[int], source: str, attn_in_dim: int | None = None
+                  ) -> dict[str, np.ndarray]:
+    """HF per-layer tensors `{prefix}{i}.…` for `layer_ids` → one stacked Gemma4Group dict."""
+    get = _check(tensors, source)
+    per: dict[str, list[np.ndarray]] = {}
+    for i in layer_ids:
+        for name, (suffix, shape, field) in _layer_tensors(cfg, i, attn_in_dim).items():
+            t = get(f"{prefix}{i}.{suffix}", shape, field)
+            per.setdefault(name, []).append(_to_ours(name, t, cfg, i))
+    return {k: np.stack(v) for k, v in per.items()}
+
+
+def export_layers(group: Mapping[str, Any], prefix: str, cfg: DecoderConfig,
+                  layer_ids: list[int]) -> dict[str, np.ndarray]:
+    """Inverse of `import_layers`."""
+    out = {}
+    for n, i in enumerate(layer_ids):
+        for name, (suffix, _, _) in _layer_tensors(cfg, i).items():
+            out[f"{prefix}{i}.{suffix}"] = np.ascontiguousarray(
+                _to_hf(name, np.asarray(group[name])[n]))
+    return out
+
+
+def gemma4_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
+                     source: str) -> dict[str, Any]:
+    """HF Gemma4 tensors → nested dict matching a Gemma4 TargetDecoder."""
+    pre = text_prefix(tensors, source)
+    V, D, Lh = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+
+    get = _check(tensors, source)
+    groups = {g: import_layers(tensors, f"{pre}layers.", cfg, ids, source)
+              for g, ids in enumerate(seg.layer_ids(j) for seg in plan_segments(cfg)
+                                      for j in range(seg.period))}
+    layers: dict[str, Any] = {"groups": groups}
+    P = cfg.hidden_size_per_layer_input
+    if P:
+        Vp = cfg.vocab_size_per_layer_input or V
+        layers["ple_embed"] = get(pre + "embed_tokens_per_layer.weight", (Vp, Lh * P),
+                                  "hidden_size_per_layer_input")
+        layers["ple_model_proj"] = get(pre + "per_layer_model_projection.weight", (Lh * P, D),
+                                       "hidden_size_per_layer_input").T
+        layers["ple_proj_norm"] = get(pre + "per_layer_projection_norm.weight", (P,),
+                                      "hidden_size_per_layer_input")
+    pure: dict[str, Any] = {
+        "embed": get(pre + "embed_tokens.weight", (V, D), "vocab_size"),
+        "final_norm": get(pre + "norm.weight", (D,), "hidden_size"),
+        "layers": layers,
+    }
+    if not cfg.tie_word_embeddings:
+        pure["lm_head"] = get("lm_head.weight", (V, D), "tie_word_embeddings")
+    extra = [k for k in tensors if k.startswith(f"{pre}layers.{Lh}.")]
+    if extra:
+        raise _err(f"{source}: checkpoint has more layers than config.json field "
+                   f"'num_hidden_layers' ({Lh}) says; e.g. {extra[0]!r}")
+    return pure
+
+
+def gemma4_export_tensors(pure: Mapping[str, Any], cfg: DecoderConfig) -> dict[str, np.ndarray]:
+    """Inverse of `gemma4_pure_dict`, in the Gemma4ForCausalLM layout."""
+    to_np = lambda x: np.asarray(x)
+    out: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": to_np(pure["embed"]),
+        "model.norm.weight": to_np(pure["final_norm"]),
+    }
+    layers = pure["layers"]
+    all_ids = [seg.layer_ids(j) for seg in plan_segments(cfg) for j in range(seg.period)]
+    for g, ids in enumerate(all_ids):
+        out.update(export_layers(layers["groups"][g], "model.layers.", cfg, ids))
+    if cfg.hidden_size_per_layer_input:
+        out["model.embed_tokens_per_layer.weight"] = to_np(layers["ple_embed"])
+        out["model.per_layer_model_projection.weight"] = to_np(layers["ple_model_proj"]).T
+        out["model.per_layer_projection_norm.weight"] = to_np(layers["ple_proj_norm"])
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = to_np(pure["lm_head"])
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
