@@ -78,6 +78,8 @@ def get_base_config() -> ml_collections.ConfigDict:
         compute_dtype="bfloat16",  # drafter activations; master weights stay fp32
         target_dtype="bfloat16",   # frozen target (features / soft labels)
         anchor_chunk=64,
+        attn_key_chunk=512,        # context keys per online-softmax chunk of the drafter's block
+                                   # attention (memory ∝ anchors·γ·chunk); 0 = dense scores
         log_every=10,              # fetch device metrics every N steps (fingerprints: every step)
     ))
 

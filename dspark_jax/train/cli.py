@@ -156,6 +156,8 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     for key in ("compute_dtype", "target_dtype"):
         if t[key] not in ("float32", "fp32", "bfloat16", "bf16"):
             bad(f"train.{key}", f"{t[key]!r} is not float32 or bfloat16")
+    if t.attn_key_chunk < 0:
+        bad("train.attn_key_chunk", "must be ≥ 1 (keys per chunk) or 0 (dense scores)")
     if t.log_every < 1:
         bad("train.log_every", "must be ≥ 1")
     if c.checkpoint.every_steps < 1:
@@ -227,6 +229,11 @@ def load_prompts(c: ml_collections.ConfigDict) -> list:
     if not convs:
         raise UsageError("no prompts (config.data.prompts / max_prompts)")
     return convs
+
+
+def attn_key_chunk(c: ml_collections.ConfigDict) -> int | None:
+    """`train.attn_key_chunk` (0: the dense block attention)."""
+    return int(c.train.attn_key_chunk) or None
 
 
 def heldout_arg(x: float) -> float | int:
@@ -315,7 +322,8 @@ def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) 
     mesh, batch_sh, graphdef = fns_mesh
     if not records:
         return {}
-    sums_fn = make_loss_sums_fn(graphdef, draft_cfg, target.graphdef, c.train.anchor_chunk)
+    sums_fn = make_loss_sums_fn(graphdef, draft_cfg, target.graphdef, c.train.anchor_chunk,
+                                attn_key_chunk(c))
 
     @jax.jit
     def eval_sums(params, frozen, target_state, batch, key):
@@ -491,7 +499,8 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     fns = build_train_step(graphdef, draft_cfg, tx, schedule,
                            target_graphdef=target.graphdef if online else None, mesh=mesh,
                            state_sh=state_sh, frozen=frozen, target_state=target_state,
-                           micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk)
+                           micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk,
+                           attn_key_chunk=attn_key_chunk(c))
 
     ckpt_dir = pathlib.Path(c.checkpoint.directory or workdir / "checkpoints")
     meta = make_meta(target.name or c.target, target.config.to_hf_dict(), draft_cfg.to_dict(),

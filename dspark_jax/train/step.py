@@ -96,7 +96,7 @@ def _micro(x: jax.Array, m: int) -> jax.Array:
 
 
 def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
-                      anchor_chunk: int) -> Callable:
+                      anchor_chunk: int, attn_key_chunk: int | None = 512) -> Callable:
     """(params, frozen, target_state, micro_batch, key) → sums. The objective numerator is
     `sums["objective"]` (divide by the global Σw for the loss)."""
 
@@ -116,7 +116,7 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
                                     segment_ids=mb["segment_ids"])
         sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
                                 positions=mb["positions"], segment_ids=mb["segment_ids"],
-                                anchor_chunk=anchor_chunk)
+                                anchor_chunk=anchor_chunk, key_chunk=attn_key_chunk)
         obj = cfg.ce_loss_alpha * sums["ce"] + cfg.l1_loss_alpha * sums["l1"]
         if cfg.model_type == "dflash":
             obj = sums["ce"]
@@ -149,9 +149,10 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                      schedule: optax.Schedule, *, target_graphdef: Any | None,
                      mesh: jax.sharding.Mesh, state_sh: TrainState, frozen: Any,
                      target_state: Any | None, micro_batches: int = 1,
-                     anchor_chunk: int = 64) -> StepFns:
+                     anchor_chunk: int = 64, attn_key_chunk: int | None = 512) -> StepFns:
     """Returns the jitted train/eval functions with explicit shardings (donating the state)."""
-    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk)
+    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk,
+                                attn_key_chunk)
     to_metrics = metrics_fn(cfg)
 
     def train_step(state: TrainState, frozen, target_state, batch):
