@@ -41,9 +41,42 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
 _active_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
 
 
+def select_devices(num_devices: int = -1,
+                   devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """`num_devices` devices (-1: all), taken evenly from every process so that no process is
+    left without a device of the mesh (a process with none could not feed its batch shard)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if num_devices == -1 or num_devices == len(devices):
+        return devices
+    if not 0 < num_devices <= len(devices):
+        raise ValueError(f"num_devices={num_devices} but {len(devices)} devices exist")
+    by_proc: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        by_proc.setdefault(d.process_index, []).append(d)
+    n_proc = len(by_proc)
+    if num_devices % n_proc:
+        raise ValueError(f"num_devices={num_devices} must be a multiple of the {n_proc} "
+                         "processes (every process keeps the same number of devices)")
+    per = num_devices // n_proc
+    return [d for p in sorted(by_proc) for d in by_proc[p][:per]]
+
+
+def _num_slices(devices: Sequence[jax.Device]) -> int:
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds a (data, fsdp, tensor) mesh; `data=-1` takes all remaining devices."""
+    """A (data, fsdp, tensor) mesh laid out on the physical topology; `data=-1` takes all
+    remaining devices.
+
+    One slice: `mesh_utils.create_device_mesh` (ICI-aware placement on TPU, device order
+    elsewhere). Several slices (devices with distinct `slice_index`): `create_hybrid_device_mesh`
+    with data parallelism across slices over DCN and fsdp/tensor (and the rest of `data`) inside
+    each slice.
+    """
+    from jax.experimental import mesh_utils
+
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     if data == -1:
@@ -52,7 +85,18 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
         data = n // (fsdp * tensor)
     if data * fsdp * tensor != n:
         raise ValueError(f"mesh {data}x{fsdp}x{tensor} does not match {n} devices")
-    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
+    slices = _num_slices(devices)
+    if slices > 1:
+        if data % slices:
+            raise ValueError(f"mesh data={data} must be a multiple of the {slices} slices "
+                             "(data parallelism spans the slices over DCN)")
+        grid = mesh_utils.create_hybrid_device_mesh((data // slices, fsdp, tensor),
+                                                    (slices, 1, 1), devices,
+                                                    allow_split_physical_axes=True)
+    else:
+        grid = mesh_utils.create_device_mesh((data, fsdp, tensor), devices,
+                                             allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES)
 
 
 def logical_to_spec(axes: Sequence[str | None] | None,

@@ -409,7 +409,7 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
                                           records_from_conversations, record_lengths,
                                           steps_per_epoch, to_global_batch)
     from dspark_jax.models import init_draft, load_target
-    from dspark_jax.sharding import make_mesh, state_shardings
+    from dspark_jax.sharding import make_mesh, select_devices, state_shardings
     from dspark_jax.train.checkpoint import (TrainCheckpointer, abstract_storable,
                                              key_impl_name, make_meta)
     from dspark_jax.train.metrics_log import MetricsLogger, batch_fingerprint
@@ -422,12 +422,10 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     if is_main:
         (workdir / "config.json").write_text(c.to_json_best_effort(indent=2))
 
-    devices = jax.devices()
-    if c.mesh.num_devices > 0:
-        if c.mesh.num_devices > len(devices):
-            raise UsageError(f"config.mesh.num_devices={c.mesh.num_devices} but only "
-                             f"{len(devices)} devices exist")
-        devices = devices[:c.mesh.num_devices]
+    try:
+        devices = select_devices(c.mesh.num_devices)
+    except ValueError as e:
+        raise UsageError(f"config.mesh.num_devices: {e}") from None
     try:
         mesh = make_mesh(data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor,
                          devices=devices)
