@@ -132,6 +132,11 @@ def _fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+    """Shape of an array or of an abstract jax.ShapeDtypeStruct (ahead-of-time compilation)."""
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
 def state_shardings(state: Any, mesh: Mesh,
                     rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
     """NamedShardings for an nnx.State (or any pytree of Variables) from their `axes` metadata."""
@@ -139,9 +144,9 @@ def state_shardings(state: Any, mesh: Mesh,
     def one(v: Any) -> NamedSharding:
         if isinstance(v, nnx.Variable):
             axes = v.get_metadata().get("axes")
-            shape = np.shape(v.get_value())
+            shape = _shape(v.get_value())
         else:
-            axes, shape = None, np.shape(v)
+            axes, shape = None, _shape(v)
         return NamedSharding(mesh, _fit_spec(logical_to_spec(axes, rules), shape, mesh))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -3,7 +3,7 @@
 One `jax.jit` function with explicit in/out shardings over a (data, fsdp, tensor) mesh that
 donates the train state. Only `nnx.Param` leaves are trained; the embedding and LM head copied
 from the target are `FrozenParam` and live outside the gradient and the optimizer state.
-Micro-batches are scanned with fp32 gradient accumulation of *sums*; dividing by the global
+Micro-batches (strided rows, so each spans every data shard) are scanned with fp32 gradient accumulation of *sums*; dividing by the global
 loss weight at the end makes the result equal to one big batch. Target features are computed
 inside the step from the frozen target (online) or read from the batch (offline cache).
 """
@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.dspark import FrozenParam
-from dspark_jax.sharding import logical_to_spec, state_shardings, use_mesh
+from dspark_jax.sharding import constrain, logical_to_spec, state_shardings, use_mesh
 from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
 
 
@@ -87,12 +87,45 @@ def init_train_state(params: Any, tx: optax.GradientTransformation, seed: int,
     return state, shardings
 
 
+def abstract_train_state(params: Any, tx: optax.GradientTransformation,
+                         mesh: jax.sharding.Mesh) -> tuple[TrainState, TrainState]:
+    """The train state as jax.ShapeDtypeStructs carrying their shardings, and the shardings
+    (the same layout as `init_train_state`), without allocating anything: for ahead-of-time
+    compilation. `params` may itself be abstract (from `nnx.eval_shape`)."""
+    repl = NamedSharding(mesh, P())
+    by_var = state_shardings(params, mesh)
+    is_var = lambda x: isinstance(x, nnx.Variable)
+
+    def place(v: nnx.Variable, sh: NamedSharding) -> nnx.Variable:
+        x = v.get_value()
+        return v.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh))
+
+    params = jax.tree.map(place, params, by_var, is_leaf=is_var)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_state, param_sh,
+                                   transform_non_params=lambda _: repl)
+    shardings = TrainState(step=repl, params=param_sh, opt_state=opt_sh, key=repl)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                       opt_state=opt_state, key=key)
+    with_sh = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    return jax.tree.map(with_sh, state, shardings), shardings
+
+
 BATCH_KEYS_ONLINE = ("input_ids", "loss_mask", "positions", "segment_ids")
 BATCH_KEYS_OFFLINE = BATCH_KEYS_ONLINE + ("features", "target_hidden")
 
 
-def _micro(x: jax.Array, m: int) -> jax.Array:
-    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
+def micro_batches_of(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] → [m, B/m, ...] with micro-batch i = rows i, i+m, i+2m, … (strided).
+
+    The batch axis is sharded in contiguous row blocks over (data, fsdp); a strided micro-batch
+    takes B/(m·shards) rows from every block, so each micro-step keeps the batch sharding and
+    all devices work on it (contiguous row ranges would live on 1/m of the devices and force a
+    reshard every micro-step). Accumulating sums makes the grouping irrelevant to the result.
+    """
+    return jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1)
 
 
 def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
@@ -157,7 +190,8 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
 
     def train_step(state: TrainState, frozen, target_state, batch):
         key, step_key = jax.random.split(state.key)
-        mbs = jax.tree.map(lambda x: _micro(x, micro_batches), batch)
+        mbs = jax.tree.map(lambda x: constrain(micro_batches_of(x, micro_batches), (None, "batch")),
+                           batch)
         keys = jax.random.split(step_key, micro_batches)
 
         def accumulate(carry, xs):
