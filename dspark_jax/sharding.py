@@ -152,6 +152,21 @@ def state_shardings(state: Any, mesh: Mesh,
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def abstract_on_mesh(state: Any, mesh: Mesh,
+                     rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+    """The same tree with every array (or nnx.Variable's value) replaced by a
+    jax.ShapeDtypeStruct carrying its `state_shardings` sharding: an input for `jit(...).lower`
+    that allocates nothing (ahead-of-time compilation)."""
+
+    def one(v: Any, sh: NamedSharding) -> Any:
+        x = v.get_value() if isinstance(v, nnx.Variable) else v
+        out = jax.ShapeDtypeStruct(_shape(x), x.dtype, sharding=sh)
+        return v.replace(out) if isinstance(v, nnx.Variable) else out
+
+    return jax.tree.map(one, state, state_shardings(state, mesh, rules),
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def named(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
     spec = logical_to_spec(axes)
     if shape is not None:

@@ -75,8 +75,9 @@ def _check_key(config: ml_collections.ConfigDict, dotted: str) -> None:
         node = node[part]
 
 
-def parse_config(argv: Sequence[str]) -> ml_collections.ConfigDict:
-    """Loads `--config=FILE` and applies `--config.key=value` overrides (ml_collections)."""
+def parse_config(argv: Sequence[str], require_target: bool = True) -> ml_collections.ConfigDict:
+    """Loads `--config=FILE` and applies `--config.key=value` overrides (ml_collections).
+    `require_target=False` (ahead-of-time compilation) accepts an empty `config.target`."""
     from absl import flags
     from ml_collections import config_flags
 
@@ -112,11 +113,11 @@ def parse_config(argv: Sequence[str]) -> ml_collections.ConfigDict:
     for key in _override_keys(argv):
         _check_key(base, key)
     config = load(argv)
-    validate_config(config)
+    validate_config(config, require_target=require_target)
     return config
 
 
-def validate_config(c: ml_collections.ConfigDict) -> None:
+def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -> None:
     """Checks the values the job itself interprets (the drafter fields are DraftConfig's)."""
     from configs.common import get_base_config
 
@@ -134,7 +135,7 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     def bad(key: str, why: str) -> None:
         raise UsageError(f"config.{key}: {why}")
 
-    if not c.target:
+    if require_target and not c.target:
         bad("target", "required: an embedded target name (smollm2-135m-instruct) or a Hugging "
             "Face directory, e.g. --config.target=/path/to/Qwen3-4B")
     if c.data.features not in FEATURE_MODES:

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.dspark import FrozenParam
-from dspark_jax.sharding import constrain, logical_to_spec, state_shardings, use_mesh
+from dspark_jax.sharding import (abstract_on_mesh, constrain, logical_to_spec, state_shardings,
+                                 use_mesh)
 from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
 
 
@@ -93,14 +94,7 @@ def abstract_train_state(params: Any, tx: optax.GradientTransformation,
     (the same layout as `init_train_state`), without allocating anything: for ahead-of-time
     compilation. `params` may itself be abstract (from `nnx.eval_shape`)."""
     repl = NamedSharding(mesh, P())
-    by_var = state_shardings(params, mesh)
-    is_var = lambda x: isinstance(x, nnx.Variable)
-
-    def place(v: nnx.Variable, sh: NamedSharding) -> nnx.Variable:
-        x = v.get_value()
-        return v.replace(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh))
-
-    params = jax.tree.map(place, params, by_var, is_leaf=is_var)
+    params = abstract_on_mesh(params, mesh)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_state = jax.eval_shape(tx.init, params)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_state, param_sh,
