@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import sys
@@ -83,6 +84,8 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[Any]:
     """Compile-only devices of a TPU topology such as "v5p:2x4x4" (needs libtpu, not a TPU)."""
     if not has_libtpu():
         raise AotError(f"compiling for a TPU topology needs libtpu: {INSTALL_HINT}")
+    # compile-only: no TPU is opened, so several compiling processes may share libtpu
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     kw = {"num_slices": num_slices} if num_slices > 1 else {}
@@ -257,7 +260,9 @@ def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]
 
 
 def format_report(r: dict[str, Any]) -> str:
-    g = lambda b: f"{b / GiB:8.2f} GiB"
+    def g(b: float) -> str:
+        return f"{b / GiB:8.2f} GiB" if abs(b) >= GiB / 10 else f"{b / 2**20:8.2f} MiB"
+
     lines = [f"{r['config']} on {r['topology']} × {r['num_slices']} slice(s): {r['num_chips']} "
              f"{r['chip']} chips, mesh {r['mesh']}, batch {r['global_batch_size']}×{r['seq_len']} "
              f"in {r['micro_batches']} micro-batches (compiled in {r['compile_s']} s)",
@@ -313,17 +318,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if not report["fits"]:
-        short = -report["headroom_bytes_per_chip"]
-        print(f"error: the step does not fit: {report['peak_bytes_per_chip'] / GiB:.2f} GiB per "
-              f"chip needed, {report['hbm_bytes_per_chip'] / GiB:.2f} GiB available (short by "
-              f"{short / GiB:.2f} GiB)", file=sys.stderr)
-        return 1
-    return 0
+    code, message = verdict(report)
+    if code:
+        print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def verdict(report: dict[str, Any]) -> tuple[int, str]:
+    """(exit code, message): 1 with the per-chip shortfall when the step does not fit."""
+    need, have = report["peak_bytes_per_chip"], report["hbm_bytes_per_chip"]
+    if need <= have:
+        return 0, f"fits: {need / GiB:.2f} of {have / GiB:.2f} GiB per chip"
+    return 1, (f"the step does not fit: {need / GiB:.2f} GiB per chip needed, {have / GiB:.2f} "
+               f"GiB available (short by {(need - have) / GiB:.2f} GiB)")
 
 
 if __name__ == "__main__":
-    import os
-
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.exit(main())
