@@ -139,6 +139,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     c.debug = ml_collections.ConfigDict(dict(
         sigkill_at_step=-1,        # fault injection for the resume test: SIGKILL self after step N
+        sigkill_process=-1,        # … only in this process (-1: every process)
     ))
     c.lock()
     return c

@@ -139,7 +139,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
     from dspark_jax.models.draft_config import DraftConfig
     from dspark_jax.models.target import resolve_dtype
     from dspark_jax.sharding import abstract_on_mesh, make_mesh
-    from dspark_jax.train.cli import attn_key_chunk
+    from dspark_jax.train.job_config import attn_key_chunk
     from dspark_jax.train.step import (BATCH_KEYS_ONLINE, BATCH_KEYS_OFFLINE, OptimConfig,
                                        abstract_train_state, build_train_step, make_optimizer,
                                        make_loss_sums_fn, make_schedule, split_draft)
@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if not has_libtpu():
             raise AotError(f"compiling for a TPU topology needs libtpu: {INSTALL_HINT}")
-        from dspark_jax.train.cli import UsageError, parse_config
+        from dspark_jax.train.job_config import UsageError, parse_config
 
         try:
             c = parse_config([argv[0], f"--config={args.config}", *overrides],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -192,6 +193,26 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, named(mesh, axes, x.shape))
 
 
+def put_on_mesh(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put(tree, shardings)` that also works when the mesh spans several processes:
+    a host-local value (the same on every process, e.g. a seeded init) is cut into this
+    process's shards with `make_array_from_callback`; global arrays are resharded; PRNG keys
+    travel as their key data."""
+
+    def one(x: Any, sh: NamedSharding) -> Any:
+        if sh.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, sh)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = one(jax.random.key_data(x), sh)
+            wrap = functools.partial(jax.random.wrap_key_data, impl=jax.random.key_impl(x))
+            return jax.jit(wrap, out_shardings=sh)(data)
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    # `shardings` may be a prefix of `tree` (one sharding per nnx.Variable, as state_shardings)
+    return jax.tree.map(lambda sh, sub: jax.tree.map(lambda x: one(x, sh), sub), shardings, tree)
+
+
 def shard_state(state: Any, mesh: Mesh) -> Any:
     """Places an nnx.State on the mesh according to its logical axes."""
-    return jax.device_put(state, state_shardings(state, mesh))
+    return put_on_mesh(state, state_shardings(state, mesh))

@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.dspark import FrozenParam
-from dspark_jax.sharding import (abstract_on_mesh, constrain, logical_to_spec, state_shardings,
-                                 use_mesh)
+from dspark_jax.sharding import (abstract_on_mesh, constrain, logical_to_spec, put_on_mesh,
+                                 state_shardings, use_mesh)
 from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
 
 
@@ -74,16 +74,16 @@ def init_train_state(params: Any, tx: optax.GradientTransformation, seed: int,
     """A train state placed on the mesh (params by their logical axes, Adam moments like their
     params, scalars replicated) and the matching tree of shardings."""
     repl = NamedSharding(mesh, P())
-    params = jax.device_put(params, state_shardings(params, mesh))
+    params = put_on_mesh(params, state_shardings(params, mesh))
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_state = jax.jit(tx.init)(params)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_state, param_sh,
                                    transform_non_params=lambda _: repl)
-    opt_state = jax.device_put(opt_state, opt_sh)
+    opt_state = put_on_mesh(opt_state, opt_sh)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                        key=jax.random.key(seed))
-    state = jax.device_put(state, TrainState(step=repl, params=param_sh, opt_state=opt_sh,
-                                             key=repl))
+    state = put_on_mesh(state, TrainState(step=repl, params=param_sh, opt_state=opt_sh,
+                                          key=repl))
     shardings = TrainState(step=repl, params=param_sh, opt_state=opt_sh, key=repl)
     return state, shardings
 
