@@ -279,6 +279,25 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(reports: Sequence[dict[str, Any]]) -> str:
+    """The BENCHMARKS.md table of several reports (one row each)."""
+    rows = ["| config | topology | chips | mesh (data×fsdp×tensor) | micro-batches | attention "
+            "| peak GiB/chip | HBM GiB | headroom GiB | fits | PFLOPs/step | step ≥ s | MFU ceiling |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        m = r["mesh"]
+        attn = f"chunk {r['attn_key_chunk']}" if r["attn_key_chunk"] else "dense"
+        rows.append(
+            f"| {r['config']} | {r['topology']}" + (f" ×{r['num_slices']}" if r["num_slices"] > 1
+                                                    else "")
+            + f" | {r['num_chips']} | {m['data']}×{m['fsdp']}×{m['tensor']} | "
+            f"{r['micro_batches']} | {attn} | {r['peak_bytes_per_chip'] / GiB:.2f} | "
+            f"{r['hbm_bytes_per_chip'] / GiB:.0f} | {r['headroom_bytes_per_chip'] / GiB:.2f} | "
+            f"{'yes' if r['fits'] else '**no**'} | {r['flops_per_step'] / 1e15:.1f} | "
+            f"{r['step_time_lower_bound_s']:.2f} | {r['mfu_ceiling']:.1%} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.aot", description=__doc__.split("\n")[0])
