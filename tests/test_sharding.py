@@ -49,10 +49,9 @@ def test_select_devices_keeps_every_process():
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu]') for a TPU "
                     "topology on CPU")
 def test_two_slices_put_data_parallelism_over_dcn():
-    from jax.experimental import topologies
+    from dspark_jax.aot import topology_devices
 
-    devs = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2",
-                                        num_slices=2).devices
+    devs = topology_devices("v5e:2x2", num_slices=2)
     mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=devs)
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     # each data row is one whole slice: fsdp/tensor collectives never cross DCN
