@@ -212,6 +212,23 @@ def step_flops(job: AbstractJob) -> tuple[int, int]:
     return executed, target_fwd + 3 * (loss_fwd - target_fwd)
 
 
+def _memory(m: Any) -> dict[str, Any]:
+    return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+            "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+            "generated_code": m.generated_code_size_in_bytes}
+
+
+def _compile_time_oom(message: str) -> dict[str, Any] | None:
+    """XLA's CompileTimeHbmOom ("HLO temporaries (47.84G) exceeds available HBM"): the
+    temporaries it needed (arguments etc. unknown, counted as 0), or None for other errors."""
+    m = re.search(r"temporaries \(([\d.]+)([KMGT])\)", message)
+    if "RESOURCE_EXHAUSTED" not in message or m is None:
+        return None
+    scale = {"K": 2 ** 10, "M": 2 ** 20, "G": GiB, "T": 2 ** 40}[m.group(2)]
+    return {"argument": 0, "output": 0, "alias": 0, "generated_code": 0,
+            "temp": int(float(m.group(1)) * scale), "error": message.splitlines()[0][:300]}
+
+
 def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]:
     """Compiles the train step of config `c` for `topology` and returns the report dict."""
     import jax
@@ -220,13 +237,17 @@ def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]
     chip = chip_for(devices[0].device_kind)
     job = build_abstract_job(c, devices)
     t0 = time.perf_counter()
-    compiled = job.fns.train.lower(*job.args).compile()
+    lowered = job.fns.train.lower(*job.args)
+    try:
+        mem = _memory(lowered.compile().memory_analysis())
+    except Exception as e:   # the TPU compiler refuses a program whose temporaries exceed HBM
+        mem = _compile_time_oom(str(e))
+        if mem is None:
+            raise
     compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
     executed, model = step_flops(job)
     n = len(devices)
-    peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-            + mem.temp_size_in_bytes + mem.generated_code_size_in_bytes)
+    peak = (mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"])
     lower_bound = executed / (n * chip.peak_bf16_flops)
     try:
         import libtpu
@@ -244,17 +265,18 @@ def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]
         "block_size": int(c.draft.block_size), "features": c.data.features,
         "attn_key_chunk": int(c.train.attn_key_chunk),
         "hbm_bytes_per_chip": chip.hbm_bytes,
-        "argument_bytes_per_chip": int(mem.argument_size_in_bytes),
-        "output_bytes_per_chip": int(mem.output_size_in_bytes),
-        "alias_bytes_per_chip": int(mem.alias_size_in_bytes),
-        "temp_bytes_per_chip": int(mem.temp_size_in_bytes),
-        "generated_code_bytes_per_chip": int(mem.generated_code_size_in_bytes),
+        "argument_bytes_per_chip": int(mem["argument"]),
+        "output_bytes_per_chip": int(mem["output"]),
+        "alias_bytes_per_chip": int(mem["alias"]),
+        "temp_bytes_per_chip": int(mem["temp"]),
+        "generated_code_bytes_per_chip": int(mem["generated_code"]),
         "peak_bytes_per_chip": int(peak), "headroom_bytes_per_chip": int(chip.hbm_bytes - peak),
         "fits": bool(peak <= chip.hbm_bytes),
         "flops_per_step": int(executed), "model_flops_per_step": int(model),
         "peak_flops_per_chip": chip.peak_bf16_flops,
         "step_time_lower_bound_s": lower_bound,
         "mfu_ceiling": model / executed if executed else 0.0,
+        "compile_error": mem.get("error", ""),
         "compile_s": round(compile_s, 1), "jax": jax.__version__, "libtpu": libtpu_version,
     }
 

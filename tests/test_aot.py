@@ -74,3 +74,11 @@ def test_unknown_topology_and_target_are_clear_errors(capsys):
     rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--config.target=nowhere"])
     assert rc == 2 and "config.target 'nowhere'" in capsys.readouterr().err
+
+
+def test_compile_time_oom_becomes_a_shortfall():
+    msg = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+           "memory required for HLO temporaries (47.84G) exceeds available HBM (31.24G).")
+    mem = aot._compile_time_oom(msg)
+    assert mem["temp"] == int(47.84 * aot.GiB) and "CompileTimeHbmOom" in mem["error"]
+    assert aot._compile_time_oom("INVALID_ARGUMENT: something else") is None
