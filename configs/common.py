@@ -26,6 +26,40 @@ from dspark_jax.models.draft_config import DraftConfig
 
 AUTO_MASK_TOKEN = -1
 
+# Per TPU topology (one slice): the (data, fsdp, tensor) mesh and sequences per chip per
+# micro-step. The drafter is small but its fp32 master weights + Adam moments (16 bytes a
+# parameter) and the frozen bf16 target are not: FSDP over the whole slice keeps both at
+# 1/chips per chip, and the batch axis spans (data, fsdp), i.e. every chip. With N slices
+# (`--num-slices`), data parallelism over DCN multiplies `data` by N.
+MESH_PRESETS = {
+    "v5e:2x2": dict(data=1, fsdp=4, tensor=1, rows_per_chip=1),
+    "v5e:4x4": dict(data=1, fsdp=16, tensor=1, rows_per_chip=1),
+    "v5p:2x2x2": dict(data=1, fsdp=8, tensor=1, rows_per_chip=1),
+    "v5p:2x4x4": dict(data=1, fsdp=32, tensor=1, rows_per_chip=1),
+    "v5p:4x4x4": dict(data=1, fsdp=64, tensor=1, rows_per_chip=1),
+    "v6e:4x4": dict(data=1, fsdp=16, tensor=1, rows_per_chip=1),
+    "v6e:8x8": dict(data=1, fsdp=64, tensor=1, rows_per_chip=1),
+    "v6e:16x16": dict(data=1, fsdp=256, tensor=1, rows_per_chip=1),
+}
+
+
+def apply_mesh_preset(c: ml_collections.ConfigDict, topology: str, num_slices: int = 1) -> None:
+    """Sets `c.mesh.{data,fsdp,tensor}` and `c.train.micro_batches` from MESH_PRESETS[topology]
+    (micro-batches of rows_per_chip sequences per chip); a ValueError names what does not fit."""
+    if topology not in MESH_PRESETS:
+        raise ValueError(f"config.mesh.preset: no mesh preset for topology {topology!r}; known: "
+                         f"{sorted(MESH_PRESETS)} (or set mesh.data/fsdp/tensor)")
+    p = MESH_PRESETS[topology]
+    rows = p["rows_per_chip"] * p["data"] * num_slices * p["fsdp"]
+    gbs = c.train.global_batch_size
+    if gbs % rows:
+        raise ValueError(f"config.train.global_batch_size {gbs} is not a multiple of the "
+                         f"{rows} rows one micro-step of mesh preset {topology!r} takes")
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = p["data"] * num_slices, p["fsdp"], p["tensor"]
+    c.mesh.num_devices = -1
+    c.mesh.preset = topology
+    c.train.micro_batches = gbs // rows
+
 
 def draft_defaults() -> dict:
     """DraftConfig's own defaults (DeepSpec's DSpark recipe), so they live in one place."""
@@ -79,6 +113,8 @@ def get_base_config() -> ml_collections.ConfigDict:
         compute_dtype="bfloat16",  # drafter activations; master weights stay fp32
         target_dtype="bfloat16",   # frozen target (features / soft labels)
         anchor_chunk=64,
+        attn_key_chunk=512,        # context keys per online-softmax chunk of the drafter's block
+                                   # attention (memory ∝ anchors·γ·chunk); 0 = dense scores
         log_every=10,              # fetch device metrics every N steps (fingerprints: every step)
     ))
 
@@ -87,7 +123,8 @@ def get_base_config() -> ml_collections.ConfigDict:
         every_steps=3000, keep=3, async_save=True))
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
-                                            num_devices=-1))  # -1: all devices
+                                            num_devices=-1,   # -1: all devices
+                                            preset=""))       # a MESH_PRESETS topology name
 
     c.eval = ml_collections.ConfigDict(dict(
         batch_size=8,              # held-out teacher-forced evaluation (global rows per batch)
@@ -103,6 +140,7 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     c.debug = ml_collections.ConfigDict(dict(
         sigkill_at_step=-1,        # fault injection for the resume test: SIGKILL self after step N
+        sigkill_process=-1,        # … only in this process (-1: every process)
     ))
     c.lock()
     return c

@@ -27,6 +27,7 @@ def get_config():
     c.train.compute_dtype = "float32"
     c.train.target_dtype = "float32"
     c.train.anchor_chunk = 8
+    c.train.attn_key_chunk = 32      # several key chunks at max_length 128
     c.train.log_every = 1
     c.checkpoint.every_steps = 2
     c.checkpoint.keep = 2

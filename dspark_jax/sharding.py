@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -41,9 +42,42 @@ LOGICAL_RULES: tuple[tuple[str, Any], ...] = (
 _active_mesh: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
 
 
+def select_devices(num_devices: int = -1,
+                   devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:
+    """`num_devices` devices (-1: all), taken evenly from every process so that no process is
+    left without a device of the mesh (a process with none could not feed its batch shard)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if num_devices == -1 or num_devices == len(devices):
+        return devices
+    if not 0 < num_devices <= len(devices):
+        raise ValueError(f"num_devices={num_devices} but {len(devices)} devices exist")
+    by_proc: dict[int, list[jax.Device]] = {}
+    for d in devices:
+        by_proc.setdefault(d.process_index, []).append(d)
+    n_proc = len(by_proc)
+    if num_devices % n_proc:
+        raise ValueError(f"num_devices={num_devices} must be a multiple of the {n_proc} "
+                         "processes (every process keeps the same number of devices)")
+    per = num_devices // n_proc
+    return [d for p in sorted(by_proc) for d in by_proc[p][:per]]
+
+
+def _num_slices(devices: Sequence[jax.Device]) -> int:
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Builds a (data, fsdp, tensor) mesh; `data=-1` takes all remaining devices."""
+    """A (data, fsdp, tensor) mesh laid out on the physical topology; `data=-1` takes all
+    remaining devices.
+
+    One slice: `mesh_utils.create_device_mesh` (ICI-aware placement on TPU, device order
+    elsewhere). Several slices (devices with distinct `slice_index`): `create_hybrid_device_mesh`
+    with data parallelism across slices over DCN and fsdp/tensor (and the rest of `data`) inside
+    each slice.
+    """
+    from jax.experimental import mesh_utils
+
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     if data == -1:
@@ -52,7 +86,18 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1,
         data = n // (fsdp * tensor)
     if data * fsdp * tensor != n:
         raise ValueError(f"mesh {data}x{fsdp}x{tensor} does not match {n} devices")
-    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
+    slices = _num_slices(devices)
+    if slices > 1:
+        if data % slices:
+            raise ValueError(f"mesh data={data} must be a multiple of the {slices} slices "
+                             "(data parallelism spans the slices over DCN)")
+        grid = mesh_utils.create_hybrid_device_mesh((data // slices, fsdp, tensor),
+                                                    (slices, 1, 1), devices,
+                                                    allow_split_physical_axes=True)
+    else:
+        grid = mesh_utils.create_device_mesh((data, fsdp, tensor), devices,
+                                             allow_split_physical_axes=True)
+    return Mesh(grid, MESH_AXES)
 
 
 def logical_to_spec(axes: Sequence[str | None] | None,
@@ -88,6 +133,11 @@ def _fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
+def _shape(x: Any) -> tuple[int, ...]:
+    """Shape of an array or of an abstract jax.ShapeDtypeStruct (ahead-of-time compilation)."""
+    return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
+
+
 def state_shardings(state: Any, mesh: Mesh,
                     rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
     """NamedShardings for an nnx.State (or any pytree of Variables) from their `axes` metadata."""
@@ -95,12 +145,27 @@ def state_shardings(state: Any, mesh: Mesh,
     def one(v: Any) -> NamedSharding:
         if isinstance(v, nnx.Variable):
             axes = v.get_metadata().get("axes")
-            shape = np.shape(v.get_value())
+            shape = _shape(v.get_value())
         else:
-            axes, shape = None, np.shape(v)
+            axes, shape = None, _shape(v)
         return NamedSharding(mesh, _fit_spec(logical_to_spec(axes, rules), shape, mesh))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def abstract_on_mesh(state: Any, mesh: Mesh,
+                     rules: Sequence[tuple[str, Any]] = LOGICAL_RULES) -> Any:
+    """The same tree with every array (or nnx.Variable's value) replaced by a
+    jax.ShapeDtypeStruct carrying its `state_shardings` sharding: an input for `jit(...).lower`
+    that allocates nothing (ahead-of-time compilation)."""
+
+    def one(v: Any, sh: NamedSharding) -> Any:
+        x = v.get_value() if isinstance(v, nnx.Variable) else v
+        out = jax.ShapeDtypeStruct(_shape(x), x.dtype, sharding=sh)
+        return v.replace(out) if isinstance(v, nnx.Variable) else out
+
+    return jax.tree.map(one, state, state_shardings(state, mesh, rules),
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def named(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
@@ -128,6 +193,26 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, named(mesh, axes, x.shape))
 
 
+def put_on_mesh(tree: Any, shardings: Any) -> Any:
+    """`jax.device_put(tree, shardings)` that also works when the mesh spans several processes:
+    a host-local value (the same on every process, e.g. a seeded init) is cut into this
+    process's shards with `make_array_from_callback`; global arrays are resharded; PRNG keys
+    travel as their key data."""
+
+    def one(x: Any, sh: NamedSharding) -> Any:
+        if sh.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, sh)
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = one(jax.random.key_data(x), sh)
+            wrap = functools.partial(jax.random.wrap_key_data, impl=jax.random.key_impl(x))
+            return jax.jit(wrap, out_shardings=sh)(data)
+        host = np.asarray(jax.device_get(x))
+        return jax.make_array_from_callback(host.shape, sh, lambda idx: host[idx])
+
+    # `shardings` may be a prefix of `tree` (one sharding per nnx.Variable, as state_shardings)
+    return jax.tree.map(lambda sh, sub: jax.tree.map(lambda x: one(x, sh), sub), shardings, tree)
+
+
 def shard_state(state: Any, mesh: Mesh) -> Any:
     """Places an nnx.State on the mesh according to its logical axes."""
-    return jax.device_put(state, state_shardings(state, mesh))
+    return put_on_mesh(state, state_shardings(state, mesh))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.models import layers as L
+from dspark_jax.models.block_attention import block_attend
 from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
@@ -29,30 +30,6 @@ class FrozenParam(nnx.Variable):
 
 def frozen(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any) -> FrozenParam:
     return FrozenParam(jnp.zeros(shape, dtype), axes=axes)
-
-
-def block_attend(q_batknh: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array, blk_k: jax.Array,
-                 blk_v: jax.Array, ctx_visible_bas: jax.Array, blk_valid_ba: jax.Array
-                 ) -> jax.Array:
-    """Attention of block queries over [context ; own block] without materialising per-block
-    copies of the context. q [B,A,T,N,H]; ctx_k/v [B,S,K,H]; blk_k/v [B,A,T,K,H]."""
-    B, A, T, N, H = q_batknh.shape
-    K = ctx_k.shape[2]
-    q = q_batknh.reshape(B, A, T, K, N // K, H)
-    scale = H ** -0.5
-    s_ctx = jnp.einsum("BATKGH,BSKH->BAKGTS", q, ctx_k, preferred_element_type=jnp.float32)
-    s_blk = jnp.einsum("BATKGH,BAUKH->BAKGTU", q, blk_k, preferred_element_type=jnp.float32)
-    s_ctx = jnp.where(ctx_visible_bas[:, :, None, None, None, :], s_ctx * scale, L.NEG_INF)
-    valid = blk_valid_ba[:, :, None, None, None, None]
-    s_blk = jnp.where(valid, s_blk * scale, L.NEG_INF)
-    S = ctx_k.shape[1]
-    probs = jax.nn.softmax(jnp.concatenate([s_ctx, s_blk], axis=-1), axis=-1)
-    probs = jnp.where(valid, probs, 0.0).astype(ctx_v.dtype)
-    out = (jnp.einsum("BAKGTS,BSKH->BATKGH", probs[..., :S], ctx_v,
-                      preferred_element_type=jnp.float32)
-           + jnp.einsum("BAKGTU,BAUKH->BATKGH", probs[..., S:], blk_v,
-                        preferred_element_type=jnp.float32))
-    return out.reshape(B, A, T, N, H).astype(q_batknh.dtype)
 
 
 @flax.struct.dataclass
@@ -113,8 +90,10 @@ class DSparkDraft(nnx.Module):
 
     def backbone(self, anchor_tokens_ba: jax.Array, anchor_pos_ba: jax.Array,
                  ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array,
-                 blk_valid_ba: jax.Array, remat: bool = False) -> jax.Array:
-        """Final-normed block hidden states h [B, A, γ, D]."""
+                 blk_valid_ba: jax.Array, remat: bool = False,
+                 key_chunk: int | None = None) -> jax.Array:
+        """Final-normed block hidden states h [B, A, γ, D]. `key_chunk`: context keys per
+        online-softmax chunk of the block attention (None: dense scores, block_attention.py)."""
         cfg = self.cfg
         eps, rope = cfg.target.rms_norm_eps, cfg.target.rope
         g = cfg.block_size
@@ -132,7 +111,7 @@ class DSparkDraft(nnx.Module):
             k = L.apply_rope(k, flat_pos, rope)
             split = lambda t: t.reshape((B, A, g) + t.shape[2:])
             attn = block_attend(split(q), ck, cv, split(k), split(v), ctx_visible_bas,
-                                blk_valid_ba)
+                                blk_valid_ba, key_chunk)
             h_flat = L.attn_out_and_mlp(lp, h.reshape(B, A * g, -1),
                                         attn.reshape(B, A * g, *attn.shape[3:]), eps)
             return h_flat.reshape(h.shape), None

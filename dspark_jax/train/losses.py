@@ -71,8 +71,10 @@ def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: Anch
 def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
                      input_ids: jax.Array, loss_mask: jax.Array, key: jax.Array, *,
                      positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                     anchor_chunk: int = 64, remat: bool = True) -> dict[str, jax.Array]:
-    """Sums of loss terms and metric numerators for one (micro-)batch.
+                     anchor_chunk: int = 64, remat: bool = True,
+                     key_chunk: int | None = 512) -> dict[str, jax.Array]:
+    """Sums of loss terms and metric numerators for one (micro-)batch. `key_chunk`: context
+    keys per online-softmax chunk of the block attention (None: the dense oracle).
 
     feats [B, S, n·d] target taps; target_hidden [B, S, d] final-normed target hidden.
     """
@@ -95,7 +97,7 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
     anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
     anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)
     h = draft.draft_slots(draft.backbone(anchor_tok, anchor_pos, ctx_k, ctx_v, visible, valid,
-                                         remat=remat))                       # [B,A,γ,D]
+                                         remat=remat, key_chunk=key_chunk))                       # [B,A,γ,D]
 
     weights = position_weights(g, cfg.loss_decay_gamma, cfg.decay_convention, cfg.block_size)
     lm_head = draft.lm_head.get_value()

@@ -3,7 +3,7 @@
 One `jax.jit` function with explicit in/out shardings over a (data, fsdp, tensor) mesh that
 donates the train state. Only `nnx.Param` leaves are trained; the embedding and LM head copied
 from the target are `FrozenParam` and live outside the gradient and the optimizer state.
-Micro-batches are scanned with fp32 gradient accumulation of *sums*; dividing by the global
+Micro-batches (strided rows, so each spans every data shard) are scanned with fp32 gradient accumulation of *sums*; dividing by the global
 loss weight at the end makes the result equal to one big batch. Target features are computed
 inside the step from the frozen target (online) or read from the batch (offline cache).
 """
@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.dspark import FrozenParam
-from dspark_jax.sharding import logical_to_spec, state_shardings, use_mesh
+from dspark_jax.sharding import (abstract_on_mesh, constrain, logical_to_spec, put_on_mesh,
+                                 state_shardings, use_mesh)
 from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
 
 
@@ -73,30 +74,56 @@ def init_train_state(params: Any, tx: optax.GradientTransformation, seed: int,
     """A train state placed on the mesh (params by their logical axes, Adam moments like their
     params, scalars replicated) and the matching tree of shardings."""
     repl = NamedSharding(mesh, P())
-    params = jax.device_put(params, state_shardings(params, mesh))
+    params = put_on_mesh(params, state_shardings(params, mesh))
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_state = jax.jit(tx.init)(params)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_state, param_sh,
                                    transform_non_params=lambda _: repl)
-    opt_state = jax.device_put(opt_state, opt_sh)
+    opt_state = put_on_mesh(opt_state, opt_sh)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
                        key=jax.random.key(seed))
-    state = jax.device_put(state, TrainState(step=repl, params=param_sh, opt_state=opt_sh,
-                                             key=repl))
+    state = put_on_mesh(state, TrainState(step=repl, params=param_sh, opt_state=opt_sh,
+                                          key=repl))
     shardings = TrainState(step=repl, params=param_sh, opt_state=opt_sh, key=repl)
     return state, shardings
+
+
+def abstract_train_state(params: Any, tx: optax.GradientTransformation,
+                         mesh: jax.sharding.Mesh) -> tuple[TrainState, TrainState]:
+    """The train state as jax.ShapeDtypeStructs carrying their shardings, and the shardings
+    (the same layout as `init_train_state`), without allocating anything: for ahead-of-time
+    compilation. `params` may itself be abstract (from `nnx.eval_shape`)."""
+    repl = NamedSharding(mesh, P())
+    params = abstract_on_mesh(params, mesh)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, opt_state, param_sh,
+                                   transform_non_params=lambda _: repl)
+    shardings = TrainState(step=repl, params=param_sh, opt_state=opt_sh, key=repl)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                       opt_state=opt_state, key=key)
+    with_sh = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    return jax.tree.map(with_sh, state, shardings), shardings
 
 
 BATCH_KEYS_ONLINE = ("input_ids", "loss_mask", "positions", "segment_ids")
 BATCH_KEYS_OFFLINE = BATCH_KEYS_ONLINE + ("features", "target_hidden")
 
 
-def _micro(x: jax.Array, m: int) -> jax.Array:
-    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
+def micro_batches_of(x: jax.Array, m: int) -> jax.Array:
+    """[B, ...] → [m, B/m, ...] with micro-batch i = rows i, i+m, i+2m, … (strided).
+
+    The batch axis is sharded in contiguous row blocks over (data, fsdp); a strided micro-batch
+    takes B/(m·shards) rows from every block, so each micro-step keeps the batch sharding and
+    all devices work on it (contiguous row ranges would live on 1/m of the devices and force a
+    reshard every micro-step). Accumulating sums makes the grouping irrelevant to the result.
+    """
+    return jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1)
 
 
 def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
-                      anchor_chunk: int) -> Callable:
+                      anchor_chunk: int, attn_key_chunk: int | None = 512) -> Callable:
     """(params, frozen, target_state, micro_batch, key) → sums. The objective numerator is
     `sums["objective"]` (divide by the global Σw for the loss)."""
 
@@ -116,7 +143,7 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
                                     segment_ids=mb["segment_ids"])
         sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
                                 positions=mb["positions"], segment_ids=mb["segment_ids"],
-                                anchor_chunk=anchor_chunk)
+                                anchor_chunk=anchor_chunk, key_chunk=attn_key_chunk)
         obj = cfg.ce_loss_alpha * sums["ce"] + cfg.l1_loss_alpha * sums["l1"]
         if cfg.model_type == "dflash":
             obj = sums["ce"]
@@ -149,14 +176,16 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                      schedule: optax.Schedule, *, target_graphdef: Any | None,
                      mesh: jax.sharding.Mesh, state_sh: TrainState, frozen: Any,
                      target_state: Any | None, micro_batches: int = 1,
-                     anchor_chunk: int = 64) -> StepFns:
+                     anchor_chunk: int = 64, attn_key_chunk: int | None = 512) -> StepFns:
     """Returns the jitted train/eval functions with explicit shardings (donating the state)."""
-    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk)
+    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk,
+                                attn_key_chunk)
     to_metrics = metrics_fn(cfg)
 
     def train_step(state: TrainState, frozen, target_state, batch):
         key, step_key = jax.random.split(state.key)
-        mbs = jax.tree.map(lambda x: _micro(x, micro_batches), batch)
+        mbs = jax.tree.map(lambda x: constrain(micro_batches_of(x, micro_batches), (None, "batch")),
+                           batch)
         keys = jax.random.split(step_key, micro_batches)
 
         def accumulate(carry, xs):

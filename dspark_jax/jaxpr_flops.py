@@ -1,0 +1,53 @@
+"""Matmul FLOPs of a traced function, loops counted (for the AOT report, issue 9).
+
+XLA's `cost_analysis()` counts a while-loop body once, whatever its trip count, so a step made of
+scans (micro-batches, layers, anchor and key chunks) reports a small fraction of its work. This
+walks the jaxpr instead: 2·M·N·K per `dot_general`, sub-jaxprs (jit, remat, custom VJP rules)
+counted where they run, `scan` bodies times their length. Elementwise work is ignored: it is
+memory-bound and not what MFU measures. The count is global (all devices together).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+
+
+def _dot_flops(eqn: Any) -> int:
+    lhs, _ = (v.aval for v in eqn.invars)
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    out = eqn.outvars[0].aval
+    k = math.prod(lhs.shape[d] for d in contract)
+    return 2 * math.prod(out.shape) * k
+
+
+def _sub_jaxprs(params: dict) -> list[Any]:
+    subs = []
+    for p in params.values():
+        for x in (p if isinstance(p, (tuple, list)) else (p,)):
+            inner = getattr(x, "jaxpr", x)
+            if hasattr(inner, "eqns"):
+                subs.append(inner)
+    return subs
+
+
+def jaxpr_matmul_flops(jaxpr: Any) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            total += _dot_flops(eqn)
+        elif name == "scan":
+            total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"].jaxpr)
+        elif name == "cond":
+            total += max(jaxpr_matmul_flops(b.jaxpr) for b in eqn.params["branches"])
+        else:   # pjit, remat, custom_jvp/vjp calls, while (body once: none in our steps)
+            total += sum(jaxpr_matmul_flops(s) for s in _sub_jaxprs(eqn.params))
+    return total
+
+
+def matmul_flops(fn: Callable, *args: Any) -> int:
+    """Global matmul FLOPs of one call `fn(*args)`; args may be jax.ShapeDtypeStructs."""
+    return jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr)

@@ -1,0 +1,128 @@
+"""Stage 3 of the training job: export of the trained drafter in DeepSpec's format, the
+held-out teacher-forced acceptance (accept_rate@k, tau_probabilistic; SPEC §6 metrics), and
+optionally speculative decoding on the held-out prompts (measured τ, `dspark_jax.evaluate`).
+Only process 0 writes files; every process takes part in the collectives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pathlib
+from typing import Any
+
+from dspark_jax.train.job_config import attn_key_chunk
+
+
+def barrier(name: str) -> None:
+    """All processes wait here (what process 0 wrote is then readable by every process)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) -> dict[str, float]:
+    """(e) teacher-forced acceptance on held-out regenerated data, pooled over all batches
+    (sums are added before the ratios are taken, so it equals one big batch)."""
+    import jax
+    import numpy as np
+
+    from dspark_jax.data.pipeline import PipelineConfig, make_dataset, to_global_batch
+    from dspark_jax.sharding import use_mesh
+    from dspark_jax.train.step import make_loss_sums_fn, metrics_fn
+
+    mesh, batch_sh, graphdef = fns_mesh
+    if not records:
+        return {}
+    sums_fn = make_loss_sums_fn(graphdef, draft_cfg, target.graphdef, c.train.anchor_chunk,
+                                attn_key_chunk(c))
+
+    @jax.jit
+    def eval_sums(params, frozen, target_state, batch, key):
+        with use_mesh(mesh):
+            return sums_fn(params, frozen, target_state, batch, key)
+
+    pc = PipelineConfig(batch_size=c.eval.batch_size, max_length=c.data.max_length, shuffle=False,
+                        num_epochs=1, drop_remainder=False)
+    total = None
+    key = jax.random.key(c.eval.seed)
+    for i, local in enumerate(make_dataset(records, pc)):
+        if 0 <= c.eval.max_batches <= i:
+            break
+        batch = to_global_batch(local, batch_sh)
+        sums = jax.device_get(eval_sums(params, frozen, target.state, batch,
+                                        jax.random.fold_in(key, i)))
+        sums = jax.tree.map(lambda x: np.asarray(x, np.float64), sums)
+        total = sums if total is None else jax.tree.map(np.add, total, sums)
+    if total is None:
+        return {}
+    metrics = metrics_fn(draft_cfg)(total)
+    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def speculative_eval(c, target, export_dir: pathlib.Path, heldout_convs,
+                     workdir: pathlib.Path) -> dict[str, Any]:
+    """Speculative decoding with the exported drafter (read by every process once written)."""
+    from dspark_jax.models.draft import load_draft
+
+    return speculative_hook(c, target, load_draft(export_dir, target), heldout_convs, workdir)
+
+
+def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> dict[str, Any]:
+    """`config.eval.speculative`: measured τ with speculative decoding by `dspark_jax.evaluate`
+    (DeepSpec's protocol, another module's job). Default data: the held-out prompts (first user
+    turn), written as a DeepSpec `{"turns"}` file; or `eval.speculative_data_dir`."""
+    try:
+        mod = importlib.import_module("dspark_jax.evaluate")
+    except ImportError:
+        return {"skipped": "dspark_jax.evaluate is not available"}
+    fn = getattr(mod, "evaluate", None)
+    if fn is None:
+        return {"skipped": "dspark_jax.evaluate has no evaluate(target, draft, data_dir, ...)"}
+    import jax
+
+    is_main = jax.process_index() == 0
+    e = c.eval
+    if e.speculative_data_dir:
+        data_dir, datasets = pathlib.Path(e.speculative_data_dir), None
+    else:
+        data_dir, datasets = workdir / "data" / "eval", ["heldout"]
+        data_dir.mkdir(parents=True, exist_ok=True)
+        firsts = [next(m["content"] for m in conv.messages if m["role"] == "user")
+                  for conv in heldout_convs]
+        if not firsts:
+            return {"skipped": "no held-out prompts (config.data.heldout)"}
+        if is_main:
+            (data_dir / "heldout.jsonl").write_text(
+                "".join(json.dumps({"turns": [t]}) + "\n" for t in firsts))
+        barrier("speculative_data")
+    max_new = e.speculative_max_new_tokens if e.speculative_max_new_tokens > 0 \
+        else c.data.max_new_tokens
+    out_dir = workdir / "speculative"
+    # every process decodes (the target is sharded over all of them); process 0 writes
+    results = fn(target, draft, data_dir, datasets=datasets, max_samples=None,
+                 max_new_tokens=max_new, batch_size=e.speculative_batch_size,
+                 out_dir=out_dir if is_main else None, progress=c.logging.progress and is_main,
+                 plots=False)
+    return {"out_dir": str(out_dir), "data_dir": str(data_dir), "mean": results.get("mean")}
+
+
+def export_draft(graphdef, params, frozen, out: pathlib.Path) -> pathlib.Path:
+    """The trained drafter in DeepSpec's format, written by process 0."""
+    import jax
+    from flax import nnx
+
+    from dspark_jax.models.draft import Draft
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        params, frozen = multihost_utils.process_allgather((params, frozen), tiled=True)
+    if jax.process_index() == 0:
+        model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(frozen))
+        Draft.from_model(model).save(out)
+    barrier("export")          # the others read the export only after it is complete
+    return out

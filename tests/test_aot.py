@@ -1,0 +1,84 @@
+"""Ahead-of-time compilation for a TPU topology on CPU (python -m dspark_jax.aot)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dspark_jax import aot
+from dspark_jax.jaxpr_flops import matmul_flops
+from hf_tiny import save_tiny_hf
+
+KEYS = ("topology", "num_chips", "hbm_bytes_per_chip", "peak_bytes_per_chip", "fits",
+        "flops_per_step")
+
+
+def test_flops_count_loop_trips_and_gradients():
+    def f(x, w):
+        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w @ w.T), None), x, None, length=5)
+        return y.sum()
+
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    w = jax.ShapeDtypeStruct((16, 32), jnp.float32)
+    fwd = 5 * 2 * (2 * 8 * 16 * 32)                       # 5 trips × 2 matmuls of 2·M·N·K
+    assert matmul_flops(f, x, w) == fwd
+    # backward: one matmul per forward matmul for d/dx, one more for d/dw
+    assert matmul_flops(jax.grad(f), x, w) == 2 * fwd
+    assert matmul_flops(jax.grad(f, argnums=(0, 1)), x, w) == 3 * fwd
+    # remat recompute is counted where it runs
+    assert matmul_flops(jax.grad(jax.checkpoint(f), argnums=(0, 1)), x, w) == 4 * fwd
+
+
+@pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+                    "pip install -e '.[tpu]'")
+def test_tiny_config_compiles_for_v5e_2x2(tmp_path, capsys):
+    target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2)
+    out = tmp_path / "aot.json"
+    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   "--json", str(out), f"--config.target={target}",
+                   "--config.data.max_length=64", "--config.draft.num_draft_layers=1"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert set(KEYS) <= set(r)
+    assert r["topology"] == "v5e:2x2" and r["num_chips"] == 4 and r["chip"] == "v5e"
+    assert r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}          # the v5e:2x2 preset
+    assert r["hbm_bytes_per_chip"] == 16 * aot.GiB and r["fits"] is True
+    for k in ("argument_bytes_per_chip", "temp_bytes_per_chip", "peak_bytes_per_chip",
+              "flops_per_step", "model_flops_per_step", "step_time_lower_bound_s"):
+        assert r[k] > 0, k
+    assert r["model_flops_per_step"] <= r["flops_per_step"]
+    assert 0 < r["mfu_ceiling"] <= 1
+    assert "fits" in capsys.readouterr().out
+
+
+def test_shortfall_is_reported():
+    code, msg = aot.verdict({"peak_bytes_per_chip": 20 * aot.GiB,
+                             "hbm_bytes_per_chip": 16 * aot.GiB})
+    assert code == 1 and "short by 4.00 GiB" in msg
+    assert aot.verdict({"peak_bytes_per_chip": 1, "hbm_bytes_per_chip": 2})[0] == 0
+
+
+def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(aot, "has_libtpu", lambda: False)
+    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2"])
+    assert rc == 2
+    assert "pip install -e '.[tpu]'" in capsys.readouterr().err
+
+
+def test_unknown_topology_and_target_are_clear_errors(capsys):
+    if not aot.has_libtpu():
+        pytest.skip("needs libtpu")
+    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v9x:1x1"])
+    assert rc == 2 and "v9x:1x1" in capsys.readouterr().err
+    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   "--config.target=nowhere"])
+    assert rc == 2 and "config.target 'nowhere'" in capsys.readouterr().err
+
+
+def test_compile_time_oom_becomes_a_shortfall():
+    msg = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
+           "memory required for HLO temporaries (47.84G) exceeds available HBM (31.24G).")
+    mem = aot._compile_time_oom(msg)
+    assert mem["temp"] == int(47.84 * aot.GiB) and "CompileTimeHbmOom" in mem["error"]
+    assert aot._compile_time_oom("INVALID_ARGUMENT: something else") is None
