@@ -1,9 +1,9 @@
-"""DSpark drafter for Qwen3-8B (36 layers; DeepSpec layer ids (1, 9, 17, 25, 33)) with the paper's settings
-(see configs/qwen3.py). `python -m dspark_jax.train --config configs/qwen3_8b_dspark.py
---config.target=/path/to/Qwen3-8B --config.data.prompts="('train.jsonl',)"`."""
+"""DSpark drafter for Qwen3-8B (36 layers) at DeepSpec's settings
+(config/dspark/dspark_qwen3_8b.py; see configs/qwen3.py). `python -m dspark_jax.train
+--config configs/qwen3_8b_dspark.py --config.target=/path/to/Qwen3-8B --config.data.prompts="('train.jsonl',)"`."""
 
-from configs.qwen3 import qwen3_dspark_config
+from configs.qwen3 import qwen3_config
 
 
 def get_config():
-    return qwen3_dspark_config("qwen3_8b_dspark", (1, 9, 17, 25, 33))
+    return qwen3_config("8b", "dspark")

@@ -1,0 +1,9 @@
+"""Eagle3 baseline (one draft layer, TTT 7) for Qwen3-8B (36 layers) at DeepSpec's settings
+(config/eagle3/eagle3_qwen3_8b.py; see configs/qwen3.py). `python -m dspark_jax.train
+--config configs/qwen3_8b_eagle3.py --config.target=/path/to/Qwen3-8B --config.data.prompts="('train.jsonl',)"`."""
+
+from configs.qwen3 import qwen3_config
+
+
+def get_config():
+    return qwen3_config("8b", "eagle3")
