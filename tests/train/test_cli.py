@@ -148,12 +148,30 @@ def test_entry_point_reports_config_errors_in_one_line():
 def test_shipped_configs_load(name):
     c = cli.parse_config(["p", f"--config={CONFIGS / name}.py", "--config.target=some/target"])
     if name.startswith("qwen3"):
-        ids = (1, 10, 19, 28, 37) if "14b" in name else (1, 9, 17, 25, 33)
-        assert tuple(c.draft.target_layer_ids) == ids
-        assert (c.draft.num_draft_layers, c.draft.block_size, c.draft.markov_rank) == (5, 7, 256)
-        assert c.draft.mask_token_id == 151669 and c.train.lr == 6e-4
-        assert (c.train.global_batch_size, c.train.epochs, c.data.max_length) == (512, 10, 4096)
-        assert c.checkpoint.every_steps == 3000
+        # DeepSpec's config/{dspark,dflash,eagle3}/<drafter>_qwen3_<size>.py values
+        _, size, drafter = name.split("_")
+        d, t = c.draft, c.train
+        ids = (1, 10, 19, 28, 37) if size == "14b" else (1, 9, 17, 25, 33)
+        assert d.model_type == drafter and tuple(d.target_layer_ids) == ids
+        assert d.mask_token_id == 151669
+        assert (t.lr, t.warmup_ratio, t.weight_decay, t.clip_norm) == (6e-4, 0.04, 0.0, 1.0)
+        assert (t.global_batch_size, t.epochs, c.data.max_length) == (512, 10, 4096)
+        assert (t.compute_dtype, t.log_every, c.checkpoint.every_steps) == ("bfloat16", 10, 3000)
+        if drafter == "eagle3":
+            assert c.seed == 0
+            assert (d.draft_num_hidden_layers, d.ttt_length, d.step_loss_decay) == (1, 7, 0.8)
+        else:
+            assert c.seed == 42
+            assert (d.num_draft_layers, d.block_size, d.num_anchors, d.loss_decay_gamma) == (
+                5, 7, 512, 4.0)
+        if drafter == "dspark":
+            assert (d.markov_rank, d.markov_head_type) == (256, "vanilla")
+            assert (d.enable_confidence_head, d.confidence_head_alpha,
+                    d.confidence_head_with_markov) == (True, 1.0, True)
+            assert (d.ce_loss_alpha, d.l1_loss_alpha) == (0.1, 0.9)
+        if drafter == "dflash":
+            assert (d.markov_rank, d.enable_confidence_head, d.confidence_head_alpha) == (0, False, 0.0)
+            assert (d.ce_loss_alpha, d.l1_loss_alpha) == (1.0, 0.0)
     if name.startswith("smollm2"):
         assert tuple(c.draft.target_layer_ids) == (1, 8, 14, 20, 27)
         assert c.draft.mask_token_id == 16
