@@ -184,13 +184,22 @@ def test_sharded_step_equals_single_device(target):
     np.testing.assert_allclose(float(m1["loss"]), float(m8["loss"]), rtol=1e-5)
 
 
-def test_micro_batches_equal_one_big_batch(target):
-    """Gradient accumulation of sums over 4 micro-batches == one batch (global token means).
-    num_anchors ≥ S makes every candidate an anchor, so the draw does not depend on the key."""
+def _uneven_batch():
+    """4 rows whose loss-token counts differ a lot, so the two normalisations disagree."""
     b = _batch(B=4, seed=4)
+    b["loss_mask"][0, 9:] = 0
+    b["loss_mask"][2, 14:] = 0
+    return b
+
+
+def test_global_normalization_micro_batches_equal_one_big_batch(target):
+    """"global": accumulation of sums over 4 micro-batches == one batch (global token means).
+    num_anchors ≥ S makes every candidate an anchor, so the draw does not depend on the key."""
+    b = _uneven_batch()
     mesh = make_mesh(devices=jax.devices()[:1])
-    s1, fr, f1 = _setup_step(target, mesh, micro=1, draft_kw=dict(num_anchors=32))
-    s2, _, f2 = _setup_step(target, mesh, micro=4, draft_kw=dict(num_anchors=32))
+    kw = dict(num_anchors=32, loss_normalization="global")
+    s1, fr, f1 = _setup_step(target, mesh, micro=1, draft_kw=kw)
+    s2, _, f2 = _setup_step(target, mesh, micro=4, draft_kw=kw)
     s1, m1 = f1.train(s1, fr, target.state, b)
     s2, m2 = f2.train(s2, fr, target.state, b)
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
@@ -198,6 +207,47 @@ def test_micro_batches_equal_one_big_batch(target):
     diff = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
                         s1.params, s2.params)
     assert max(jax.tree.leaves(diff)) <= 1e-6
+
+
+def test_deepspec_normalization_is_the_mean_of_micro_batch_losses(target):
+    """"deepspec" (default): each micro-step's loss uses its own Σw and is divided by the
+    accumulation count — loss and gradient are the means over micro-batches of each
+    micro-batch's own token-weighted loss, not one big batch's."""
+    from dspark_jax.train.step import make_loss_sums_fn
+
+    b = _uneven_batch()
+    mesh = make_mesh(devices=jax.devices()[:1])
+    kw = dict(num_anchors=32)
+    state, fr, fns = _setup_step(target, mesh, micro=4, draft_kw=kw)
+    cfg = init_draft(target, dict(DRAFT, **kw), seed=1).config
+    assert cfg.loss_normalization == "deepspec"
+    gd = fns.graphdef
+    sums_fn = make_loss_sums_fn(gd, cfg, target.graphdef, 64)
+    params = jax.tree.map(jnp.copy, state.params)
+    key = jax.random.key(0)
+
+    @jax.jit
+    def quarter_loss(p, mb):
+        def f(p):
+            sums = sums_fn(p, fr, target.state, mb, key)
+            return sums["objective"] / sums["weight"], sums
+        return jax.value_and_grad(f, has_aux=True)(p)
+
+    outs = [quarter_loss(params, {k: v[i:i + 1] for k, v in b.items()}) for i in range(4)]
+    losses = [float(o[0][0]) for o in outs]
+    grads = [o[1] for o in outs]
+    ref_loss = float(np.mean(losses))
+    ref_grad = jax.tree.map(lambda *g: sum(g) / 4, *grads)
+    import optax
+
+    ref_norm = float(optax.global_norm(ref_grad))
+    _, m = fns.train(state, fr, target.state, b)
+    np.testing.assert_allclose(float(m["loss"]), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(m["grad_norm"]), ref_norm, rtol=1e-4)
+    # … which is not what one big batch (the "global" rule) gives on this batch
+    big = (sum(float(o[0][1]["objective"]) for o in outs)
+           / sum(float(o[0][1]["weight"]) for o in outs))
+    assert abs(big - ref_loss) > 1e-3 * ref_loss, (big, ref_loss)
 
 
 def test_tiny_draft_overfits(tmp_path_factory):
