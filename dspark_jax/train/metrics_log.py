@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-PROGRESS_KEYS = ("loss", "accept_rate@0", "step_acc@0", "tau_probabilistic", "lr")
+PROGRESS_KEYS = ("loss", "accept_rate@0", "tau_probabilistic", "lr")
 
 
 def batch_fingerprint(batch: Mapping[str, Any]) -> str:
@@ -138,7 +138,7 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self._t0
         parts = [f"{self._steps_done} steps in {elapsed:.1f}s",
                  f"{self._tokens_total / max(elapsed, 1e-9):.0f} tok/s"]
-        for k in ("loss", "accept_rate@0", "step_acc@0", "tau_probabilistic", "grad_norm"):
+        for k in ("loss", "accept_rate@0", "tau_probabilistic", "grad_norm"):
             if k in self.last:
                 parts.append(f"{k}={self.last[k]:.4g}")
         return "done: " + ", ".join(parts)
