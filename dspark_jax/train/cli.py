@@ -397,7 +397,7 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     maybe_initialize_distributed(c)
     import jax
 
-    from dspark_jax.data.pipeline import (PipelineConfig, make_dataset,
+    from dspark_jax.data.pipeline import (PipelineConfig, make_dataset, max_segments_per_row,
                                           records_from_conversations, record_lengths,
                                           steps_per_epoch, to_global_batch)
     from dspark_jax.models import init_draft, load_target
@@ -491,7 +491,9 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     fns = build_train_step(graphdef, draft_cfg, tx, schedule,
                            target_graphdef=target.graphdef if online else None, mesh=mesh,
                            state_sh=state_sh, frozen=frozen, target_state=target_state,
-                           micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk)
+                           micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk,
+                           max_segments=(max_segments_per_row(record_lengths(source), pc)
+                                         if c.data.pack else 1))
 
     ckpt_dir = pathlib.Path(c.checkpoint.directory or workdir / "checkpoints")
     meta = make_meta(target.name or c.target, target.config.to_hf_dict(), draft_cfg.to_dict(),

@@ -103,9 +103,10 @@ def _micro(x: jax.Array, m: int) -> jax.Array:
 
 
 def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
-                      anchor_chunk: int) -> Callable:
+                      anchor_chunk: int, max_segments: int = 1) -> Callable:
     """(params, frozen, target_state, micro_batch, key) → sums. The objective numerator is
-    `sums["objective"]` (divide by the global Σw for the loss)."""
+    `sums["objective"]` (divide by Σw = `sums["weight"]` for the loss). `max_segments`: the most
+    packed sequences in a row (each gets up to num_anchors anchors)."""
 
     def fn(params, frozen, target_state, mb, key):
         draft = nnx.merge(draft_graphdef, params, frozen)
@@ -123,7 +124,7 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
                                     segment_ids=mb["segment_ids"])
         sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
                                 positions=mb["positions"], segment_ids=mb["segment_ids"],
-                                anchor_chunk=anchor_chunk)
+                                anchor_chunk=anchor_chunk, max_segments=max_segments)
         obj = cfg.ce_loss_alpha * sums["ce"] + cfg.l1_loss_alpha * sums["l1"]
         if cfg.model_type == "dflash":
             obj = sums["ce"]
@@ -156,9 +157,9 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                      schedule: optax.Schedule, *, target_graphdef: Any | None,
                      mesh: jax.sharding.Mesh, state_sh: TrainState, frozen: Any,
                      target_state: Any | None, micro_batches: int = 1,
-                     anchor_chunk: int = 64) -> StepFns:
+                     anchor_chunk: int = 64, max_segments: int = 1) -> StepFns:
     """Returns the jitted train/eval functions with explicit shardings (donating the state)."""
-    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk)
+    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk, max_segments)
     to_metrics = metrics_fn(cfg)
     per_micro_step = cfg.loss_normalization == "deepspec"
 

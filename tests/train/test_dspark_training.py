@@ -65,11 +65,16 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
     anchors, valid = map(np.asarray, sample_anchors(key, jnp.asarray(b["loss_mask"]), 6))
     cfg, g = draft.config, 4
     w_k = np.exp(-np.arange(g) / cfg.loss_decay_gamma)
-    num = {"ce": 0.0, "l1": 0.0, "conf": 0.0}
+    num = {"ce": 0.0, "l1": 0.0, "conf": 0.0, "abs_err": 0.0, "bias": 0.0, "cum_bias": 0.0}
     W, acc, cnt = 0.0, np.zeros(g), np.zeros(g)
     ids, lm = b["input_ids"], b["loss_mask"]
     S = ids.shape[1]
+    sampler = {"valid_anchors_abs": 0.0, "valid_anchors_ratio": 0.0, "sampled_anchors_abs": 0.0,
+               "sampled_anchors_ratio": 0.0, "block_supervised_tokens_abs": 0.0,
+               "block_supervised_tokens_ratio": 0.0}
     for bi in range(2):
+        n_cand = sum(bool(lm[bi, i] and lm[bi, i + 1]) for i in range(S - 1))
+        sampled, supervised = int(valid[bi].sum()), 0
         for a, v in zip(anchors[bi], valid[bi]):
             if not v:
                 continue
@@ -78,6 +83,7 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
             out = draft.block_logits(feats[bi], ids[bi, a], a, prev)
             pd = _softmax(out["logits"].astype(np.float64))
             m = 1.0
+            prefix_c = prefix_t = 1.0
             for k in range(g):
                 pos = a + k + 1
                 m *= float(pos < S and lm[bi, min(pos, S - 1)] == 1)
@@ -88,17 +94,38 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
                 c_star = np.clip(1 - 0.5 * l1, 0, 1)
                 c = out["confidence_logits"][k]
                 bce = max(c, 0) - c * c_star + np.log1p(np.exp(-abs(c)))
+                sig = 1 / (1 + np.exp(-c))
+                prefix_c, prefix_t = prefix_c * sig, prefix_t * c_star
                 w = w_k[k]
                 num["ce"] += w * -np.log(pd[k, ids[bi, pos]])
                 num["l1"] += w * l1
                 num["conf"] += w * bce
+                # DeepSpec weights the confidence errors with the decayed loss weights
+                num["abs_err"] += w * abs(sig - c_star)
+                num["bias"] += w * (sig - c_star)
+                num["cum_bias"] += w * (prefix_c - prefix_t)
                 W += w
                 acc[k] += c_star
                 cnt[k] += 1
+                supervised += 1
+        # DeepSpec's anchor-sampler statistics, per sample (row) then averaged over samples
+        sampler["valid_anchors_abs"] += n_cand / 2
+        sampler["valid_anchors_ratio"] += n_cand / S / 2
+        sampler["sampled_anchors_abs"] += sampled / 2
+        sampler["sampled_anchors_ratio"] += sampled / 6 / 2
+        sampler["block_supervised_tokens_abs"] += supervised / max(sampled, 1) / 2
+        sampler["block_supervised_tokens_ratio"] += supervised / max(sampled, 1) / g / 2
     ref_loss = (0.1 * num["ce"] + 0.9 * num["l1"] + 1.0 * num["conf"]) / W
     np.testing.assert_allclose(got["loss"], ref_loss, rtol=2e-5)
-    np.testing.assert_allclose(got["ce"], num["ce"] / W, rtol=2e-5)
-    np.testing.assert_allclose(got["l1"], num["l1"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["ce_loss"], num["ce"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["l1_loss"], num["l1"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["confidence_loss"], num["conf"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["confidence_abs_error"], num["abs_err"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["confidence_bias"], num["bias"] / W, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(got["confidence_cumprod_bias"], num["cum_bias"] / W, rtol=2e-5,
+                               atol=1e-7)
+    for k, v in sampler.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
     for k in range(g):
         np.testing.assert_allclose(got[f"accept_rate@{k}"], acc[k] / cnt[k], rtol=2e-5)
 
