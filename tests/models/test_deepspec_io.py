@@ -275,3 +275,75 @@ def test_reads_the_eagle3_layouts_deepspec_evaluates(target, tmp_path):
 
 
 EAGLE3 = "Eagle3DraftModel"
+
+
+def _torch_dspark_block(cfg_json, t, feats, anchor_tok, anchor_pos, prev):
+    """DeepSpec's Qwen3DSparkModel block forward, written from its modeling.py semantics with
+    torch Linear/Embedding layouts, straight from the exported state dict (float64): one block
+    [x0, M…M] at positions a..a+γ−1 over the context features strictly before a."""
+    import torch
+    import torch.nn.functional as F
+
+    T = {k: torch.as_tensor(np.asarray(v, np.float64)) for k, v in t.items()}
+    eps, D = cfg_json["rms_norm_eps"], cfg_json["hidden_size"]
+    N, K, H = (cfg_json["num_attention_heads"], cfg_json["num_key_value_heads"],
+               cfg_json["head_dim"])
+    g = cfg_json["block_size"]
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):                                   # x [n, heads, H], rotate-half
+        inv = 1.0 / cfg_json["rope_theta"] ** (torch.arange(0, H, 2, dtype=torch.float64) / H)
+        ang = torch.as_tensor(pos, dtype=torch.float64)[:, None] * inv
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+        x1, x2 = x[..., :H // 2], x[..., H // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    ctx = rms(F.linear(torch.as_tensor(feats[:anchor_pos], dtype=torch.float64), T["fc.weight"]),
+              T["hidden_norm.weight"])
+    toks = torch.as_tensor([anchor_tok] + [cfg_json["mask_token_id"]] * (g - 1))
+    h = F.embedding(toks, T["embed_tokens.weight"])
+    bpos = np.arange(anchor_pos, anchor_pos + g)
+    kpos = np.concatenate([np.arange(anchor_pos), bpos])
+    for i in range(cfg_json["num_hidden_layers"]):
+        p = lambda n: T[f"layers.{i}.{n}"]
+        x = rms(h, p("input_layernorm.weight"))
+        q = rms(F.linear(x, p("self_attn.q_proj.weight")).view(g, N, H), p("self_attn.q_norm.weight"))
+        kv_in = torch.cat([ctx, x])
+        k = rms(F.linear(kv_in, p("self_attn.k_proj.weight")).view(-1, K, H),
+                p("self_attn.k_norm.weight"))
+        v = F.linear(kv_in, p("self_attn.v_proj.weight")).view(-1, K, H)
+        q, k = rope(q, bpos), rope(k, kpos)
+        k, v = k.repeat_interleave(N // K, 1), v.repeat_interleave(N // K, 1)
+        att = torch.softmax(torch.einsum("qnh,knh->nqk", q, k) * H ** -0.5, -1)
+        o = torch.einsum("nqk,knh->qnh", att, v).reshape(g, N * H)
+        h = h + F.linear(o, p("self_attn.o_proj.weight"))
+        x = rms(h, p("post_attention_layernorm.weight"))
+        h = h + F.linear(F.silu(F.linear(x, p("mlp.gate_proj.weight")))
+                         * F.linear(x, p("mlp.up_proj.weight")), p("mlp.down_proj.weight"))
+    h = rms(h, T["norm.weight"])
+    logits = F.linear(h, T["lm_head.weight"])
+    prev_emb = F.embedding(torch.as_tensor(prev), T["markov_head.markov_w1.weight"])
+    logits = logits + F.linear(prev_emb, T["markov_head.markov_w2.weight"])   # vanilla Markov
+    conf = F.linear(torch.cat([h, prev_emb], -1), T["confidence_head.proj.weight"],
+                    T["confidence_head.proj.bias"])[:, 0]
+    return logits.numpy(), conf.numpy()
+
+
+def test_export_gives_deepspec_block_logits(target, feats, tmp_path):
+    """The exported tensors, read with DeepSpec's (torch) semantics, give our block logits and
+    confidence logits — the layouts of fc, the layers, W1/W2 and the confidence head."""
+    draft = init_draft(target, BASE, seed=7)
+    m = draft.model
+    m.markov.w2.set_value(m.markov.w2.get_value() * 40.0)       # make the Markov bias matter
+    draft = type(draft).from_model(m)
+    draft.save(tmp_path / "ck")
+    raw = json.loads((tmp_path / "ck" / "config.json").read_text())
+    t = read_safetensors_dir(tmp_path / "ck")
+    a, prev = 7, [11, 12, 13, 14]
+    ours = draft.block_logits(feats, 11, a, prev)
+    logits, conf = _torch_dspark_block(raw, t, np.asarray(feats, np.float64), 11, a, prev)
+    assert np.abs(ours["logits"] - ours["base_logits"]).max() > 1e-3
+    np.testing.assert_allclose(ours["logits"], logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(ours["confidence_logits"], conf, atol=1e-4, rtol=1e-4)
