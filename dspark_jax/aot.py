@@ -183,7 +183,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
         batch["target_hidden"] = jax.ShapeDtypeStruct((B, S, D), t_dtype, sharding=sh)
         assert set(batch) == set(BATCH_KEYS_OFFLINE)
     sums_fn = make_loss_sums_fn(graphdef, d_cfg, t_graphdef if online else None,
-                                c.train.anchor_chunk, attn_key_chunk(c))
+                                c.train.anchor_chunk, attn_key_chunk=attn_key_chunk(c))
 
     def target_fn(ts, mb):
         out = nnx.merge(t_graphdef, ts)(mb["input_ids"], positions_bt=mb["positions"],

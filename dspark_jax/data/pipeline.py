@@ -144,6 +144,13 @@ def _units(lengths: np.ndarray | None, pc: PipelineConfig) -> list[tuple[int, ..
     return pack_rows(lengths, pc.max_length, seed=pc.seed, shuffle=pc.shuffle, window=pc.pack_window)
 
 
+def max_segments_per_row(lengths: Sequence[int] | np.ndarray, pc: PipelineConfig) -> int:
+    """The most records any row holds (1 without packing): the static bound the train step needs
+    to give every packed sequence its own `num_anchors` (train/anchors.py)."""
+    units = _units(np.asarray(lengths, np.int64), pc)
+    return 1 if units is None else max((len(u) for u in units), default=1)
+
+
 def steps_per_epoch(n_records: int, pc: PipelineConfig, *, lengths: Sequence[int] | np.ndarray | None = None) -> int:
     """Global batches per epoch. With `pack=True` the record `lengths` are needed (packing
     decides the number of rows; see `record_lengths`)."""
@@ -278,4 +285,5 @@ def to_global_batch(local_batch: Mapping[str, np.ndarray],
 
 
 __all__ = ["PipelineConfig", "make_dataset", "records_from_conversations", "steps_per_epoch",
-           "pack_rows", "record_lengths", "batch_sharding", "to_global_batch"]
+           "pack_rows", "record_lengths", "max_segments_per_row", "batch_sharding",
+           "to_global_batch"]

@@ -1,11 +1,18 @@
-"""DeepSpec checkpoint interop for drafters (SPEC §3, §5; issue: DeepSpec's released checkpoints).
+"""DeepSpec checkpoint interop for drafters (SPEC §3, §5; issue 8: exports DeepSpec loads).
 
-A DeepSpec drafter directory holds `config.json` (architectures `Qwen3DSparkModel` /
-`Qwen3Eagle3Model`, the target-shaped fields with `num_hidden_layers` = draft layers, and
-`block_size`, `target_layer_ids`, `markov_rank`, `markov_head_type`, `enable_confidence_head`,
-`confidence_head_with_markov`, `mask_token_id`, RoPE) and safetensors with DeepSpec's names.
-We read and write exactly that format; our own extra training fields ride along under a
-`dspark_jax` key that DeepSpec ignores, so the round trip is exact.
+A DeepSpec drafter directory holds `config.json` — the target's Qwen3 config with
+`num_hidden_layers` = draft layers, `tie_word_embeddings` false, `layer_types`, and the fields
+DeepSpec's constructors and evaluators read (`DSPARK_FIELDS`, `EAGLE3_FIELDS`, from
+deepspec/modeling/{dspark,eagle3}/qwen3/{config,modeling}.py and deepspec/eval/) — and
+safetensors with exactly the names of DeepSpec's `Qwen3DSparkModel` / `Qwen3Eagle3Model` state
+dicts (`deepspec_tensor_names`). We write exactly that; our own extra fields (training recipe,
+conventions, and any value DeepSpec's field cannot express) ride along under a `dspark_jax` key
+that DeepSpec ignores, so the round trip is exact.
+
+Reading accepts what DeepSpec's evaluator (eval.py) maps: the architectures Qwen3DSparkModel /
+Qwen3Eagle3Model / Eagle3DraftModel (and our Llama variants), tensors with or without a
+`model.` prefix, and the Eagle3DraftModel (SpecForge) single-layer names `midlayer.*` with an
+identity `d2t`/`t2d` vocabulary map. A missing or unexpected tensor is an error naming the file.
 """
 
 from __future__ import annotations
@@ -27,17 +34,31 @@ from dspark_jax.models.hf_io import (CheckpointError, export_layer_stack, import
 
 _ARCH = re.compile(r"^(Qwen3|Llama|Gemma4)(DSpark|DFlash|Eagle3)(Model|ForCausalLM)?$")
 _FAMILY = {"Qwen3": "qwen3", "Llama": "llama", "Gemma4": "gemma4"}
+EAGLE3_DRAFT_MODEL = "Eagle3DraftModel"   # eval.py maps it to the Qwen3 Eagle3 evaluator
+
+# config.json fields DeepSpec's Qwen3DSparkModel.__init__ / build_draft_config / the DSpark
+# evaluator read (besides the Qwen3 shape), and those it writes only in some cases
+DSPARK_FIELDS = ("num_target_layers", "block_size", "target_layer_ids", "mask_token_id",
+                 "num_anchors", "enable_confidence_head", "markov_rank")
+DSPARK_IF_MARKOV = ("markov_head_type",)                 # markov_rank > 0
+DSPARK_IF_CONFIDENCE = ("confidence_head_with_markov",)  # enable_confidence_head
+# … Qwen3Eagle3Model.__init__ / build_draft_config / the Eagle3 evaluator
+EAGLE3_FIELDS = ("num_target_layers", "target_layer_ids", "ttt_length", "step_loss_decay",
+                 "draft_num_hidden_layers")
+INITIALIZER_RANGE = 0.02    # DeepSpec's drafters inherit Qwen3's (post_init reads it)
 
 
 def _arch_info(raw: Mapping[str, Any], source: str) -> tuple[str, str]:
     for a in raw.get("architectures") or []:
+        if a == EAGLE3_DRAFT_MODEL:
+            return ("llama" if raw.get("model_type") == "llama" else "qwen3"), "eagle3"
         m = _ARCH.match(a)
         if m:
             family = _FAMILY[m.group(1)]
             return family, m.group(2).lower()
     raise ConfigError(f"{source}: not a DeepSpec drafter (architectures "
                       f"{raw.get('architectures')!r}; expected e.g. Qwen3DSparkModel, "
-                      "Qwen3Eagle3Model)")
+                      f"Qwen3Eagle3Model, {EAGLE3_DRAFT_MODEL})")
 
 
 def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.json",
@@ -54,6 +75,7 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
     else:
         shape = dict(raw)
         shape["architectures"] = ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"]
+        shape["model_type"] = family
         layer_shape = DecoderConfig.from_hf_dict(shape, source=source)
     n_draft = layer_shape.num_hidden_layers
     ids = tuple(int(i) for i in raw.get("target_layer_ids") or ours.get("target_layer_ids") or ())
@@ -66,43 +88,40 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
                     f"{source}: drafter was built for a target with {field}="
                     f"{getattr(layer_shape, field)}, but the target has {getattr(target, field)}")
     else:
-        n_target = int(raw.get("num_target_layers") or ours.get("num_target_layers")
-                       or max(ids) + 2)
+        n_target = int(raw.get("num_target_layers") or max(ids) + 2)
         target = layer_shape.replace(num_hidden_layers=n_target)
         if family == "gemma4":
             target = target.replace(layer_types=("full_attention",) * n_target)
-    rank = int(raw.get("markov_rank", 0) or 0)
-    conf = bool(raw.get("enable_confidence_head", False))
-    model_type = "eagle3" if kind == "eagle3" else ("dspark" if (rank > 0 or conf or kind == "dspark") else "dflash")
-    if model_type == "dspark" and rank == 0 and not conf:
-        model_type = "dflash"
-    fields = dict(
-        model_type=model_type,
-        block_size=int(raw.get("block_size", ours.get("block_size", 7))),
-        target_layer_ids=ids,
-        mask_token_id=int(raw.get("mask_token_id", ours.get("mask_token_id", 0))),
-        markov_rank=rank,
-        markov_head_type=str(raw.get("markov_head_type", "vanilla") or "vanilla"),
-        enable_confidence_head=conf,
-        confidence_head_with_markov=bool(raw.get("confidence_head_with_markov", True)),
-    )
-    if model_type == "eagle3":
-        fields["draft_num_hidden_layers"] = n_draft
-        fields["ttt_length"] = int(raw.get("ttt_length", ours.get("ttt_length", 7)))
-        # γ at inference; DeepSpec's Eagle3 checkpoints tie it to the TTT length
-        fields["block_size"] = int(raw.get("block_size", raw.get("ttt_length", 7)))
+    fields: dict[str, Any] = dict(target_layer_ids=ids)
+    if kind == "eagle3":
+        ttt = int(raw.get("ttt_length", 7))
+        fields.update(model_type="eagle3", ttt_length=ttt,
+                      step_loss_decay=float(raw.get("step_loss_decay", 0.8)),
+                      draft_num_hidden_layers=int(raw.get("draft_num_hidden_layers", n_draft)),
+                      block_size=ttt, markov_rank=0, enable_confidence_head=False)
     else:
-        fields["num_draft_layers"] = n_draft
-    # our training-only fields, if this checkpoint was written by dspark_jax
-    for key in ("num_anchors", "confidence_head_alpha", "loss_decay_gamma", "decay_convention",
-                "block_convention",
-                "ce_loss_alpha", "l1_loss_alpha", "step_loss_decay"):
-        if key in ours:
-            fields[key] = ours[key]
+        rank = int(raw.get("markov_rank", 0) or 0)
+        conf = bool(raw.get("enable_confidence_head", False))
+        fields.update(model_type="dspark" if (rank > 0 or conf) else "dflash",
+                      num_draft_layers=n_draft, block_size=int(raw.get("block_size", 7)),
+                      mask_token_id=int(raw.get("mask_token_id", 0)),
+                      num_anchors=int(raw.get("num_anchors", 512)), markov_rank=rank,
+                      markov_head_type=str(raw.get("markov_head_type") or "vanilla"),
+                      enable_confidence_head=conf,
+                      confidence_head_with_markov=bool(raw.get("confidence_head_with_markov",
+                                                               True)))
+    # our own fields (written by dspark_jax) take precedence: they are exact
+    known = {f for f in DraftConfig.__dataclass_fields__ if f != "target"}
+    unknown = sorted(set(ours) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown fields {unknown} under 'dspark_jax'")
+    for k, v in ours.items():
+        fields[k] = tuple(v) if k == "target_layer_ids" else v
     return DraftConfig(target=target, **fields)
 
 
 def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
+    """config.json of a drafter: DeepSpec's fields top-level, ours under `dspark_jax`."""
     layer_cfg = cfg.layer_config()
     if cfg.target.is_gemma4:
         from dspark_jax.models.gemma4_draft import deepspec_base_config
@@ -112,24 +131,98 @@ def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
         hf = layer_cfg.to_hf_dict()
     prefix = {"qwen3": "Qwen3", "llama": "Llama", "gemma4": "Gemma4"}[cfg.target.family]
     kind = {"dspark": "DSpark", "dflash": "DSpark", "eagle3": "Eagle3"}[cfg.model_type]
-    hf["architectures"] = [f"{prefix}{kind}Model"]
-    hf.update(
-        block_size=cfg.block_size,
-        target_layer_ids=list(cfg.target_layer_ids),
-        mask_token_id=cfg.mask_token_id,
-        markov_rank=cfg.markov_rank if cfg.has_markov else 0,
-        markov_head_type=cfg.markov_head_type,
-        enable_confidence_head=cfg.has_confidence,
-        confidence_head_with_markov=cfg.confidence_head_with_markov,
-        num_target_layers=cfg.target.num_hidden_layers,
-    )
+    n = layer_cfg.num_hidden_layers
+    hf.setdefault("layer_types", ["full_attention"] * n)
+    hf.update(architectures=[f"{prefix}{kind}Model"], tie_word_embeddings=False,
+              attention_dropout=0.0,
+              initializer_range=INITIALIZER_RANGE,
+              num_target_layers=cfg.target.num_hidden_layers,
+              target_layer_ids=list(cfg.target_layer_ids))
     if cfg.model_type == "eagle3":
-        hf["ttt_length"] = cfg.ttt_length
-    hf["dspark_jax"] = {k: v for k, v in cfg.to_dict().items() if k != "target"}
+        hf.update(ttt_length=cfg.ttt_length, step_loss_decay=cfg.step_loss_decay,
+                  draft_num_hidden_layers=cfg.draft_num_hidden_layers)
+    else:
+        hf.update(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                  num_anchors=cfg.num_anchors, enable_confidence_head=cfg.has_confidence,
+                  markov_rank=cfg.markov_rank if cfg.has_markov else 0)
+        if cfg.has_markov:
+            hf["markov_head_type"] = cfg.markov_head_type
+        if cfg.has_confidence:
+            hf["confidence_head_with_markov"] = cfg.confidence_head_with_markov and cfg.has_markov
+    hf["dspark_jax"] = {k: v for k, v in cfg.to_dict().items()
+                        if k != "target" and (k not in hf or hf[k] != v)}
     return hf
 
 
 # ----------------------------------------------------------------------------- tensors
+def deepspec_tensor_names(cfg: DraftConfig) -> list[str]:
+    """Every tensor of DeepSpec's state dict for this drafter (Qwen3DSparkModel: embed_tokens,
+    layers, norm, fc, hidden_norm, lm_head, markov_head, confidence_head; Qwen3Eagle3Model:
+    embed_tokens, fc, layers with their hidden_norm, norm, lm_head)."""
+    lc = cfg.layer_config()
+    names = ["embed_tokens.weight", "lm_head.weight", "norm.weight", "fc.weight"]
+    if lc.is_gemma4:  # Gemma4 draft layers: sandwich norms, layer scalar, k=v variants
+        from dspark_jax.models.gemma4_io import layer_tensor_names
+
+        attn_in = 2 * lc.hidden_size if cfg.model_type == "eagle3" else None
+        for i in range(lc.num_hidden_layers):
+            names += [f"layers.{i}.{n}" for n in layer_tensor_names(lc, i, attn_in)]
+    else:
+        per_layer = ["input_layernorm.weight", "self_attn.q_proj.weight",
+                     "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+        if lc.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        names += [f"layers.{i}.{n}" for i in range(lc.num_hidden_layers) for n in per_layer]
+    if cfg.model_type == "eagle3":
+        names += [f"layers.{i}.hidden_norm.weight" for i in range(lc.num_hidden_layers)]
+    if cfg.model_type == "eagle3":
+        return names
+    names.append("hidden_norm.weight")
+    if cfg.has_markov:
+        names += ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
+        extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(cfg.markov_head_type)
+        if extra:
+            names += [f"markov_head.{extra}.weight", f"markov_head.{extra}.bias"]
+    if cfg.has_confidence:
+        names += ["confidence_head.proj.weight", "confidence_head.proj.bias"]
+    return names
+
+
+def canonical_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], source: str
+                      ) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under DeepSpec's names, exactly `deepspec_tensor_names(cfg)`:
+    strips a `model.` prefix (Hugging Face's base-model prefix), maps Eagle3DraftModel's
+    `midlayer.` to `layers.0.` and drops an identity d2t/t2d vocabulary map; anything missing or
+    unexpected is an error naming `source`."""
+    t = dict(tensors)
+    if t and all(k.startswith("model.") for k in t if k != "lm_head.weight"):
+        t = {k[len("model."):] if k.startswith("model.") else k: v for k, v in t.items()}
+    if cfg.model_type == "eagle3":
+        t = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v
+             for k, v in t.items()}
+        if "d2t" in t or "t2d" in t:
+            V = cfg.target.vocab_size
+            d2t, t2d = np.asarray(t.pop("d2t", np.zeros(V))), np.asarray(t.pop("t2d", np.ones(V)))
+            if t2d.shape != (V,) or not t2d.astype(bool).all() or d2t.shape != (V,) or d2t.any():
+                raise CheckpointError(
+                    f"{source}: a pruned draft vocabulary (d2t/t2d keep {int(np.sum(t2d))} of "
+                    f"{V} tokens) is not supported; the drafter must predict the full vocabulary")
+    want = deepspec_tensor_names(cfg)
+    missing = [k for k in want if k not in t]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
+                              + (f" (and {len(missing) - 1} more: {missing[1:6]})"
+                                 if len(missing) > 1 else ""))
+    unexpected = sorted(set(t) - set(want))
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensors {unexpected[:8]}"
+                              + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
+                              + f" for a {cfg.model_type} drafter with this config")
+    return t
+
+
 def _get(tensors: Mapping[str, np.ndarray], key: str, shape: tuple[int, ...], source: str
          ) -> np.ndarray:
     if key not in tensors:
@@ -236,8 +329,10 @@ def read_deepspec_dir(path: str | os.PathLike, target: DecoderConfig | None = No
         raise CheckpointError(f"{path}: not a directory (expected a DeepSpec drafter directory)")
     raw = read_config_json(path)
     cfg = draft_config_from_deepspec(raw, str(path / "config.json"), target)
-    tensors = read_safetensors_dir(path)
-    return cfg, draft_pure_from_deepspec(cfg, tensors, str(path))
+    single = path / "model.safetensors"
+    source = str(single if single.exists() else path)
+    tensors = canonical_tensors(cfg, read_safetensors_dir(path), source)
+    return cfg, draft_pure_from_deepspec(cfg, tensors, source)
 
 
 def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike) -> pathlib.Path:
@@ -246,7 +341,9 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike) ->
     path.mkdir(parents=True, exist_ok=True)
     pure = state if isinstance(state, Mapping) and not isinstance(state, nnx.State) \
         else nnx.to_pure_dict(state)
-    write_safetensors(path / "model.safetensors", deepspec_tensors_from_pure(cfg, pure))
+    tensors = deepspec_tensors_from_pure(cfg, pure)
+    assert sorted(tensors) == sorted(deepspec_tensor_names(cfg)), "export names drifted"
+    write_safetensors(path / "model.safetensors", tensors)
     tmp = path / "config.json.tmp"
     tmp.write_text(json.dumps(deepspec_config_dict(cfg), indent=2))
     os.replace(tmp, path / "config.json")

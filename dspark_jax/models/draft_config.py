@@ -18,6 +18,14 @@ MODEL_TYPES = ("dspark", "dflash", "eagle3")
 BLOCK_CONVENTIONS = ("deepspec", "zlab")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 DECAY_CONVENTIONS = ("deepspec", "paper")
+# DSpark/DFlash with gradient accumulation (SPEC §4): "deepspec" divides each micro-step's sums by
+# that micro-step's Σw (over the whole micro-batch, i.e. all-reduced over the data axis) and
+# averages the micro-steps; "global" divides the accumulated sums by one global Σw.
+LOSS_NORMALIZATIONS = ("deepspec", "global")
+# Eagle3 per-step loss (SPEC §5): "local_mean" divides each sequence's masked sum by its length
+# (DeepSpec's masked sum / (B·T) at its one sequence per device) and averages the sequences;
+# "pooled" is one valid-token mean Σ 0.8^s·m·CE / Σ 0.8^s·m.
+EAGLE3_LOSS_NORMALIZATIONS = ("local_mean", "pooled")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int = 5) -> tuple[int, ...]:
@@ -54,10 +62,12 @@ class DraftConfig:
     block_convention: str = "deepspec"
     ce_loss_alpha: float = 0.1
     l1_loss_alpha: float = 0.9
+    loss_normalization: str = "deepspec"
     # Eagle3
     ttt_length: int = 7
     step_loss_decay: float = 0.8
     draft_num_hidden_layers: int = 1
+    eagle3_loss_normalization: str = "local_mean"
 
     def __post_init__(self) -> None:
         t = self.target
@@ -100,6 +110,12 @@ class DraftConfig:
             bad("block_convention", f"{self.block_convention!r} not one of {BLOCK_CONVENTIONS}")
         if self.block_convention == "zlab" and self.block_size < 2:
             bad("block_size", "the zlab convention needs block_size ≥ 2 (slot 0 is the anchor)")
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            bad("loss_normalization",
+                f"{self.loss_normalization!r} not one of {LOSS_NORMALIZATIONS}")
+        if self.eagle3_loss_normalization not in EAGLE3_LOSS_NORMALIZATIONS:
+            bad("eagle3_loss_normalization",
+                f"{self.eagle3_loss_normalization!r} not one of {EAGLE3_LOSS_NORMALIZATIONS}")
         if self.ttt_length < 1:
             bad("ttt_length", "must be ≥ 1")
         if self.model_type in ("dflash", "eagle3") and (self.markov_rank

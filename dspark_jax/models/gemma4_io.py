@@ -82,6 +82,11 @@ def _layer_tensors(cfg: DecoderConfig, i: int, attn_in_dim: int | None = None
     return out
 
 
+def layer_tensor_names(cfg: DecoderConfig, i: int, attn_in_dim: int | None = None) -> list[str]:
+    """Hugging Face / DeepSpec tensor names (without the layer prefix) of Gemma4 layer i."""
+    return [suffix for suffix, _, _ in _layer_tensors(cfg, i, attn_in_dim).values()]
+
+
 def _to_ours(name: str, t: np.ndarray, cfg: DecoderConfig, i: int) -> np.ndarray:
     """HF [out, in] layout → our einsum layout."""
     D, N = cfg.hidden_size, cfg.num_attention_heads

@@ -4,6 +4,9 @@ The parallel backbone gives base logits U_k for every slot at once; the sequenti
 low-rank bias that depends on the previous token x_{k−1} (and, for the RNN head, on a state
 carried left to right), so sampling is sequential but each step costs only O(r·V).
 Parameters use DeepSpec's layouts ([V, r] for both Markov matrices, torch Linear [out, in]).
+Initialisation is DeepSpec's `post_init` (`_init_weights`): every Linear and Embedding weight
+N(0, initializer_range = 0.02), biases zero — W2 included (a zero W2 would leave W1 without a
+gradient at step 0).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class MarkovHead(nnx.Module):
         self.kind = cfg.markov_head_type
         self.rank = r
         self.w1 = param(rngs, (V, r), ("vocab", "rank"), param_dtype)   # embedding of x_{k−1}
-        self.w2 = param(rngs, (V, r), ("vocab", "rank"), param_dtype, std=0.0)  # Linear r → V
+        self.w2 = param(rngs, (V, r), ("vocab", "rank"), param_dtype)   # Linear r → V
         if self.kind == "gated":
             self.gate_w = param(rngs, (r, D + r), ("rank", "embed"), param_dtype)
             self.gate_b = param(None, (r,), ("rank",), param_dtype, "zeros")

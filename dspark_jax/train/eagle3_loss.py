@@ -1,13 +1,25 @@
-"""Eagle3 training-time-test loss (SPEC §5; DeepSpec/SpecForge `OnlineEagle3Model.forward`).
+"""Eagle3 training-time-test loss and metrics (SPEC §5; DeepSpec `compute_eagle3_loss`).
 
 For TTT step s and position t the drafter predicts x_{t+2+s}; its target is the target model's
 own distribution there, softmax(lm_head(target_hidden[t+1+s])) at T = 1 (soft cross-entropy,
-no draft-vocabulary pruning). The term is masked by loss_mask[t+s] (SpecForge shifts the loss
+no draft-vocabulary pruning). The term is masked by loss_mask[t+s] (DeepSpec shifts the loss
 mask left by one per step), by t+1+s < S and, for packed rows, by t and t+1+s sharing a
-segment. The loss is ONE global token-weighted mean with weights w_{s,t} = 0.8^s · m_{s,t}
-(`step_loss_decay`): Σ w·CE / Σ w — the same form as the DSpark losses (SPEC §4), so that
-micro-batch accumulation of the sums is exact. (SpecForge instead sums 0.8^s · mean_s; with
-m_{s,·} nearly equal across steps the two differ by about the constant Σ_s 0.8^s.)
+segment (which also drops each sequence's last token, whose next position is padding).
+
+Normalisation, `DraftConfig.eagle3_loss_normalization`:
+  "local_mean" (default, DeepSpec's only mode)  step s's loss is each sequence's masked sum
+      divided by the sequence's length T (DeepSpec: masked sum / (B·T) with one sequence per
+      device), averaged over the sequences; the loss is Σ_s 0.8^s · step loss. Every sequence
+      weighs the same — DeepSpec disables a valid-token mean because long sequences then
+      dominate and accepted length drops. A sequence is a packed segment (segment id > 0), or
+      the whole row of length S when no segment ids are given.
+  "pooled"  one valid-token mean Σ_s 0.8^s Σ_t m·CE / Σ_s 0.8^s Σ_t m.
+Either way the step accumulates additive sums (`objective`, `weight`); loss = objective / weight.
+
+Metrics (DeepSpec's names): per step `ploss_{s}`, `accuracy@{s}` (draft argmax == target
+argmax), `accept_rate@{s}` (1 − ½‖p_d − p_t‖₁, clamped), `valid_tokens@{s}`; over the TTT chain
+started at every valid position, `tau_greedy` = 1 + Σ_s Π_{j≤s} correct_j and
+`tau_probabilistic` = 1 + Σ_s Π_{j≤s} accept_j.
 
 Memory: the [B, S, V] logits are never materialised for all steps at once. The draft hidden of
 step s at t is aligned with the target index j = t+1+s, and a checkpointed scan over chunks of
@@ -50,6 +62,31 @@ def _aligned_steps(hs_tbsd: jax.Array, loss_mask_bs: jax.Array,
     return jnp.stack(hs), jnp.stack(ms)
 
 
+def inverse_sequence_lengths(batch: int, seq: int, segment_ids_bs: jax.Array | None
+                             ) -> jax.Array:
+    """[B, S] f32: 1 / (length of the sequence position t belongs to); 0 on padding (segment 0).
+    Without segment ids every row is one sequence of length S. Summed over positions it counts
+    the sequences."""
+    if segment_ids_bs is None:
+        return jnp.full((batch, seq), 1.0 / seq, jnp.float32)
+    seg = segment_ids_bs.astype(jnp.int32)
+    flat = (jnp.arange(batch, dtype=jnp.int32)[:, None] * (seq + 1) + seg).reshape(-1)
+    counts = jax.ops.segment_sum(jnp.ones_like(flat, jnp.float32), flat,
+                                 num_segments=batch * (seq + 1))
+    inv = 1.0 / jnp.maximum(counts[flat].reshape(batch, seq), 1.0)
+    return jnp.where(seg > 0, inv, 0.0)
+
+
+def _unshift(x_tbs: jax.Array) -> jax.Array:
+    """Aligned index j = t+1+s back to the chain start t: out[s, :, t] = x[s, :, t+1+s]."""
+    T, B, S = x_tbs.shape
+    rows = []
+    for s in range(T):
+        sh = min(1 + s, S)
+        rows.append(jnp.concatenate([x_tbs[s, :, sh:], jnp.zeros((B, sh), x_tbs.dtype)], axis=1))
+    return jnp.stack(rows)
+
+
 def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
                      loss_mask_bs: jax.Array, target_hidden_bsd: jax.Array, *,
                      segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
@@ -59,9 +96,10 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     feats [B, S, n·d] target taps; input_ids [B, S]; loss_mask [B, S]; target_hidden [B, S, d]
     the target's final-normed hidden; segment_ids [B, S] for packed rows and positions [B, S]
     (restarting per segment; derived from segment_ids when omitted) are optional.
-    → `objective` = Σ_s decay^s Σ_t m·CE and `weight` = Σ_s decay^s Σ_t m (loss = objective /
-    weight over the global batch), plus per-step `step_loss_sum`, `step_correct` (draft argmax
-    == target argmax) and `step_tokens` [T].
+    → `objective` = Σ_s decay^s · step_num[s] and `weight` (loss = objective / weight over the
+    global batch; see the module docstring for both normalisations), and per step [T]
+    `step_num` (normalised masked CE sums), `step_den` (their divisors), `step_tokens`,
+    `step_correct`, `step_accept`; `tau_greedy_sum`, `tau_prob_sum`, `tau_count`.
     """
     cfg = model.cfg
     T = cfg.ttt_length
@@ -70,17 +108,24 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
                           positions_bs=positions)                         # [T,B,S,D]
     h_al, m_al = _aligned_steps(hs, loss_mask_bs, segment_ids)
     D = hs.shape[-1]
+    local_mean = cfg.eagle3_loss_normalization == "local_mean"
+    inv_len = inverse_sequence_lengths(B, S, segment_ids)               # [B,S]
+    # j and its chain start t share a sequence wherever m_al > 0, so j's length is t's
+    w_pos = inv_len if local_mean else jnp.ones((B, S), jnp.float32)
 
     C = max(1, min(chunk_size, S))
     n_chunks = -(-S // C)
     pad = n_chunks * C - S
     tgt = target_hidden_bsd.astype(model.dtype)
+    h_p, m_p, w_p = h_al, m_al, w_pos
     if pad:
-        h_al = jnp.pad(h_al, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        m_al = jnp.pad(m_al, ((0, 0), (0, 0), (0, pad)))
+        h_p = jnp.pad(h_al, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        m_p = jnp.pad(m_al, ((0, 0), (0, 0), (0, pad)))
+        w_p = jnp.pad(w_pos, ((0, 0), (0, pad)))
         tgt = jnp.pad(tgt, ((0, 0), (0, pad), (0, 0)))
-    h_c = jnp.moveaxis(h_al.reshape(T, B, n_chunks, C, D), 2, 0)      # [nC,T,B,C,D]
-    m_c = jnp.moveaxis(m_al.reshape(T, B, n_chunks, C), 2, 0)         # [nC,T,B,C]
+    h_c = jnp.moveaxis(h_p.reshape(T, B, n_chunks, C, D), 2, 0)       # [nC,T,B,C,D]
+    m_c = jnp.moveaxis(m_p.reshape(T, B, n_chunks, C), 2, 0)          # [nC,T,B,C]
+    w_c = jnp.moveaxis(w_p.reshape(B, n_chunks, C), 1, 0)             # [nC,B,C]
     t_c = jnp.moveaxis(tgt.reshape(B, n_chunks, C, D), 1, 0)          # [nC,B,C,D]
 
     eps = cfg.target.rms_norm_eps
@@ -89,8 +134,8 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     cap = cfg.target.final_logit_softcapping  # Gemma4: target and draft logits are softcapped
     capped = (lambda z: z) if cap is None else (lambda z: jnp.tanh(z / cap) * cap)
 
-    def chunk(carry, xs):
-        h_tbcd, tgt_bcd, m_tbc = xs
+    def chunk(num, xs):
+        h_tbcd, tgt_bcd, m_tbc, w_bc = xs
         t_logits = capped(jnp.einsum("BCD,VD->BCV", tgt_bcd, lm_w,
                                      preferred_element_type=jnp.float32))
         t_logits = jax.lax.stop_gradient(t_logits)
@@ -98,19 +143,33 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
         x = L.rms_norm(h_tbcd, norm_w, eps)
         d_logits = capped(jnp.einsum("TBCD,VD->TBCV", x, lm_w,
                                      preferred_element_type=jnp.float32))
-        ce = -jnp.sum(t_p[None] * jax.nn.log_softmax(d_logits, axis=-1), axis=-1)  # [T,B,C]
+        d_logp = jax.nn.log_softmax(d_logits, axis=-1)
+        ce = -jnp.sum(t_p[None] * d_logp, axis=-1)                     # [T,B,C]
         correct = (jnp.argmax(d_logits, -1) == jnp.argmax(t_logits, -1)[None])
-        loss_sum, corr, cnt = carry
-        return (loss_sum + jnp.sum(ce * m_tbc, axis=(1, 2)),
-                corr + jnp.sum(correct * m_tbc, axis=(1, 2)),
-                cnt + jnp.sum(m_tbc, axis=(1, 2))), None
+        l1 = jnp.sum(jnp.abs(jnp.exp(d_logp) - t_p[None]), axis=-1)
+        accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
+        num = num + jnp.sum(ce * m_tbc * w_bc[None], axis=(1, 2))
+        return num, (correct * m_tbc, accept * m_tbc)
 
-    zeros = jnp.zeros((T,), jnp.float32)
-    (loss_sum, correct, tokens), _ = jax.lax.scan(jax.checkpoint(chunk), (zeros, zeros, zeros),
-                                                  (h_c, t_c, m_c))
+    step_num, (corr_c, acc_c) = jax.lax.scan(jax.checkpoint(chunk), jnp.zeros((T,), jnp.float32),
+                                             (h_c, t_c, m_c, w_c))
+    back = lambda y: jnp.moveaxis(y, 0, 2).reshape(T, B, n_chunks * C)[..., :S]  # [T,B,S]
+    corr_al, acc_al = back(corr_c), back(acc_c)
+    tokens = jnp.sum(m_al, axis=(1, 2))
     decay = step_weights(cfg.step_loss_decay, T)
-    return {"objective": jnp.sum(decay * loss_sum), "weight": jnp.sum(decay * tokens),
-            "step_loss_sum": loss_sum, "step_correct": correct, "step_tokens": tokens}
+    n_seq = jnp.sum(inv_len)
+    step_den = jnp.full((T,), n_seq) if local_mean else tokens
+    weight = n_seq if local_mean else jnp.sum(decay * tokens)
+    # TTT chains started at every valid position t: Π over steps of correct / accept at t
+    start = _unshift(m_al)[0]                                           # [B,S]
+    chain_g = jnp.cumprod(_unshift(corr_al), axis=0)
+    chain_p = jnp.cumprod(_unshift(acc_al), axis=0)
+    count = jnp.sum(start)
+    return {"objective": jnp.sum(decay * step_num), "weight": weight,
+            "step_num": step_num, "step_den": step_den, "step_tokens": tokens,
+            "step_correct": jnp.sum(corr_al, axis=(1, 2)), "step_accept": jnp.sum(acc_al, axis=(1, 2)),
+            "tau_greedy_sum": count + jnp.sum(chain_g * start[None]),
+            "tau_prob_sum": count + jnp.sum(chain_p * start[None]), "tau_count": count}
 
 
 def step_weights(decay: float, ttt_length: int) -> jax.Array:
@@ -119,14 +178,21 @@ def step_weights(decay: float, ttt_length: int) -> jax.Array:
 
 
 def eagle3_metrics_from_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Scalars for logging: `loss`, `loss_tokens`, and per step s `step_loss@s` (mean soft CE)
-    and `step_acc@s` (draft argmax == target argmax)."""
+    """Scalars for logging with DeepSpec's names: `loss`, `loss_tokens`, per step s
+    `ploss_{s}`, `accuracy@{s}`, `accept_rate@{s}`, `valid_tokens@{s}`, and `tau_greedy`,
+    `tau_probabilistic`."""
     tokens = jnp.maximum(sums["step_tokens"], 1.0)
+    den = jnp.maximum(sums["step_den"], 1e-6)
+    count = jnp.maximum(sums["tau_count"], 1.0)
     out = {"loss": sums["objective"] / jnp.maximum(sums["weight"], 1e-6),
-           "loss_tokens": sums["step_tokens"][0]}
+           "loss_tokens": sums["step_tokens"][0],
+           "tau_greedy": sums["tau_greedy_sum"] / count,
+           "tau_probabilistic": sums["tau_prob_sum"] / count}
     for s in range(sums["step_tokens"].shape[0]):
-        out[f"step_loss@{s}"] = sums["step_loss_sum"][s] / tokens[s]
-        out[f"step_acc@{s}"] = sums["step_correct"][s] / tokens[s]
+        out[f"ploss_{s}"] = sums["step_num"][s] / den[s]
+        out[f"accuracy@{s}"] = sums["step_correct"][s] / tokens[s]
+        out[f"accept_rate@{s}"] = sums["step_accept"][s] / tokens[s]
+        out[f"valid_tokens@{s}"] = sums["step_tokens"][s]
     return out
 
 
@@ -137,18 +203,19 @@ def eagle3_loss(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """TTT loss of an `Eagle3Draft` on one batch → (loss, metrics).
 
-    loss = Σ_s 0.8^s Σ_t m_{s,t} CE_{s,t} / Σ_s 0.8^s Σ_t m_{s,t} (see `eagle3_loss_sums`);
-    metrics hold `eagle3_metrics_from_sums` plus the arrays `step_loss`, `step_acc`,
-    `step_tokens` [T]. jit-able and differentiable w.r.t. the drafter's nnx.Param leaves.
+    loss = objective / weight (see `eagle3_loss_sums`); metrics hold `eagle3_metrics_from_sums`
+    plus the arrays `step_loss` (= ploss_s), `step_acc`, `step_tokens` [T]. jit-able and
+    differentiable w.r.t. the drafter's nnx.Param leaves.
     """
     sums = eagle3_loss_sums(model, feats_bsf, input_ids_bs, loss_mask_bs, target_hidden_bsd,
                             segment_ids=segment_ids, positions=positions,
                             chunk_size=chunk_size, remat=remat)
     metrics = eagle3_metrics_from_sums(sums)
     tokens = jnp.maximum(sums["step_tokens"], 1.0)
-    metrics.update(step_loss=sums["step_loss_sum"] / tokens,
+    metrics.update(step_loss=sums["step_num"] / jnp.maximum(sums["step_den"], 1e-6),
                    step_acc=sums["step_correct"] / tokens, step_tokens=sums["step_tokens"])
     return metrics["loss"], metrics
 
 
-__all__ = ["eagle3_loss", "eagle3_loss_sums", "eagle3_metrics_from_sums", "step_weights"]
+__all__ = ["eagle3_loss", "eagle3_loss_sums", "eagle3_metrics_from_sums", "step_weights",
+           "inverse_sequence_lengths"]

@@ -38,7 +38,7 @@ def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) 
     if not records:
         return {}
     sums_fn = make_loss_sums_fn(graphdef, draft_cfg, target.graphdef, c.train.anchor_chunk,
-                                attn_key_chunk(c))
+                                attn_key_chunk=attn_key_chunk(c))
 
     @jax.jit
     def eval_sums(params, frozen, target_state, batch, key):

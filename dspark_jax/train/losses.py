@@ -4,8 +4,11 @@ Per block slot k with weight w_k = eval_mask_k · decay_k:
   CE   −log p_d,k(x*_k)
   L1   ‖p_d,k − p_t,k‖₁            (DeepSpec's full L1, no ½; the paper's total variation ×2)
   Conf BCE-with-logits(c_k, c*_k),  c*_k = clamp(1 − ½‖p_d,k − p_t,k‖₁, 0, 1) detached
-Each is a GLOBAL token-weighted mean Σ w·term / Σ w. We return the sums and let the step divide
-by the global denominators, which makes gradient accumulation over micro-batches exact.
+Each is a token-weighted mean Σ w·term / Σ w. We return the sums and let the step divide by the
+denominators (per micro-step or global: `DraftConfig.loss_normalization`, see train/step.py).
+Metrics carry DeepSpec's names (`ce_loss`, `l1_loss`, `confidence_loss`, `accept_rate@k`,
+`tau_probabilistic`, `confidence_abs_error` / `confidence_bias` / `confidence_cumprod_bias`
+weighted with the decayed loss weights, and the anchor-sampler statistics of anchors.py).
 Logits are [B, A, γ, V]: we compute them (draft and target) one chunk of anchors at a time and
 rematerialise in the backward pass, so the full tensor never exists for V ≈ 152k.
 """
@@ -18,10 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.train.anchors import AnchorBlocks, build_blocks, position_weights, sample_anchors
+from dspark_jax.train.anchors import (AnchorBlocks, build_blocks, position_weights, sample_anchors,
+                                     sampler_stats)
 
-SUM_KEYS = ("ce", "l1", "conf", "weight", "mask", "conf_abs_err", "conf_bias", "tau_blocks",
-            "tau_sum")
+SAMPLER_KEYS = ("valid_anchors", "valid_anchors_ratio", "sampled_anchors",
+                "sampled_anchors_ratio", "block_supervised_tokens", "block_supervised_tokens_ratio")
 
 
 def _gather_bs(x_bsd: jax.Array, idx_bn: jax.Array) -> jax.Array:
@@ -58,31 +62,33 @@ def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: Anch
     if conf_logits is not None:
         bce = (jnp.maximum(conf_logits, 0) - conf_logits * accept
                + jnp.log1p(jnp.exp(-jnp.abs(conf_logits))))
-        sig = jax.nn.sigmoid(conf_logits)
+        sig = jax.lax.stop_gradient(jax.nn.sigmoid(conf_logits))
         out["conf"] = jnp.sum(w * bce)
-        out["conf_abs_err"] = jnp.sum(jnp.abs(sig - accept) * m)
-        out["conf_bias"] = jnp.sum((sig - accept) * m)
+        out["conf_abs_err"] = jnp.sum(jnp.abs(sig - accept) * w)
+        out["conf_bias"] = jnp.sum((sig - accept) * w)
+        out["conf_cumprod_bias"] = jnp.sum((jnp.cumprod(sig * m, axis=-1) - surv) * w)
     else:
         zero = jnp.zeros((), jnp.float32)
-        out.update(conf=zero, conf_abs_err=zero, conf_bias=zero)
+        out.update(conf=zero, conf_abs_err=zero, conf_bias=zero, conf_cumprod_bias=zero)
     return out
 
 
 def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
                      input_ids: jax.Array, loss_mask: jax.Array, key: jax.Array, *,
                      positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                     anchor_chunk: int = 64, remat: bool = True,
+                     anchor_chunk: int = 64, remat: bool = True, max_segments: int = 1,
                      key_chunk: int | None = 512) -> dict[str, jax.Array]:
     """Sums of loss terms and metric numerators for one (micro-)batch. `key_chunk`: context
     keys per online-softmax chunk of the block attention (None: the dense oracle).
 
-    feats [B, S, n·d] target taps; target_hidden [B, S, d] final-normed target hidden.
+    feats [B, S, n·d] target taps; target_hidden [B, S, d] final-normed target hidden;
+    `max_segments` (static) bounds the packed sequences per row: each gets up to num_anchors.
     """
     cfg: DraftConfig = draft.cfg
     B, S = input_ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    anchors, valid = sample_anchors(key, loss_mask, cfg.num_anchors, segment_ids)
+    anchors, valid = sample_anchors(key, loss_mask, cfg.num_anchors, segment_ids, max_segments)
     A = anchors.shape[1]
     g = cfg.num_drafts
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, g, segment_ids)
@@ -119,10 +125,12 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
     if remat:
         body = jax.checkpoint(body)
     zeros = {k: jnp.zeros((), jnp.float32) for k in ("ce", "l1", "weight", "conf", "conf_abs_err",
-                                                      "conf_bias", "tau_sum", "tau_blocks")}
+                                                      "conf_bias", "conf_cumprod_bias", "tau_sum",
+                                                      "tau_blocks")}
     zeros["mask"] = jnp.zeros((g,), jnp.float32)
     zeros["accept"] = jnp.zeros((g,), jnp.float32)
     sums, _ = jax.lax.scan(body, zeros, xs)
+    sums.update(sampler_stats(loss_mask, segment_ids, blocks, cfg.num_anchors, g))
     return sums
 
 
@@ -138,16 +146,24 @@ def total_loss(sums: dict[str, jax.Array], cfg: DraftConfig) -> jax.Array:
 
 
 def metrics_from_sums(sums: dict[str, jax.Array], cfg: DraftConfig) -> dict[str, jax.Array]:
+    """The logged scalars, with DeepSpec's names (`loss` is the pooled objective; the train step
+    replaces it with the one it optimised)."""
     w = jnp.maximum(sums["weight"], 1e-6)
-    m_all = jnp.maximum(jnp.sum(sums["mask"]), 1e-6)
-    out = {"loss": total_loss(sums, cfg), "ce": sums["ce"] / w, "l1": sums["l1"] / w,
+    out = {"loss": total_loss(sums, cfg), "ce_loss": sums["ce"] / w,
            "tau_probabilistic": sums["tau_sum"] / jnp.maximum(sums["tau_blocks"], 1e-6),
            "loss_tokens": sums["weight"]}
+    if cfg.model_type != "dflash" and cfg.l1_loss_alpha > 0:
+        out["l1_loss"] = sums["l1"] / w
     acc = sums["accept"] / jnp.maximum(sums["mask"], 1e-6)
     for k in range(cfg.num_drafts):
         out[f"accept_rate@{k}"] = acc[k]
     if cfg.has_confidence:
-        out["conf"] = sums["conf"] / w
-        out["conf_abs_err"] = sums["conf_abs_err"] / m_all
-        out["conf_bias"] = sums["conf_bias"] / m_all
+        out["confidence_loss"] = sums["conf"] / w
+        out["confidence_abs_error"] = sums["conf_abs_err"] / w
+        out["confidence_bias"] = sums["conf_bias"] / w
+        out["confidence_cumprod_bias"] = sums["conf_cumprod_bias"] / w
+    n = jnp.maximum(sums["samples"], 1.0)
+    for k in SAMPLER_KEYS:
+        name = k if k.endswith("_ratio") else k + "_abs"
+        out[name] = sums[k] / n
     return out

@@ -1,7 +1,8 @@
 """Training progress and metrics sinks (SPEC §4 "Metrics"; DeepSpec logs the same quantities).
 
 `MetricsLogger` fans one metrics dict per step out to a tqdm progress bar with ETA, a TensorBoard
-event file (tensorboardX) and a JSONL file (`metrics.jsonl`, one object per line, appended so
+event file (tensorboardX; tags `train/<name>` exactly as DeepSpec's, see losses.py and
+eagle3_loss.py for the names) and a JSONL file (`metrics.jsonl`, one object per line, appended so
 that a resumed run continues the same file). Besides the step's losses, accept_rate@k,
 tau_probabilistic, lr and grad norm it records tokens/s and, on every step, a fingerprint of the
 batch that step consumed (`batch_hash`), which is how a resumed run is checked to have seen the
@@ -21,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-PROGRESS_KEYS = ("loss", "accept_rate@0", "step_acc@0", "tau_probabilistic", "lr")
+PROGRESS_KEYS = ("loss", "accept_rate@0", "tau_probabilistic", "lr")
 
 
 def batch_fingerprint(batch: Mapping[str, Any]) -> str:
@@ -101,7 +102,7 @@ class MetricsLogger:
             self.last = {k: v for k, v in values.items() if v is not None}
             if self._tb is not None:
                 for k, v in self.last.items():
-                    self._tb.add_scalar(f"train/{k}", v, step)
+                    self._scalar(f"train/{k}", v, step)
             if self._bar is not None:
                 self._bar.set_postfix({k: f"{self.last[k]:.4g}" for k in PROGRESS_KEYS
                                        if k in self.last}, refresh=False)
@@ -120,10 +121,18 @@ class MetricsLogger:
         if self._tb is not None:
             for k, v in values.items():
                 if v is not None:
-                    self._tb.add_scalar(f"{prefix}/{k}", v, step)
+                    self._scalar(f"{prefix}/{k}", v, step)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": int(step), "split": prefix, **values}) + "\n")
             self._jsonl.flush()
+
+    def _scalar(self, tag: str, value: float, step: int) -> None:
+        """A scalar under exactly `tag` (DeepSpec's, e.g. train/accept_rate@0): tensorboardX's
+        add_scalar would rewrite '@' to '_', torch's SummaryWriter (DeepSpec's) does not."""
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+        self._tb._get_file_writer().add_summary(summary, step)
 
     def write(self, msg: str) -> None:
         """A message that does not break the progress bar."""
@@ -138,7 +147,7 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self._t0
         parts = [f"{self._steps_done} steps in {elapsed:.1f}s",
                  f"{self._tokens_total / max(elapsed, 1e-9):.0f} tok/s"]
-        for k in ("loss", "accept_rate@0", "step_acc@0", "tau_probabilistic", "grad_norm"):
+        for k in ("loss", "accept_rate@0", "tau_probabilistic", "grad_norm"):
             if k in self.last:
                 parts.append(f"{k}={self.last[k]:.4g}")
         return "done: " + ", ".join(parts)

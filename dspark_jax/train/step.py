@@ -3,9 +3,16 @@
 One `jax.jit` function with explicit in/out shardings over a (data, fsdp, tensor) mesh that
 donates the train state. Only `nnx.Param` leaves are trained; the embedding and LM head copied
 from the target are `FrozenParam` and live outside the gradient and the optimizer state.
-Micro-batches (strided rows, so each spans every data shard) are scanned with fp32 gradient accumulation of *sums*; dividing by the global
-loss weight at the end makes the result equal to one big batch. Target features are computed
-inside the step from the frozen target (online) or read from the batch (offline cache).
+Micro-batches (strided rows, so each spans every data shard) are scanned with fp32 gradient
+accumulation. How the loss is normalised over them is `DraftConfig.loss_normalization` (SPEC §4):
+  "deepspec" (default)  each micro-step's loss is its sums divided by its own Σw — Σw over the
+                        whole micro-batch, which is DeepSpec's all-reduce of the denominators over
+                        the data-parallel group — and divided by the accumulation count, so every
+                        micro-batch weighs the same;
+  "global"              the accumulated sums are divided by one global Σw at the end, which makes
+                        the result equal to one big batch.
+Target features are computed inside the step from the frozen target (online) or read from the
+batch (offline cache).
 """
 
 from __future__ import annotations
@@ -123,9 +130,11 @@ def micro_batches_of(x: jax.Array, m: int) -> jax.Array:
 
 
 def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
-                      anchor_chunk: int, attn_key_chunk: int | None = 512) -> Callable:
+                      anchor_chunk: int, max_segments: int = 1,
+                      attn_key_chunk: int | None = 512) -> Callable:
     """(params, frozen, target_state, micro_batch, key) → sums. The objective numerator is
-    `sums["objective"]` (divide by the global Σw for the loss)."""
+    `sums["objective"]` (divide by Σw = `sums["weight"]` for the loss). `max_segments`: the most
+    packed sequences in a row (each gets up to num_anchors anchors)."""
 
     def fn(params, frozen, target_state, mb, key):
         draft = nnx.merge(draft_graphdef, params, frozen)
@@ -143,7 +152,8 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
                                     segment_ids=mb["segment_ids"])
         sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
                                 positions=mb["positions"], segment_ids=mb["segment_ids"],
-                                anchor_chunk=anchor_chunk, key_chunk=attn_key_chunk)
+                                anchor_chunk=anchor_chunk, max_segments=max_segments,
+                                key_chunk=attn_key_chunk)
         obj = cfg.ce_loss_alpha * sums["ce"] + cfg.l1_loss_alpha * sums["l1"]
         if cfg.model_type == "dflash":
             obj = sums["ce"]
@@ -176,11 +186,13 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                      schedule: optax.Schedule, *, target_graphdef: Any | None,
                      mesh: jax.sharding.Mesh, state_sh: TrainState, frozen: Any,
                      target_state: Any | None, micro_batches: int = 1,
-                     anchor_chunk: int = 64, attn_key_chunk: int | None = 512) -> StepFns:
+                     anchor_chunk: int = 64, max_segments: int = 1,
+                     attn_key_chunk: int | None = 512) -> StepFns:
     """Returns the jitted train/eval functions with explicit shardings (donating the state)."""
-    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk,
+    sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk, max_segments,
                                 attn_key_chunk)
     to_metrics = metrics_fn(cfg)
+    per_micro_step = cfg.loss_normalization == "deepspec"
 
     def train_step(state: TrainState, frozen, target_state, batch):
         key, step_key = jax.random.split(state.key)
@@ -189,30 +201,39 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
         keys = jax.random.split(step_key, micro_batches)
 
         def accumulate(carry, xs):
-            grads_acc, sums_acc = carry
+            grads_acc, sums_acc, loss_acc = carry
             mb, k = xs
 
             def objective(params):
                 sums = sums_fn(params, frozen, target_state, mb, k)
-                return sums["objective"], sums
+                obj = sums["objective"]
+                if per_micro_step:
+                    denom = jnp.maximum(jax.lax.stop_gradient(sums["weight"]), 1e-6)
+                    obj = obj / (denom * micro_batches)
+                return obj, sums
 
-            (_, sums), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+            (obj, sums), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
             sums_acc = jax.tree.map(jnp.add, sums_acc, sums)
-            return (grads_acc, sums_acc), None
+            return (grads_acc, sums_acc, loss_acc + obj), None
 
         zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         zero_grads = jax.lax.with_sharding_constraint(zero_grads, state_sh.params)
         sums_shape = jax.eval_shape(lambda: sums_fn(state.params, frozen, target_state,
                                                     jax.tree.map(lambda x: x[0], mbs), keys[0]))
         zero_sums = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape)
-        (grads, sums), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums), (mbs, keys))
-        denom = jnp.maximum(sums["weight"], 1e-6)
-        grads = jax.tree.map(lambda g: g / denom, grads)
+        zero_loss = jnp.zeros((), jnp.float32)
+        (grads, sums, loss), _ = jax.lax.scan(accumulate, (zero_grads, zero_sums, zero_loss),
+                                              (mbs, keys))
+        if not per_micro_step:
+            denom = jnp.maximum(sums["weight"], 1e-6)
+            grads = jax.tree.map(lambda g: g / denom, grads)
+            loss = loss / denom
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = to_metrics(sums)
+        metrics["loss"] = loss     # the objective this step optimised
         metrics["grad_norm"] = grad_norm
         metrics["lr"] = schedule(state.step)
         new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, key=key)

@@ -118,7 +118,8 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
                pc: Any, total: int, workdir: pathlib.Path, is_main: bool) -> TrainResult:
     import jax
 
-    from dspark_jax.data.pipeline import make_dataset, to_global_batch
+    from dspark_jax.data.pipeline import (make_dataset, max_segments_per_row, record_lengths,
+                                          to_global_batch)
     from dspark_jax.models import init_draft
     from dspark_jax.sharding import put_on_mesh, state_shardings
     from dspark_jax.train.checkpoint import (TrainCheckpointer, abstract_storable,
@@ -142,7 +143,9 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
                            target_graphdef=target.graphdef if online else None, mesh=mesh,
                            state_sh=state_sh, frozen=frozen, target_state=target_state,
                            micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk,
-                           attn_key_chunk=attn_key_chunk(c))
+                           attn_key_chunk=attn_key_chunk(c),
+                           max_segments=(max_segments_per_row(record_lengths(data.source), pc)
+                                         if c.data.pack else 1))
 
     ckpt_dir = pathlib.Path(c.checkpoint.directory or workdir / "checkpoints")
     meta = make_meta(target.name or c.target, target.config.to_hf_dict(), draft_cfg.to_dict(),

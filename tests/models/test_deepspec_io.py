@@ -132,3 +132,218 @@ def test_block_never_sees_context_at_or_after_its_anchor(target, feats):
     other = init_draft(target, dict(BASE, markov_head_type="rnn", mask_token_id=95), seed=6)
     assert np.abs(other.block_logits(feats, 9, anchor_position=a)["base_logits"][0]
                   - draft.block_logits(feats, 9, anchor_position=a)["base_logits"][0]).max() > 1e-5
+
+
+# ----------------------------------------------------------------------------- DeepSpec's reads
+# Read off deepspec/modeling/{dspark,eagle3}/qwen3/{config,modeling}.py, their transformers Qwen3
+# building blocks and post_init, and deepspec/eval/*: every config field a constructor or an
+# evaluator reads (the conditional ones: DeepSpec asserts them only when the head exists).
+QWEN3_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+               "attention_bias", "attention_dropout", "hidden_act", "max_position_embeddings",
+               "initializer_range", "layer_types", "tie_word_embeddings")
+DSPARK_READS = ("target_layer_ids", "mask_token_id", "num_anchors", "enable_confidence_head",
+                "markov_rank", "block_size", "num_target_layers")
+EAGLE3_READS = ("target_layer_ids", "ttt_length", "step_loss_decay", "draft_num_hidden_layers",
+                "num_target_layers")
+
+
+def _dspark_state_names(n_layers, rank, head, conf):
+    layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    names = {f"layers.{i}.{m}.weight" for i in range(n_layers) for m in layer}
+    names |= {"embed_tokens.weight", "norm.weight", "fc.weight", "hidden_norm.weight",
+              "lm_head.weight"}
+    if rank:
+        names |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+        proj = {"gated": "gate_proj", "rnn": "joint_proj"}.get(head)
+        if proj:
+            names |= {f"markov_head.{proj}.weight", f"markov_head.{proj}.bias"}
+    if conf:
+        names |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    return names
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(markov_head_type="gated"),
+                                dict(markov_head_type="rnn", confidence_head_with_markov=False),
+                                dict(model_type="dflash", markov_rank=0,
+                                     enable_confidence_head=False)])
+def test_export_has_every_field_deepspec_reads(target, tmp_path, kw):
+    """config.json parses as transformers' Qwen3Config with DeepSpec's fields at the top level
+    (DeepSpec's names and values), our extras nested, and exactly DeepSpec's tensor names."""
+    from transformers import AutoConfig
+
+    draft = init_draft(target, dict(BASE, num_anchors=24, **kw), seed=1)
+    draft.save(tmp_path / "ck")
+    c = draft.config
+    raw = json.loads((tmp_path / "ck" / "config.json").read_text())
+    hf = AutoConfig.from_pretrained(tmp_path / "ck")
+    assert type(hf).__name__ == "Qwen3Config" and hf.architectures == ["Qwen3DSparkModel"]
+    for f in QWEN3_SHAPE + DSPARK_READS:
+        assert f in raw and hasattr(hf, f), f
+    rank = c.markov_rank if c.has_markov else 0
+    assert (raw["target_layer_ids"], raw["mask_token_id"], raw["num_anchors"], raw["block_size"],
+            raw["markov_rank"], raw["enable_confidence_head"], raw["num_target_layers"],
+            raw["num_hidden_layers"]) == ([0, 1], 96, 24, 4, rank, c.has_confidence, 4, 2)
+    assert raw["tie_word_embeddings"] is False and hf.layer_types == ["full_attention"] * 2
+    assert hf.rope_parameters["rope_theta"] == target.config.rope.theta
+    # conditional fields exactly when DeepSpec asserts them
+    assert ("markov_head_type" in raw) == (rank > 0)
+    if rank:
+        assert raw["markov_head_type"] == c.markov_head_type
+    assert ("confidence_head_with_markov" in raw) == c.has_confidence
+    if c.has_confidence:
+        assert raw["confidence_head_with_markov"] == (c.confidence_head_with_markov and rank > 0)
+    # ours: nested, and none of DeepSpec's fields duplicated there unless the values differ
+    assert raw["dspark_jax"]["model_type"] == c.model_type
+    assert "loss_decay_gamma" not in raw and "ce_loss_alpha" in raw["dspark_jax"]
+    names = set(read_safetensors_dir(tmp_path / "ck"))
+    assert names == _dspark_state_names(2, rank, c.markov_head_type, c.has_confidence)
+
+
+def test_eagle3_export_has_every_field_deepspec_reads(target, tmp_path):
+    from transformers import AutoConfig
+
+    cfg = dict(BASE, model_type="eagle3", ttt_length=5, step_loss_decay=0.7)
+    draft = init_draft(target, cfg, seed=2)
+    draft.save(tmp_path / "e3")
+    raw = json.loads((tmp_path / "e3" / "config.json").read_text())
+    hf = AutoConfig.from_pretrained(tmp_path / "e3")
+    assert hf.architectures == ["Qwen3Eagle3Model"]
+    for f in QWEN3_SHAPE + EAGLE3_READS:
+        assert f in raw and hasattr(hf, f), f
+    assert (raw["ttt_length"], raw["step_loss_decay"], raw["draft_num_hidden_layers"],
+            raw["num_hidden_layers"], raw["tie_word_embeddings"]) == (5, 0.7, 1, 1, False)
+    # DSpark-only fields are ours here, nested
+    for f in ("block_size", "mask_token_id", "markov_rank", "enable_confidence_head"):
+        assert f not in raw
+    layer = ["input_layernorm", "post_attention_layernorm", "hidden_norm", "self_attn.q_proj",
+             "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
+             "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert set(read_safetensors_dir(tmp_path / "e3")) == (
+        {f"layers.0.{m}.weight" for m in layer}
+        | {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight"})
+    assert load_draft(tmp_path / "e3", target).config == draft.config
+
+
+def test_reads_the_eagle3_layouts_deepspec_evaluates(target, tmp_path):
+    """eval.py maps Qwen3Eagle3Model and Eagle3DraftModel checkpoints: DeepSpec names with or
+    without a `model.` prefix, SpecForge's `midlayer.` names with an identity d2t/t2d; only
+    DeepSpec's fields in config.json. Anything else is an error naming the file."""
+    draft = init_draft(target, dict(BASE, model_type="eagle3", ttt_length=3), seed=3)
+    draft.save(tmp_path / "ours")
+    raw = json.loads((tmp_path / "ours" / "config.json").read_text())
+    raw.pop("dspark_jax")
+    tensors = read_safetensors_dir(tmp_path / "ours")
+    V = target.config.vocab_size
+    feats = np.random.RandomState(0).randn(1, 6, 2 * 32).astype(np.float32)
+    ids = np.arange(3, 9, dtype=np.int32)[None]
+
+    def logits(d):
+        m = d.model
+        return np.asarray(m.logits(m.ttt_hidden(feats, ids, ttt_length=2)))
+
+    want = logits(draft)
+    layouts = {
+        "deepspec": (["Qwen3Eagle3Model"], tensors),
+        "prefixed": ([EAGLE3], {("model." + k if k != "lm_head.weight" else k): v
+                                for k, v in tensors.items()}),
+        "specforge": ([EAGLE3], {**{k.replace("layers.0.", "midlayer."): v
+                                    for k, v in tensors.items()},
+                                 "d2t": np.zeros(V, np.int64), "t2d": np.ones(V, bool)}),
+    }
+    for name, (arch, t) in layouts.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(raw, architectures=arch)))
+        write_safetensors(d / "model.safetensors", t)
+        loaded = load_draft(d, target)
+        assert loaded.config.model_type == "eagle3" and loaded.config.ttt_length == 3, name
+        np.testing.assert_array_equal(logits(loaded), want, err_msg=name)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps(dict(raw, architectures=[EAGLE3])))
+    write_safetensors(bad / "model.safetensors", dict(tensors, **{"extra.weight": np.zeros(3)}))
+    with pytest.raises(CheckpointError, match=r"bad/model.safetensors: unexpected tensors "
+                                              r"\['extra.weight'\]"):
+        load_draft(bad, target)
+    pruned = dict(tensors, d2t=np.zeros(V, np.int64), t2d=np.arange(V) < 50)
+    write_safetensors(bad / "model.safetensors", pruned)
+    with pytest.raises(CheckpointError, match="pruned draft vocabulary"):
+        load_draft(bad, target)
+
+
+EAGLE3 = "Eagle3DraftModel"
+
+
+def _torch_dspark_block(cfg_json, t, feats, anchor_tok, anchor_pos, prev):
+    """DeepSpec's Qwen3DSparkModel block forward, written from its modeling.py semantics with
+    torch Linear/Embedding layouts, straight from the exported state dict (float64): one block
+    [x0, M…M] at positions a..a+γ−1 over the context features strictly before a."""
+    import torch
+    import torch.nn.functional as F
+
+    T = {k: torch.as_tensor(np.asarray(v, np.float64)) for k, v in t.items()}
+    eps, D = cfg_json["rms_norm_eps"], cfg_json["hidden_size"]
+    N, K, H = (cfg_json["num_attention_heads"], cfg_json["num_key_value_heads"],
+               cfg_json["head_dim"])
+    g = cfg_json["block_size"]
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def rope(x, pos):                                   # x [n, heads, H], rotate-half
+        inv = 1.0 / cfg_json["rope_theta"] ** (torch.arange(0, H, 2, dtype=torch.float64) / H)
+        ang = torch.as_tensor(pos, dtype=torch.float64)[:, None] * inv
+        cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+        x1, x2 = x[..., :H // 2], x[..., H // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    ctx = rms(F.linear(torch.as_tensor(feats[:anchor_pos], dtype=torch.float64), T["fc.weight"]),
+              T["hidden_norm.weight"])
+    toks = torch.as_tensor([anchor_tok] + [cfg_json["mask_token_id"]] * (g - 1))
+    h = F.embedding(toks, T["embed_tokens.weight"])
+    bpos = np.arange(anchor_pos, anchor_pos + g)
+    kpos = np.concatenate([np.arange(anchor_pos), bpos])
+    for i in range(cfg_json["num_hidden_layers"]):
+        p = lambda n: T[f"layers.{i}.{n}"]
+        x = rms(h, p("input_layernorm.weight"))
+        q = rms(F.linear(x, p("self_attn.q_proj.weight")).view(g, N, H), p("self_attn.q_norm.weight"))
+        kv_in = torch.cat([ctx, x])
+        k = rms(F.linear(kv_in, p("self_attn.k_proj.weight")).view(-1, K, H),
+                p("self_attn.k_norm.weight"))
+        v = F.linear(kv_in, p("self_attn.v_proj.weight")).view(-1, K, H)
+        q, k = rope(q, bpos), rope(k, kpos)
+        k, v = k.repeat_interleave(N // K, 1), v.repeat_interleave(N // K, 1)
+        att = torch.softmax(torch.einsum("qnh,knh->nqk", q, k) * H ** -0.5, -1)
+        o = torch.einsum("nqk,knh->qnh", att, v).reshape(g, N * H)
+        h = h + F.linear(o, p("self_attn.o_proj.weight"))
+        x = rms(h, p("post_attention_layernorm.weight"))
+        h = h + F.linear(F.silu(F.linear(x, p("mlp.gate_proj.weight")))
+                         * F.linear(x, p("mlp.up_proj.weight")), p("mlp.down_proj.weight"))
+    h = rms(h, T["norm.weight"])
+    logits = F.linear(h, T["lm_head.weight"])
+    prev_emb = F.embedding(torch.as_tensor(prev), T["markov_head.markov_w1.weight"])
+    logits = logits + F.linear(prev_emb, T["markov_head.markov_w2.weight"])   # vanilla Markov
+    conf = F.linear(torch.cat([h, prev_emb], -1), T["confidence_head.proj.weight"],
+                    T["confidence_head.proj.bias"])[:, 0]
+    return logits.numpy(), conf.numpy()
+
+
+def test_export_gives_deepspec_block_logits(target, feats, tmp_path):
+    """The exported tensors, read with DeepSpec's (torch) semantics, give our block logits and
+    confidence logits — the layouts of fc, the layers, W1/W2 and the confidence head."""
+    draft = init_draft(target, BASE, seed=7)
+    m = draft.model
+    m.markov.w2.set_value(m.markov.w2.get_value() * 40.0)       # make the Markov bias matter
+    draft = type(draft).from_model(m)
+    draft.save(tmp_path / "ck")
+    raw = json.loads((tmp_path / "ck" / "config.json").read_text())
+    t = read_safetensors_dir(tmp_path / "ck")
+    a, prev = 7, [11, 12, 13, 14]
+    ours = draft.block_logits(feats, 11, a, prev)
+    logits, conf = _torch_dspark_block(raw, t, np.asarray(feats, np.float64), 11, a, prev)
+    assert np.abs(ours["logits"] - ours["base_logits"]).max() > 1e-3
+    np.testing.assert_allclose(ours["logits"], logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(ours["confidence_logits"], conf, atol=1e-4, rtol=1e-4)

@@ -115,15 +115,18 @@ def _brute_positions(seg):
 
 
 def _naive_ttt_loss(m, feats, ids, loss_mask, tgt_hidden, seg):
-    """Unrolled TTT: per step, explicit attention over all keys of steps 0..s (brute mask)."""
+    """Unrolled TTT: per step, explicit attention over all keys of steps 0..s (brute mask);
+    loss under both normalisations and DeepSpec's metrics, position by position."""
     T, Ld = m.cfg.ttt_length, m.cfg.draft_num_hidden_layers
     B, S = ids.shape
     pos0 = np.stack([_brute_positions(r) for r in seg])
     keys = [[] for _ in range(Ld)]
     vals = [[] for _ in range(Ld)]
     h_prev = _np(feats) @ _np(m.fc.get_value())
-    num_w = den_w = 0.0
-    step_losses, step_accs = [], []
+    seq_len = {(b, k): int(np.sum(seg[b] == k)) for b in range(B) for k in set(seg[b]) if k > 0}
+    n_seq = len(seq_len)
+    pooled, local, tokens = np.zeros(T), np.zeros(T), np.zeros(T)
+    correct, accept, valid = np.zeros((3, T, B, S))
     for s in range(T):
         tok = np.asarray([[ids[b, t + 1 + s] if t + 1 + s < S else 0 for t in range(S)]
                           for b in range(B)])
@@ -138,23 +141,30 @@ def _naive_ttt_loss(m, feats, ids, loss_mask, tgt_hidden, seg):
         h_prev = h
         d_logp = np.log(_softmax(_naive_logits(m, h)))
         t_logits = _np(tgt_hidden) @ _np(m.lm_head.get_value()).T
-        num = den = corr = 0.0
         for b in range(B):
             for t in range(S):
                 j = t + 1 + s
                 if j >= S or not loss_mask[b, t + s] or seg[b][j] != seg[b][t]:
                     continue
-                p = np.exp(t_logits[b, j] - t_logits[b, j].max())
-                p /= p.sum()
-                num += -(p * d_logp[b, t]).sum()
-                corr += float(d_logp[b, t].argmax() == t_logits[b, j].argmax())
-                den += 1
-        step_losses.append(num / den)
-        step_accs.append(corr / den)
-        num_w += m.cfg.step_loss_decay ** s * num
-        den_w += m.cfg.step_loss_decay ** s * den
-    # one global token-weighted mean with weights 0.8^s · mask
-    return num_w / den_w, np.asarray(step_losses), np.asarray(step_accs)
+                p = _softmax(t_logits[b, j])
+                ce = -(p * d_logp[b, t]).sum()
+                pooled[s] += ce
+                local[s] += ce / seq_len[(b, seg[b][t])]
+                tokens[s] += 1
+                valid[s, b, t] = 1
+                correct[s, b, t] = float(d_logp[b, t].argmax() == t_logits[b, j].argmax())
+                accept[s, b, t] = np.clip(1 - 0.5 * np.abs(np.exp(d_logp[b, t]) - p).sum(), 0, 1)
+    decay = m.cfg.step_loss_decay ** np.arange(T)
+    start = valid[0] > 0
+    chain = lambda x: (1 + np.cumprod(x * valid, axis=0).sum(0))[start].sum() / start.sum()
+    return {
+        # DeepSpec's local mean: each sequence's masked sum / its length, mean over sequences
+        "local_mean": (decay @ local / n_seq, local / n_seq),
+        # one valid-token mean with weights 0.8^s · mask
+        "pooled": ((decay @ pooled) / (decay @ tokens), pooled / tokens),
+        "accuracy": (correct * valid).sum((1, 2)) / tokens,
+        "accept_rate": (accept * valid).sum((1, 2)) / tokens,
+        "tokens": tokens, "tau_greedy": chain(correct), "tau_probabilistic": chain(accept)}
 
 
 def _batch(seed, B=2, S=10, nfeat=2):
@@ -188,22 +198,41 @@ def test_ttt_masks_and_positions_match_brute_force():
     np.testing.assert_array_equal(base_positions(B, S), np.tile(np.arange(S), (B, 1)))
 
 
-def test_ttt_loss_equals_naive_unrolled_reference(draft):
+@pytest.mark.parametrize("norm", ["local_mean", "pooled"])
+def test_ttt_loss_equals_naive_unrolled_reference(draft, norm):
+    """Each normalisation against its own reference (local_mean is DeepSpec's default)."""
+    model = nnx.clone(draft)
+    model.cfg = model.cfg.replace(eagle3_loss_normalization=norm)
     feats, ids, lmask, tgt = _batch(0)
-    seg = np.asarray([[1] * 6 + [2] * 4, [1] * 10], np.int32)
-    fn = jax.jit(lambda f, i, lm, t, sg, pos: eagle3_loss(draft, f, i, lm, t, segment_ids=sg,
+    seg = np.asarray([[1] * 5 + [2] * 3 + [0] * 2, [1] * 10], np.int32)
+    lmask = lmask * (seg > 0)
+    fn = jax.jit(lambda f, i, lm, t, sg, pos: eagle3_loss(model, f, i, lm, t, segment_ids=sg,
                                                           positions=pos, chunk_size=3))
     loss, met = fn(feats, ids, lmask, tgt, seg, np.stack([_brute_positions(r) for r in seg]))
-    ref_loss, ref_steps, ref_acc = _naive_ttt_loss(draft, feats, ids, lmask, tgt, seg)
+    ref = _naive_ttt_loss(model, feats, ids, lmask, tgt, seg)
+    ref_loss, ref_steps = ref[norm]
+    other = ref["pooled" if norm == "local_mean" else "local_mean"][0]
+    assert abs(ref_loss - other) > 1e-3 * abs(ref_loss), "the two rules must differ here"
     assert abs(float(loss) - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss))
     np.testing.assert_allclose(np.asarray(met["step_loss"]), ref_steps, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(met["step_acc"]), ref_acc, atol=1e-6)
-    # without packing the same reference holds with a single segment
+    np.testing.assert_allclose(np.asarray(met["step_acc"]), ref["accuracy"], atol=1e-6)
+    T = model.cfg.ttt_length
+    for s in range(T):
+        np.testing.assert_allclose(float(met[f"ploss_{s}"]), ref_steps[s], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(float(met[f"accuracy@{s}"]), ref["accuracy"][s], atol=1e-6)
+        np.testing.assert_allclose(float(met[f"accept_rate@{s}"]), ref["accept_rate"][s],
+                                   rtol=1e-5, atol=1e-6)
+        assert float(met[f"valid_tokens@{s}"]) == ref["tokens"][s]
+    for k in ("tau_greedy", "tau_probabilistic"):
+        np.testing.assert_allclose(float(met[k]), ref[k], rtol=1e-5)
+    if norm == "pooled":
+        return
+    # without packing the same reference holds with a single segment (the row is a sequence)
     seg1 = np.ones_like(seg)
     loss1, _ = fn(feats, ids, lmask, tgt, seg1, np.tile(np.arange(10), (2, 1)))
-    loss_none, _ = jax.jit(lambda f, i, lm, t: eagle3_loss(draft, f, i, lm, t, chunk_size=4))(
+    loss_none, _ = jax.jit(lambda f, i, lm, t: eagle3_loss(model, f, i, lm, t, chunk_size=4))(
         feats, ids, lmask, tgt)
-    ref1, _, _ = _naive_ttt_loss(draft, feats, ids, lmask, tgt, seg1)
+    ref1 = _naive_ttt_loss(model, feats, ids, lmask, tgt, seg1)["local_mean"][0]
     assert abs(float(loss1) - ref1) <= 1e-5 * max(1.0, ref1)
     assert abs(float(loss_none) - ref1) <= 1e-5 * max(1.0, ref1)
 
@@ -358,6 +387,6 @@ def test_tiny_eagle3_overfits_target_with_the_train_step(target):
     for _ in range(200):
         state, met = fns.train(state, frozen, peaked.state, batch)
         first = first or {k: float(v) for k, v in met.items()}
-    assert first["step_acc@0"] < 0.2 and first["loss_tokens"] == 4 * 23
-    assert float(met["step_acc@0"]) > 0.9, (first, met)
+    assert first["accuracy@0"] < 0.2 and first["loss_tokens"] == 4 * 23
+    assert float(met["accuracy@0"]) > 0.9, (first, met)
     assert float(met["loss"]) < first["loss"]

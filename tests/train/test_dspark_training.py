@@ -65,11 +65,16 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
     anchors, valid = map(np.asarray, sample_anchors(key, jnp.asarray(b["loss_mask"]), 6))
     cfg, g = draft.config, 4
     w_k = np.exp(-np.arange(g) / cfg.loss_decay_gamma)
-    num = {"ce": 0.0, "l1": 0.0, "conf": 0.0}
+    num = {"ce": 0.0, "l1": 0.0, "conf": 0.0, "abs_err": 0.0, "bias": 0.0, "cum_bias": 0.0}
     W, acc, cnt = 0.0, np.zeros(g), np.zeros(g)
     ids, lm = b["input_ids"], b["loss_mask"]
     S = ids.shape[1]
+    sampler = {"valid_anchors_abs": 0.0, "valid_anchors_ratio": 0.0, "sampled_anchors_abs": 0.0,
+               "sampled_anchors_ratio": 0.0, "block_supervised_tokens_abs": 0.0,
+               "block_supervised_tokens_ratio": 0.0}
     for bi in range(2):
+        n_cand = sum(bool(lm[bi, i] and lm[bi, i + 1]) for i in range(S - 1))
+        sampled, supervised = int(valid[bi].sum()), 0
         for a, v in zip(anchors[bi], valid[bi]):
             if not v:
                 continue
@@ -78,6 +83,7 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
             out = draft.block_logits(feats[bi], ids[bi, a], a, prev)
             pd = _softmax(out["logits"].astype(np.float64))
             m = 1.0
+            prefix_c = prefix_t = 1.0
             for k in range(g):
                 pos = a + k + 1
                 m *= float(pos < S and lm[bi, min(pos, S - 1)] == 1)
@@ -88,17 +94,38 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
                 c_star = np.clip(1 - 0.5 * l1, 0, 1)
                 c = out["confidence_logits"][k]
                 bce = max(c, 0) - c * c_star + np.log1p(np.exp(-abs(c)))
+                sig = 1 / (1 + np.exp(-c))
+                prefix_c, prefix_t = prefix_c * sig, prefix_t * c_star
                 w = w_k[k]
                 num["ce"] += w * -np.log(pd[k, ids[bi, pos]])
                 num["l1"] += w * l1
                 num["conf"] += w * bce
+                # DeepSpec weights the confidence errors with the decayed loss weights
+                num["abs_err"] += w * abs(sig - c_star)
+                num["bias"] += w * (sig - c_star)
+                num["cum_bias"] += w * (prefix_c - prefix_t)
                 W += w
                 acc[k] += c_star
                 cnt[k] += 1
+                supervised += 1
+        # DeepSpec's anchor-sampler statistics, per sample (row) then averaged over samples
+        sampler["valid_anchors_abs"] += n_cand / 2
+        sampler["valid_anchors_ratio"] += n_cand / S / 2
+        sampler["sampled_anchors_abs"] += sampled / 2
+        sampler["sampled_anchors_ratio"] += sampled / 6 / 2
+        sampler["block_supervised_tokens_abs"] += supervised / max(sampled, 1) / 2
+        sampler["block_supervised_tokens_ratio"] += supervised / max(sampled, 1) / g / 2
     ref_loss = (0.1 * num["ce"] + 0.9 * num["l1"] + 1.0 * num["conf"]) / W
     np.testing.assert_allclose(got["loss"], ref_loss, rtol=2e-5)
-    np.testing.assert_allclose(got["ce"], num["ce"] / W, rtol=2e-5)
-    np.testing.assert_allclose(got["l1"], num["l1"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["ce_loss"], num["ce"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["l1_loss"], num["l1"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["confidence_loss"], num["conf"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["confidence_abs_error"], num["abs_err"] / W, rtol=2e-5)
+    np.testing.assert_allclose(got["confidence_bias"], num["bias"] / W, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(got["confidence_cumprod_bias"], num["cum_bias"] / W, rtol=2e-5,
+                               atol=1e-7)
+    for k, v in sampler.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
     for k in range(g):
         np.testing.assert_allclose(got[f"accept_rate@{k}"], acc[k] / cnt[k], rtol=2e-5)
 
@@ -184,13 +211,22 @@ def test_sharded_step_equals_single_device(target):
     np.testing.assert_allclose(float(m1["loss"]), float(m8["loss"]), rtol=1e-5)
 
 
-def test_micro_batches_equal_one_big_batch(target):
-    """Gradient accumulation of sums over 4 micro-batches == one batch (global token means).
-    num_anchors ≥ S makes every candidate an anchor, so the draw does not depend on the key."""
+def _uneven_batch():
+    """4 rows whose loss-token counts differ a lot, so the two normalisations disagree."""
     b = _batch(B=4, seed=4)
+    b["loss_mask"][0, 9:] = 0
+    b["loss_mask"][2, 14:] = 0
+    return b
+
+
+def test_global_normalization_micro_batches_equal_one_big_batch(target):
+    """"global": accumulation of sums over 4 micro-batches == one batch (global token means).
+    num_anchors ≥ S makes every candidate an anchor, so the draw does not depend on the key."""
+    b = _uneven_batch()
     mesh = make_mesh(devices=jax.devices()[:1])
-    s1, fr, f1 = _setup_step(target, mesh, micro=1, draft_kw=dict(num_anchors=32))
-    s2, _, f2 = _setup_step(target, mesh, micro=4, draft_kw=dict(num_anchors=32))
+    kw = dict(num_anchors=32, loss_normalization="global")
+    s1, fr, f1 = _setup_step(target, mesh, micro=1, draft_kw=kw)
+    s2, _, f2 = _setup_step(target, mesh, micro=4, draft_kw=kw)
     s1, m1 = f1.train(s1, fr, target.state, b)
     s2, m2 = f2.train(s2, fr, target.state, b)
     np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-5)
@@ -198,6 +234,47 @@ def test_micro_batches_equal_one_big_batch(target):
     diff = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
                         s1.params, s2.params)
     assert max(jax.tree.leaves(diff)) <= 1e-6
+
+
+def test_deepspec_normalization_is_the_mean_of_micro_batch_losses(target):
+    """"deepspec" (default): each micro-step's loss uses its own Σw and is divided by the
+    accumulation count — loss and gradient are the means over micro-batches of each
+    micro-batch's own token-weighted loss, not one big batch's."""
+    from dspark_jax.train.step import make_loss_sums_fn
+
+    b = _uneven_batch()
+    mesh = make_mesh(devices=jax.devices()[:1])
+    kw = dict(num_anchors=32)
+    state, fr, fns = _setup_step(target, mesh, micro=4, draft_kw=kw)
+    cfg = init_draft(target, dict(DRAFT, **kw), seed=1).config
+    assert cfg.loss_normalization == "deepspec"
+    gd = fns.graphdef
+    sums_fn = make_loss_sums_fn(gd, cfg, target.graphdef, 64)
+    params = jax.tree.map(jnp.copy, state.params)
+    key = jax.random.key(0)
+
+    @jax.jit
+    def quarter_loss(p, mb):
+        def f(p):
+            sums = sums_fn(p, fr, target.state, mb, key)
+            return sums["objective"] / sums["weight"], sums
+        return jax.value_and_grad(f, has_aux=True)(p)
+
+    outs = [quarter_loss(params, {k: v[i:i + 1] for k, v in b.items()}) for i in range(4)]
+    losses = [float(o[0][0]) for o in outs]
+    grads = [o[1] for o in outs]
+    ref_loss = float(np.mean(losses))
+    ref_grad = jax.tree.map(lambda *g: sum(g) / 4, *grads)
+    import optax
+
+    ref_norm = float(optax.global_norm(ref_grad))
+    _, m = fns.train(state, fr, target.state, b)
+    np.testing.assert_allclose(float(m["loss"]), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(m["grad_norm"]), ref_norm, rtol=1e-4)
+    # … which is not what one big batch (the "global" rule) gives on this batch
+    big = (sum(float(o[0][1]["objective"]) for o in outs)
+           / sum(float(o[0][1]["weight"]) for o in outs))
+    assert abs(big - ref_loss) > 1e-3 * ref_loss, (big, ref_loss)
 
 
 def test_tiny_draft_overfits(tmp_path_factory):
