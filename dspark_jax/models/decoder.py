@@ -256,9 +256,12 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     positions ≤ their own — the committed prefix plus the request's own earlier admitted
     tokens, which are written first. Every matmul runs over the K tokens only, so the cost of a
     step scales with the tokens admitted, not with R·(γ+1). Lengths are not advanced (the
-    caller commits by moving them).
+    caller commits by moving them). Gemma4 runs the same addressing through its own layers
+    (`_gemma4_ragged`).
     """
     cfg = model.cfg
+    if cfg.is_gemma4:
+        return _gemma4_ragged(model, tokens_k, slot_k, position_k, valid_k, cache, tap_layer_ids)
     K = tokens_k.shape[0]
     R, S = cache.k.shape[1], cache.k.shape[2]
     pos_1k = position_k.astype(jnp.int32)[None]                               # [1,K]
@@ -310,6 +313,37 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     return RaggedOutput(hidden=hidden, taps=taps_out,
                         cache=cache.replace(k=kc.astype(cache.k.dtype),
                                             v=vc.astype(cache.v.dtype)))
+
+
+def _gemma4_ragged(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
+                   position_k: jax.Array, valid_k: jax.Array, cache: KVCache,
+                   tap_layer_ids: Sequence[int]) -> RaggedOutput:
+    """`ragged_forward` for Gemma4: the K tokens as one row of `gemma4.forward`, each reading
+    and writing its own request's row of every per-group cache (sliding windows, KV sharing and
+    per-layer inputs as in the dense path, whose layer math it runs)."""
+    from dspark_jax.models import gemma4
+
+    cfg = model.cfg
+    K = tokens_k.shape[0]
+    R = cache.k[0].shape[1]
+    slot_r = jnp.clip(slot_k.astype(jnp.int32), 0, R - 1)                     # read index
+    rows = gemma4.RaggedRows(read_k=slot_r, write_k=jnp.where(valid_k, slot_r, R),  # R = drop
+                             valid_k=valid_k.astype(bool))
+    tokens_1k = tokens_k.astype(jnp.int32)[None]
+    h = model.embed_tokens(tokens_1k)                                         # [1,K,D]
+    tap_ids = model.tap_slots(tap_layer_ids)
+    kv = (tuple(k.astype(model.dtype) for k in cache.k),
+          tuple(v.astype(model.dtype) for v in cache.v))
+    h, taps, kv = gemma4.forward(model.layers, cfg, tokens_1k, h,
+                                 position_k.astype(jnp.int32)[None], kv, None, tap_ids,
+                                 model.dtype, ragged=rows)
+    hidden = L.rms_norm(h, model.final_norm.get_value(), cfg.rms_norm_eps)[0]
+    taps_out = None
+    if taps is not None:
+        taps_out = jnp.transpose(taps[:, 0], (1, 0, 2)).reshape(K, len(tap_ids) * cfg.hidden_size)
+    return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache.replace(
+        k=tuple(a.astype(b.dtype) for a, b in zip(kv[0], cache.k)),
+        v=tuple(a.astype(b.dtype) for a, b in zip(kv[1], cache.v))))
 
 
 def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,

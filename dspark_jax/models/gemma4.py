@@ -217,21 +217,47 @@ def _masks(cfg: DecoderConfig, positions_bt: jax.Array, cached: bool, S: int,
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RaggedRows:
+    """Cache addressing of a ragged call (B = 1, T = K flattened tokens; paper §5.2–5.3):
+    token k reads cache row `read_k[k]` and writes row `write_k[k]` (out of range: dropped,
+    for padding); `valid_k` masks padding's queries."""
+
+    read_k: jax.Array
+    write_k: jax.Array
+    valid_k: jax.Array
+
+
 def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
             positions_bt: jax.Array, cache_kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
-            | None, segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any
-            ) -> tuple[jax.Array, jax.Array | None, Any]:
+            | None, segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any,
+            ragged: RaggedRows | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
     """Runs every layer on the embedded tokens h [B, T, D].
 
     Returns (h before the final norm, taps [n, B, T, D] or None, updated cache (k, v) tuples).
     With `cache_kv`, token t of row b is written at `positions_bt[b, t]` of each owning layer's
     cache and attends over the cache; without, over the T tokens (packed by `segment_ids_bt`).
+    With `ragged` (and a cache), the T tokens of the single row are independent queries: token
+    k writes and reads the cache row `ragged` names, so attention is one [1, S] row per token
+    (sliding layers: keys with pos − W < key_pos ≤ pos; KV-shared layers: their producer's
+    cache row) and every other matmul runs over the T tokens only.
     """
     B, T, D = h.shape
     eps = cfg.rms_norm_eps
     cached = cache_kv is not None
+    if ragged is not None and (not cached or B != 1):
+        raise ValueError("gemma4.forward: a ragged call needs a cache and one flattened row "
+                         f"(got batch {B}, cache {'given' if cached else 'None'})")
     S = cache_kv[0][0].shape[2] if cached else T
-    masks = _masks(cfg, positions_bt, cached, S, segment_ids_bt)
+    if ragged is None:
+        masks = _masks(cfg, positions_bt, cached, S, segment_ids_bt)
+        write_rows = jnp.arange(B)[:, None]
+        read = lambda c: c                                                 # [B,S,K,H]
+    else:  # each token its own batch row of one query: masks [T, 1, S]
+        masks = {t: m & ragged.valid_k[:, None, None]
+                 for t, m in _masks(cfg, positions_bt.T, True, S, None).items()}
+        write_rows = ragged.write_k[None]                                  # [1,T]
+        read = lambda c: c[ragged.read_k]                                  # [T,S,K,H]
     ple = (per_layer_inputs(stack, cfg, tokens_bt, h, dtype)
            if cfg.hidden_size_per_layer_input else None)
     n_taps = len(tap_ids)
@@ -242,7 +268,6 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
             taps = taps.at[slot].set(h)
         else:
             slot_of_layer[lid] = slot
-    b_idx = jnp.arange(B)[:, None]
     caches_k = list(cache_kv[0]) if cached else []
     caches_v = list(cache_kv[1]) if cached else []
     # K/V each layer type's KV-shared layers read: (group, period) of the producer layer
@@ -262,14 +287,20 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
             kv_out = (k, v)
             if kv_in is not None:  # this group's caches [n, B, S, K, H]: write, attend over row n
                 kc_all, vc_all, n = kv_in
-                kc_all = kc_all.at[n, b_idx, positions_bt].set(k.astype(kc_all.dtype), mode="drop")
-                vc_all = vc_all.at[n, b_idx, positions_bt].set(v.astype(vc_all.dtype), mode="drop")
+                kc_all = kc_all.at[n, write_rows, positions_bt].set(k.astype(kc_all.dtype),
+                                                                    mode="drop")
+                vc_all = vc_all.at[n, write_rows, positions_bt].set(v.astype(vc_all.dtype),
+                                                                    mode="drop")
                 kv_out = (kc_all, vc_all)
-                k, v = kc_all[n].astype(dtype), vc_all[n].astype(dtype)
-        else:  # KV-shared: attend with the producer's keys/values
+                k, v = read(kc_all[n]).astype(dtype), read(vc_all[n]).astype(dtype)
+        else:  # KV-shared: attend with the producer's keys/values (read once, outside the scan)
             k, v = kv_in[0].astype(dtype), kv_in[1].astype(dtype)
             kv_out = None
-        attn = L.attend(q, k, v, masks[ltype], scale=1.0)
+        if ragged is None:
+            attn = L.attend(q, k, v, masks[ltype], scale=1.0)
+        else:  # [1,T,N,H] → T rows of one query against their own cache row
+            attn = jnp.swapaxes(L.attend(jnp.swapaxes(q, 0, 1), k, v, masks[ltype], scale=1.0),
+                                0, 1)
         return attn_out_and_mlp(lp, h, attn, eps, ple_i), kv_out
 
     groups = stack.group_index()
@@ -292,7 +323,7 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
             for t, (pg, pn) in producers.items():
                 if cached:
                     c = cache_slot[pg]
-                    shared[t] = (caches_k[c][pn], caches_v[c][pn])
+                    shared[t] = (read(caches_k[c][pn]), read(caches_v[c][pn]))
                 else:
                     ks, vs = fresh_kv[pg]
                     shared[t] = (ks[pn], vs[pn])
