@@ -3,9 +3,12 @@
 Closed loop: for each concurrency c, an engine with c request slots decodes `--requests-per-slot`
 × c prompts (a finished request's slot is refilled at once, so c requests stay in flight), for
 each scheduler mode. Per (mode, c): aggregate output tok/s, per-user tok/s (median and p10 of
-tokens / (finish − join)), mean verified draft tokens per request per round, τ, the mean round
-time per capacity bucket; per c: the verification-step time per capacity bucket (profiled on the
-compiled ragged programs). Writes JSON plus two PNGs:
+tokens / (finish − join)), mean verified draft tokens per request per round, τ, and the mean
+WHOLE-round time per capacity bucket (draft + schedule + verify + host bookkeeping); per c,
+separately: the PURE verification-step time per capacity bucket — the engine's SPS(B) profile
+of the compiled ragged programs (ms per step; it must grow with the bucket) — and how long that
+profiling took. The SPS cache is a fresh directory per run unless `--sps-cache-dir` is given,
+so the profiling time is measured. Writes JSON, a markdown table (`<out>.md`) and two PNGs:
   * `<out>_fig7.png` — aggregate throughput against per-user tok/s, one curve per mode;
   * `<out>_fig8.png` — throughput and per-request verification budget against concurrency.
 
@@ -48,6 +51,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prefill-chunk", type=int, default=128)
+    p.add_argument("--sampler", default="jax", choices=("jax", "pallas"))
+    p.add_argument("--verifier", default="jax", choices=("jax", "pallas"))
+    p.add_argument("--sps-cache-dir", default=None,
+                   help="SPS profile cache (default: a fresh temporary directory per run)")
     p.add_argument("--out", default="bench_load", help="output prefix (.json, _fig7/_fig8.png)")
     return p.parse_args(argv)
 
@@ -87,7 +94,8 @@ def run_point(target: Any, draft: Any, mode: str, c: int, a: argparse.Namespace
 
     eng = Engine(target, draft if mode != "none" else None, max_requests=c,
                  max_len=a.max_len, scheduler=mode, threshold=a.threshold,
-                 prefill_chunk=a.prefill_chunk)
+                 prefill_chunk=a.prefill_chunk, sampler=a.sampler, verifier=a.verifier,
+                 sps_cache_dir=a.sps_cache_dir)
     prompts = _prompts(target, c * a.requests_per_slot)
     eng.warmup()
     eng.generate(prompts[:c], max_new_tokens=a.max_new_tokens, temperature=a.temperature)
@@ -106,10 +114,45 @@ def run_point(target: Any, draft: Any, mode: str, c: int, a: argparse.Namespace
         verified_per_request_round=float(np.mean([r["verified_tokens"] / r["active"]
                                                   for r in res.rounds])),
         tau=res.tau, rounds=len(res.rounds),
-        round_s_by_bucket={str(k): float(np.mean(v)) for k, v in sorted(by_bucket.items())},
-        rounds_by_bucket={str(k): len(v) for k, v in sorted(by_bucket.items())},
-        sps_profile_s=eng.profile_seconds)
+        round_ms_by_bucket={str(k): 1e3 * float(np.mean(v))
+                            for k, v in sorted(by_bucket.items())},
+        rounds_by_bucket={str(k): len(v) for k, v in sorted(by_bucket.items())})
     return point, eng
+
+
+def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
+    """The pure verification-step time per capacity bucket: the SPS profile the engine made at
+    start (algorithm1 / adaptive), else profiled here the same way (cached per c)."""
+    from dspark_jax.serving import sps as sps_mod
+
+    secs, took = eng.bucket_seconds, eng.profile_seconds
+    if secs is None:
+        key = sps_mod.cache_key(eng.target.config, eng.target.dtype, eng.R, eng.max_len,
+                                eng.buckets)
+        secs, took, _ = sps_mod.load_or_profile(key, cache_dir, eng._dummy_step_fn(),
+                                                eng.buckets)
+    ms = [1e3 * secs[b] for b in sorted(secs)]
+    return dict(step_ms_by_bucket={str(b): 1e3 * secs[b] for b in sorted(secs)},
+                sps_profile_s=took, grows_with_bucket=bool(all(np.diff(ms) > 0)))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The load table and the per-bucket verification times as markdown (for BENCHMARKS.md)."""
+    rows = ["| c | mode | agg tok/s | per-user tok/s median (p10) | verified/req/round | τ | "
+            "rounds | whole-round ms by bucket K |", "|---|---|---|---|---|---|---|---|"]
+    for p in result["points"]:
+        rb = ", ".join(f"{k}: {v:.0f}" for k, v in p["round_ms_by_bucket"].items())
+        rows.append(f"| {p['concurrency']} | {p['mode']} | {p['aggregate_tok_s']:.1f} | "
+                    f"{p['per_user_tok_s_median']:.1f} ({p['per_user_tok_s_p10']:.1f}) | "
+                    f"{p['verified_per_request_round']:.2f} | {p['tau']:.2f} | {p['rounds']} | "
+                    f"{rb} |")
+    rows += ["", "| c | verification step ms by capacity bucket K | grows | SPS profiling s |",
+             "|---|---|---|---|"]
+    for c, v in result["verify_step"].items():
+        ks = ", ".join(f"K={k}: {ms:.1f}" for k, ms in v["step_ms_by_bucket"].items())
+        rows.append(f"| {c} | {ks} | {'yes' if v['grows_with_bucket'] else 'NO'} | "
+                    f"{v['sps_profile_s']:.2f} |")
+    return "\n".join(rows) + "\n"
 
 
 def plots(points: list[dict[str, Any]], out: str) -> list[str]:
@@ -155,7 +198,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
     from dspark_jax.bench.common import device_name
     from dspark_jax.models import load_target
-    from dspark_jax.serving import sps as sps_mod
 
     target = load_target(a.target, dtype=a.dtype)
     draft = _load_draft(target, a.draft)
@@ -163,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if not draft.config.has_confidence:
         modes = [m for m in modes if m in ("none", "fixed")]
     conc = [int(x) for x in a.concurrency.split(",")]
+    if a.sps_cache_dir is None:   # fresh: the SPS profiling below is measured, not cached
+        import tempfile
+
+        a.sps_cache_dir = tempfile.mkdtemp(prefix="dspark_sps_")
     points, verify_s = [], {}
     t_all = time.perf_counter()
     for c in conc:
@@ -174,19 +220,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"{point['per_user_tok_s_median']:7.1f} (p10 {point['per_user_tok_s_p10']:.1f})"
                   f"  verified/req/round {point['verified_per_request_round']:.2f}  "
                   f"tau {point['tau']:.2f}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-            if m != "none" and c not in verify_s:   # verification step time per bucket
-                verify_s[c] = {str(k): v for k, v in sps_mod.profile_buckets(
-                    eng._dummy_step_fn(), eng.buckets).items()}
-                print(f"c={c:3d} verification step s per bucket: "
-                      + ", ".join(f"K={k}: {v * 1e3:.1f} ms" for k, v in verify_s[c].items()),
-                      flush=True)
+            if m != "none" and str(c) not in verify_s:   # profiled once per c (cached)
+                verify_s[str(c)] = verify_profile(eng, a.sps_cache_dir)
+        if str(c) in verify_s:
+            v = verify_s[str(c)]
+            print(f"c={c:3d} verification step per bucket: "
+                  + ", ".join(f"K={k}: {ms:.1f} ms" for k, ms in v["step_ms_by_bucket"].items())
+                  + f" (SPS profiling {v['sps_profile_s']:.2f} s"
+                  + ("" if v["grows_with_bucket"] else "; does NOT grow with the bucket") + ")",
+                  flush=True)
     result = dict(device=device_name(), target=a.target, draft=a.draft,
                   gamma=int(draft.config.num_drafts), settings=vars(a), points=points,
-                  verify_step_s_by_bucket=verify_s, total_s=time.perf_counter() - t_all)
+                  verify_step=verify_s, total_s=time.perf_counter() - t_all)
     result["figures"] = plots(points, a.out)
     with open(f"{a.out}.json", "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {a.out}.json, {', '.join(result['figures'])}")
+    with open(f"{a.out}.md", "w") as f:
+        f.write(markdown(result))
+    print(markdown(result))
+    print(f"wrote {a.out}.json, {a.out}.md, {', '.join(result['figures'])}")
     return result
 
 

@@ -76,6 +76,38 @@ class DSparkAdapter:
         h = model.draft_slots(h)
         return model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn)
 
+    @staticmethod
+    def supports_markov_kernel(model: DSparkDraft) -> bool:
+        """The Markov sampling kernel implements the vanilla head (logits = U + W2·W1[x])."""
+        return model.cfg.has_markov and model.cfg.markov_head_type == "vanilla"
+
+    @staticmethod
+    def propose_with_uniforms(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
+                              anchor_pos: jax.Array, uniforms: jax.Array,
+                              temperature: jax.Array, markov_sample_fn: Callable
+                              ) -> dict[str, jax.Array]:
+        """`propose` with the vanilla Markov head sampled by `markov_sample_fn(uniforms [B,γ],
+        U [B,γ,V], W1, W2, anchor [B], T [B]) → (tokens, probs)` (the batched kernel or its
+        oracle) instead of the model's per-slot scan. The drafter samples softmax(·/T) of its
+        logits (no top-k/top-p: verification is lossless for any p_d it reports). The confidence
+        head then runs on all slots at once from the sampled previous tokens."""
+        S = cache.k.shape[2]
+        B = anchor.shape[0]
+        visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
+        h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
+                           jnp.ones((B, 1), bool))[:, 0]
+        h = model.draft_slots(h)                                            # [B,γ,D]
+        base = model.base_logits(h)                                         # [B,γ,V] f32
+        toks, probs = markov_sample_fn(uniforms, base, model.markov.w1.get_value(),
+                                       model.markov.w2.get_value(), anchor.astype(jnp.int32),
+                                       temperature)
+        if model.cfg.has_confidence:
+            prev = jnp.concatenate([anchor[:, None].astype(jnp.int32), toks[:, :-1]], axis=1)
+            conf = model.confidence(h, model.markov.embed_prev(prev, h.dtype))   # [B,γ]
+        else:
+            conf = jnp.zeros(toks.shape, jnp.float32)
+        return {"tokens": toks, "probs": probs, "confidence": conf}
+
 
 class Eagle3Adapter:
     """Eagle3: a chain of γ autoregressive draft steps over its own KV cache."""

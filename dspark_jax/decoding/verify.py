@@ -9,22 +9,30 @@
   SPEC §3): logits_k = U_k + W2·W1[x_{k−1}], each slot conditioned on the token actually sampled
   at the slot before it.
 
-Both are pure-JAX, jit-able and batched, and are the oracles that the Pallas kernels in
-`pallas_kernels/{verify,markov_sample}` must reproduce. To make that reproduction exact, all
-randomness enters as explicit uniforms (`*_with_uniforms`) and every categorical draw is an
-inverse-CDF search (`inverse_cdf_sample`); the key-taking wrappers only draw those uniforms.
-Temperature is folded into the probabilities by the caller (`sampling.probs_from_logits`); T = 0
-gives one-hot rows, for which the rule reduces to exact greedy prefix matching.
+There is one copy of each rule: the pure-JAX oracles `ref_verify` / `ref_markov_sample` that
+sit beside their Pallas kernels in `pallas_kernels/{verify,markov_sample}` (kernels stand alone;
+decoding imports them, never the reverse). This module adds the key-taking wrappers, the γ = 0
+case of plain decoding, and `kernel_mode`, which picks how the kernels run on this backend
+(compiled Triton on GPU, compiled Mosaic on TPU, the interpreter only on CPU). All randomness
+enters as explicit uniforms (`*_with_uniforms`) and every categorical draw is an inverse-CDF
+search (`inverse_cdf_sample`), so a kernel and the pure-JAX path given the same uniforms emit
+the same tokens. Temperature is folded into the probabilities by the caller
+(`sampling.probs_from_logits`); T = 0 gives one-hot rows, for which the rule reduces to exact
+greedy prefix matching.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.sampling import probs_from_logits
+from pallas_kernels.common import inverse_cdf_sample
+from pallas_kernels.markov_sample.kernel import markov_sample as markov_sample_kernel
+from pallas_kernels.markov_sample.kernel import ref_markov_sample
+from pallas_kernels.verify.kernel import RESIDUAL_EPS, VerifyResult, ref_verify
+from pallas_kernels.verify.kernel import verify as verify_kernel
 
 __all__ = [
     "RESIDUAL_EPS",
@@ -33,26 +41,17 @@ __all__ = [
     "VERIFIERS",
     "get_verifier",
     "inverse_cdf_sample",
+    "kernel_mode",
     "verify_uniforms",
     "rejection_verify",
     "rejection_verify_with_uniforms",
     "pallas_verify",
+    "pallas_verify_with_uniforms",
     "markov_uniforms",
-    "markov_logits_step",
     "sequential_markov_sample",
     "sequential_markov_sample_with_uniforms",
+    "pallas_markov_sample_with_uniforms",
 ]
-
-# Residual mass below which the correction is drawn from p_t instead (SPEC §1 step 5).
-RESIDUAL_EPS = 1e-8
-
-
-class VerifyResult(NamedTuple):
-    """Outcome of verifying one round for every batch row."""
-
-    num_accepted: jax.Array   # [B] int32 in [0, ℓ]
-    next_token: jax.Array     # [B] int32: correction at the first rejected slot, or the bonus
-    accepted_mask: jax.Array  # [B, γ] bool: a prefix of length num_accepted
 
 
 class Verifier(Protocol):
@@ -62,24 +61,16 @@ class Verifier(Protocol):
                  draft_tokens: jax.Array, verify_len: jax.Array) -> VerifyResult: ...
 
 
-# ------------------------------------------------------------------------------------------
-# Inverse-CDF sampling: the one sampling convention shared with the kernels
-# ------------------------------------------------------------------------------------------
-
-def inverse_cdf_sample(weights: jax.Array, u: jax.Array) -> jax.Array:
-    """Index i with cdf[i−1] ≤ u·total < cdf[i]: weights [..., V] ≥ 0, u [...] in [0, 1).
-
-    The weights need not be normalised. The result is clamped to the last index with positive
-    weight, so a rounding slip at the top of the CDF can never return a zero-weight (e.g. padded)
-    token; an all-zero row returns 0.
-    """
-    w = weights.astype(jnp.float32)
-    cdf = jnp.cumsum(w, axis=-1)                                             # [..., V]
-    thr = u.astype(jnp.float32) * cdf[..., -1]                               # [...]
-    count = jnp.sum((cdf <= thr[..., None]).astype(jnp.int32), axis=-1)
-    idx = jax.lax.broadcasted_iota(jnp.int32, w.shape, w.ndim - 1)
-    last_pos = jnp.max(jnp.where(w > 0, idx, 0), axis=-1)
-    return jnp.minimum(count, last_pos).astype(jnp.int32)
+def kernel_mode() -> dict[str, object]:
+    """How the Pallas kernels run on JAX's default backend: keyword arguments for
+    `verify` / `markov_sample`. GPU → compiled Triton, TPU → compiled Mosaic; anything else
+    (CPU) → the Pallas interpreter, which is the only way a kernel runs there."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return dict(interpret=False, backend="triton")
+    if backend == "tpu":
+        return dict(interpret=False, backend="mosaic")
+    return dict(interpret=True, backend="triton")
 
 
 # ------------------------------------------------------------------------------------------
@@ -93,45 +84,38 @@ def verify_uniforms(key: jax.Array, batch: int, gamma: int) -> tuple[jax.Array, 
             jax.random.uniform(k_smp, (batch,), jnp.float32))
 
 
+def _no_drafts(sample_u: jax.Array, target_probs: jax.Array) -> VerifyResult:
+    """γ = 0 (plain decoding through the speculative machinery): draw the next token from p_t."""
+    B = target_probs.shape[0]
+    return VerifyResult(jnp.zeros((B,), jnp.int32),
+                        inverse_cdf_sample(target_probs[:, 0], sample_u),
+                        jnp.zeros((B, 0), bool))
+
+
 def rejection_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array,
                                    target_probs: jax.Array, draft_probs: jax.Array,
                                    draft_tokens: jax.Array, verify_len: jax.Array
                                    ) -> VerifyResult:
-    """Lossless verification with explicit uniforms.
+    """Lossless verification with explicit uniforms: the kernel package's oracle `ref_verify`.
 
     accept_u [B, γ] and sample_u [B] in [0, 1); target_probs [B, γ+1, V] (row k is p_t for the
     token at slot k+1; row γ is the bonus row); draft_probs [B, γ, V]; draft_tokens [B, γ] in
-    [0, V); verify_len [B] in [0, γ] (clipped). Probabilities may be any float dtype (computed in
-    f32).
+    [0, V); verify_len [B] in [0, γ] (clipped). γ = 0 samples the next token from p_t.
     """
-    B, G1, V = target_probs.shape
-    G = G1 - 1
-    tp = target_probs.astype(jnp.float32)                                    # [B, γ+1, V]
-    dp = draft_probs.astype(jnp.float32)                                     # [B, γ, V]
-    ell = jnp.clip(verify_len.astype(jnp.int32), 0, G)                       # [B]
-    x = jnp.clip(draft_tokens.astype(jnp.int32), 0, V - 1)                   # [B, γ]
+    if target_probs.shape[1] == 1:
+        return _no_drafts(sample_u, target_probs)
+    return ref_verify(accept_u, sample_u, target_probs, draft_probs, draft_tokens, verify_len)
 
-    pt_x = jnp.take_along_axis(tp[:, :G], x[..., None], axis=-1)[..., 0]     # [B, γ]
-    pd_x = jnp.take_along_axis(dp, x[..., None], axis=-1)[..., 0]            # [B, γ]
-    # u < min(1, p_t/p_d) written without the division: identical for u ∈ [0, 1) and p_d > 0,
-    # and a token the drafter gave zero mass is accepted iff the target gives it mass.
-    ok = accept_u.astype(jnp.float32) * pd_x < pt_x                          # [B, γ]
-    in_len = jnp.arange(G, dtype=jnp.int32)[None, :] < ell[:, None]
-    accepted = jnp.cumprod((ok & in_len).astype(jnp.int32), axis=-1) > 0     # stop at 1st reject
-    n = jnp.sum(accepted.astype(jnp.int32), axis=-1)                         # [B]
 
-    # The emitted token lives at slot j = n: a correction if j < ℓ, else the bonus from p_t,ℓ.
-    rejected = n < ell
-    pt_j = jnp.take_along_axis(tp, n[:, None, None], axis=1)[:, 0]           # [B, V]
-    if G > 0:
-        pd_j = jnp.take_along_axis(dp, jnp.minimum(n, G - 1)[:, None, None], axis=1)[:, 0]
-    else:
-        pd_j = jnp.zeros_like(pt_j)
-    resid = jnp.maximum(pt_j - pd_j, 0.0)                                    # [B, V]
-    use_resid = rejected & (jnp.sum(resid, axis=-1) > RESIDUAL_EPS)
-    dist = jnp.where(use_resid[:, None], resid, pt_j)
-    next_token = inverse_cdf_sample(dist, sample_u)
-    return VerifyResult(n, next_token, accepted)
+def pallas_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array,
+                                target_probs: jax.Array, draft_probs: jax.Array,
+                                draft_tokens: jax.Array, verify_len: jax.Array
+                                ) -> VerifyResult:
+    """`rejection_verify_with_uniforms` through the Pallas kernel (`kernel_mode` backend)."""
+    if target_probs.shape[1] == 1:
+        return _no_drafts(sample_u, target_probs)
+    return verify_kernel(accept_u, sample_u, target_probs, draft_probs, draft_tokens,
+                         verify_len, **kernel_mode())
 
 
 def rejection_verify(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array,
@@ -148,16 +132,15 @@ def pallas_verify(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Arra
                   interpret: bool | None = None) -> VerifyResult:
     """`rejection_verify` through the Pallas kernel: same key → same result.
 
-    interpret=None runs the compiled kernel on GPU and the interpreter elsewhere.
+    interpret=None takes `kernel_mode()` (compiled on GPU and TPU, interpreted on CPU).
     """
-    from pallas_kernels.verify.kernel import verify as verify_kernel  # kernels depend on us
-
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    mode = kernel_mode()
+    if interpret is not None:
+        mode["interpret"] = interpret
     B, G1, _ = target_probs.shape
     accept_u, sample_u = verify_uniforms(key, B, G1 - 1)
     return verify_kernel(accept_u, sample_u, target_probs, draft_probs, draft_tokens, verify_len,
-                         interpret=interpret)
+                         **mode)
 
 
 VERIFIERS: dict[str, Verifier] = {"jax": rejection_verify, "pallas": pallas_verify}
@@ -180,39 +163,29 @@ def markov_uniforms(key: jax.Array, batch: int, gamma: int) -> jax.Array:
     return jax.random.uniform(key, (batch, gamma), jnp.float32)
 
 
-def markov_logits_step(base_logits_bv: jax.Array, w1_vr: jax.Array, w2_vr: jax.Array,
-                       prev_b: jax.Array) -> jax.Array:
-    """logits = U + W2·W1[x_prev] in f32: U [B, V], W1/W2 [V, r] (DeepSpec layout), prev [B]."""
-    e_br = jnp.take(w1_vr, prev_b, axis=0).astype(jnp.float32)              # [B, r]
-    bias_bv = jnp.einsum("BR,VR->BV", e_br, w2_vr.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
-    return base_logits_bv.astype(jnp.float32) + bias_bv
-
-
 def sequential_markov_sample_with_uniforms(uniforms: jax.Array, base_logits: jax.Array,
                                            w1: jax.Array, w2: jax.Array, anchor: jax.Array,
                                            temperature: jax.Array | float
                                            ) -> tuple[jax.Array, jax.Array]:
-    """Samples x_1..x_γ left to right with the vanilla Markov head.
+    """Samples x_1..x_γ left to right with the vanilla Markov head: the oracle
+    `ref_markov_sample`.
 
     uniforms [B, γ] in [0, 1); base_logits U [B, γ, V] (any float dtype); w1, w2 [V, r];
     anchor x_0 [B] int; temperature a scalar or [B] (≤ 0 → greedy one-hot).
     Returns (tokens [B, γ] int32, probs p_d [B, γ, V] f32), probs[:, k] being the distribution
     x_{k+1} was drawn from — the draft_probs that verification needs.
     """
-    B = base_logits.shape[0]
-    t_b1 = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))[:, None]   # [B, 1]
-    U_gbv = jnp.moveaxis(base_logits, 1, 0)                                          # [γ, B, V]
-    u_gb = jnp.moveaxis(uniforms.astype(jnp.float32), 1, 0)                         # [γ, B]
+    return ref_markov_sample(uniforms, base_logits, w1, w2, anchor, temperature)
 
-    def slot(prev_b, xs):
-        U_bv, u_b = xs
-        probs_bv = probs_from_logits(markov_logits_step(U_bv, w1, w2, prev_b), t_b1)
-        tok_b = inverse_cdf_sample(probs_bv, u_b)
-        return tok_b, (tok_b, probs_bv)
 
-    _, (toks_gb, probs_gbv) = jax.lax.scan(slot, anchor.astype(jnp.int32), (U_gbv, u_gb))
-    return jnp.moveaxis(toks_gb, 0, 1), jnp.moveaxis(probs_gbv, 0, 1)
+def pallas_markov_sample_with_uniforms(uniforms: jax.Array, base_logits: jax.Array,
+                                       w1: jax.Array, w2: jax.Array, anchor: jax.Array,
+                                       temperature: jax.Array | float
+                                       ) -> tuple[jax.Array, jax.Array]:
+    """`sequential_markov_sample_with_uniforms` through the batched Pallas kernel
+    (`kernel_mode` backend): same uniforms → same tokens."""
+    return markov_sample_kernel(uniforms, base_logits, w1, w2, anchor, temperature,
+                                **kernel_mode())
 
 
 def sequential_markov_sample(key: jax.Array, base_logits: jax.Array, w1: jax.Array,

@@ -7,7 +7,9 @@ requests per chunk) and leave at a stop token or at max_new_tokens; a freed slot
 the next request without recompiling. Every round: draft all slots → schedule on the current
 confidences (`scheduler`: none / fixed / threshold / algorithm1 / adaptive) → ragged
 verification of exactly the admitted tokens in the smallest capacity bucket that holds them →
-commit. Each request keeps its own temperature, top-k, top-p and seed. SPS(B) for the
+commit. Each request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
+`verifier="pallas"` run the Markov-head sampling / verification Pallas kernels (compiled on GPU
+and TPU, interpreted on CPU) in place of their pure-JAX oracles. SPS(B) for the
 scheduler is profiled at start over the buckets (cached on disk) or passed in.
 """
 
@@ -30,9 +32,6 @@ from dspark_jax.serving import rounds as R_
 from dspark_jax.serving import sps as sps_mod
 
 log = logging.getLogger(__name__)
-
-SAMPLERS = ("jax",)
-
 
 @dataclasses.dataclass
 class EngineResult:
@@ -73,8 +72,8 @@ class Engine:
         if verifier not in R_.VERIFY_FNS:
             raise ValueError(f"unknown verifier {verifier!r}; choose from "
                              f"{sorted(R_.VERIFY_FNS)}")
-        if sampler not in SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose from {list(SAMPLERS)}")
+        if sampler not in R_.SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose from {list(R_.SAMPLERS)}")
         if max_requests < 1:
             raise ValueError(f"max_requests must be ≥ 1, got {max_requests}")
         if prefill_chunk < 1:
@@ -92,10 +91,22 @@ class Engine:
                 raise ValueError(f"scheduler={scheduler!r} needs the drafter's confidence head, "
                                  f"but this {draft.config.model_type} drafter has none; use "
                                  "scheduler='fixed' (or 'none')")
+            if sampler == "pallas":
+                from dspark_jax.decoding.drafters import adapter_for
+
+                ad = adapter_for(draft.config.model_type)
+                if not getattr(ad, "supports_markov_kernel", lambda m: False)(draft.model):
+                    raise ValueError(
+                        "sampler='pallas' runs the vanilla Markov-head sampling kernel, but this "
+                        f"{draft.config.model_type} drafter has markov_head_type="
+                        f"{getattr(draft.config, 'markov_head_type', None)!r} (rank "
+                        f"{getattr(draft.config, 'markov_rank', 0)}); "
+                        "use sampler='jax'")
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.R, self.max_len = int(max_requests), int(max_len)
         self.threshold = float(threshold)
         self.verifier, self.prefill_chunk = verifier, int(prefill_chunk)
+        self.sampler = sampler
         self.cap_to_budget = bool(cap_to_budget)
         self.buckets = sps_mod.capacity_buckets(self.R, self.gamma, capacity_buckets)
         if self.buckets[-1] > self.max_len * self.R:
@@ -362,7 +373,7 @@ class _Run:
             d = R_.draft_and_schedule(e._dgd, e._dstate, s, p, e.stop_ids, e.conf_temps,
                                       jnp.asarray(e.threshold, jnp.float32), e.sps,
                                       jnp.asarray(self.cap_queue[0], jnp.int32), mode=e.mode,
-                                      cap_budget=e.cap_to_budget)
+                                      cap_budget=e.cap_to_budget, sampler=e.sampler)
             drafts, probs, ell, conf = d["tokens"], d["probs"], d["lengths"], d["confidence"]
             n_tokens, cap_new = (int(x) for x in jax.device_get((d["n_tokens"],
                                                                    d["capacity_new"])))

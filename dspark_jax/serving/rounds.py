@@ -28,7 +28,9 @@ from flax import nnx
 from dspark_jax.decoding import scheduler as sched
 from dspark_jax.decoding.autoregressive import is_stop
 from dspark_jax.decoding.drafters import adapter_for
-from dspark_jax.decoding.verify import inverse_cdf_sample, rejection_verify_with_uniforms
+from dspark_jax.decoding.verify import (inverse_cdf_sample, pallas_markov_sample_with_uniforms,
+                                        pallas_verify_with_uniforms,
+                                        rejection_verify_with_uniforms)
 from dspark_jax.models.decoder import KVCache, ragged_forward
 from dspark_jax.sampling import filtered_probs
 
@@ -98,14 +100,22 @@ def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
     raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
 
 
-@functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget"))
+# Markov-head samplers by name (explicit uniforms): "jax" is the model's own per-slot scan
+SAMPLERS = ("jax", "pallas")
+
+
+@functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget", "sampler"))
 def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Params,
                        stop_ids: jax.Array, conf_temps: jax.Array | None,
                        threshold: jax.Array, sps: jax.Array, capacity: jax.Array, *,
-                       mode: str, cap_budget: bool = True) -> dict[str, jax.Array]:
+                       mode: str, cap_budget: bool = True, sampler: str = "jax"
+                       ) -> dict[str, jax.Array]:
     """Drafts γ tokens for every slot and schedules them. → tokens, probs, confidence logits,
     lengths ℓ [R], n_tokens = Σ_active(1 + ℓ_r), capacity_new (adaptive). `cap_budget`: never
-    verify drafts past a request's token budget (off = DeepSpec's protocol, always γ)."""
+    verify drafts past a request's token budget (off = DeepSpec's protocol, always γ).
+    `sampler="pallas"`: the vanilla Markov head is sampled by the batched Pallas kernel with
+    the same per-request uniforms as the "jax" path (same tokens, barring f32 rounding at a CDF
+    step); the draft then ignores top-k/top-p (lossless: verification uses the p_d it reports)."""
     draft = nnx.merge(draft_gd, draft_state)
     adapter = adapter_for(draft.cfg.model_type)
     g = draft.cfg.num_drafts
@@ -121,9 +131,17 @@ def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Param
     def probs_fn(logits_rv):
         return filtered_probs(logits_rv, p.temperature, p.top_k, p.top_p)
 
-    prop = adapter.propose(draft, s.draft_cache, s.anchor, s.cache.lengths, salt_key,
-                           p.temperature[:, None], sample_fn, probs_fn=probs_fn,
-                           stop_ids=stop_ids)
+    if sampler == "pallas":
+        salts = jax.random.key_data(jax.random.split(salt_key, g))[:, -1]     # [γ]
+        u_rg = jax.vmap(lambda rk: jax.vmap(lambda sl: jax.random.uniform(
+            jax.random.fold_in(rk, sl), (), jnp.float32))(salts))(row_keys)   # [R, γ]
+        prop = adapter.propose_with_uniforms(draft, s.draft_cache, s.anchor, s.cache.lengths,
+                                             u_rg, p.temperature,
+                                             pallas_markov_sample_with_uniforms)
+    else:
+        prop = adapter.propose(draft, s.draft_cache, s.anchor, s.cache.lengths, salt_key,
+                               p.temperature[:, None], sample_fn, probs_fn=probs_fn,
+                               stop_ids=stop_ids)
     conf_logits = prop.get("confidence")
     if conf_logits is None:
         conf_logits = jnp.zeros(prop["tokens"].shape, jnp.float32)
@@ -154,16 +172,9 @@ def flatten_plan(n_tok: jax.Array, K: int) -> tuple[jax.Array, jax.Array, jax.Ar
 
 
 # ------------------------------------------------------------------------------ 3. verify
-def _pallas_verify(accept_u, sample_u, tp, dp, drafts, ell):
-    """The Pallas verification kernel (compiled on GPU, interpreted elsewhere)."""
-    from pallas_kernels.verify.kernel import verify as verify_kernel  # kernels stand alone
-
-    return verify_kernel(accept_u, sample_u, tp, dp, drafts, ell,
-                         interpret=jax.default_backend() != "gpu")
-
-
 # verification rules by name, all taking explicit uniforms (same uniforms → same result)
-VERIFY_FNS: dict[str, Any] = {"jax": rejection_verify_with_uniforms, "pallas": _pallas_verify}
+VERIFY_FNS: dict[str, Any] = {"jax": rejection_verify_with_uniforms,
+                              "pallas": pallas_verify_with_uniforms}
 
 
 def _verify(name: str, accept_u, sample_u, tp, dp, drafts, ell):

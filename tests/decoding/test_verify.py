@@ -319,3 +319,42 @@ def test_markov_sampler_joint_distribution():
     toks = np.asarray(toks)
     s, df = chi2_stat(toks[:, 0] * V + toks[:, 1], p1[:, None] * p2)
     assert s < chi2_crit(df)
+
+
+def test_one_copy_of_each_rule_the_kernels_oracles(monkeypatch):
+    """decoding runs the kernel package's `ref_*` oracles (one copy of each rule), and γ = 0
+    (plain decoding) draws the next token from p_t."""
+    import dspark_jax.decoding.verify as dv
+    from pallas_kernels.markov_sample.kernel import ref_markov_sample
+    from pallas_kernels.verify.kernel import ref_verify
+
+    assert dv.ref_verify is ref_verify and dv.ref_markov_sample is ref_markov_sample
+    calls = []
+    monkeypatch.setattr(dv, "ref_verify", lambda *a: calls.append("verify") or "v")
+    monkeypatch.setattr(dv, "ref_markov_sample", lambda *a: calls.append("markov") or "m")
+    tp = jnp.full((2, 3, 4), 0.25)
+    assert dv.rejection_verify_with_uniforms(None, None, tp, None, None, None) == "v"
+    assert dv.sequential_markov_sample_with_uniforms(None, None, None, None, None, 1.0) == "m"
+    assert calls == ["verify", "markov"]
+    p0 = jnp.asarray([[[0.0, 1.0, 0.0]], [[0.5, 0.0, 0.5]]])              # [2, 1, 3]
+    res = dv.rejection_verify_with_uniforms(jnp.zeros((2, 0)), jnp.asarray([0.3, 0.9]), p0,
+                                            jnp.zeros((2, 0, 3)), jnp.zeros((2, 0), jnp.int32),
+                                            jnp.zeros((2,), jnp.int32))
+    np.testing.assert_array_equal(res.next_token, [1, 2])
+    np.testing.assert_array_equal(res.num_accepted, [0, 0])
+
+
+@pytest.mark.parametrize("backend,want", [("cpu", (True, "triton")), ("gpu", (False, "triton")),
+                                          ("tpu", (False, "mosaic"))])
+def test_kernels_compiled_on_gpu_and_tpu_interpreted_only_on_cpu(monkeypatch, backend, want):
+    import dspark_jax.decoding.verify as dv
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    mode = dv.kernel_mode()
+    assert (mode["interpret"], mode["backend"]) == want
+    seen = {}
+    monkeypatch.setattr(dv, "verify_kernel", lambda *a, **kw: seen.update(kw) or "k")
+    tp = jnp.full((1, 2, 4), 0.25)
+    assert dv.pallas_verify(jax.random.key(0), tp, tp[:, :1], jnp.zeros((1, 1), jnp.int32),
+                            jnp.ones((1,), jnp.int32)) == "k"
+    assert (seen["interpret"], seen["backend"]) == want

@@ -103,21 +103,6 @@ def test_validators():
         markov_sample(u, U, w1, w2, anchor, 1.0, block_v=64, interpret=True, backend="mosaic")
 
 
-def test_reference_is_the_engine_sampler():
-    """The kernel's own oracle equals the engine's pure-JAX sampler (decoding/verify.py), so the
-    kernel can stand in for it."""
-    from dspark_jax.decoding.verify import sequential_markov_sample_with_uniforms
-
-    ref, engine = jax.jit(ref_markov_sample), jax.jit(sequential_markov_sample_with_uniforms)
-    for seed, t in ((0, [1.0] * 3), (1, [0.0] * 3), (2, [0.7, 0.0, 1.3])):
-        args = _case(3, 5, 90, 8, seed, jnp.float32)
-        t = jnp.asarray(t, jnp.float32)
-        toks, probs = ref(*args, t)
-        want_toks, want_probs = engine(*args, t)
-        np.testing.assert_array_equal(toks, want_toks)
-        np.testing.assert_allclose(probs, want_probs, atol=1e-6, rtol=0)
-
-
 def test_kernels_import_nothing_from_dspark_jax():
     import ast
     import pathlib

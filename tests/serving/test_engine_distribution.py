@@ -64,13 +64,13 @@ def _chi2(counts, probs):
     return float((((counts[keep] - exp[keep]) ** 2) / exp[keep]).sum()), int(keep.sum()) - 1
 
 
-def _run(target, draft, mode, n, verifier="jax", top_k=0, top_p=1.0):
+def _run(target, draft, mode, n, verifier="jax", top_k=0, top_p=1.0, sampler="jax"):
     R = n
     top = R * (GAMMA + 1)
     sps = (1.0 / (1.0 + 0.6 * np.arange(top + 1) / R)).astype(np.float32)  # prunes partly
     eng = Engine(target, draft, max_requests=R, max_len=12, scheduler=mode, sps=sps,
                  capacity_buckets=[top], prefill_chunk=R * len(PROMPT), verifier=verifier,
-                 stop_token_ids=[])
+                 sampler=sampler, stop_token_ids=[])
     res = eng.generate([PROMPT] * n, max_new_tokens=NEW, temperature=1.0, seed=11,
                        top_k=top_k, top_p=top_p)
     return np.asarray(res.tokens), res
@@ -87,12 +87,14 @@ def _always_accept(accept_u, sample_u, tp, dp, drafts, ell):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,top_k,top_p", [("algorithm1", 0, 1.0), ("adaptive", 0, 1.0),
-                                              ("adaptive", 4, 0.9)])
-def test_sampled_output_matches_target(small, monkeypatch, mode, top_k, top_p):
+@pytest.mark.parametrize("mode,top_k,top_p,sampler", [
+    ("algorithm1", 0, 1.0, "jax"), ("adaptive", 0, 1.0, "jax"), ("adaptive", 4, 0.9, "jax"),
+    ("adaptive", 0, 1.0, "pallas"), ("adaptive", 4, 0.9, "pallas")])
+def test_sampled_output_matches_target(small, monkeypatch, mode, top_k, top_p, sampler):
+    """sampler="pallas": the Markov-head kernel drafts (it ignores top-k/top-p: still lossless)."""
     target, draft = small
     exact = _exact(target, NEW, top_k, top_p)
-    toks, res = _run(target, draft, mode, N, top_k=top_k, top_p=top_p)
+    toks, res = _run(target, draft, mode, N, top_k=top_k, top_p=top_p, sampler=sampler)
     assert toks.shape == (N, NEW)
     ver = [v for r in res.per_request for v in r["proposed"]]
     acc = [a for r in res.per_request for a in r["accepted"]]
@@ -103,7 +105,7 @@ def test_sampled_output_matches_target(small, monkeypatch, mode, top_k, top_p):
         stat, df = _chi2(counts, exact[i])
         assert stat < CHI2_Q9999[df], (i, stat, df)
         assert counts[exact[i] == 0].sum() == 0, "a filtered-out token was emitted"
-    if top_k:
+    if top_k or sampler != "jax":
         return
     monkeypatch.setitem(rounds_mod.VERIFY_FNS, "always_accept", _always_accept)
     bad, _ = _run(target, draft, mode, N, verifier="always_accept")
