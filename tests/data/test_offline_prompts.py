@@ -150,11 +150,11 @@ def test_offline_mix_against_the_shared_benchmarks(mix) -> None:
 
 
 def test_training_config_takes_named_sources_and_decontaminates(tmp_path: Path) -> None:
-    from dspark_jax.train import cli
+    from dspark_jax.train import data_stage
 
     def prompts(*overrides: str) -> list[P.Conversation]:
         c = cli.parse_config(["p", "--config=configs/tiny.py", "--config.target=x", *overrides])
-        return cli.load_prompts(c)
+        return data_stage.load_prompts(c)
 
     assert len(prompts("--config.data.prompts=('offline-chat',)")) == O.DEFAULT_SIZES["chat"]
     d = tmp_path / "evals"

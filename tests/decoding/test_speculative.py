@@ -82,7 +82,7 @@ def _fit_draft(target, kind: str, steps: int = 120):
     return type(draft).from_model(model), prompts, outs
 
 
-@pytest.mark.parametrize("kind", ["dspark_rnn", "eagle3"])
+@pytest.mark.parametrize("kind", ["dspark_rnn", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_greedy_equals_autoregressive_trained_draft(target, kind):
     draft, prompts, outs = _fit_draft(target, kind)
     # ragged batch, stop token inside the output, max_new cut mid-round

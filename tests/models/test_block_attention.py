@@ -36,7 +36,7 @@ def test_chunked_matches_dense_values(chunk):
     assert np.abs(np.asarray(out[0, 0])).max() > 0.0
 
 
-@pytest.mark.parametrize("chunk", [4, 19])
+@pytest.mark.parametrize("chunk", [4, pytest.param(19, marks=pytest.mark.slow)])
 def test_chunked_matches_dense_gradients(chunk):
     q, ck, cv, bk, bv, visible, valid = _inputs(1)
     w = jax.random.normal(jax.random.key(7), (B, A, T, N, H))

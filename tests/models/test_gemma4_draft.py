@@ -81,7 +81,7 @@ def test_gemma4_drafter_round_trips_deepspec_layout(target, kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", [
-    "dspark", "eagle3", pytest.param("dflash", marks=pytest.mark.slow)])  # dflash: dspark's path
+    "dspark", pytest.param("eagle3", marks=pytest.mark.slow), pytest.param("dflash", marks=pytest.mark.slow)])  # dflash: dspark's path
 def test_gemma4_greedy_speculative_equals_autoregressive(target, kind):
     ref = autoregressive_generate(target, PROMPTS, max_new_tokens=12, stop_token_ids=[])
     draft = init_draft(target, DRAFTS[kind], seed=3)
