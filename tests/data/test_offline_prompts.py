@@ -150,7 +150,7 @@ def test_offline_mix_against_the_shared_benchmarks(mix) -> None:
 
 
 def test_training_config_takes_named_sources_and_decontaminates(tmp_path: Path) -> None:
-    from dspark_jax.train import data_stage
+    from dspark_jax.train import cli, data_stage
 
     def prompts(*overrides: str) -> list[P.Conversation]:
         c = cli.parse_config(["p", "--config=configs/tiny.py", "--config.target=x", *overrides])
