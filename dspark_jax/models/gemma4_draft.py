@@ -81,8 +81,9 @@ class Gemma4DSparkDraft(DSparkDraft):
 
     def backbone(self, anchor_tokens_ba: jax.Array, anchor_pos_ba: jax.Array,
                  ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array,
-                 blk_valid_ba: jax.Array, remat: bool = False) -> jax.Array:
-        """Final-normed block hidden states h [B, A, γ, D]."""
+                 blk_valid_ba: jax.Array, remat: bool = False,
+                 key_chunk: int | None = None) -> jax.Array:
+        """Final-normed block hidden states h [B, A, γ, D] (`key_chunk` as in DSparkDraft)."""
         cfg, lc = self.cfg, self.cfg.layer_config()
         eps, rope, g = lc.rms_norm_eps, lc.rope, cfg.block_size
         toks = self.block_tokens(anchor_tokens_ba)                          # [B,A,γ]
@@ -103,7 +104,7 @@ class Gemma4DSparkDraft(DSparkDraft):
             k, v = G.project_kv(lp, x, flat_pos, rope, eps)
             split = lambda t: t.reshape((B, A, g) + t.shape[2:])
             attn = block_attend(split(q), ck, cv, split(k), split(v), ctx_visible_bas,
-                                blk_valid_ba)
+                                blk_valid_ba, key_chunk)
             h_flat = G.attn_out_and_mlp(lp, h.reshape(B, A * g, -1),
                                         attn.reshape(B, A * g, *attn.shape[3:]), eps)
             return h_flat.reshape(h.shape), None
