@@ -115,6 +115,9 @@ def get_base_config() -> ml_collections.ConfigDict:
         anchor_chunk=64,
         attn_key_chunk=512,        # context keys per online-softmax chunk of the drafter's block
                                    # attention (memory ∝ anchors·γ·chunk); 0 = dense scores
+        remat=True,                # recompute drafter layers + chunk logits in the backward pass
+                                   # (memory ∝ one anchor chunk); False keeps them: one LM-head
+                                   # matmul fewer per chunk (faster where memory allows)
         log_every=10,              # fetch device metrics every N steps (fingerprints: every step)
     ))
 
@@ -134,6 +137,7 @@ def get_base_config() -> ml_collections.ConfigDict:
         speculative_data_dir="",   # DeepSpec {"turns"} files; default: the held-out prompts
         speculative_max_new_tokens=-1,  # -1: data.max_new_tokens
         speculative_batch_size=8,
+        speculative_temperatures=(1.0,),  # one dspark_jax.evaluate run each (→ speculative/T<t>)
     ))
 
     c.logging = ml_collections.ConfigDict(dict(progress=True, tensorboard=True, jsonl=True))

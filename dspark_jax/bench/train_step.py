@@ -1,8 +1,12 @@
 """Drafter training-step benchmark (issue: drafters §Done-when; PERFORMANCE.md training bar).
 
-Builds the real jitted step (online target features, chunked losses, AdamW) for a target and a
-DSpark drafter, times it, and prints step time, tokens/s, an MFU estimate and peak memory.
+Builds the real jitted step (online or cached target features, chunked losses, AdamW) for a
+target and a DSpark drafter, times it, and prints step time, tokens/s, an MFU estimate and peak
+memory.
   python -m dspark_jax.bench.train_step --target smollm2-135m-instruct --batch 4 --seq 512
+The embedded default job's step (cached features, 16 anchors, dense block attention):
+  python -m dspark_jax.bench.train_step --batch 8 --seq 384 --anchors 16 --features offline \
+      --attn-key-chunk 0
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import resource
 
 import jax
 import numpy as np
+from flax import nnx
 
 from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
                                      time_call)
@@ -43,16 +48,22 @@ def run(a: argparse.Namespace) -> dict:
     tx = make_optimizer(oc)
     mesh = make_mesh()
     state, sh = init_train_state(params, tx, 0, mesh)
+    online = a.features == "online"
     fns = build_train_step(gd, draft.config, tx, make_schedule(oc),
-                           target_graphdef=target.graphdef, mesh=mesh, state_sh=sh,
-                           frozen=frozen, target_state=target.state,
-                           micro_batches=a.micro_batches, anchor_chunk=a.anchor_chunk)
+                           target_graphdef=target.graphdef if online else None, mesh=mesh,
+                           state_sh=sh, frozen=frozen, target_state=target.state,
+                           micro_batches=a.micro_batches, anchor_chunk=a.anchor_chunk,
+                           attn_key_chunk=a.attn_key_chunk or None, remat=not a.no_remat)
     B, S = a.batch, a.seq
     rng = np.random.RandomState(0)
     batch = dict(input_ids=rng.randint(0, cfg.vocab_size - 1, (B, S)).astype(np.int32),
                  loss_mask=np.ones((B, S), np.int32),
                  positions=np.tile(np.arange(S, dtype=np.int32), (B, 1)),
                  segment_ids=np.ones((B, S), np.int32))
+    if not online:  # what the feature cache stores: the taps and the final hidden state
+        out = jax.jit(lambda st, ids: nnx.merge(target.graphdef, st)(
+            ids, tap_layer_ids=draft.config.target_layer_ids))(target.state, batch["input_ids"])
+        batch["features"], batch["target_hidden"] = np.asarray(out.taps), np.asarray(out.hidden)
     batch = jax.device_put(batch, fns.batch_sharding)
     box = {"state": state}
 
@@ -66,7 +77,10 @@ def run(a: argparse.Namespace) -> dict:
     n_target = cfg.num_params()
     anchor_tokens = B * min(a.anchors, S) * a.gamma
     flops = 6 * n_train * anchor_tokens + 2 * n_target * B * S
+    if not online:
+        flops -= 2 * n_target * B * S
     return {"target": a.target, "device": device_name(), "dtype": a.dtype, "batch": B, "seq": S,
+            "features": a.features, "attn_key_chunk": a.attn_key_chunk, "remat": not a.no_remat,
             "draft_layers": a.draft_layers, "anchors": a.anchors, "gamma": a.gamma,
             "trainable_params_m": n_train / 1e6, "step_s": t, "tokens_per_s": B * S / t,
             "tflops_per_s": flops / t / 1e12,
@@ -87,6 +101,12 @@ def main(argv=None) -> dict:
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--features", choices=("online", "offline"), default="online",
+                   help="online: the target runs inside the step; offline: cached features")
+    p.add_argument("--no-remat", action="store_true",
+                   help="keep activations and chunk logits for the backward pass (train.remat=False)")
+    p.add_argument("--attn-key-chunk", type=int, default=512,
+                   help="keys per online-softmax chunk of the block attention; 0: dense scores")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="device peak (bf16 dense) for MFU; H200 ≈ 989")
@@ -98,6 +118,9 @@ def main(argv=None) -> dict:
         ("target / device", f"{r['target']} / {r['device']}"),
         ("batch × seq, anchors × γ", f"{r['batch']} × {r['seq']}, {r['anchors']} × {r['gamma']}"),
         ("draft", f"{r['draft_layers']} layers, {r['trainable_params_m']:.1f}M trainable"),
+        ("features, block attention", f"{r['features']}, "
+         + (f"key chunk {r['attn_key_chunk']}" if r["attn_key_chunk"] else "dense")
+         + (", remat" if r["remat"] else ", no remat")),
         ("step time", f"{r['step_s'] * 1e3:.1f} ms"),
         ("tokens/s", f"{r['tokens_per_s']:.0f}"),
         ("achieved", f"{r['tflops_per_s']:.3f} TFLOP/s"

@@ -129,10 +129,12 @@ def format_summary(s: dict[str, Any]) -> str:
     else:
         lines.append("held-out: no held-out records (config.data.heldout)")
     spec = s.get("speculative") or {}
-    if (spec.get("mean") or {}).get("tau") is not None:
-        lines.append(f"speculative decoding (measured): tau = {spec['mean']['tau']:.3f} "
-                     f"({spec['out_dir']})")
-    elif spec.get("skipped"):
+    by_t = spec.get("by_temperature") or {}
+    for t, r in by_t.items():
+        if (r.get("mean") or {}).get("tau") is not None:
+            lines.append(f"speculative decoding (measured, T={t}): tau = {r['mean']['tau']:.3f} "
+                         f"({r['out_dir']})")
+    if spec.get("skipped"):
         lines.append(f"speculative evaluation skipped: {spec['skipped']}")
     o = s["outputs"]
     lines.append(f"drafter (DeepSpec format): {o['export']}")

@@ -101,13 +101,19 @@ def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> 
         barrier("speculative_data")
     max_new = e.speculative_max_new_tokens if e.speculative_max_new_tokens > 0 \
         else c.data.max_new_tokens
-    out_dir = workdir / "speculative"
-    # every process decodes (the target is sharded over all of them); process 0 writes
-    results = fn(target, draft, data_dir, datasets=datasets, max_samples=None,
-                 max_new_tokens=max_new, batch_size=e.speculative_batch_size,
-                 out_dir=out_dir if is_main else None, progress=c.logging.progress and is_main,
-                 plots=False)
-    return {"out_dir": str(out_dir), "data_dir": str(data_dir), "mean": results.get("mean")}
+    temps = [float(t) for t in e.speculative_temperatures]
+    by_t: dict[str, Any] = {}
+    for t in temps:
+        out_dir = workdir / "speculative" / f"T{t:g}"
+        # every process decodes (the target is sharded over all of them); process 0 writes
+        results = fn(target, draft, data_dir, datasets=datasets, max_samples=None,
+                     max_new_tokens=max_new, batch_size=e.speculative_batch_size,
+                     temperature=t, out_dir=out_dir if is_main else None,
+                     progress=c.logging.progress and is_main, plots=False)
+        by_t[f"{t:g}"] = {"out_dir": str(out_dir), "mean": results.get("mean")}
+    first = by_t[f"{temps[0]:g}"]
+    return {"out_dir": first["out_dir"], "data_dir": str(data_dir), "mean": first["mean"],
+            "temperature": temps[0], "by_temperature": by_t}
 
 
 def export_draft(graphdef, params, frozen, out: pathlib.Path) -> pathlib.Path:

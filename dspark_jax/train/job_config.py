@@ -142,6 +142,11 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
             bad(f"mesh.{key}", f"{v} (use a positive size; data=-1 takes the remaining devices)")
     if c.eval.batch_size < 1:
         bad("eval.batch_size", "must be ≥ 1")
+    temps = c.eval.speculative_temperatures
+    if isinstance(temps, (int, float)):
+        bad("eval.speculative_temperatures", f"{temps!r} must be a tuple, e.g. '(0.0, 1.0)'")
+    if any(float(x) < 0 for x in temps) or (c.eval.speculative and not temps):
+        bad("eval.speculative_temperatures", f"{tuple(temps)!r}: give one or more temperatures ≥ 0")
 
 
 def attn_key_chunk(c: ml_collections.ConfigDict) -> int | None:

@@ -143,7 +143,7 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
                            target_graphdef=target.graphdef if online else None, mesh=mesh,
                            state_sh=state_sh, frozen=frozen, target_state=target_state,
                            micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk,
-                           attn_key_chunk=attn_key_chunk(c),
+                           attn_key_chunk=attn_key_chunk(c), remat=bool(c.train.remat),
                            max_segments=(max_segments_per_row(record_lengths(data.source), pc)
                                          if c.data.pack else 1))
 

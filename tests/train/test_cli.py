@@ -33,7 +33,8 @@ def finished_run(tiny):
     target, prompts, root = tiny
     workdir = root / "work"
     summary = cli.main(cli_args(target, workdir, prompts, "--config.data.features=offline",
-                                "--config.eval.speculative=True"))
+                                "--config.eval.speculative=True",
+                                "--config.eval.speculative_temperatures=(0.0, 1.0)"))
     return workdir, summary
 
 
@@ -72,9 +73,13 @@ def test_tiny_job_end_to_end(tiny, finished_run):
     # the measured-τ hook ran dspark_jax.evaluate on the held-out prompts
     spec = on_disk["speculative"]
     assert spec["mean"]["num_evaluated"] == 2 and spec["mean"]["tau"] >= 1.0
-    assert (workdir / "speculative" / "results.json").is_file()
+    assert set(spec["by_temperature"]) == {"0", "1"} and spec["temperature"] == 0.0
+    for t in ("0", "1"):
+        assert (workdir / "speculative" / f"T{t}" / "results.json").is_file()
+        assert spec["by_temperature"][t]["mean"]["tau"] >= 1.0
     printed = cli.format_summary(on_disk)
-    assert "speculative decoding (measured): tau" in printed and "accept_rate@k" in printed
+    assert "speculative decoding (measured, T=0): tau" in printed and "accept_rate@k" in printed
+    assert "speculative decoding (measured, T=1): tau" in printed
 
 
 def test_rerun_resumes_and_refuses_another_drafter(tiny, finished_run):
@@ -95,7 +100,8 @@ def test_unknown_keys_and_bad_values_are_clear_errors(tiny):
              ("--config.train.lr=fast", "could not convert"),
              ("--config.data.features=cached", "data.features"),
              ("--config.train.micro_batches=3", "train.micro_batches"),
-             ("--config.mesh.tensor=0", "mesh.tensor")]
+             ("--config.mesh.tensor=0", "mesh.tensor"),
+             ("--config.eval.speculative_temperatures=(-1.0,)", "eval.speculative_temperatures")]
     for arg, msg in cases:
         with pytest.raises(cli.UsageError, match=msg):
             cli.parse_config(base + [arg])
