@@ -39,15 +39,15 @@ def get_config():
     c.draft.num_anchors = 16
 
     c.data.prompts = ("offline-mix",)   # 5,500 local prompts (code / math / chat), see README
-    c.data.max_prompts = 480         # seeded subsample
-    c.data.heldout = 32.0            # held-out prompts (a count)
+    c.data.max_prompts = 176         # seeded subsample
+    c.data.heldout = 16.0            # held-out prompts (a count)
     c.data.max_new_tokens = 80
     c.data.regen_batch_size = 32
     c.data.max_length = 256
     c.data.features = "offline"
 
     c.train.global_batch_size = 8
-    c.train.epochs = 3
+    c.train.epochs = 6               # 160 records / 8 → 20 steps per epoch, 120 steps
     c.train.lr = 3e-3
     c.train.compute_dtype = "float32"
     c.train.target_dtype = "float32"
@@ -59,5 +59,6 @@ def get_config():
     c.eval.batch_size = 8
     c.eval.speculative = True        # measured τ on the held-out prompts, greedy and sampled
     c.eval.speculative_temperatures = (0.0, 1.0)
-    c.eval.speculative_max_new_tokens = 64
+    c.eval.speculative_max_new_tokens = 48
+    c.eval.speculative_batch_size = 16
     return c

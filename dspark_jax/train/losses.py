@@ -36,6 +36,47 @@ def _gather_bs(x_bsd: jax.Array, idx_bn: jax.Array) -> jax.Array:
     return out.reshape(idx_bn.shape + x_bsd.shape[2:])
 
 
+def _ce_l1_forward(d_logits: jax.Array, t_probs: jax.Array, labels: jax.Array
+                   ) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """CE −log q(y) and L1 ‖q − p‖₁ with q = softmax(d_logits) over the last axis."""
+    d_logp = jax.nn.log_softmax(d_logits, axis=-1)
+    q = jnp.exp(d_logp)
+    ce = -jnp.take_along_axis(d_logp, labels[..., None], axis=-1)[..., 0]
+    diff = q - t_probs
+    l1 = jnp.sum(jnp.abs(diff), axis=-1)
+    return (ce, l1), (q, jnp.sign(diff))
+
+
+@jax.custom_vjp
+def ce_l1_terms(d_logits: jax.Array, t_probs: jax.Array, labels: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """Per-token CE and L1 of the draft distribution q = softmax(d_logits) against the label and
+    the (detached) target distribution p: ([...], [...]) for d_logits/t_probs [..., V].
+
+    The gradient is written in closed form — ∂CE/∂z = q − e_y and ∂L1/∂z = q ⊙ (s − ⟨q, s⟩) with
+    s = sign(q − p) — from q and s kept by the forward pass, instead of differentiating
+    log_softmax → exp → abs over [..., V] (several more full-vocabulary passes on CPU). The
+    target side gets no gradient (it is stop-gradient in the losses anyway)."""
+    return _ce_l1_forward(d_logits, t_probs, labels)[0]
+
+
+def _ce_l1_fwd(d_logits, t_probs, labels):
+    out, (q, sgn) = _ce_l1_forward(d_logits, t_probs, labels)
+    return out, (q, sgn, labels)
+
+
+def _ce_l1_bwd(res, cts):
+    q, sgn, labels = res
+    ce_bar, l1_bar = cts
+    onehot = jax.nn.one_hot(labels, q.shape[-1], dtype=q.dtype)
+    qs = jnp.sum(q * sgn, axis=-1, keepdims=True)
+    g = ce_bar[..., None] * (q - onehot) + l1_bar[..., None] * q * (sgn - qs)
+    return g.astype(q.dtype), None, None
+
+
+ce_l1_terms.defvjp(_ce_l1_fwd, _ce_l1_bwd)
+
+
 def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: AnchorBlocks,
                 lm_head: jax.Array, weights: jax.Array, cfg: DraftConfig) -> dict[str, jax.Array]:
     """Loss sums for one chunk of anchors: h [B, Ac, γ, D]; blocks sliced to the chunk."""
@@ -47,10 +88,7 @@ def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: Anch
     if cap is not None:
         t_logits = jnp.tanh(t_logits / cap) * cap
     t_probs = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
-    d_logp = jax.nn.log_softmax(d_logits, axis=-1)
-    d_probs = jnp.exp(d_logp)
-    ce = -jnp.take_along_axis(d_logp, blocks.labels[..., None], axis=-1)[..., 0]
-    l1 = jnp.sum(jnp.abs(d_probs - t_probs), axis=-1)                            # [B,Ac,γ]
+    ce, l1 = ce_l1_terms(d_logits, t_probs, blocks.labels)                       # [B,Ac,γ]
     accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
     m = blocks.eval_mask
     w = m * weights
