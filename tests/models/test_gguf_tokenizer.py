@@ -283,6 +283,8 @@ def test_config_from_metadata(checkpoint) -> None:
     assert {k: config[k] for k in expected} == expected
 
 
+# the real-GGUF logits parity test (test_smollm2.py) covers the weights end to end
+@pytest.mark.slow
 def test_weights_match_transformers_gguf_loader(gguf_path: pathlib.Path, checkpoint) -> None:
     import torch
     from transformers import AutoModelForCausalLM

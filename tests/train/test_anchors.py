@@ -76,6 +76,8 @@ def target(tmp_path_factory):
                                     layers=4))
 
 
+# packing is off by default; the per-segment anchor tests above stay in the default suite
+@pytest.mark.slow
 def test_packed_row_trains_like_its_sequences_unpacked(target):
     """Two sequences packed in one row give the losses of the same two sequences in two rows
     (num_anchors = 6 ≥ each sequence's candidates, so every candidate is drawn either way);

@@ -219,6 +219,8 @@ def _uneven_batch():
     return b
 
 
+# duplicate coverage of the accumulation path (the default "deepspec" rule has its own fast test)
+@pytest.mark.slow
 def test_global_normalization_micro_batches_equal_one_big_batch(target):
     """"global": accumulation of sums over 4 micro-batches == one batch (global token means).
     num_anchors ≥ S makes every candidate an anchor, so the draw does not depend on the key."""
