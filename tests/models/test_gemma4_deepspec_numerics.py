@@ -39,6 +39,8 @@ TARGETS = {
 BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1, 2), mask_token_id=4)
 DRAFTS = {
     "dspark": dict(BASE, markov_rank=8),
+    "gated": dict(BASE, markov_rank=8, markov_head_type="gated"),
+    "rnn": dict(BASE, markov_rank=8, markov_head_type="rnn", confidence_head_with_markov=False),
     "dflash": dict(BASE, model_type="dflash", markov_rank=0, enable_confidence_head=False),
     "eagle3": dict(block_size=4, target_layer_ids=(0, 1, 2), mask_token_id=4,
                    model_type="eagle3", draft_num_hidden_layers=2, ttt_length=3),
@@ -140,6 +142,29 @@ class _Ref:
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
+def _markov_bias(cfg, t, h, prev_emb):
+    """VanillaMarkov / GatedMarkovHead / RNNHead (teacher-forced) bias [γ, V] of a block."""
+    m = lambda n: t[f"markov_head.{n}"]
+    w2 = lambda z: F.linear(z, m("markov_w2.weight"))
+    kind = cfg.get("markov_head_type", "vanilla")
+    if kind == "vanilla":
+        return w2(prev_emb)
+    if kind == "gated":
+        gate = torch.sigmoid(F.linear(torch.cat([h, prev_emb], -1), m("gate_proj.weight"),
+                                      m("gate_proj.bias")))
+        return w2(gate * prev_emb)
+    assert kind == "rnn"
+    state, out = torch.zeros(cfg["markov_rank"], dtype=torch.float64), []
+    for k in range(h.shape[0]):                 # GRU-like state over the block
+        z = F.linear(torch.cat([state, prev_emb[k], h[k]]), m("joint_proj.weight"),
+                     m("joint_proj.bias"))
+        g, c, o = z.chunk(3)
+        g = torch.sigmoid(g)
+        state = g * state + (1.0 - g) * torch.tanh(c)
+        out.append(w2(torch.tanh(o)))
+    return torch.stack(out)
+
+
 def _deepspec_block(cfg, t, feats, anchor_tok, a, prev):
     """Gemma4DSparkModel on one block [x0, M…M] at positions a..a+γ−1 over context < a."""
     r, g = _Ref(cfg, t), cfg["block_size"]
@@ -154,13 +179,13 @@ def _deepspec_block(cfg, t, feats, anchor_tok, a, prev):
     h = r.rms(h, t["norm.weight"])
     base = r.head(h)
     out = {"base_logits": base, "logits": base, "confidence_logits": None}
-    if cfg["markov_rank"]:                     # vanilla Markov bias, after the softcap
+    if cfg["markov_rank"]:                     # the Markov bias, added after the softcap
         prev_emb = F.embedding(torch.as_tensor(prev), t["markov_head.markov_w1.weight"])
-        out["logits"] = base + F.linear(prev_emb, t["markov_head.markov_w2.weight"])
+        out["logits"] = base + _markov_bias(cfg, t, h, prev_emb)
         if cfg["enable_confidence_head"]:
-            out["confidence_logits"] = F.linear(
-                torch.cat([h, prev_emb], -1), t["confidence_head.proj.weight"],
-                t["confidence_head.proj.bias"])[:, 0]
+            feats = torch.cat([h, prev_emb], -1) if cfg["confidence_head_with_markov"] else h
+            out["confidence_logits"] = F.linear(feats, t["confidence_head.proj.weight"],
+                                                t["confidence_head.proj.bias"])[:, 0]
     return {k: None if v is None else v.numpy() for k, v in out.items()}
 
 
@@ -188,7 +213,8 @@ def _feats(draft, S, seed=0):
 
 @pytest.mark.parametrize("target_name,kind", [
     ("kv_shared", "dspark"), ("v_proj", "dflash"),
-    pytest.param("v_proj", "dspark", marks=pytest.mark.slow)])
+    pytest.param("kv_shared", "gated", marks=pytest.mark.slow),
+    pytest.param("v_proj", "rnn", marks=pytest.mark.slow)])
 def test_gemma4_block_logits_equal_deepspec_semantics(targets, target_name, kind, tmp_path):
     draft, cfg, t = _exported(targets[target_name], kind, tmp_path)
     assert cfg["architectures"] == ["Gemma4DSparkModel"]
@@ -200,7 +226,7 @@ def test_gemma4_block_logits_equal_deepspec_semantics(targets, target_name, kind
             assert ours[key] is None
             continue
         assert np.abs(ours[key] - ref[key]).max() <= 1e-4, key
-    if kind == "dspark":
+    if kind != "dflash":
         assert np.abs(ours["logits"] - ours["base_logits"]).max() > 1e-2   # the bias matters
 
 
