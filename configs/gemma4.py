@@ -2,7 +2,7 @@
 by gemma4_12b_{dspark,dflash,eagle3}.py: 5 draft layers (Eagle3: 1, TTT 7, step decay 0.8),
 block 7, target layer ids (5, 17, 29, 41, 46), mask token 4, 512 anchors, AdamW lr 6e-4 with
 4% warmup and no weight decay, global batch 512, 10 epochs, max_length 4096, bf16, gradient
-clipping 1.0, a checkpoint every 3000 steps; the "gemma4" chat format (data/chat.py: empty thought-channel prefix, no default system prompt).
+clipping 1.0, a checkpoint every 3000 steps, seed 42 (Eagle3: 0); the "gemma4" chat format (data/chat.py: empty thought-channel prefix, no default system prompt).
 
 `target` is a local Hugging Face directory of google/gemma-4-12B-it (its `text_config` is used;
 vision/audio weights are skipped): `--config.target=/path/to/gemma-4-12B-it`.
@@ -18,6 +18,7 @@ def gemma4_12b_config(name: str, model_type: str):
     c = get_base_config()
     c.name = name
     c.target = ""                    # required: --config.target=/path/to/gemma-4-12B-it
+    c.seed = 0 if model_type == "eagle3" else 42
     c.draft.model_type = model_type
     c.draft.num_draft_layers = 5
     c.draft.block_size = 7

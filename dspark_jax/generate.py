@@ -1,7 +1,10 @@
 """`python -m dspark_jax.generate`: chat with a target model (plain or speculative decoding).
 
-Applies the target's chat template to `--prompt`, decodes with the batched on-device loop
-(autoregressive by default, speculative with `--draft CKPT`), and prints the reply.
+Renders `--prompt` with the target's chat template as evaluation does (`data.chat.render_prompt`:
+thinking off; Gemma4's empty thought channel), decodes with the batched on-device loop
+(autoregressive by default, speculative with `--draft CKPT`) until a stop token of the target's
+tokenizer (eos, the end-of-turn marker such as Gemma4's `<turn|>`, generation_config.json's
+eos ids) and prints the reply.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
     args = parse_args(argv)
+    from dspark_jax.data.chat import render_prompt
     from dspark_jax.models import load_draft, load_target
 
     target = load_target(args.target, dtype=args.dtype)
@@ -45,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             sys.exit("--prompt must not be empty")
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
-        prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True))
+        prompts.append(render_prompt(messages, tok).tolist())
     t0 = time.perf_counter()
     if args.draft:
         from dspark_jax.decoding.speculative import speculative_generate

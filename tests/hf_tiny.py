@@ -71,7 +71,8 @@ def tiny_gemma4_config(variant: str, vocab: int = 97, **overrides):
     return transformers.Gemma4TextConfig(**kw)
 
 
-def save_tiny_gemma4(path: pathlib.Path, variant: str, seed: int = 0, **overrides) -> pathlib.Path:
+def build_tiny_gemma4(variant: str, seed: int = 0, **overrides):
+    """A random Gemma4ForCausalLM (fp32, eval) with visibly non-trivial norms and scalars."""
     torch.manual_seed(seed)
     model = transformers.Gemma4ForCausalLM(tiny_gemma4_config(variant, **overrides)).float().eval()
     with torch.no_grad():
@@ -83,5 +84,63 @@ def save_tiny_gemma4(path: pathlib.Path, variant: str, seed: int = 0, **override
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.copy_(0.5 + torch.rand_like(b))
-    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def save_tiny_gemma4(path: pathlib.Path, variant: str, seed: int = 0, **overrides) -> pathlib.Path:
+    build_tiny_gemma4(variant, seed, **overrides).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+# Gemma4's special tokens at their real ids (google/gemma-4-*-it tokenizer.json); a tiny
+# character vocabulary fills the other ids 0..106, so a vocab-128 tiny model can use it.
+GEMMA4_SPECIAL_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
+                      "<|tool_response>": 50, "<|think|>": 98, "<|channel>": 100,
+                      "<channel|>": 101, "<|turn>": 105, "<turn|>": 106}
+# what Gemma4 checkpoints ship in generation_config.json: <eos>, <turn|>, <|tool_response>
+GEMMA4_GENERATION_EOS = [1, 106, 50]
+
+
+def gemma4_chat_template(preseed_thought_channel: bool) -> str:
+    """Gemma4's chat format (bos, `<|turn>role\n…<turn|>\n`, assistant role "model", contents
+    trimmed, a leading system turn). `preseed_thought_channel`: the generation prompt ends with
+    the empty thought channel unless `enable_thinking` (the 31B/26B templates) or not (E2B's)."""
+    seed = ("{% if not enable_thinking | default(false) %}<|channel>thought\n<channel|>{% endif %}"
+            if preseed_thought_channel else "")
+    return ("{{ bos_token }}"
+            "{% if messages[0]['role'] == 'system' %}<|turn>system\n"
+            "{{ messages[0]['content'] | trim }}<turn|>\n{% set loop = messages[1:] %}"
+            "{% else %}{% set loop = messages %}{% endif %}"
+            "{% for m in loop %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+            "{{ m['content'] | trim }}<turn|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|turn>model\n" + seed + "{% endif %}")
+
+
+def save_tiny_gemma4_tokenizer(path: pathlib.Path, *, preseed_thought_channel: bool = True,
+                               generation_eos: list[int] | None = GEMMA4_GENERATION_EOS
+                               ) -> pathlib.Path:
+    """tokenizer.json (+ generation_config.json with `generation_eos` unless None) of a
+    character-level tokenizer with Gemma4's special tokens, ids and chat format."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = iter([chr(i) for i in range(32, 127)] + ["\n"])
+    by_id = {i: t for t, i in GEMMA4_SPECIAL_IDS.items()}
+    n = len(GEMMA4_SPECIAL_IDS) + 96
+    vocab = {(by_id[i] if i in by_id else next(chars)): i for i in range(n)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(GEMMA4_SPECIAL_IDS))
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        unk_token="<unk>", mask_token="<mask>",
+        chat_template=gemma4_chat_template(preseed_thought_channel),
+        clean_up_tokenization_spaces=False)
+    path.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(path)
+    if generation_eos is not None:
+        (path / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": 2, "eos_token_id": generation_eos, "pad_token_id": 0}))
     return path

@@ -29,7 +29,9 @@ regeneration prompts) passes `enable_thinking=False` as DeepSpec does.
 Gemma4 (DeepSpec's "gemma4" template): turns open with `<|turn>model\n` and close with
 `<turn|>\n` (the end-of-turn token is the stop token); like DeepSpec, every assistant content is
 rendered behind the empty thought-channel prefix `<|channel>thought\n<channel|>` (unless it
-already starts with it), which is outside the loss, and no default system prompt is added.
+already starts with it), which is outside the loss, and no default system prompt is added;
+`render_prompt` ends a generation prompt with that prefix, so a prompt is exactly the training
+render up to where the loss of the reply starts.
 
 Tokenizers: a `dspark_jax.models.tokenizer.Tokenizer` (its `.hf` is used) or any transformers
 fast tokenizer with a chat template.
@@ -275,6 +277,17 @@ def render_dataset(
     return kept, stats
 
 
+def _assistant_prefix(hf: Any) -> str:
+    """The format's `assistant_prefix` (Gemma4's empty thought channel); "" for formats
+    without one or templates `detect_turn_markers` does not recognise."""
+    from jinja2 import TemplateError
+
+    try:
+        return detect_turn_markers(hf).assistant_prefix
+    except (ChatTemplateError, TemplateError):  # e.g. a template that refuses the probe
+        return ""
+
+
 def render_prompt(
     messages: Conversation | Sequence[Mapping[str, str]],
     tokenizer: Any,
@@ -284,7 +297,21 @@ def render_prompt(
 ) -> np.ndarray:
     """Token ids (int32 [P]) of a generation prompt: the template with the generation prompt on
     and thinking disabled, as DeepSpec's evaluation and regeneration render prompts (no default
-    system prompt unless `system_prompt` is given)."""
+    system prompt unless `system_prompt` is given).
+
+    Formats with an `assistant_prefix` (Gemma4) render the prompt exactly as the training
+    render sees the context of a reply: earlier assistant turns carry the prefix, and unless
+    thinking is enabled the prompt ends with it (`<|turn>model\n<|channel>thought\n<channel|>`).
+    Templates that already pre-seed the empty thought channel after the generation prompt
+    (Gemma4 31B/26B's) render the same text as DeepSpec's `encode_chat_messages`; for templates
+    that do not (E2B/E4B's) it is appended, so the first generated token sits where the loss
+    mask of `render_for_training` starts."""
     hf = hf_tokenizer(tokenizer)
-    text = _render_text(hf, with_system_prompt(_messages(messages), system_prompt), True, enable_thinking)
+    msgs = with_system_prompt(_messages(messages), system_prompt)
+    prefix = _assistant_prefix(hf)
+    if prefix:
+        msgs = with_assistant_prefix(msgs, prefix)
+    text = _render_text(hf, msgs, True, enable_thinking)
+    if prefix and not enable_thinking and not text.endswith(prefix):
+        text += prefix
     return np.asarray(hf(text, add_special_tokens=False)["input_ids"], dtype=np.int32)

@@ -207,7 +207,8 @@ def gemma4_to_hf(c: DecoderConfig) -> dict[str, Any]:
         "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
         "global_head_dim": hd,
-        "num_global_key_value_heads": c.num_global_key_value_heads,
+        # k=v full layers: always an int (DeepSpec's drafters read int(...) of it)
+        "num_global_key_value_heads": kv if c.attention_k_eq_v else c.num_global_key_value_heads,
         "per_layer_config": {str(i): {"head_dim": hd, "num_key_value_heads": kv} for i in full},
         "rms_norm_eps": c.rms_norm_eps,
         "rope_parameters": rope,

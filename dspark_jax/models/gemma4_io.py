@@ -51,10 +51,13 @@ def _layer_tensors(cfg: DecoderConfig, i: int, attn_in_dim: int | None = None
     t = cfg.layer_type(i)
     K, H = cfg.attn_shape(t)
     F = cfg.mlp_size(i)
-    hd_field = "global_head_dim" if (t == "full_attention" and H != cfg.head_dim) else "head_dim"
+    # the config.json fields that set these shapes: full-attention layers (and every layer of
+    # a DeepSpec drafter) take global_head_dim, and with k=v num_global_key_value_heads
+    full = t == "full_attention"
+    hd_field = "global_head_dim" if full else "head_dim"
     f_field = "use_double_wide_mlp" if F != cfg.intermediate_size else "intermediate_size"
-    kv_field = ("num_global_key_value_heads" if (t == "full_attention"
-                                                 and K != cfg.num_key_value_heads)
+    kv_field = ("num_global_key_value_heads"
+                if full and (cfg.attention_k_eq_v or K != cfg.num_key_value_heads)
                 else "num_key_value_heads")
     out = {
         "input_norm": ("input_layernorm.weight", (D,), "hidden_size"),

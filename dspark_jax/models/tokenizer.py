@@ -42,6 +42,7 @@ __all__ = [
     "load_tokenizer",
     "tokenizer_from_gguf",
     "tokenizer_from_hf_dir",
+    "generation_config_stop_ids",
     "qwen3_tokenizer",
     "locate_qwen3_tokenizer_dir",
     "build_gguf_backend_tokenizer",
@@ -50,10 +51,12 @@ __all__ = [
 KNOWN_TOKENIZERS: tuple[str, ...] = ("smollm2-135m-instruct", "qwen3")
 
 # Special tokens that end an assistant turn in the chat formats we meet (ChatML, Llama-3,
-# Gemma). Any of these that the vocabulary has as an added token joins eos in
+# Gemma, Gemma4). Any of these that the vocabulary has as an added token joins eos in
 # `stop_token_ids`: e.g. Qwen3's generation config stops on both <|im_end|> and
-# <|endoftext|>; SmolLM2's eos *is* <|im_end|>, and <|endoftext|> is its document separator.
-_TURN_END_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>")
+# <|endoftext|>; SmolLM2's eos *is* <|im_end|>, and <|endoftext|> is its document separator;
+# Gemma4's eos is <eos> while a chat turn ends with <turn|>.
+_TURN_END_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>",
+                                     "<turn|>")
 
 # llama.cpp token types (enum llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -72,10 +75,12 @@ class Tokenizer:
         eos_token_id: the tokenizer's eos id.
         pad_token_id: the pad id, falling back to eos when the tokenizer defines none.
         stop_token_ids: ids that end generation: eos first, then any turn-end special
-            tokens present (see ``_TURN_END_TOKENS``); de-duplicated.
+            tokens present (see ``_TURN_END_TOKENS``), then ``extra_stop_token_ids`` (a model
+            directory's ``generation_config.json`` ``eos_token_id``); de-duplicated.
     """
 
-    def __init__(self, hf: PreTrainedTokenizerFast, *, name: str = "", stop_token_ids: Sequence[int] | None = None):
+    def __init__(self, hf: PreTrainedTokenizerFast, *, name: str = "", stop_token_ids: Sequence[int] | None = None,
+                 extra_stop_token_ids: Sequence[int] = ()):
         self.hf = hf
         self.name = name or str(getattr(hf, "name_or_path", "")) or type(hf).__name__
         eos = hf.eos_token_id
@@ -94,6 +99,7 @@ class Tokenizer:
             stops += [vocab[t] for t in _TURN_END_TOKENS if t in special and t in vocab]
         else:
             stops = [int(i) for i in stop_token_ids]
+        stops += [int(i) for i in extra_stop_token_ids]
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -278,12 +284,38 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
 # --------------------------------------------------------------------------------------
 
 
+def generation_config_stop_ids(path: str | os.PathLike[str]) -> list[int]:
+    """``eos_token_id`` (an int or a list) of ``<path>/generation_config.json``; [] when the
+    file or field is absent. These are the ids DeepSpec's evaluator stops on
+    (``resolve_stop_token_ids``): e.g. Gemma4 ships ``[1, 106, 50]`` = <eos>, <turn|>,
+    <|tool_response>, while its tokenizer's eos is only <eos>."""
+    import json
+
+    f = pathlib.Path(path) / "generation_config.json"
+    if not f.is_file():
+        return []
+    try:
+        raw = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{f}: not readable JSON ({e})") from e
+    eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                            for i in ids):
+        raise ValueError(f"{f}: field 'eos_token_id' must be a non-negative int or a list of them, got {eos!r}")
+    return [int(i) for i in ids]
+
+
 def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> Tokenizer:
     """Tokenizer of a Hugging Face model directory (needs ``tokenizer.json``).
 
     Loaded with ``PreTrainedTokenizerFast`` straight from ``tokenizer.json`` (rather than the
     model-specific class named in ``tokenizer_config.json``, which may rebuild the pipeline
-    from vocab/merges), local files only, never ``trust_remote_code``.
+    from vocab/merges), local files only, never ``trust_remote_code``. The directory's
+    ``generation_config.json`` ``eos_token_id`` joins the stop ids (see
+    :func:`generation_config_stop_ids`).
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -295,7 +327,7 @@ def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> Tokenizer:
     hf = PreTrainedTokenizerFast.from_pretrained(
         str(p), local_files_only=True, trust_remote_code=False, clean_up_tokenization_spaces=False
     )
-    return Tokenizer(hf, name=str(p))
+    return Tokenizer(hf, name=str(p), extra_stop_token_ids=generation_config_stop_ids(p))
 
 
 def locate_qwen3_tokenizer_dir() -> pathlib.Path:

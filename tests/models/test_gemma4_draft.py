@@ -89,6 +89,48 @@ def test_gemma4_greedy_speculative_equals_autoregressive(target, kind):
     assert res.tokens == ref
 
 
+def test_gemma4_bad_drafter_checkpoints_name_file_and_field(target, tmp_path):
+    """MoE / per-layer-input drafter configs, head shapes other than the target's and tensors
+    whose shapes disagree with config.json fail naming the file and the field."""
+    from dspark_jax.models.hf_io import CheckpointError, write_safetensors
+
+    src = tmp_path / "d"
+    init_draft(target, DRAFTS["dspark"], seed=1).save(src)
+    raw = json.loads((src / "config.json").read_text())
+    tensors = read_safetensors_dir(src)
+
+    def variant(name, tensors=tensors, **changes):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(dict(raw, **changes)))
+        write_safetensors(d / "model.safetensors", tensors)
+        return d
+
+    with pytest.raises(ConfigError, match=r"moe.config\.json.*'enable_moe_block'"):
+        load_draft(variant("moe", enable_moe_block=True), target=target)
+    with pytest.raises(ConfigError, match=r"hd.config\.json.*'global_head_dim'.*16"):
+        load_draft(variant("hd", global_head_dim=8), target=target)
+    with pytest.raises(ConfigError, match=r"kv.config\.json.*'num_global_key_value_heads'"):
+        load_draft(variant("kv", num_global_key_value_heads=2), target=target)
+    bad = dict(tensors)
+    bad["layers.1.self_attn.q_proj.weight"] = bad["layers.1.self_attn.q_proj.weight"][:-1]
+    with pytest.raises(CheckpointError,
+                       match=r"shape.*layers\.1\.self_attn\.q_proj\.weight.*'global_head_dim'"):
+        load_draft(variant("shape", tensors=bad), target=target)
+
+
+def test_gemma4_drafter_config_writes_the_k_eq_v_head_count(target):
+    """k=v targets whose full layers have as many K/V heads as the sliding ones still write an
+    int `num_global_key_value_heads` (DeepSpec's drafters call int() on it)."""
+    from dspark_jax.models.draft_config import DraftConfig
+    from dspark_jax.models.gemma4_draft import deepspec_base_config
+
+    t = target.config.replace(num_global_key_value_heads=None)
+    assert t.attention_k_eq_v and t.attn_shape("full_attention")[0] == t.num_key_value_heads
+    raw = deepspec_base_config(DraftConfig(target=t, **DRAFTS["dspark"]))
+    assert raw["num_global_key_value_heads"] == t.num_key_value_heads == 2
+
+
 def test_gemma4_targets_with_per_layer_inputs_are_refused(tmp_path):
     ple = load_target(save_tiny_gemma4(tmp_path / "ple", "all_features", **dict(
         TARGET_KW, hidden_size_per_layer_input=4)))

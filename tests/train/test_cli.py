@@ -183,6 +183,7 @@ def test_shipped_configs_load(name):
         kind = name.split("_")[-1]
         assert c.draft.model_type == kind
         assert tuple(c.draft.target_layer_ids) == (5, 17, 29, 41, 46)
+        assert c.seed == (0 if kind == "eagle3" else 42)
         assert (c.draft.num_draft_layers, c.draft.block_size, c.draft.mask_token_id) == (5, 7, 4)
         assert c.draft.markov_rank == (256 if kind == "dspark" else 0)
         assert c.draft.enable_confidence_head is (kind == "dspark")
