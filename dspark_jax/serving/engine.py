@@ -10,7 +10,10 @@ verification of exactly the admitted tokens in the smallest capacity bucket that
 commit. Each request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
 `verifier="pallas"` run the Markov-head sampling / verification Pallas kernels (compiled on GPU
 and TPU, interpreted on CPU) in place of their pure-JAX oracles. SPS(B) for the
-scheduler is profiled at start over the buckets (cached on disk) or passed in.
+scheduler is profiled at start over the buckets (cached on disk) or passed in. Under
+`adaptive` the engine also profiles the drafter's time per round and the plain step, and each
+round first chooses between plain decoding (drafter not run) and drafting, whichever is
+expected to emit more tokens per second (`serving.policy`: the rule, and why it is lossless).
 """
 
 from __future__ import annotations
@@ -59,7 +62,15 @@ def _per_prompt(value: Any, n: int, name: str, cast: type) -> list:
 
 
 class Engine:
-    """Continuous-batching speculative decoding engine (see module docstring)."""
+    """Continuous-batching speculative decoding engine (see module docstring).
+
+    Costs of the `adaptive` drafting choice (`serving.policy`): `draft_seconds` (the drafter's
+    time per round) and `plain_seconds` (a plain decoding step), in the units of `sps`; when
+    None they are profiled with SPS (cached on disk), except that with `sps` passed in the
+    drafter counts as free and a plain step as the verification step at n tokens (the paper's
+    rule: always draft). `probe_interval` / `max_probe_interval`: rounds without drafting
+    before a probe round drafts anyway while plain decoding wins (doubling at each probe).
+    """
 
     def __init__(self, target: Any, draft: Any = None, max_requests: int = 16,
                  max_len: int = 2048, scheduler: str = "adaptive", threshold: float = 0.5, *,
@@ -253,7 +264,8 @@ class Engine:
             "model_type", "num_drafts", "num_draft_layers", "markov_rank", "markov_head_type",
             "target_layer_ids")}
         key = sps_mod.cache_key(self.target.config, self.target.dtype, self.R, self.max_len,
-                                self.buckets, extra=dict(costs=extra, sampler=self.sampler))
+                                self.buckets, extra=dict(costs=extra, sampler=self.sampler,
+                                                         mode=self.mode))
         K0 = self.buckets[0]
         fns = {"draft": (self._draft_step_fn(), 0), "plain": (self._plain_step_fn(), K0)}
         secs, took, _ = sps_mod.load_or_profile_named(key, self.sps_cache_dir, fns,
@@ -327,6 +339,36 @@ class Engine:
         if self.mode == "adaptive":   # rounds that skip drafting
             jax.block_until_ready(self._plain_step_fn()(self.buckets[0]))
         self.generate([[0]], max_new_tokens=2)
+
+    def round_seconds(self, prompts: Sequence[Sequence[int]], rounds: int,
+                      temperature: float = 1.0, seed: int = 0) -> list[float]:
+        """Wall seconds of each of `rounds` engine rounds (after one untimed round: compilation)
+        with `prompts` in flight: the host-stepped path `generate` runs (draft → schedule →
+        bucket → verify → commit → host bookkeeping). No request may finish meanwhile: the
+        budget exceeds what the rounds can emit, and the engine must have no stop tokens
+        (`stop_token_ids=[]`). For round benchmarks."""
+        n = len(prompts)
+        if not 1 <= n <= self.R:
+            raise ValueError(f"round_seconds takes 1..max_requests={self.R} prompts, got {n}")
+        budget = (int(rounds) + 2) * (self.gamma + 1) + 2
+        if max(len(p) for p in prompts) + budget + self.gamma + 1 > self.max_len:
+            raise ValueError(f"max_len={self.max_len} cannot hold the prompts + {rounds} rounds")
+        kd = list(np.asarray(jax.random.key_data(jax.random.split(
+            jax.random.key(int(seed), impl="threefry2x32"), n))))
+        run = _Run(self, prompts, budget, [float(temperature)] * n, [0] * n, [1.0] * n, kd,
+                   [0.0] * n)
+        run.t0 = time.perf_counter()
+        s = run._prefill(self._fresh_state(), run._admit(0.0))
+        s = run._round(s)
+        out = []
+        for _ in range(int(rounds)):
+            t0 = time.perf_counter()
+            s = run._round(s)
+            out.append(time.perf_counter() - t0)
+        if not run.h["active"].all():
+            raise ValueError("a request finished during round_seconds (a stop token): build "
+                             "the engine with stop_token_ids=[] to time rounds")
+        return out
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
