@@ -21,7 +21,9 @@ carried to the current n (K capped at n·γ, G scaled by n / n_then). ρ is the 
 to predicted accepted drafts (an exponential average over drafting rounds, 1 at start): it keeps
 miscalibrated confidences — a random drafter's σ(c) ≈ 0.5 — from buying rounds that never pay.
 The round drafts iff Θ_b ≥ Θ_a (with t_d = 0 and t_plain = t_v(n) that always holds: the
-paper's behaviour).
+paper's behaviour). Before any estimate exists (the first two rounds) the round drafts and
+admits everything, unless even a drafter whose every draft is accepted (K = G = n·γ) could
+not pay — then it decodes plainly from the start and only probes draft.
 
 Re-probing: while (a) wins, no confidences arrive and the estimate goes stale, so a round drafts
 anyway once `probe_interval` rounds have passed since the last drafting round; each such probe
@@ -103,16 +105,22 @@ class DraftPolicy:
 
     def decide(self, n_active: int) -> tuple[bool, int]:
         est = self.queue[0]
-        if est is None:   # nothing known yet: draft and admit everything (paper: first rounds)
-            return True, self.initial_capacity
-        want, _, _ = plain_or_draft(n_active, est, self.t_v, self.t_d, self.t_plain,
-                                    self.gamma, self.ratio)
+        if est is None:   # nothing known yet: admit everything if a perfect drafter could pay
+            best = Estimate(self.initial_capacity, float(self.initial_capacity), n_active)
+            want, _, _ = plain_or_draft(n_active, best, self.t_v, self.t_d, self.t_plain,
+                                        self.gamma)
+            cap = self.initial_capacity
+        else:
+            want, _, _ = plain_or_draft(n_active, est, self.t_v, self.t_d, self.t_plain,
+                                        self.gamma, self.ratio)
+            cap = est.capacity
         if want:
-            self.interval = self.probe0
-            return True, est.capacity
+            if est is not None:
+                self.interval = self.probe0
+            return True, cap
         if self.since_draft + 1 >= self.interval:   # probe: refresh the confidences
             self.interval = min(2 * self.interval, self.probe_max)
-            return True, est.capacity
+            return True, cap
         return False, 0
 
     def update(self, drafted: bool, est: Estimate | None = None, predicted: float = 0.0,

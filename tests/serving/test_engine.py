@@ -93,8 +93,8 @@ def _prefilled(eng, prompt):
 
 
 def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref):
-    """A drafter that costs more than it can gain (draft_seconds ≫ a step), probing every 2nd
-    round: rounds mix plain decoding (drafter not run, nothing verified) and drafting, greedy
+    """A drafter that costs more than it could ever gain (draft_seconds ≫ a step), probing
+    every 2nd round: rounds mix plain decoding (drafter not run, nothing verified) and drafting, greedy
     output still equals autoregressive decoding, and the drafter's context cache holds every
     committed token's features exactly as a prefill of the committed sequence writes them
     (skipped rounds included)."""
@@ -104,7 +104,7 @@ def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref):
     res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
     assert res.tokens == greedy_ref
     flags = [r["drafted"] for r in res.rounds]
-    assert flags[:2] == [True, True] and flags.count(False) >= 3 and flags[2:].count(True) >= 2
+    assert flags.count(False) >= 3 and flags.count(True) >= 2
     assert all(r["verified_tokens"] == 0 for r in res.rounds if not r["drafted"])
 
     one = Engine(target, draft, **kw, **dict(ENGINE_KW, max_requests=1))

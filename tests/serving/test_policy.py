@@ -88,6 +88,19 @@ def test_probe_backoff_and_reset():
     assert d and cap == R * G and pol.interval == 2
 
 
+def test_hopeless_drafter_decodes_plainly_from_the_start():
+    """No estimate yet, but even all-accepted drafts cannot pay for this drafter: plain
+    decoding from round 1, probes only (which admit everything: nothing is known)."""
+    pol = policy.DraftPolicy(T_V, 100.0, 1.0, G, R * G, probe_interval=2, max_probe_interval=2)
+    flags = []
+    for _ in range(5):
+        d, cap = pol.decide(R)
+        flags.append(d)
+        assert cap == (R * G if d else 0)
+        pol.update(d, None)
+    assert flags == [False, True, False, True, False]
+
+
 def test_ratio_tracks_realised_acceptance():
     pol = policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G)
     assert pol.ratio == 1.0
