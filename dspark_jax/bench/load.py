@@ -167,8 +167,8 @@ def markdown(result: dict[str, Any]) -> str:
     for key, v in result["verify_step"].items():
         c, _, kind = key.partition("/")
         ks = ", ".join(f"K={k}: {ms:.1f}" for k, ms in v["step_ms_by_bucket"].items())
-        grows = "yes" if v["grows_with_bucket"] else ("n/a" if len(v["step_ms_by_bucket"]) < 2
-                                                      else "NO")
+        grows = ("n/a" if len(v["step_ms_by_bucket"]) < 2 else
+                 "yes" if v["grows_with_bucket"] else "NO")
         rows.append(f"| {c} | {kind or 'speculative'} | {ks} | {grows} | "
                     f"{v['sps_profile_s']:.2f} |")
     return "\n".join(rows) + "\n"
