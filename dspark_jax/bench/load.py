@@ -2,18 +2,26 @@
 
 Closed loop: for each concurrency c, an engine with c request slots decodes `--requests-per-slot`
 × c prompts (a finished request's slot is refilled at once, so c requests stay in flight), for
-each scheduler mode. Per (mode, c): aggregate output tok/s, per-user tok/s (median and p10 of
-tokens / (finish − join)), mean verified draft tokens per request per round, τ, and the mean
-WHOLE-round time per capacity bucket (draft + schedule + verify + host bookkeeping); per c,
-separately: the PURE verification-step time per capacity bucket — the engine's SPS(B) profile
-of the compiled ragged programs (ms per step; it must grow with the bucket) — and how long that
-profiling took. The SPS cache is a fresh directory per run unless `--sps-cache-dir` is given,
-so the profiling time is measured. Writes JSON, a markdown table (`<out>.md`) and two PNGs:
+each scheduler mode (default: none, fixed, threshold, algorithm1, adaptive). Per (mode, c):
+aggregate output tok/s, per-user tok/s (median and p10 of tokens / (finish − join)), mean
+verified draft tokens per request per round, τ, the fraction of rounds that ran the drafter
+(`adaptive` skips it when plain decoding is expected to be faster), the drafter's time per
+round and the seconds the engine spent profiling at start (SPS + drafter/plain-step costs; 0
+when they came from the cache), and the mean WHOLE-round time per capacity bucket (draft +
+schedule + verify + host bookkeeping). Per c: the PURE verification-step time per capacity
+bucket — the engine's SPS(B) profile of the compiled ragged programs (ms per step; it must grow
+with the bucket) — and how long that profiling took (`none` runs its own, drafter-free step).
+The SPS cache is a fresh directory per run unless `--sps-cache-dir` is given, so the profiling
+time is measured. Writes JSON, a markdown table (`<out>.md`) and two PNGs:
   * `<out>_fig7.png` — aggregate throughput against per-user tok/s, one curve per mode;
   * `<out>_fig8.png` — throughput and per-request verification budget against concurrency.
 
-    python -m dspark_jax.bench.load --target smollm2-135m-instruct --draft DIR|random \
-        --concurrency 1,2,4,8 --max-new-tokens 32 --out bench_load
+    # a trained drafter exported in DeepSpec's format (e.g. the default job's export)
+    python -m dspark_jax.bench.load --target smollm2-135m-instruct --draft /work/runs/v1/export \
+        --concurrency 1,2,4,8,16,32 --max-new-tokens 64 --out bench_load
+    # a random-init DSpark drafter (plumbing only: its drafts are never accepted)
+    python -m dspark_jax.bench.load --target smollm2-135m-instruct --draft random \
+        --concurrency 1,2 --max-new-tokens 8 --requests-per-slot 1 --out /tmp/load_smoke
 """
 
 from __future__ import annotations
@@ -101,6 +109,7 @@ def run_point(target: Any, draft: Any, mode: str, c: int, a: argparse.Namespace
     eng.generate(prompts[:c], max_new_tokens=a.max_new_tokens, temperature=a.temperature)
     res = eng.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
     n_tok = sum(len(t) for t in res.tokens)
+    costs = eng.profile_costs() if eng.draft is not None else {}
     per_user = [len(t) / max(p["finish_s"] - p["join_s"], 1e-9)
                 for t, p in zip(res.tokens, res.per_request)]
     by_bucket: dict[int, list[float]] = {}
@@ -114,6 +123,11 @@ def run_point(target: Any, draft: Any, mode: str, c: int, a: argparse.Namespace
         verified_per_request_round=float(np.mean([r["verified_tokens"] / r["active"]
                                                   for r in res.rounds])),
         tau=res.tau, rounds=len(res.rounds),
+        drafted_fraction=float(np.mean([r.get("drafted", mode != "none")
+                                        for r in res.rounds])),
+        draft_ms_per_round=1e3 * costs["draft"] if costs else 0.0,
+        plain_step_ms=1e3 * costs["plain"] if costs else None,
+        engine_profile_s=float(eng.profile_seconds + eng.cost_profile_seconds),
         round_ms_by_bucket={str(k): 1e3 * float(np.mean(v))
                             for k, v in sorted(by_bucket.items())},
         rounds_by_bucket={str(k): len(v) for k, v in sorted(by_bucket.items())})
@@ -139,18 +153,23 @@ def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     """The load table and the per-bucket verification times as markdown (for BENCHMARKS.md)."""
     rows = ["| c | mode | agg tok/s | per-user tok/s median (p10) | verified/req/round | τ | "
-            "rounds | whole-round ms by bucket K |", "|---|---|---|---|---|---|---|---|"]
+            "drafted rounds | draft ms/round | engine profiling s | rounds | "
+            "whole-round ms by bucket K |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
         rb = ", ".join(f"{k}: {v:.0f}" for k, v in p["round_ms_by_bucket"].items())
         rows.append(f"| {p['concurrency']} | {p['mode']} | {p['aggregate_tok_s']:.1f} | "
                     f"{p['per_user_tok_s_median']:.1f} ({p['per_user_tok_s_p10']:.1f}) | "
-                    f"{p['verified_per_request_round']:.2f} | {p['tau']:.2f} | {p['rounds']} | "
-                    f"{rb} |")
-    rows += ["", "| c | verification step ms by capacity bucket K | grows | SPS profiling s |",
-             "|---|---|---|---|"]
-    for c, v in result["verify_step"].items():
+                    f"{p['verified_per_request_round']:.2f} | {p['tau']:.2f} | "
+                    f"{100 * p['drafted_fraction']:.0f}% | {p['draft_ms_per_round']:.1f} | "
+                    f"{p['engine_profile_s']:.2f} | {p['rounds']} | {rb} |")
+    rows += ["", "| c | step | verification step ms by capacity bucket K | grows | "
+             "SPS profiling s |", "|---|---|---|---|---|"]
+    for key, v in result["verify_step"].items():
+        c, _, kind = key.partition("/")
         ks = ", ".join(f"K={k}: {ms:.1f}" for k, ms in v["step_ms_by_bucket"].items())
-        rows.append(f"| {c} | {ks} | {'yes' if v['grows_with_bucket'] else 'NO'} | "
+        grows = ("n/a" if len(v["step_ms_by_bucket"]) < 2 else
+                 "yes" if v["grows_with_bucket"] else "NO")
+        rows.append(f"| {c} | {kind or 'speculative'} | {ks} | {grows} | "
                     f"{v['sps_profile_s']:.2f} |")
     return "\n".join(rows) + "\n"
 
@@ -219,16 +238,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"c={c:3d} {m:10s} agg {point['aggregate_tok_s']:8.1f} tok/s  per-user "
                   f"{point['per_user_tok_s_median']:7.1f} (p10 {point['per_user_tok_s_p10']:.1f})"
                   f"  verified/req/round {point['verified_per_request_round']:.2f}  "
-                  f"tau {point['tau']:.2f}  [{time.perf_counter() - t0:.0f} s]", flush=True)
-            if m != "none" and str(c) not in verify_s:   # profiled once per c (cached)
-                verify_s[str(c)] = verify_profile(eng, a.sps_cache_dir)
-        if str(c) in verify_s:
-            v = verify_s[str(c)]
-            print(f"c={c:3d} verification step per bucket: "
-                  + ", ".join(f"K={k}: {ms:.1f} ms" for k, ms in v["step_ms_by_bucket"].items())
-                  + f" (SPS profiling {v['sps_profile_s']:.2f} s"
-                  + ("" if v["grows_with_bucket"] else "; does NOT grow with the bucket") + ")",
-                  flush=True)
+                  f"tau {point['tau']:.2f}  drafted {100 * point['drafted_fraction']:.0f}%  "
+                  f"draft {point['draft_ms_per_round']:.1f} ms/round  "
+                  f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+            # verification step per bucket: once per c for the drafting modes (one program),
+            # separately for "none" (its own drafter-free program)
+            vkey = f"{c}/plain (none)" if m == "none" else str(c)
+            if vkey not in verify_s:
+                verify_s[vkey] = verify_profile(eng, a.sps_cache_dir)
+                v = verify_s[vkey]
+                print(f"c={c:3d} {'none' if m == 'none' else 'speculative'} verification step "
+                      "per bucket: " + ", ".join(f"K={k}: {ms:.1f} ms"
+                                                 for k, ms in v["step_ms_by_bucket"].items())
+                      + f" (SPS profiling {v['sps_profile_s']:.2f} s"
+                      + ("" if v["grows_with_bucket"] or len(v["step_ms_by_bucket"]) < 2
+                         else "; does NOT grow with the bucket") + ")", flush=True)
     result = dict(device=device_name(), target=a.target, draft=a.draft,
                   gamma=int(draft.config.num_drafts), settings=vars(a), points=points,
                   verify_step=verify_s, total_s=time.perf_counter() - t_all)

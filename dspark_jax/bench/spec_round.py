@@ -1,11 +1,15 @@
 """Speculative round vs plain decode step (issue: speculative engine §7; PERFORMANCE.md bars).
 
 Reports, from one run on one device:
-  * plain decode step time (on-device loop) and speculative round time (draft block +
-    sequential sampling + verification of γ+1 tokens + commit; on-device loop),
-    and their ratio (bar ≤ 1.15 at γ = 7);
+  * the serving engine's round (`dspark_jax.serving.Engine`, the host-stepped path users run:
+    draft block + sequential sampling + scheduling + ragged verification of γ+1 tokens per
+    request + commit + host bookkeeping; median over `--rounds` rounds with `--batch` requests
+    of `--context` tokens in flight) under `fixed` (ℓ = γ) against the same engine's plain
+    decode step (`none`), and their ratio (bar ≤ 1.15 at γ = 7); rows with
+    `sampler="pallas"` / `verifier="pallas"` (on CPU the kernels are interpreted: those rows
+    are labelled and are not kernel timings);
   * the sequential (Markov) stage's share of the round (bar ≤ 2%);
-  * recompilations of the host-stepped round in steady state (bar: zero);
+  * recompilations of the engine's round in steady state (bar: zero);
   * the Pallas kernels (pallas_kernels/markov_sample, pallas_kernels/verify) against the pure-JAX
     paths they replace (decoding/verify.py), at the round's B, γ, V and r. Kernels are timed only
     on GPU (Triton) and TPU (Mosaic): on CPU they could only run in interpret mode, which says
@@ -26,11 +30,7 @@ import numpy as np
 
 from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
                                      time_call)
-from dspark_jax.bench.decode_step import make_state
-from dspark_jax.decoding.autoregressive import ar_decode
 from dspark_jax.decoding.sampling import sample_probs
-from dspark_jax.decoding.speculative import (SpecSettings, full_verify_mask, spec_loop,
-                                             spec_prefill, spec_step)
 from dspark_jax.models import init_draft
 from dspark_jax.models.draft_config import default_target_layer_ids
 
@@ -109,6 +109,47 @@ def kernel_rows(k: dict) -> list[tuple[str, str]]:
     ]
 
 
+ENGINE_ROWS = (("jax", "jax"), ("pallas", "jax"), ("jax", "pallas"))
+
+
+def engine_rounds(target, draft, B: int, C: int, a: argparse.Namespace,
+                  counter: CompileCounter) -> dict:
+    """Round times of `dspark_jax.serving.Engine` (the path users run) with B requests of C
+    prompt tokens in flight: `none` (plain decoding through the engine) and `fixed` (ℓ = γ
+    for every request) with the pure-JAX and the Pallas sampler / verifier. On CPU the
+    Pallas rows run the kernels in interpret mode: their time is not a kernel timing."""
+    from dspark_jax.serving import Engine
+
+    g = draft.config.num_drafts
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(0, target.config.vocab_size - 1, C)) for _ in range(B)]
+    max_len = C + (a.rounds + 2) * (g + 1) + 2 * g + 8
+    kw = dict(max_requests=B, max_len=max_len, prefill_chunk=min(C * B, 512),
+              stop_token_ids=[])
+    interpreted = jax.default_backend() not in ("gpu", "tpu")
+
+    def timed(eng, n):
+        return median(eng.round_seconds(prompts, n, temperature=a.temperature))
+
+    plain = timed(Engine(target, None, scheduler="none", **kw), a.rounds)
+    rows, recompiles = [], 0
+    for sampler, verifier in ENGINE_ROWS:
+        if "pallas" in (sampler, verifier) and a.no_pallas_rows:
+            continue
+        pallas = "pallas" in (sampler, verifier)
+        n = min(a.rounds, 3) if pallas and interpreted else a.rounds
+        eng = Engine(target, draft, scheduler="fixed", sampler=sampler, verifier=verifier,
+                     **kw)
+        eng.round_seconds(prompts, 1, temperature=a.temperature)   # compile every program
+        before = counter.n
+        sec = timed(eng, n)
+        if (sampler, verifier) == ("jax", "jax"):
+            recompiles = counter.n - before
+        rows.append(dict(sampler=sampler, verifier=verifier, round_ms=1e3 * sec, rounds=n,
+                         interpreted=bool(pallas and interpreted)))
+    return dict(plain_ms=1e3 * plain, rows=rows, recompiles=recompiles)
+
+
 def run(a: argparse.Namespace) -> dict:
     counter = CompileCounter()
     target = build_target(a.target, a.dtype)
@@ -119,34 +160,10 @@ def run(a: argparse.Namespace) -> dict:
         mask_token_id=cfg.vocab_size - 1, markov_rank=a.rank, markov_head_type=a.head),
         seed=0, dtype=a.dtype, param_dtype=a.dtype)
     B, C, N, g = a.batch, a.context, a.rounds, a.gamma
-    settings = SpecSettings(verifier=a.verifier, record_confidence=False)
     temp = jnp.asarray(a.temperature, jnp.float32)
-    no_stop = jnp.asarray([-1], jnp.int32)
-    max_new = 2 * N * (g + 1) + 2
-    cache_len = C + max_new + g + 8
-    rng = np.random.RandomState(0)
-    tokens = jnp.asarray(rng.randint(0, cfg.vocab_size - 1, (B, C)), jnp.int32)
-    lens = jnp.full((B,), C, jnp.int32)
-
-    def prefill():
-        return spec_prefill(target.graphdef, draft.graphdef, target.state, draft.state, tokens,
-                            lens, jax.random.key(0), temp, no_stop, cache_len=cache_len,
-                            max_new=max_new, max_rounds=N + 2, settings=settings)
-
-    def rounds(n: int):
-        s = spec_loop(target.graphdef, draft.graphdef, target.state, draft.state, prefill(),
-                      temp, no_stop, settings=settings, num_rounds=n)
-        return s.out
-
-    def plain(n: int):
-        s = make_state(target, B, C, 2 * N)
-        return ar_decode(target.graphdef, target.state, s, temp, no_stop, num_steps=n).out
-
-    # slopes between N and 2N on-device iterations (prefill, dispatch and set-up cancel)
-    slope = lambda f: max(median(time_call(lambda: f(2 * N), repeats=a.repeats))
-                          - median(time_call(lambda: f(N), repeats=a.repeats)), 1e-9) / N
-    round_s = slope(rounds)
-    step_s = slope(plain)
+    er = engine_rounds(target, draft, B, C, a, counter)
+    base = next(r for r in er["rows"] if (r["sampler"], r["verifier"]) == ("jax", "jax"))
+    round_s, step_s = base["round_ms"] / 1e3, er["plain_ms"] / 1e3
 
     # the sequential stage alone: sample_block over γ slots from fixed backbone outputs
     from flax import nnx
@@ -181,27 +198,25 @@ def run(a: argparse.Namespace) -> dict:
     seq_s = median(time_call(lambda: seq_stage(draft.state, h), repeats=a.repeats)) / N
     head_s = median(time_call(lambda: head_only(draft.state, h), repeats=a.repeats)) / N
     seq_only = max(seq_s - head_s, 0.0)
-
-    # steady-state recompilations of the host-stepped round
-    s = prefill()
-    mask = full_verify_mask(jnp.ones((B,), bool), g)
-    for _ in range(3):
-        s = spec_step(target.graphdef, draft.graphdef, target.state, draft.state, s, mask, temp,
-                      no_stop, settings=settings)
-    jax.block_until_ready(s.out)
-    before = counter.n
-    for _ in range(min(N, 20)):
-        s = spec_step(target.graphdef, draft.graphdef, target.state, draft.state, s, mask, temp,
-                      no_stop, settings=settings)
-    jax.block_until_ready(s.out)
-    recompiles = counter.n - before
     return {"target": a.target, "device": device_name(), "dtype": a.dtype, "batch": B,
             "vocab": cfg.vocab_size,
             "context": C, "gamma": g, "draft_layers": a.draft_layers, "markov_rank": a.rank,
-            "head": a.head, "verifier": a.verifier, "plain_step_ms": step_s * 1e3,
+            "head": a.head, "plain_step_ms": step_s * 1e3,
             "round_ms": round_s * 1e3, "round_over_step": round_s / step_s,
+            "engine_rounds": er["rows"],
             "sequential_stage_ms": seq_only * 1e3, "sequential_share": seq_only / round_s,
-            "steady_state_recompiles": recompiles}
+            "steady_state_recompiles": er["recompiles"]}
+
+
+def engine_rows(r: dict) -> list[tuple[str, str]]:
+    out = []
+    for row in r["engine_rounds"]:
+        note = (" (Pallas interpreted on CPU: not a kernel timing)" if row["interpreted"]
+                else "")
+        out.append((f"engine round, fixed ℓ=γ, sampler={row['sampler']} "
+                    f"verifier={row['verifier']}",
+                    f"{row['round_ms']:.3f} ms over {row['rounds']} rounds{note}"))
+    return out
 
 
 def main(argv=None) -> dict:
@@ -215,7 +230,8 @@ def main(argv=None) -> dict:
     p.add_argument("--draft-layers", type=int, default=5)
     p.add_argument("--rank", type=int, default=256)
     p.add_argument("--head", default="vanilla")
-    p.add_argument("--verifier", default="jax")
+    p.add_argument("--no-pallas-rows", action="store_true",
+                   help="skip the engine rows with sampler/verifier='pallas'")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
@@ -242,9 +258,10 @@ def main(argv=None) -> dict:
         ("target / dtype / device", f"{r['target']} / {r['dtype']} / {r['device']}"),
         ("batch × context, γ", f"{r['batch']} × {r['context']}, γ={r['gamma']}"),
         ("draft", f"{r['draft_layers']} layers, {r['head']} head rank {r['markov_rank']}"),
-        ("plain decode step", f"{r['plain_step_ms']:.3f} ms"),
-        ("speculative round", f"{r['round_ms']:.3f} ms"),
+        ("plain decode step (engine, scheduler=none)", f"{r['plain_step_ms']:.3f} ms"),
+        ("speculative round (engine, fixed ℓ=γ)", f"{r['round_ms']:.3f} ms"),
         ("round / step", f"{r['round_over_step']:.3f} (bar ≤ 1.15)"),
+        *engine_rows(r),
         ("sequential stage", f"{r['sequential_stage_ms']:.3f} ms = "
                              f"{100 * r['sequential_share']:.2f}% of a round (bar ≤ 2%)"),
         ("steady-state recompiles", f"{r['steady_state_recompiles']} (bar: 0)"),

@@ -34,7 +34,9 @@ Production variant (§5.2): the batch capacity ``K`` (number of draft tokens) is
 *global* search (no early stop, argmax over the whole admission path) from confidences two steps
 old, and the current step admits the top ``K`` current candidates.  Because ``K`` only depends on
 stale information, the admission of a current token cannot depend on its own realisation.  See
-:func:`global_capacity`, :func:`topk_admission` and :func:`production_schedule`.
+:func:`global_capacity`, :func:`topk_admission` and :func:`production_schedule`.  The serving
+engine's ``adaptive`` mode adds the drafter's cost to this objective and may skip drafting for a
+round altogether (``dspark_jax.serving.policy``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ verification of exactly the admitted tokens in the smallest capacity bucket that
 commit. Each request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
 `verifier="pallas"` run the Markov-head sampling / verification Pallas kernels (compiled on GPU
 and TPU, interpreted on CPU) in place of their pure-JAX oracles. SPS(B) for the
-scheduler is profiled at start over the buckets (cached on disk) or passed in.
+scheduler is profiled at start over the buckets (cached on disk) or passed in. Under
+`adaptive` the engine also profiles the drafter's time per round and the plain step, and each
+round first chooses between plain decoding (drafter not run) and drafting, whichever is
+expected to emit more tokens per second (`serving.policy`: the rule, and why it is lossless).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from dspark_jax.decoding.autoregressive import stop_array
 from dspark_jax.models.decoder import init_cache
 from dspark_jax.models.draft_config import validate_against_target
+from dspark_jax.serving import policy
 from dspark_jax.serving import rounds as R_
 from dspark_jax.serving import sps as sps_mod
 
@@ -58,7 +62,15 @@ def _per_prompt(value: Any, n: int, name: str, cast: type) -> list:
 
 
 class Engine:
-    """Continuous-batching speculative decoding engine (see module docstring)."""
+    """Continuous-batching speculative decoding engine (see module docstring).
+
+    Costs of the `adaptive` drafting choice (`serving.policy`): `draft_seconds` (the drafter's
+    time per round) and `plain_seconds` (a plain decoding step), in the units of `sps`; when
+    None they are profiled with SPS (cached on disk), except that with `sps` passed in the
+    drafter counts as free and a plain step as the verification step at n tokens (the paper's
+    rule: always draft). `probe_interval` / `max_probe_interval`: rounds without drafting
+    before a probe round drafts anyway while plain decoding wins (doubling at each probe).
+    """
 
     def __init__(self, target: Any, draft: Any = None, max_requests: int = 16,
                  max_len: int = 2048, scheduler: str = "adaptive", threshold: float = 0.5, *,
@@ -66,7 +78,9 @@ class Engine:
                  sps: Any = None, sps_cache_dir: str | None = None, profile_repeats: int = 3,
                  confidence_temperatures: Sequence[float] | None = None,
                  verifier: str = "jax", sampler: str = "jax",
-                 stop_token_ids: Sequence[int] | None = None, cap_to_budget: bool = True):
+                 stop_token_ids: Sequence[int] | None = None, cap_to_budget: bool = True,
+                 draft_seconds: float | None = None, plain_seconds: float | None = None,
+                 probe_interval: int = 4, max_probe_interval: int = 64):
         if scheduler not in R_.MODES:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(R_.MODES)}")
         if verifier not in R_.VERIFY_FNS:
@@ -83,6 +97,16 @@ class Engine:
                              "with scheduler='none')")
         if scheduler == "threshold" and not 0.0 <= float(threshold) <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        if draft_seconds is not None and not float(draft_seconds) >= 0:
+            raise ValueError(f"draft_seconds must be ≥ 0, got {draft_seconds}")
+        if plain_seconds is not None and not float(plain_seconds) > 0:
+            raise ValueError(f"plain_seconds must be > 0, got {plain_seconds}")
+        if not 1 <= int(probe_interval) <= int(max_probe_interval):
+            raise ValueError(f"probe_interval must be ≥ 1 and ≤ max_probe_interval, got "
+                             f"probe_interval={probe_interval}, "
+                             f"max_probe_interval={max_probe_interval}")
+        self.probe_interval, self.max_probe_interval = int(probe_interval), int(
+            max_probe_interval)
         self.target, self.mode = target, scheduler
         self.draft = draft if scheduler != "none" else None
         if self.draft is not None:
@@ -130,7 +154,9 @@ class Engine:
         self._dstate = self.draft.state if self.draft is not None else None
         self.bucket_seconds: dict[int, float] | None = None
         self.profile_seconds = 0.0
+        self.sps_cache_dir, self.profile_repeats = sps_cache_dir, int(profile_repeats)
         self.sps = self._init_sps(sps, sps_cache_dir, profile_repeats)
+        self._init_costs(sps, draft_seconds, plain_seconds)
 
     # ------------------------------------------------------------------ state
     def _fresh_state(self) -> R_.EngineState:
@@ -186,6 +212,96 @@ class Engine:
 
         return step
 
+    def _dummy_params(self) -> R_.Params:
+        h = self._host_arrays()
+        h["active"][:] = True
+        h["remaining"][:] = self.max_len
+        return self._params(h)
+
+    def _plain_step_fn(self):
+        """step_fn(K): one verification step of the anchors alone (a round that skips
+        drafting: drafts of width 0, the drafter's context still fed)."""
+        p = self._dummy_params()
+        drafts = jnp.zeros((self.R, 0), jnp.int32)
+        probs = jnp.zeros((self.R, 0, self.V), jnp.float32)
+        ell = jnp.zeros((self.R,), jnp.int32)
+        holder = {"s": self._fresh_state()}
+
+        def step(K: int):
+            holder["s"], out = self._verify(holder["s"], p, drafts, probs, ell, K)
+            holder["s"] = holder["s"].replace(
+                cache=holder["s"].cache.with_lengths(jnp.zeros((self.R,), jnp.int32)))
+            return out["n_emit"]
+
+        return step
+
+    def _draft(self, s, p, capacity: int) -> dict[str, jax.Array]:
+        return R_.draft_and_schedule(self._dgd, self._dstate, s, p, self.stop_ids,
+                                     self.conf_temps, jnp.asarray(self.threshold, jnp.float32),
+                                     self.sps, jnp.asarray(capacity, jnp.int32),
+                                     self.sps_draft, mode=self.mode,
+                                     cap_budget=self.cap_to_budget, sampler=self.sampler)
+
+    def _draft_step_fn(self):
+        """step_fn(_): one drafting + scheduling call, synchronised on what the host reads."""
+        p, s = self._dummy_params(), self._fresh_state()
+
+        def step(_: int):
+            d = self._draft(s, p, self.R * self.gamma)
+            return (d["n_tokens"], d["capacity_new"])
+
+        return step
+
+    def profile_costs(self) -> dict[str, float]:
+        """The drafter's seconds per round (draft + schedule, all slots) and the plain step's
+        seconds (anchors only, bucket R), profiled once like SPS and cached on disk next to it
+        (keyed by device kind, target and drafter shapes, slots and γ). Also sets
+        `cost_profile_seconds` (0 when cached)."""
+        if self.draft is None:
+            raise ValueError("profile_costs needs a drafter (scheduler='none' has none)")
+        dc = self.draft.config
+        extra = {f: getattr(dc, f, None) for f in (
+            "model_type", "num_drafts", "num_draft_layers", "markov_rank", "markov_head_type",
+            "target_layer_ids")}
+        key = sps_mod.cache_key(self.target.config, self.target.dtype, self.R, self.max_len,
+                                self.buckets, extra=dict(costs=extra, sampler=self.sampler,
+                                                         mode=self.mode))
+        K0 = self.buckets[0]
+        fns = {"draft": (self._draft_step_fn(), 0), "plain": (self._plain_step_fn(), K0)}
+        secs, took, _ = sps_mod.load_or_profile_named(key, self.sps_cache_dir, fns,
+                                                       repeats=self.profile_repeats)
+        self.cost_profile_seconds = took
+        return secs
+
+    def _init_costs(self, sps: Any, draft_seconds: float | None,
+                    plain_seconds: float | None) -> None:
+        """t_v, t_d, t_plain and the drafting-round objective of `serving.policy`."""
+        t_v = 1.0 / np.maximum(np.asarray(self.sps, np.float64), 1e-12)    # [top + 1]
+        self.cost_profile_seconds = 0.0
+        self.sps_draft = self.sps   # until t_d is known (the profiled draft call reads it)
+        if self.mode == "adaptive" and sps is None and (draft_seconds is None
+                                                        or plain_seconds is None):
+            prof = self.profile_costs()
+            draft_seconds = prof["draft"] if draft_seconds is None else draft_seconds
+            plain_seconds = prof["plain"] if plain_seconds is None else plain_seconds
+            log.info("adaptive costs: draft %.2f ms / round, plain step %.2f ms (%s)",
+                     1e3 * draft_seconds, 1e3 * plain_seconds,
+                     f"profiled in {self.cost_profile_seconds:.2f} s"
+                     if self.cost_profile_seconds else "from cache")
+        # with SPS passed in and no costs: a free drafter and plain = verification at n tokens
+        self.draft_seconds = float(draft_seconds or 0.0)
+        self.verify_step_seconds = t_v
+        top_plain = min(self.R, len(t_v) - 1)
+        self.plain_step_seconds = (np.full((top_plain + 1,), float(plain_seconds))
+                                   if plain_seconds is not None else t_v[:top_plain + 1])
+        self.sps_draft = jnp.asarray(policy.drafting_sps_table(t_v, self.draft_seconds))
+
+    def new_policy(self) -> policy.DraftPolicy:
+        """The per-`generate` state of the adaptive drafting choice (`serving.policy`)."""
+        return policy.DraftPolicy(self.verify_step_seconds, self.draft_seconds,
+                                  self.plain_step_seconds, self.gamma, self.R * self.gamma,
+                                  self.probe_interval, self.max_probe_interval)
+
     def _init_sps(self, sps: Any, cache_dir: str | None, repeats: int) -> jax.Array:
         top = self.buckets[-1]
         if sps is not None:
@@ -220,7 +336,39 @@ class Engine:
         step = self._dummy_step_fn()
         for K in self.buckets:
             jax.block_until_ready(step(K))
+        if self.mode == "adaptive":   # rounds that skip drafting
+            jax.block_until_ready(self._plain_step_fn()(self.buckets[0]))
         self.generate([[0]], max_new_tokens=2)
+
+    def round_seconds(self, prompts: Sequence[Sequence[int]], rounds: int,
+                      temperature: float = 1.0, seed: int = 0) -> list[float]:
+        """Wall seconds of each of `rounds` engine rounds (after one untimed round: compilation)
+        with `prompts` in flight: the host-stepped path `generate` runs (draft → schedule →
+        bucket → verify → commit → host bookkeeping). No request may finish meanwhile: the
+        budget exceeds what the rounds can emit, and the engine must have no stop tokens
+        (`stop_token_ids=[]`). For round benchmarks."""
+        n = len(prompts)
+        if not 1 <= n <= self.R:
+            raise ValueError(f"round_seconds takes 1..max_requests={self.R} prompts, got {n}")
+        budget = (int(rounds) + 2) * (self.gamma + 1) + 2
+        if max(len(p) for p in prompts) + budget + self.gamma + 1 > self.max_len:
+            raise ValueError(f"max_len={self.max_len} cannot hold the prompts + {rounds} rounds")
+        kd = list(np.asarray(jax.random.key_data(jax.random.split(
+            jax.random.key(int(seed), impl="threefry2x32"), n))))
+        run = _Run(self, prompts, budget, [float(temperature)] * n, [0] * n, [1.0] * n, kd,
+                   [0.0] * n)
+        run.t0 = time.perf_counter()
+        s = run._prefill(self._fresh_state(), run._admit(0.0))
+        s = run._round(s)
+        out = []
+        for _ in range(int(rounds)):
+            t0 = time.perf_counter()
+            s = run._round(s)
+            out.append(time.perf_counter() - t0)
+        if not run.h["active"].all():
+            raise ValueError("a request finished during round_seconds (a stop token): build "
+                             "the engine with stop_token_ids=[] to time rounds")
+        return out
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
@@ -283,8 +431,8 @@ class _Run:
         self.slot_req = [-1] * eng.R
         self.free = collections.deque(range(eng.R))
         self.pending = collections.deque(sorted(range(n), key=lambda i: (arrivals[i], i)))
-        # adaptive: capacities of the last two rounds; the first two rounds admit everything
-        self.cap_queue = [eng.R * eng.gamma] * 2
+        # adaptive: estimates of the last two rounds; the first two rounds admit everything
+        self.policy = eng.new_policy() if eng.mode == "adaptive" else None
         self.no_drafts = (jnp.zeros((eng.R, 0), jnp.int32),
                           jnp.zeros((eng.R, 0, eng.V), jnp.float32))
 
@@ -365,22 +513,30 @@ class _Run:
         p = e._params(h)
         n_active = int(h["active"].sum())
         conf = None
-        if e.mode == "none":
+        drafted, capacity = e.mode != "none", 0
+        if self.policy is not None:
+            drafted, capacity = self.policy.decide(n_active)
+        if not drafted:   # plain decoding: ℓ = 0, the drafter not run
             drafts, probs = self.no_drafts
             ell = jnp.zeros((e.R,), jnp.int32)
             n_tokens = n_active
         else:
-            d = R_.draft_and_schedule(e._dgd, e._dstate, s, p, e.stop_ids, e.conf_temps,
-                                      jnp.asarray(e.threshold, jnp.float32), e.sps,
-                                      jnp.asarray(self.cap_queue[0], jnp.int32), mode=e.mode,
-                                      cap_budget=e.cap_to_budget, sampler=e.sampler)
+            d = e._draft(s, p, capacity)
             drafts, probs, ell, conf = d["tokens"], d["probs"], d["lengths"], d["confidence"]
-            n_tokens, cap_new = (int(x) for x in jax.device_get((d["n_tokens"],
-                                                                   d["capacity_new"])))
-            self.cap_queue = [self.cap_queue[1], cap_new]
+            n_tokens, cap_new, gain_new, predicted = jax.device_get(
+                (d["n_tokens"], d["capacity_new"], d["gain_new"], d["predicted"]))
+            n_tokens = int(n_tokens)
         K = sps_mod.bucket_for(e.buckets, max(n_tokens, 1))
         s, o = e._verify(s, p, drafts, probs, ell, K)
         o = jax.device_get(o)
+        if self.policy is not None:
+            act = h["active"]
+            if drafted:
+                self.policy.update(True, policy.Estimate(int(cap_new), float(gain_new),
+                                                         n_active),
+                                   float(predicted), float(np.sum(o["accepted"][act])))
+            else:
+                self.policy.update(False)
         ell_h = np.asarray(ell)
         conf_h = None if conf is None else np.asarray(conf, np.float32)
         now = time.perf_counter() - self.t0
@@ -401,7 +557,8 @@ class _Run:
             if o["finished"][r]:
                 self._finish(r, now)
         self.rounds.append(dict(active=n_active, verified_tokens=int(ell_h.sum()), capacity=K,
-                                tokens=emitted, seconds=time.perf_counter() - t_start))
+                                tokens=emitted, drafted=bool(drafted),
+                                seconds=time.perf_counter() - t_start))
         return s
 
     def loop(self) -> EngineResult:
@@ -420,5 +577,6 @@ class _Run:
                         time.sleep(wait)
                 continue
             s = self._round(s)
+        self.final_state = s
         return EngineResult(tokens=self.out, rounds=self.rounds, per_request=self.per,
                             wall_s=time.perf_counter() - self.t0)

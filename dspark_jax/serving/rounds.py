@@ -10,6 +10,8 @@ on the host before that program is launched:
      at every verified position under each request's own temperature / top-k / top-p, and
      committed by moving lengths; only the committed tokens' features reach the drafter.
 `prefill_chunk` runs joins (chunks of prompts of several requests, also flattened).
+Under "adaptive" the host may skip step 1 for a round (`serving.policy`): step 3 then verifies
+the anchors alone (drafts of width 0) and still commits their features to the drafter.
 
 Randomness is per request (`key_data[r]`, folded with the request's round counter), so a
 request's output does not depend on the slot it sits in or on the other requests.
@@ -79,24 +81,33 @@ def confidence_probs(conf_logits: jax.Array, temperatures: jax.Array | None) -> 
 
 
 def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
-                     threshold: jax.Array, sps: jax.Array, capacity: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
-    """ℓ [R] for the mode (SPEC §8) and the §5.2 capacity K computed from these confidences
-    (used two rounds later by "adaptive"; 0 for the other modes)."""
+                     threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
+                     sps_draft: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """ℓ [R] for the mode (SPEC §8), and for "adaptive" the §5.2 capacity K computed from these
+    confidences (used two rounds later) with G, the expected accepted drafts among those K
+    (0 for the other modes). `sps_draft` [B] (default `sps`): rounds/s of a drafting round,
+    1 / (t_d + t_v(B)), the objective of the adaptive global search (`serving.policy`)."""
     R = active.shape[0]
     zero = jnp.zeros((), jnp.int32)
+    fzero = jnp.zeros((), jnp.float32)
     if mode == "none":
-        return jnp.zeros((R,), jnp.int32), zero
+        return jnp.zeros((R,), jnp.int32), zero, fzero
     if mode == "fixed":
-        return jnp.where(active, gamma, 0).astype(jnp.int32), zero
+        return jnp.where(active, gamma, 0).astype(jnp.int32), zero, fzero
     if mode == "threshold":   # DeepSpec's static cut: the first slot with σ(c) < t ends it
         keep = jnp.cumprod((conf >= threshold).astype(jnp.int32), axis=-1)
-        return jnp.where(active, jnp.sum(keep, axis=-1), 0).astype(jnp.int32), zero
+        return jnp.where(active, jnp.sum(keep, axis=-1), 0).astype(jnp.int32), zero, fzero
     if mode == "algorithm1":  # causal early stop (Appendix A)
-        return sched.schedule_verification(conf, active, sps, early_stop=True).lengths, zero
+        return (sched.schedule_verification(conf, active, sps, early_stop=True).lengths, zero,
+                fzero)
     if mode == "adaptive":    # K from two rounds ago; top-K of the current candidates
         lengths = sched.topk_admission(conf, active, capacity, sps).lengths
-        return lengths, sched.global_capacity(conf, active, sps)
+        glob = sched.schedule_verification(conf, active, sps if sps_draft is None else
+                                           sps_draft, early_stop=False)
+        n_act = jnp.sum(active).astype(jnp.float32)
+        return (lengths, jnp.sum(glob.lengths).astype(jnp.int32),
+                (glob.expected_accepts - n_act).astype(jnp.float32))
     raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
 
 
@@ -107,11 +118,14 @@ SAMPLERS = ("jax", "pallas")
 @functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget", "sampler"))
 def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Params,
                        stop_ids: jax.Array, conf_temps: jax.Array | None,
-                       threshold: jax.Array, sps: jax.Array, capacity: jax.Array, *,
+                       threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
+                       sps_draft: jax.Array | None = None, *,
                        mode: str, cap_budget: bool = True, sampler: str = "jax"
                        ) -> dict[str, jax.Array]:
     """Drafts γ tokens for every slot and schedules them. → tokens, probs, confidence logits,
-    lengths ℓ [R], n_tokens = Σ_active(1 + ℓ_r), capacity_new (adaptive). `cap_budget`: never
+    lengths ℓ [R], n_tokens = Σ_active(1 + ℓ_r), capacity_new / gain_new (adaptive: K and G
+    for two rounds later, searched on `sps_draft`), predicted (Σ of the admitted tokens'
+    prefix survival: expected accepted drafts). `cap_budget`: never
     verify drafts past a request's token budget (off = DeepSpec's protocol, always γ).
     `sampler="pallas"`: the vanilla Markov head is sampled by the batched Pallas kernel with
     the same per-request uniforms as the "jax" path (same tokens, barring f32 rounding at a CDF
@@ -146,15 +160,20 @@ def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Param
     if conf_logits is None:
         conf_logits = jnp.zeros(prop["tokens"].shape, jnp.float32)
     conf = confidence_probs(conf_logits, conf_temps)
-    ell, cap_new = schedule_lengths(mode, conf, p.active, g, threshold, sps, capacity)
+    ell, cap_new, gain_new = schedule_lengths(mode, conf, p.active, g, threshold, sps,
+                                              capacity, sps_draft)
     if "length" in prop:      # Eagle3's chain stopped at a drafted stop token
         ell = jnp.minimum(ell, prop["length"])
     if cap_budget:   # drafts past the request's token budget can never be emitted
         ell = jnp.minimum(ell, p.remaining - 1)
     ell = jnp.where(p.active, jnp.clip(ell, 0, g), 0)
     n_tokens = jnp.sum(jnp.where(p.active, 1 + ell, 0)).astype(jnp.int32)
+    # expected accepted drafts of what is admitted (the policy's calibration check)
+    admitted = jnp.arange(g)[None] < ell[:, None]
+    predicted = jnp.sum(jnp.where(admitted, sched.prefix_survival(conf), 0.0))
     return dict(tokens=prop["tokens"], probs=prop["probs"], confidence=conf_logits,
-                lengths=ell.astype(jnp.int32), n_tokens=n_tokens, capacity_new=cap_new)
+                lengths=ell.astype(jnp.int32), n_tokens=n_tokens, capacity_new=cap_new,
+                gain_new=gain_new, predicted=predicted.astype(jnp.float32))
 
 
 # ------------------------------------------------------------------------------ flattening
@@ -240,8 +259,8 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
     n_commit = jnp.where(p.active, n_acc + 1, 0)
     new_lengths = s.cache.lengths + n_commit
     dcache = s.draft_cache
-    if draft_gd is not None and g > 0:
-        draft = nnx.merge(draft_gd, draft_state)
+    if draft_gd is not None:   # also in rounds that skip drafting (g = 0): the drafter's
+        draft = nnx.merge(draft_gd, draft_state)   # context must hold every committed token
         adapter = adapter_for(draft.cfg.model_type)
         commit_valid = valid & (j <= n_acc[slot]) & p.active[slot]
         next_tokens = jnp.where(jj[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),

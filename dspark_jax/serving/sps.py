@@ -69,15 +69,18 @@ def sps_table(buckets: Sequence[int], seconds: Mapping[int, float]) -> np.ndarra
 
 
 def cache_key(target_cfg: Any, dtype: Any, num_slots: int, max_len: int,
-              buckets: Sequence[int]) -> str:
+              buckets: Sequence[int], extra: Mapping[str, Any] | None = None) -> str:
+    """Disk-cache key: device kind, target shapes, dtype, slots, max_len, buckets (+ `extra`,
+    e.g. the drafter's shapes for its per-round cost)."""
     dev = jax.devices()[0]
     shape = {f: getattr(target_cfg, f, None) for f in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim")}
     blob = json.dumps(dict(platform=dev.platform, kind=getattr(dev, "device_kind", ""),
                            shape=shape, dtype=str(dtype), slots=int(num_slots),
-                           max_len=int(max_len), buckets=[int(b) for b in buckets]),
-                      sort_keys=True)
+                           max_len=int(max_len), buckets=[int(b) for b in buckets],
+                           **({"extra": dict(extra)} if extra else {})),
+                      sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:20]
 
 
@@ -119,4 +122,40 @@ def load_or_profile(key: str, cache_dir: str | os.PathLike | None, step_fn: Call
                                     "profile_s": took, "device": str(jax.devices()[0])}))
     except OSError:
         pass   # a read-only cache dir only costs a re-profile next time
+    return secs, took, False
+
+
+def time_call(fn: Callable[[], Any], repeats: int = 3) -> float:
+    """Median seconds of `fn()` blocked on its result (one untimed call first: compilation)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(max(int(repeats), 1)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def load_or_profile_named(key: str, cache_dir: str | os.PathLike | None,
+                          fns: Mapping[str, tuple[Callable[[int], Any], int]], *,
+                          repeats: int = 3) -> tuple[dict[str, float], float, bool]:
+    """Seconds of named calls `fn(arg)` (e.g. the drafter's round, the plain step) from the
+    disk cache, else profiled and written there. → (seconds by name, profiling s, cached)."""
+    path = pathlib.Path(cache_dir or default_cache_dir()) / f"{key}.json"
+    if path.is_file():
+        try:
+            secs = {str(k): float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
+            if set(secs) == set(fns):
+                return secs, 0.0, True
+        except (ValueError, KeyError, OSError):
+            pass   # a damaged cache entry is re-profiled
+    t0 = time.perf_counter()
+    secs = {name: time_call(lambda f=f, a=a: f(a), repeats) for name, (f, a) in fns.items()}
+    took = time.perf_counter() - t0
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"seconds": secs, "profile_s": took,
+                                    "device": str(jax.devices()[0])}))
+    except OSError:
+        pass
     return secs, took, False

@@ -92,6 +92,36 @@ def _prefilled(eng, prompt):
     return run, s
 
 
+def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref):
+    """A drafter that costs more than it could ever gain (draft_seconds ≫ a step), probing
+    every 2nd round: rounds mix plain decoding (drafter not run, nothing verified) and drafting, greedy
+    output still equals autoregressive decoding, and the drafter's context cache holds every
+    committed token's features exactly as a prefill of the committed sequence writes them
+    (skipped rounds included)."""
+    kw = dict(scheduler="adaptive", sps=SPS, draft_seconds=100.0, probe_interval=2,
+              max_probe_interval=2)
+    eng = Engine(target, draft, **kw, **ENGINE_KW)
+    res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert res.tokens == greedy_ref
+    flags = [r["drafted"] for r in res.rounds]
+    assert flags.count(False) >= 3 and flags.count(True) >= 2
+    assert all(r["verified_tokens"] == 0 for r in res.rounds if not r["drafted"])
+
+    one = Engine(target, draft, **kw, **dict(ENGINE_KW, max_requests=1))
+    run = engine_mod._Run(one, [PROMPTS[1]], MAX_NEW, [0.0], [0], [1.0],
+                          [np.zeros(2, np.uint32)], [0.0])
+    out = run.loop()
+    assert not all(r["drafted"] for r in out.rounds)
+    s = run.final_state
+    L = int(s.cache.lengths[0])
+    committed = (PROMPTS[1] + out.tokens[0])[:L]
+    _, ref = _prefilled(Engine(target, draft, scheduler="fixed",
+                               **dict(ENGINE_KW, max_requests=1)), committed)
+    for got, want in ((s.draft_cache.k, ref.draft_cache.k), (s.draft_cache.v, ref.draft_cache.v)):
+        np.testing.assert_allclose(np.asarray(got[:, 0, :L]), np.asarray(want[:, 0, :L]),
+                                   atol=1e-4)
+
+
 def test_stop_token_among_accepted_drafts_follows_deepspec(target, draft):
     """Drafts = the target's greedy continuation, a stop token at draft index 1: accepted =
     proposed = eos_pos + 1 = 2, τ term 2 (no bonus), emission cut after the stop token."""
@@ -154,6 +184,11 @@ def test_bad_inputs(target, draft):
         Engine(target, dflash, scheduler="adaptive", sps=SPS)
     with pytest.raises(ValueError, match="needs a drafter"):
         Engine(target, None, scheduler="fixed")
+    with pytest.raises(ValueError, match="probe_interval"):
+        Engine(target, draft, scheduler="adaptive", sps=SPS, probe_interval=8,
+               max_probe_interval=4)
+    with pytest.raises(ValueError, match="draft_seconds"):
+        Engine(target, draft, scheduler="adaptive", sps=SPS, draft_seconds=-1.0)
     with pytest.raises(ValueError, match="confidence_temperatures"):
         Engine(target, draft, scheduler="fixed", confidence_temperatures=[1.0])
     eng = Engine(target, draft, scheduler="fixed", **ENGINE_KW)

@@ -64,13 +64,20 @@ def _chi2(counts, probs):
     return float((((counts[keep] - exp[keep]) ** 2) / exp[keep]).sum()), int(keep.sum()) - 1
 
 
+# "adaptive_skip": adaptive with a drafter that costs more than it could ever gain, probing
+# every 2nd round, so rounds alternate plain decoding (drafter not run) and drafting
+SKIP_KW = dict(draft_seconds=1e3, probe_interval=2, max_probe_interval=2)
+
+
 def _run(target, draft, mode, n, verifier="jax", top_k=0, top_p=1.0, sampler="jax"):
+    kw = SKIP_KW if mode == "adaptive_skip" else {}
+    mode = "adaptive" if mode == "adaptive_skip" else mode
     R = n
     top = R * (GAMMA + 1)
     sps = (1.0 / (1.0 + 0.6 * np.arange(top + 1) / R)).astype(np.float32)  # prunes partly
     eng = Engine(target, draft, max_requests=R, max_len=12, scheduler=mode, sps=sps,
                  capacity_buckets=[top], prefill_chunk=R * len(PROMPT), verifier=verifier,
-                 sampler=sampler, stop_token_ids=[])
+                 sampler=sampler, stop_token_ids=[], **kw)
     res = eng.generate([PROMPT] * n, max_new_tokens=NEW, temperature=1.0, seed=11,
                        top_k=top_k, top_p=top_p)
     return np.asarray(res.tokens), res
@@ -89,7 +96,8 @@ def _always_accept(accept_u, sample_u, tp, dp, drafts, ell):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,top_k,top_p,sampler", [
     ("algorithm1", 0, 1.0, "jax"), ("adaptive", 0, 1.0, "jax"), ("adaptive", 4, 0.9, "jax"),
-    ("adaptive", 0, 1.0, "pallas"), ("adaptive", 4, 0.9, "pallas")])
+    ("adaptive", 0, 1.0, "pallas"), ("adaptive", 4, 0.9, "pallas"),
+    ("adaptive_skip", 0, 1.0, "jax")])
 def test_sampled_output_matches_target(small, monkeypatch, mode, top_k, top_p, sampler):
     """sampler="pallas": the Markov-head kernel drafts (it ignores top-k/top-p: still lossless)."""
     target, draft = small
@@ -100,12 +108,15 @@ def test_sampled_output_matches_target(small, monkeypatch, mode, top_k, top_p, s
     acc = [a for r in res.per_request for a in r["accepted"]]
     assert 0 < np.mean(ver) < GAMMA, "the scheduler should prune some slots, not all"
     assert 0 < np.mean(acc) < np.mean(ver), "need both accepts and rejects"
+    if mode == "adaptive_skip":
+        skipped = [r for r in res.rounds if not r["drafted"]]
+        assert skipped and sum(r["tokens"] for r in skipped) > N // 10, res.rounds
     for i in range(NEW):
         counts = np.bincount(toks[:, i], minlength=V)
         stat, df = _chi2(counts, exact[i])
         assert stat < CHI2_Q9999[df], (i, stat, df)
         assert counts[exact[i] == 0].sum() == 0, "a filtered-out token was emitted"
-    if top_k or sampler != "jax":
+    if top_k or sampler != "jax" or mode == "adaptive_skip":
         return
     monkeypatch.setitem(rounds_mod.VERIFY_FNS, "always_accept", _always_accept)
     bad, _ = _run(target, draft, mode, N, verifier="always_accept")

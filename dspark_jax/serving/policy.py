@@ -1,0 +1,138 @@
+"""Cost-aware drafting decision of the `adaptive` scheduler (paper §5.2, extended; SPEC §8).
+
+What the paper does (§5.2): the verification capacity K of round t is the global search's
+argmax of Θ = τ · SPS(B) on the confidences of round t − 2, and round t admits the top-K of its
+current candidates. Θ prices only the verification step: every round runs the drafter.
+
+What we add, and why: a round that drafts pays the drafter (t_d) even when what it proposes is
+never admitted or never accepted. With a weak drafter, or under load where the verification
+step is compute-bound, such rounds lose to plain decoding (measured on CPU with a random
+drafter: `adaptive` 15.2 vs `none` 21.9 tok/s at c = 8). So before drafting, each round chooses
+between
+  (a) plain decoding: ℓ = 0 for every request and the drafter is NOT run,
+      Θ_a = n / t_plain                                     (n active requests);
+  (b) drafting with capacity K: Θ_b = (n + ρ·G) / (t_d + t_v(n + K)),
+where t_v(B) is the verification step of the capacity bucket holding B tokens (SPS profile),
+t_plain the plain step and t_d the drafter's time per round (both profiled with SPS), and K and
+G (the expected accepted drafts of the admitted top-K) come from the global search on the
+confidences two rounds old with the drafting cost inside its objective: τ / (t_d + t_v(B))
+instead of τ · SPS(B) (the drafter's fixed cost makes a larger K worth more). K and G are
+carried to the current n (K capped at n·γ, G scaled by n / n_then). ρ is the ratio of realised
+to predicted accepted drafts (an exponential average over drafting rounds, 1 at start): it keeps
+miscalibrated confidences — a random drafter's σ(c) ≈ 0.5 — from buying rounds that never pay.
+The round drafts iff Θ_b ≥ Θ_a (with t_d = 0 and t_plain = t_v(n) that always holds: the
+paper's behaviour). Before any estimate exists (the first two rounds) the round drafts and
+admits everything, unless even a drafter whose every draft is accepted (K = G = n·γ) could
+not pay — then it decodes plainly from the start and only probes draft.
+
+Re-probing: while (a) wins, no confidences arrive and the estimate goes stale, so a round drafts
+anyway once `probe_interval` rounds have passed since the last drafting round; each such probe
+doubles the interval (up to `max_probe_interval`), a won decision resets it. A probe's estimate
+is used two rounds later, like any other.
+
+Lossless: the choice uses only what earlier rounds produced (their confidences, acceptances and
+the active set), never the current round's drafts, so each round's verification lengths are
+fixed before its drafts are sampled and the speculative-sampling argument holds round by round
+(the same reason the §5.2 stale K is lossless; Appendix A). A skipped round still commits its
+token's target features to the drafter's context cache (`rounds.verify_and_commit` feeds the
+drafter in every round), so the next drafting round sees the full committed context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What one drafting round says about drafting two rounds later."""
+
+    capacity: int      # K: draft tokens to admit (global search, drafting cost included)
+    gain: float        # G: expected accepted drafts among those K
+    n_active: int      # requests active when it was computed
+
+
+def drafting_sps_table(verify_seconds: Sequence[float], draft_seconds: float) -> np.ndarray:
+    """Rounds per second of a drafting round at B tokens: 1 / (t_d + t_v(B)), B = 0..top."""
+    t = np.asarray(verify_seconds, np.float64)
+    return (1.0 / np.maximum(t + float(draft_seconds), 1e-12)).astype(np.float32)
+
+
+def plain_or_draft(n_active: int, est: Estimate, verify_seconds: np.ndarray,
+                   draft_seconds: float, plain_seconds: float | np.ndarray, gamma: int,
+                   ratio: float = 1.0) -> tuple[bool, float, float]:
+    """The per-round choice of the module docstring. verify_seconds [B] (t_v by token count),
+    plain_seconds a scalar or [n] (t_plain by active requests). → (draft?, Θ_a, Θ_b) in
+    tokens/second."""
+    n = int(n_active)
+    t_plain = np.asarray(plain_seconds, np.float64)
+    if t_plain.ndim:
+        t_plain = t_plain[min(n, t_plain.shape[0] - 1)]
+    theta_plain = n / max(float(t_plain), 1e-12)
+    k = min(int(est.capacity), n * int(gamma))
+    gain = float(ratio) * float(est.gain) * n / max(int(est.n_active), 1)
+    b = min(n + k, len(verify_seconds) - 1)
+    theta_draft = (n + gain) / max(float(draft_seconds) + float(verify_seconds[b]), 1e-12)
+    return bool(theta_draft >= theta_plain), float(theta_plain), float(theta_draft)
+
+
+class DraftPolicy:
+    """Per-`generate` state of the choice: the two-round estimate queue, the probe back-off and
+    the calibration ratio ρ. `decide(n)` → (draft?, capacity to admit); `update(...)` after."""
+
+    def __init__(self, verify_seconds: np.ndarray, draft_seconds: float,
+                 plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int, probe_interval: int = 4,
+                 max_probe_interval: int = 64, ratio_decay: float = 0.8):
+        if probe_interval < 1 or max_probe_interval < probe_interval:
+            raise ValueError(f"probe_interval must be ≥ 1 and ≤ max_probe_interval, got "
+                             f"{probe_interval} and {max_probe_interval}")
+        self.t_v, self.t_d, self.t_plain = verify_seconds, float(draft_seconds), plain_seconds
+        self.gamma, self.initial_capacity = int(gamma), int(initial_capacity)
+        self.probe0, self.probe_max = int(probe_interval), int(max_probe_interval)
+        self.interval, self.since_draft = self.probe0, 0
+        self.decay, self.pred, self.real = float(ratio_decay), 0.0, 0.0
+        self.queue: list[Estimate | None] = [None, None]   # estimates of rounds t−2, t−1
+
+    @property
+    def ratio(self) -> float:
+        """ρ: realised / predicted accepted drafts (exponential averages), 1 before any."""
+        if self.pred <= 1e-9:
+            return 1.0
+        return float(min(self.real / self.pred, 4.0))
+
+    def decide(self, n_active: int) -> tuple[bool, int]:
+        est = self.queue[0]
+        if est is None:   # nothing known yet: admit everything if a perfect drafter could pay
+            best = Estimate(self.initial_capacity, float(self.initial_capacity), n_active)
+            want, _, _ = plain_or_draft(n_active, best, self.t_v, self.t_d, self.t_plain,
+                                        self.gamma)
+            cap = self.initial_capacity
+        else:
+            want, _, _ = plain_or_draft(n_active, est, self.t_v, self.t_d, self.t_plain,
+                                        self.gamma, self.ratio)
+            cap = est.capacity
+        if want:
+            if est is not None:
+                self.interval = self.probe0
+            return True, cap
+        if self.since_draft + 1 >= self.interval:   # probe: refresh the confidences
+            self.interval = min(2 * self.interval, self.probe_max)
+            return True, cap
+        return False, 0
+
+    def update(self, drafted: bool, est: Estimate | None = None, predicted: float = 0.0,
+               realised: float = 0.0) -> None:
+        """After a round: a drafting round's new estimate and its predicted / realised accepted
+        drafts; a skipped round carries the latest estimate forward (it only ages)."""
+        if drafted:
+            self.since_draft = 0
+            if predicted > 0:
+                self.pred = self.decay * self.pred + predicted
+                self.real = self.decay * self.real + realised
+        else:
+            self.since_draft += 1
+            est = self.queue[1]
+        self.queue = [self.queue[1], est]

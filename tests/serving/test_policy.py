@@ -1,0 +1,111 @@
+"""The adaptive scheduler's cost-aware drafting choice (`serving.policy`): given the
+verification step per bucket, the drafter's and the plain step's cost and the confidences, it
+decodes plainly when drafting cannot pay and drafts when it does; the probe back-off and the
+calibration ratio behave as documented."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.serving import policy
+from dspark_jax.serving import rounds as rounds_mod
+
+R, G = 4, 3
+TOP = R * (G + 1)
+# verification step seconds by token count: flat up to R tokens, then growing linearly
+T_V = np.asarray([1.0] * (R + 1) + [1.0 + 0.05 * (b - R) for b in range(R + 1, TOP + 1)])
+
+
+def _estimate(conf: float, draft_s: float, active=(True,) * R) -> policy.Estimate:
+    """K and G exactly as the engine's drafting round computes them (global search with the
+    drafting cost in the objective)."""
+    c = jnp.full((R, G), conf, jnp.float32)
+    act = jnp.asarray(active)
+    sps = jnp.asarray(1.0 / T_V, jnp.float32)
+    sps_d = jnp.asarray(policy.drafting_sps_table(T_V, draft_s))
+    _, k, gain = rounds_mod.schedule_lengths("adaptive", c, act, G, 0.5, sps,
+                                             jnp.zeros((), jnp.int32), sps_d)
+    return policy.Estimate(int(k), float(gain), int(sum(active)))
+
+
+def test_plain_when_drafting_cannot_pay_draft_when_it_does():
+    # near-zero confidences: nothing worth verifying, the drafter's cost is pure loss
+    est = _estimate(1e-3, draft_s=0.2)
+    assert est.capacity == 0
+    want, th_plain, th_draft = policy.plain_or_draft(R, est, T_V, 0.2, 1.0, G)
+    assert not want and th_draft < th_plain
+    # confident drafts and a cheap drafter: drafting wins and K > 0
+    est = _estimate(0.95, draft_s=0.2)
+    assert est.capacity > 0 and est.gain > 0.5 * est.capacity
+    want, th_plain, th_draft = policy.plain_or_draft(R, est, T_V, 0.2, 1.0, G)
+    assert want and th_draft > th_plain
+    # the same confidences with a drafter that costs more than it can ever gain
+    est = _estimate(0.95, draft_s=20.0)
+    assert not policy.plain_or_draft(R, est, T_V, 20.0, 1.0, G)[0]
+    # a calibration ratio of 0 (drafts never accepted) makes drafting lose
+    est = _estimate(0.95, draft_s=0.2)
+    assert not policy.plain_or_draft(R, est, T_V, 0.2, 1.0, G, ratio=0.0)[0]
+    # a free drafter with plain = verification at n tokens never loses (the paper's rule)
+    assert policy.plain_or_draft(R, _estimate(1e-3, 0.0), T_V, 0.0, T_V, G)[0]
+
+
+def test_cost_in_objective_admits_more():
+    """The drafter's fixed cost makes larger capacities worth more than τ·SPS(B) says."""
+    assert _estimate(0.6, draft_s=2.0).capacity > _estimate(0.6, draft_s=0.0).capacity
+
+
+def test_estimate_scales_to_current_load():
+    est = policy.Estimate(capacity=8, gain=4.0, n_active=4)
+    # one request left: K capped at n·γ = 3, G scaled to 1 → Θ_b = 2 / (d + t_v(4))
+    _, _, th = policy.plain_or_draft(1, est, T_V, 0.5, 1.0, G)
+    assert th == pytest.approx(2.0 / (0.5 + T_V[4]))
+
+
+def test_probe_backoff_and_reset():
+    bad = policy.Estimate(capacity=0, gain=0.0, n_active=R)
+    good = policy.Estimate(capacity=R * G, gain=R * G * 0.95, n_active=R)
+    pol = policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, probe_interval=2, max_probe_interval=4)
+    flags = []
+    for _ in range(14):
+        d, cap = pol.decide(R)
+        flags.append(d)
+        pol.update(d, bad if d else None, predicted=1.0, realised=1.0)
+    # two unknown rounds draft (admitting everything), then probes after 2, 4, 4, ... rounds
+    assert flags == [True, True, False, True, False, False, False, True, False, False, False,
+                     True, False, False]
+    # a probe that finds a good drafter is used two rounds later, and resets the interval
+    d, _ = pol.decide(R)
+    pol.update(d, None)
+    d, _ = pol.decide(R)
+    assert d   # the 4th round since the last draft: a probe
+    pol.update(True, good, predicted=1.0, realised=1.0)
+    d, _ = pol.decide(R)
+    assert not d
+    pol.update(False)
+    d, cap = pol.decide(R)
+    assert d and cap == R * G and pol.interval == 2
+
+
+def test_hopeless_drafter_decodes_plainly_from_the_start():
+    """No estimate yet, but even all-accepted drafts cannot pay for this drafter: plain
+    decoding from round 1, probes only (which admit everything: nothing is known)."""
+    pol = policy.DraftPolicy(T_V, 100.0, 1.0, G, R * G, probe_interval=2, max_probe_interval=2)
+    flags = []
+    for _ in range(5):
+        d, cap = pol.decide(R)
+        flags.append(d)
+        assert cap == (R * G if d else 0)
+        pol.update(d, None)
+    assert flags == [False, True, False, True, False]
+
+
+def test_ratio_tracks_realised_acceptance():
+    pol = policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G)
+    assert pol.ratio == 1.0
+    for _ in range(10):
+        pol.update(True, None, predicted=2.0, realised=0.0)
+    assert pol.ratio == 0.0
+    with pytest.raises(ValueError, match="probe_interval"):
+        policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, probe_interval=0)
