@@ -39,7 +39,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                         "--dtype", "float32"],
         "spec_round": ["--batch", "1", "--context", "128", "--gamma", "3", "--draft-layers",
                        "1", "--rank", "16", "--rounds", "2", "--repeats", "1",
-                       "--dtype", "float32"],
+                       "--dtype", "float32", "--no-pallas-rows"],   # interpreted on CPU: slow
         "train_step": ["--batch", "2", "--seq", "128", "--draft-layers", "1", "--anchors", "8",
                        "--anchor-chunk", "8", "--gamma", "3", "--rank", "16", "--repeats", "1"],
         "load": [],
