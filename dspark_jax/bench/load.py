@@ -68,6 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def _prompts(target: Any, n: int) -> list[list[int]]:
+    from dspark_jax.data.chat import render_prompt
+
     tok = target.tokenizer
     out = []
     for i in range(n):
@@ -75,8 +77,8 @@ def _prompts(target: Any, n: int) -> list[list[int]]:
         if tok is None:
             out.append([(7 * i + j) % target.config.vocab_size for j in range(8 + i % 8)])
         else:
-            out.append(list(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                    add_generation_prompt=True)))
+            # as evaluation and regeneration render prompts (Gemma4: the empty thought channel)
+            out.append(render_prompt([{"role": "user", "content": text}], tok).tolist())
     return out
 
 
