@@ -38,7 +38,7 @@ import random
 import shlex
 import sys
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
 HELDOUT = "heldout"
@@ -305,9 +305,10 @@ def _first_user_turn(conv: Any) -> str:
     return next(m["content"] for m in conv.messages if m["role"] == "user")
 
 
-def select_eval_prompts(plan: Plan, tokenizer: Any) -> dict[str, Any]:
+def select_eval_prompts(plan: Plan, get_target: Callable[[], Any]) -> dict[str, Any]:
     """Stage 2: DIR/eval_prompts/<set>.jsonl for the held-out prompts and K prompts per
-    benchmark; `selection.json` records the original ids and the benchmarks left out."""
+    benchmark; `selection.json` records the original ids and the benchmarks left out.
+    `get_target()` loads the target (its tokenizer measures the prompts) only when needed."""
     from dspark_jax.data.chat import render_prompt
     from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, list_eval_datasets, read_eval_file
 
@@ -315,6 +316,7 @@ def select_eval_prompts(plan: Plan, tokenizer: Any) -> dict[str, Any]:
     if manifest.is_file():
         return json.loads(manifest.read_text(encoding="utf-8"))
     plan.prompts_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = get_target().tokenizer
     fits = lambda text: len(render_prompt([{"role": "user", "content": text}],  # noqa: E731
                                           tokenizer)) <= plan.max_prompt_tokens
     chosen: dict[str, list[tuple[str, str]]] = {
@@ -386,7 +388,8 @@ def eval_dir(plan: Plan, drafter: str, t: float) -> pathlib.Path:
     return plan.workdir / drafter / "table1_eval" / f"T{t:g}"
 
 
-def evaluate_drafter(plan: Plan, drafter: str, target: Any, sets: Sequence[str]) -> None:
+def evaluate_drafter(plan: Plan, drafter: str, get_target: Callable[[], Any],
+                     sets: Sequence[str]) -> None:
     """Stage 3b: measured τ by speculative decoding at every temperature."""
     from dspark_jax.evaluate import evaluate
     from dspark_jax.models import load_draft
@@ -396,6 +399,7 @@ def evaluate_drafter(plan: Plan, drafter: str, target: Any, sets: Sequence[str])
     if not todo:
         log(f"{drafter}: evaluated")
         return
+    target = get_target()
     draft = load_draft(plan.workdir / drafter / "export", target)
     for t in todo:
         out = eval_dir(plan, drafter, t)
@@ -408,7 +412,7 @@ def evaluate_drafter(plan: Plan, drafter: str, target: Any, sets: Sequence[str])
             f"({r['total_wall_s']:.0f}s)")
 
 
-def calibrate_drafter(plan: Plan, drafter: str, target: Any) -> str | None:
+def calibrate_drafter(plan: Plan, drafter: str, get_target: Callable[[], Any]) -> str | None:
     """Stage 3c: STS calibration of a confidence head on the held-out prompts (DeepSpec-format
     drafter + its calibration file); None for drafters without one."""
     from dspark_jax import calibrate
@@ -422,6 +426,7 @@ def calibrate_drafter(plan: Plan, drafter: str, target: Any) -> str | None:
     if (out / "calibration.json").is_file():
         log(f"{drafter}: calibrated")
         return str(export / "confidence_calibration.json")
+    target = get_target()
     draft = load_draft(export, target)
     log(f"{drafter}: confidence calibration on the held-out prompts → {export}")
     with logged(plan.logs / f"{drafter}_calibrate.log"):
@@ -441,7 +446,8 @@ def run(plan: Plan) -> dict[str, Any]:
     prepare_data(plan)
     target = None
 
-    def the_target():
+    def the_target() -> Any:
+        """The target for evaluation, loaded once and only if a stage needs it."""
         nonlocal target
         if target is None:
             from dspark_jax.models import load_target
@@ -454,9 +460,9 @@ def run(plan: Plan) -> dict[str, Any]:
     for d in plan.drafters:
         train_drafter(plan, d)
         if selection is None:
-            selection = select_eval_prompts(plan, the_target().tokenizer)
-        evaluate_drafter(plan, d, the_target(), selection["sets"])
-        calibrate_drafter(plan, d, the_target())
+            selection = select_eval_prompts(plan, the_target)
+        evaluate_drafter(plan, d, the_target, selection["sets"])
+        calibrate_drafter(plan, d, the_target)
     report = write_report(plan, selection)
     log(f"report: {plan.workdir / 'table1.md'}")
     return report

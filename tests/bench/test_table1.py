@@ -119,7 +119,7 @@ def interrupted_then_resumed(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_rerun_skips_finished_and_resumes_interrupted(interrupted_then_resumed):
+def test_rerun_skips_finished_and_resumes_interrupted(interrupted_then_resumed, monkeypatch):
     work, args, before = interrupted_then_resumed
     assert str(KILL_AT) in before["dflash_ckpts"] and not before["dflash_summary"]
     assert not before["eagle3"]
@@ -135,9 +135,14 @@ def test_rerun_skips_finished_and_resumes_interrupted(interrupted_then_resumed):
     steps = [r["step"] for r in map(json.loads, (work / "dflash" / "metrics.jsonl").open())
              if "batch_hash" in r]
     assert steps == list(range(1, STEPS + 1))
-    # a third run has nothing left to do and changes no result
+    # a third run has nothing left to do (not even loading the target) and changes no result
     results = {p: p.read_text() for p in work.glob("*/table1_eval/T*/results.json")}
     assert len(results) == 6
+
+    def no_target(*a, **k):
+        raise AssertionError("a finished Table 1 loaded the target again")
+
+    monkeypatch.setattr("dspark_jax.models.load_target", no_target)
     assert table1.main(args) == 0
     assert {p: p.read_text() for p in results} == results
     # other settings in the same workdir are refused, naming the setting
