@@ -133,6 +133,8 @@ def get_base_config() -> ml_collections.ConfigDict:
         batch_size=8,              # held-out teacher-forced evaluation (global rows per batch)
         max_batches=-1,
         seed=0,
+        every_steps=0,             # also every N training steps (a held-out learning curve:
+                                   # "split": "heldout" rows in metrics.jsonl); 0 = only at the end
         speculative=False,         # after training, call dspark_jax.evaluate (measured τ) if present
         speculative_data_dir="",   # DeepSpec {"turns"} files; default: the held-out prompts
         speculative_max_new_tokens=-1,  # -1: data.max_new_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 from dspark_jax.train.job_config import attn_key_chunk
 
@@ -24,9 +24,12 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) -> dict[str, float]:
-    """(e) teacher-forced acceptance on held-out regenerated data, pooled over all batches
-    (sums are added before the ratios are taken, so it equals one big batch)."""
+def heldout_evaluator(c, fns_mesh, draft_cfg, target, records: list
+                      ) -> Callable[[Any, Any], dict[str, float]] | None:
+    """(e) teacher-forced acceptance on held-out regenerated data as a function of the drafter's
+    (params, frozen), compiled once (the periodic `eval.every_steps` evaluation calls it during
+    training); None without held-out records. Pooled over all batches (sums are added before
+    the ratios are taken, so it equals one big batch); the same anchors every call."""
     import jax
     import numpy as np
 
@@ -36,7 +39,7 @@ def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) 
 
     mesh, batch_sh, graphdef = fns_mesh
     if not records:
-        return {}
+        return None
     sums_fn = make_loss_sums_fn(graphdef, draft_cfg, target.graphdef, c.train.anchor_chunk,
                                 attn_key_chunk=attn_key_chunk(c))
 
@@ -47,20 +50,30 @@ def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) 
 
     pc = PipelineConfig(batch_size=c.eval.batch_size, max_length=c.data.max_length, shuffle=False,
                         num_epochs=1, drop_remainder=False)
-    total = None
-    key = jax.random.key(c.eval.seed)
-    for i, local in enumerate(make_dataset(records, pc)):
-        if 0 <= c.eval.max_batches <= i:
-            break
-        batch = to_global_batch(local, batch_sh)
-        sums = jax.device_get(eval_sums(params, frozen, target.state, batch,
-                                        jax.random.fold_in(key, i)))
-        sums = jax.tree.map(lambda x: np.asarray(x, np.float64), sums)
-        total = sums if total is None else jax.tree.map(np.add, total, sums)
-    if total is None:
-        return {}
-    metrics = metrics_fn(draft_cfg)(total)
-    return {k: float(np.asarray(v)) for k, v in metrics.items()}
+    to_metrics = metrics_fn(draft_cfg)
+
+    def evaluate(params, frozen) -> dict[str, float]:
+        total = None
+        key = jax.random.key(c.eval.seed)
+        for i, local in enumerate(make_dataset(records, pc)):
+            if 0 <= c.eval.max_batches <= i:
+                break
+            batch = to_global_batch(local, batch_sh)
+            sums = jax.device_get(eval_sums(params, frozen, target.state, batch,
+                                            jax.random.fold_in(key, i)))
+            sums = jax.tree.map(lambda x: np.asarray(x, np.float64), sums)
+            total = sums if total is None else jax.tree.map(np.add, total, sums)
+        if total is None:
+            return {}
+        return {k: float(np.asarray(v)) for k, v in to_metrics(total).items()}
+
+    return evaluate
+
+
+def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) -> dict[str, float]:
+    """(e) teacher-forced acceptance on held-out regenerated data (see `heldout_evaluator`)."""
+    evaluate = heldout_evaluator(c, fns_mesh, draft_cfg, target, records)
+    return evaluate(params, frozen) if evaluate is not None else {}
 
 
 def speculative_eval(c, target, export_dir: pathlib.Path, heldout_convs,

@@ -142,6 +142,8 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
             bad(f"mesh.{key}", f"{v} (use a positive size; data=-1 takes the remaining devices)")
     if c.eval.batch_size < 1:
         bad("eval.batch_size", "must be ≥ 1")
+    if c.eval.every_steps < 0:
+        bad("eval.every_steps", "must be ≥ 0 (0: held-out evaluation only after training)")
     temps = c.eval.speculative_temperatures
     if isinstance(temps, (int, float)):
         bad("eval.speculative_temperatures", f"{temps!r} must be a tuple, e.g. '(0.0, 1.0)'")

@@ -102,6 +102,17 @@ def schedule_length(c: ml_collections.ConfigDict, data: Any) -> tuple[Any, int, 
     return pc, spe, total
 
 
+def periodic_heldout_eval(c: ml_collections.ConfigDict, fns_mesh: Any, draft_cfg: Any,
+                          target: Any, held_records: list) -> Any:
+    """`eval.every_steps` > 0: the held-out teacher-forced evaluation the loop runs every that
+    many steps (a learning curve: rows `"split": "heldout"` in metrics.jsonl); else None."""
+    if c.eval.every_steps <= 0 or not held_records:
+        return None
+    from dspark_jax.train.eval_stage import heldout_evaluator
+
+    return heldout_evaluator(c, fns_mesh, draft_cfg, target, held_records)
+
+
 @dataclasses.dataclass
 class TrainResult:
     graphdef: Any
@@ -165,6 +176,8 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
     logger = MetricsLogger(workdir, total, start, enabled=is_main,
                            progress=c.logging.progress, tensorboard=c.logging.tensorboard,
                            jsonl=c.logging.jsonl)
+    periodic = periodic_heldout_eval(c, (mesh, fns.batch_sharding, graphdef), draft_cfg, target,
+                                     data.held_records)
     n_proc = jax.process_count()
     for step in range(start, total):
         local = next(it)
@@ -176,6 +189,8 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
         fetch = done % c.train.log_every == 0 or done == total or step == start
         logger.log(done, jax.device_get(metrics) if fetch else None, tokens=tokens,
                    batch_hash=fingerprint)
+        if periodic is not None and done % c.eval.every_steps == 0 and done < total:
+            logger.log_eval(done, periodic(state.params, frozen))   # the run's end: cli.py
         ckpt.save(done, state, it)
         if done == c.debug.sigkill_at_step and c.debug.sigkill_process in (
                 -1, jax.process_index()):

@@ -199,7 +199,7 @@ def test_shipped_configs_load(name):
     if name.startswith("smollm2"):
         assert tuple(c.draft.target_layer_ids) == (1, 8, 14, 20, 27)
         assert c.draft.mask_token_id == 16
-        assert c.draft.model_type == name.split("_")[1]
+        assert c.draft.model_type == name.split("_")[-1]
 
 
 @pytest.mark.slow
