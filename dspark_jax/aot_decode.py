@@ -136,6 +136,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
                             tree)
 
     state = on_mesh(jax.eval_shape(engine_state))
+
     def arr(shp: tuple[int, ...], dt: Any) -> Any:   # per-slot arrays [R, …] like the caches
         x = jax.ShapeDtypeStruct(shp, dt)
         return jax.ShapeDtypeStruct(shp, dt, sharding=_cache_sharding(x, mesh) if shp and
