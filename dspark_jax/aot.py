@@ -12,6 +12,10 @@ HBM, the step's matmul FLOPs (loops counted, remat recompute included), the step
 at peak and the implied MFU ceiling (model FLOPs / executed FLOPs). Exits 1 with the shortfall
 when the step does not fit, 2 on a usage error (e.g. libtpu missing). This is how issue 9 shows
 that the paper's settings (SPEC §4: batch 512 × 4096, 512 anchors, γ 7) fit a pod slice.
+
+`--decode [--requests R] [--max-len S] [--capacity K]` compiles a serving round instead (the
+drafter's draft step and the target's ragged verification step at R request slots, S context
+tokens each and capacity bucket K, on a tensor × fsdp serving mesh): `aot_decode.py`.
 """
 
 from __future__ import annotations
@@ -32,18 +36,19 @@ GiB = 1024 ** 3
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """Per-chip HBM and dense bf16 peak (public TPU specifications)."""
+    """Per-chip HBM size and bandwidth and dense bf16 peak (public TPU specifications)."""
 
     name: str
     hbm_bytes: int
     peak_bf16_flops: float
+    hbm_bytes_per_s: float
 
 
 CHIPS = {
-    "v4": Chip("v4", 32 * GiB, 275e12),
-    "v5e": Chip("v5e", 16 * GiB, 197e12),
-    "v5p": Chip("v5p", 95 * GiB, 459e12),
-    "v6e": Chip("v6e", 32 * GiB, 918e12),
+    "v4": Chip("v4", 32 * GiB, 275e12, 1228e9),
+    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9),
+    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9),
+    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9),
 }
 _DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
                  "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
@@ -172,7 +177,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
                            target_graphdef=t_graphdef if online else None, mesh=mesh,
                            state_sh=state_sh, frozen=frozen, target_state=t_state if online
                            else None, micro_batches=micro, anchor_chunk=c.train.anchor_chunk,
-                           attn_key_chunk=attn_key_chunk(c))
+                           attn_key_chunk=attn_key_chunk(c), remat=bool(c.train.remat))
     B, S = int(c.train.global_batch_size), int(c.data.max_length)
     sh: NamedSharding = fns.batch_sharding
     batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=sh) for k in BATCH_KEYS_ONLINE}
@@ -183,7 +188,8 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
         batch["target_hidden"] = jax.ShapeDtypeStruct((B, S, D), t_dtype, sharding=sh)
         assert set(batch) == set(BATCH_KEYS_OFFLINE)
     sums_fn = make_loss_sums_fn(graphdef, d_cfg, t_graphdef if online else None,
-                                c.train.anchor_chunk, attn_key_chunk=attn_key_chunk(c))
+                                c.train.anchor_chunk, attn_key_chunk=attn_key_chunk(c),
+                                remat=bool(c.train.remat))
 
     def target_fn(ts, mb):
         out = nnx.merge(t_graphdef, ts)(mb["input_ids"], positions_bt=mb["positions"],
@@ -229,6 +235,30 @@ def _compile_time_oom(message: str) -> dict[str, Any] | None:
             "temp": int(float(m.group(1)) * scale), "error": message.splitlines()[0][:300]}
 
 
+def memory_report(lowered: Any) -> dict[str, Any]:
+    """Compiles a lowered program → its per-chip byte counts (`_memory`), or the temporaries
+    of a compile-time HBM OOM (with `error`)."""
+    try:
+        return _memory(lowered.compile().memory_analysis())
+    except Exception as e:   # the TPU compiler refuses a program whose temporaries exceed HBM
+        mem = _compile_time_oom(str(e))
+        if mem is None:
+            raise
+        return mem
+
+
+def libtpu_version() -> str:
+    try:
+        import libtpu
+        v = getattr(libtpu, "__version__", "")
+    except ImportError:
+        return ""
+    if not v:
+        from importlib.metadata import version
+        v = version("libtpu")
+    return v
+
+
 def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]:
     """Compiles the train step of config `c` for `topology` and returns the report dict."""
     import jax
@@ -237,33 +267,19 @@ def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]
     chip = chip_for(devices[0].device_kind)
     job = build_abstract_job(c, devices)
     t0 = time.perf_counter()
-    lowered = job.fns.train.lower(*job.args)
-    try:
-        mem = _memory(lowered.compile().memory_analysis())
-    except Exception as e:   # the TPU compiler refuses a program whose temporaries exceed HBM
-        mem = _compile_time_oom(str(e))
-        if mem is None:
-            raise
+    mem = memory_report(job.fns.train.lower(*job.args))
     compile_s = time.perf_counter() - t0
     executed, model = step_flops(job)
     n = len(devices)
     peak = (mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"])
     lower_bound = executed / (n * chip.peak_bf16_flops)
-    try:
-        import libtpu
-        libtpu_version = getattr(libtpu, "__version__", "")
-    except ImportError:
-        libtpu_version = ""
-    if not libtpu_version:
-        from importlib.metadata import version
-        libtpu_version = version("libtpu")
     return {
         "config": c.name, "topology": topology, "num_slices": num_slices, "num_chips": n,
         "chip": chip.name, "mesh": dict(job.mesh.shape),
         "global_batch_size": int(c.train.global_batch_size), "seq_len": int(c.data.max_length),
         "micro_batches": job.micro_batches, "num_anchors": int(c.draft.num_anchors),
         "block_size": int(c.draft.block_size), "features": c.data.features,
-        "attn_key_chunk": int(c.train.attn_key_chunk),
+        "attn_key_chunk": int(c.train.attn_key_chunk), "remat": bool(c.train.remat),
         "hbm_bytes_per_chip": chip.hbm_bytes,
         "argument_bytes_per_chip": int(mem["argument"]),
         "output_bytes_per_chip": int(mem["output"]),
@@ -277,7 +293,7 @@ def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]
         "step_time_lower_bound_s": lower_bound,
         "mfu_ceiling": model / executed if executed else 0.0,
         "compile_error": mem.get("error", ""),
-        "compile_s": round(compile_s, 1), "jax": jax.__version__, "libtpu": libtpu_version,
+        "compile_s": round(compile_s, 1), "jax": jax.__version__, "libtpu": libtpu_version(),
     }
 
 
@@ -329,6 +345,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write the report as one JSON object")
     ap.add_argument("--no-preset", action="store_true",
                     help="keep the config's mesh and micro_batches instead of the topology's preset")
+    ap.add_argument("--decode", action="store_true",
+                    help="compile a serving round (draft step + ragged verification step) "
+                         "instead of the training step")
+    ap.add_argument("--requests", type=int, default=64, help="--decode: request slots R")
+    ap.add_argument("--max-len", type=int, default=8192,
+                    help="--decode: context tokens per request slot")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="--decode: capacity bucket K of the verification step (0: R·(γ+1))")
     args, overrides = ap.parse_known_args(argv[1:])
     bad = [o for o in overrides if not re.match(r"^--?(no)?config\.", o)]
     if bad:
@@ -343,19 +367,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                              require_target=False)
         except UsageError as e:
             raise AotError(str(e)) from None
-        from configs.common import apply_mesh_preset   # importable once the config is loaded
+        if args.decode:
+            from dspark_jax.aot_decode import DecodeShape, decode_report, format_decode_report
 
-        if not args.no_preset:
-            preset = c.mesh.preset or args.topology
-            try:
-                apply_mesh_preset(c, preset, args.num_slices)
-            except ValueError as e:
-                raise AotError(str(e)) from None
-        report = compile_report(c, args.topology, args.num_slices)
+            shape = DecodeShape(args.requests, args.max_len, args.capacity)
+            report = decode_report(c, args.topology, shape, args.num_slices,
+                                   default_mesh=not args.no_preset)
+            text = format_decode_report(report)
+        else:
+            report = _train_report(c, args, args.no_preset)
+            text = format_report(report)
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_report(report), flush=True)
+    print(text, flush=True)
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -363,6 +388,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code:
         print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def _train_report(c: Any, args: argparse.Namespace, no_preset: bool) -> dict[str, Any]:
+    from configs.common import apply_mesh_preset   # importable once the config is loaded
+
+    if not no_preset:
+        preset = c.mesh.preset or args.topology
+        try:
+            apply_mesh_preset(c, preset, args.num_slices)
+        except ValueError as e:
+            raise AotError(str(e)) from None
+    return compile_report(c, args.topology, args.num_slices)
 
 
 def verdict(report: dict[str, Any]) -> tuple[int, str]:

@@ -82,3 +82,45 @@ def test_compile_time_oom_becomes_a_shortfall():
     mem = aot._compile_time_oom(msg)
     assert mem["temp"] == int(47.84 * aot.GiB) and "CompileTimeHbmOom" in mem["error"]
     assert aot._compile_time_oom("INVALID_ARGUMENT: something else") is None
+
+
+@pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+                    "pip install -e '.[tpu]'")
+def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
+    """--decode: the draft step and the ragged verification step of the tiny DSpark config for
+    4 request slots × 64 tokens at the top capacity bucket R·(γ+1), on the serving mesh."""
+    target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2)
+    hf = json.loads((target / "config.json").read_text())
+    out = tmp_path / "decode.json"
+    rc = aot.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   "--requests", "4", "--max-len", "64", "--json", str(out),
+                   f"--config.target={target}"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert set(KEYS) <= set(r) and r["mode"] == "decode" and r["fits"] is True
+    gamma = r["gamma"]
+    assert gamma == 4 and r["capacity"] == 4 * (gamma + 1) and r["scheduler"] == "adaptive"
+    # tensor parallel over the 2 KV heads, fsdp over the other 2 chips
+    assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    d, v = r["draft_step"], r["verify_step"]
+    for p in (d, v):
+        assert 0 < p["argument_bytes_per_chip"] <= p["peak_bytes_per_chip"] <= r[
+            "peak_bytes_per_chip"]
+        assert p["compile_error"] == ""
+    # the verification step runs at least the target's forward over the K tokens: every
+    # layer's weights and the LM head once per token, attention over the 64-token cache
+    K, S, D, F = r["capacity"], 64, hf["hidden_size"], hf["intermediate_size"]
+    N, Kh, H, L = (hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"],
+                   hf["num_hidden_layers"])
+    weights = L * (2 * D * N * H + 2 * D * Kh * H + 3 * D * F) + D * hf["vocab_size"]
+    target_flops = 2 * K * weights + L * 4 * K * S * N * H
+    assert target_flops <= v["flops_per_step"] <= 1.5 * target_flops
+    assert 0 < d["flops_per_step"] < v["flops_per_step"]
+    assert r["flops_per_step"] == d["flops_per_step"] + v["flops_per_step"]
+    assert r["step_time_lower_bound_s"] == pytest.approx(
+        d["step_time_lower_bound_s"] + v["step_time_lower_bound_s"])
+    assert "verify_step" in capsys.readouterr().out
+    # a capacity below one anchor per slot is a usage error naming the flag
+    rc = aot.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   "--requests", "4", "--capacity", "3", f"--config.target={target}"])
+    assert rc == 2 and "--capacity 3" in capsys.readouterr().err

@@ -151,7 +151,7 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
             from dspark_jax.train.eagle3_loss import eagle3_loss_sums
 
             return eagle3_loss_sums(draft, feats, mb["input_ids"], mb["loss_mask"], hidden,
-                                    segment_ids=mb["segment_ids"])
+                                    segment_ids=mb["segment_ids"], remat=remat)
         sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
                                 positions=mb["positions"], segment_ids=mb["segment_ids"],
                                 anchor_chunk=anchor_chunk, max_segments=max_segments,

@@ -1,0 +1,267 @@
+"""Ahead-of-time compilation of one serving round for a TPU topology (`python -m dspark_jax.aot
+--decode`; issue 9 item 1).
+
+A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9; `serving/rounds.py`) is two
+programs: the drafter's draft step (`draft_and_schedule`: γ proposals and the scheduler's
+lengths for every request slot) and the verification step (`verify_and_commit`: the target's
+ragged forward over a capacity bucket of K flattened tokens, `models.decoder.ragged_forward`,
+the lossless verification and the commit into both caches). Both are compiled here for R
+request slots, a context of `max_len` tokens per slot and one capacity bucket K, with the
+target, the drafter and the caches built abstractly and laid on the topology's mesh (weights
+over fsdp × tensor, request slots over data × fsdp, KV heads over tensor). The report has the
+training report's keys, per program and for the round (the larger peak of the two; they run
+one after the other on the same resident weights and caches).
+
+Bounds: the FLOPs bound is matmul FLOPs / (chips × bf16 peak); decoding is usually
+memory-bound, so the report also gives the HBM-traffic bound (every argument byte, i.e. the
+weights and the caches, read once per program / the chip's HBM bandwidth) and takes the larger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+from dspark_jax.aot import AotError, GiB, chip_for, libtpu_version, memory_report, \
+    target_hf_dict, topology_devices
+
+# the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
+# DFlash and Eagle3 verify every draft ("fixed")
+SCHEDULER = {"dspark": "adaptive", "dflash": "fixed", "eagle3": "fixed"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    """Request slots R, context tokens per slot S_max and the capacity bucket K."""
+
+    requests: int
+    max_len: int
+    capacity: int
+
+    def check(self, gamma: int) -> None:
+        if self.requests < 1:
+            raise AotError(f"--requests must be ≥ 1, got {self.requests}")
+        if self.max_len < gamma + 2:
+            raise AotError(f"--max-len {self.max_len} cannot hold a round of γ={gamma} drafts")
+        top = self.requests * (gamma + 1)
+        if not self.requests <= self.capacity <= top:
+            raise AotError(f"--capacity {self.capacity} must be between --requests "
+                           f"{self.requests} (one anchor per slot) and R·(γ+1) = {top}")
+
+
+def decode_mesh_shape(num_chips: int, num_kv_heads: int) -> dict[str, int]:
+    """Default serving mesh: tensor parallel over the KV heads (the largest divisor of both
+    the chip count and the head count), fsdp over the remaining chips, data 1."""
+    tensor = max(t for t in range(1, num_kv_heads + 1)
+                 if num_kv_heads % t == 0 and num_chips % t == 0)
+    return {"data": 1, "fsdp": num_chips // tensor, "tensor": tensor}
+
+
+def _cache_sharding(x: Any, mesh: Any) -> Any:
+    """KV caches [L, R, S, K, H]: slots over (data, fsdp), heads over tensor; the small
+    per-slot arrays ([R], [R, D], [R, V]) over (data, fsdp); what does not divide stays
+    replicated."""
+    from dspark_jax.sharding import named
+
+    axes = {5: (None, "batch", "cache_seq", "kv_heads", "head_dim")}.get(
+        len(x.shape), ("batch",) + (None,) * (len(x.shape) - 1) if x.shape else ())
+    return named(mesh, axes, x.shape)
+
+
+@dataclasses.dataclass
+class AbstractRound:
+    """The two jitted programs of a round, with static arguments bound, and their inputs."""
+
+    draft_fn: Any            # (args) → outputs, for the FLOPs count
+    draft_lower: Any         # (args) → jax.stages.Lowered
+    draft_args: tuple
+    verify_fn: Any
+    verify_lower: Any
+    verify_args: tuple
+    mesh: Any
+    scheduler: str
+    gamma: int
+    shape: DecodeShape
+
+
+def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> AbstractRound:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dspark_jax.decoding.drafters import adapter_for
+    from dspark_jax.models.config import DecoderConfig
+    from dspark_jax.models.decoder import TargetDecoder, init_cache
+    from dspark_jax.models.draft import create_draft_module
+    from dspark_jax.models.draft_config import DraftConfig
+    from dspark_jax.models.target import resolve_dtype
+    from dspark_jax.serving import rounds as R_
+    from dspark_jax.sharding import abstract_on_mesh, make_mesh
+
+    try:
+        mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
+    except ValueError as e:
+        raise AotError(f"config.mesh: {e}") from None
+    t_cfg = DecoderConfig.from_hf_dict(target_hf_dict(c), source=f"target of {c.name}")
+    fields = dict(c.draft.to_dict())
+    fields["target_layer_ids"] = tuple(int(i) for i in fields["target_layer_ids"])
+    if fields["mask_token_id"] == -1:
+        fields["mask_token_id"] = t_cfg.vocab_size - 1
+    d_cfg = DraftConfig(target=t_cfg, **fields)
+    gamma = int(d_cfg.num_drafts)
+    if shape.capacity == 0:     # the top bucket: every slot verifies all γ drafts
+        shape = dataclasses.replace(shape, capacity=shape.requests * (gamma + 1))
+    shape.check(gamma)
+    dtype = resolve_dtype(c.train.target_dtype)       # serving: bf16 weights and caches
+    R, S, K, V = shape.requests, shape.max_len, shape.capacity, t_cfg.vocab_size
+
+    target = nnx.eval_shape(lambda: TargetDecoder(t_cfg, rngs=nnx.Rngs(0), dtype=dtype,
+                                                  param_dtype=dtype))
+    t_gd, t_state = nnx.split(target)
+    draft = nnx.eval_shape(lambda: create_draft_module(d_cfg, c.seed, dtype, dtype))
+    d_gd, d_state = nnx.split(draft)
+    adapter = adapter_for(d_cfg.model_type)
+
+    def engine_state():
+        return R_.EngineState(cache=init_cache(t_cfg, R, S, dtype),
+                              draft_cache=adapter.init_cache(draft, R, S),
+                              anchor=jnp.zeros((R,), jnp.int32))
+
+    def on_mesh(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=_cache_sharding(x, mesh)),
+                            tree)
+
+    state = on_mesh(jax.eval_shape(engine_state))
+
+    def arr(shp: tuple[int, ...], dt: Any) -> Any:   # per-slot arrays [R, …] like the caches
+        x = jax.ShapeDtypeStruct(shp, dt)
+        return jax.ShapeDtypeStruct(shp, dt, sharding=_cache_sharding(x, mesh) if shp and
+                                    shp[0] == R else NamedSharding(mesh, PartitionSpec()))
+
+    params = R_.Params(active=arr((R,), jnp.bool_), remaining=arr((R,), jnp.int32),
+                       counter=arr((R,), jnp.int32), temperature=arr((R,), jnp.float32),
+                       top_k=arr((R,), jnp.int32), top_p=arr((R,), jnp.float32),
+                       key_data=arr((R, 2), jnp.uint32))
+    stop_ids = arr((max(1, len(t_cfg.stop_token_ids or ())),), jnp.int32)
+    t_abs, d_abs = abstract_on_mesh(t_state, mesh), abstract_on_mesh(d_state, mesh)
+    mode = SCHEDULER[d_cfg.model_type]
+    conf_temps = arr((gamma,), jnp.float32) if mode == "adaptive" else None
+    draft_static = dict(mode=mode, cap_budget=True, sampler="jax")
+    draft_fn = functools.partial(R_.draft_and_schedule, d_gd, **draft_static)
+    draft_lower = functools.partial(R_.draft_and_schedule.lower, d_gd, **draft_static)
+    draft_args = (d_abs, state, params, stop_ids, conf_temps, arr((), jnp.float32),
+                  arr((R * (gamma + 1) + 1,), jnp.float32), arr((), jnp.int32))
+    verify_static = dict(K=K, verifier="jax", tap_layer_ids=tuple(d_cfg.target_layer_ids))
+    verify_fn = functools.partial(R_.verify_and_commit, t_gd, d_gd, **verify_static)
+    verify_lower = functools.partial(R_.verify_and_commit.lower, t_gd, d_gd, **verify_static)
+    verify_args = (t_abs, d_abs, state, params, arr((R, gamma), jnp.int32),
+                   arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32), stop_ids)
+    return AbstractRound(draft_fn=draft_fn, draft_lower=draft_lower, draft_args=draft_args,
+                         verify_fn=verify_fn, verify_lower=verify_lower,
+                         verify_args=verify_args, mesh=mesh, scheduler=mode, gamma=gamma,
+                         shape=shape)
+
+
+def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: Any
+                    ) -> dict[str, Any]:
+    from dspark_jax.jaxpr_flops import matmul_flops
+    from dspark_jax.sharding import use_mesh
+
+    t0 = time.perf_counter()
+    with use_mesh(mesh):
+        mem = memory_report(lower(*args))
+        flops = matmul_flops(fn, *args)
+    peak = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
+    flops_s = flops / (n * chip.peak_bf16_flops)
+    traffic_s = mem["argument"] / chip.hbm_bytes_per_s
+    return {"argument_bytes_per_chip": int(mem["argument"]),
+            "output_bytes_per_chip": int(mem["output"]), "alias_bytes_per_chip": int(mem["alias"]),
+            "temp_bytes_per_chip": int(mem["temp"]),
+            "generated_code_bytes_per_chip": int(mem["generated_code"]),
+            "peak_bytes_per_chip": int(peak), "fits": bool(peak <= chip.hbm_bytes),
+            "flops_per_step": int(flops), "flops_bound_s": flops_s,
+            "hbm_traffic_bound_s": traffic_s, "step_time_lower_bound_s": max(flops_s, traffic_s),
+            "compile_error": mem.get("error", ""),
+            "compile_s": round(time.perf_counter() - t0, 1)}
+
+
+def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1, *,
+                  default_mesh: bool = True) -> dict[str, Any]:
+    """Compiles the draft and verification steps of config `c` for `topology` → report.
+    `default_mesh`: the serving mesh of `decode_mesh_shape` (else the config's mesh.*)."""
+    import jax
+
+    devices = topology_devices(topology, num_slices)
+    chip = chip_for(devices[0].device_kind)
+    if default_mesh:
+        kv_heads = int(target_hf_dict(c)["num_key_value_heads"])
+        for k, v in decode_mesh_shape(len(devices), kv_heads).items():
+            c.mesh[k] = v
+    rnd = build_abstract_round(c, devices, shape)
+    shape = rnd.shape
+    n = len(devices)
+    draft = _program_report(rnd.draft_fn, rnd.draft_lower, rnd.draft_args, rnd.mesh, n, chip)
+    verify = _program_report(rnd.verify_fn, rnd.verify_lower, rnd.verify_args, rnd.mesh, n,
+                             chip)
+    peak = max(draft["peak_bytes_per_chip"], verify["peak_bytes_per_chip"])
+    bound = draft["step_time_lower_bound_s"] + verify["step_time_lower_bound_s"]
+    return {
+        "mode": "decode", "config": c.name, "topology": topology, "num_slices": num_slices,
+        "num_chips": n, "chip": chip.name, "mesh": dict(rnd.mesh.shape),
+        "requests": shape.requests, "max_len": shape.max_len, "capacity": shape.capacity,
+        "gamma": rnd.gamma, "scheduler": rnd.scheduler,
+        "hbm_bytes_per_chip": chip.hbm_bytes, "hbm_bytes_per_s_per_chip": chip.hbm_bytes_per_s,
+        "peak_bytes_per_chip": int(peak), "headroom_bytes_per_chip": int(chip.hbm_bytes - peak),
+        "fits": bool(peak <= chip.hbm_bytes),
+        "flops_per_step": draft["flops_per_step"] + verify["flops_per_step"],
+        "peak_flops_per_chip": chip.peak_bf16_flops, "step_time_lower_bound_s": bound,
+        "tokens_per_s_upper_bound": shape.capacity / bound if bound else 0.0,
+        "draft_step": draft, "verify_step": verify,
+        "compile_error": draft["compile_error"] or verify["compile_error"],
+        "jax": jax.__version__, "libtpu": libtpu_version(),
+    }
+
+
+def format_decode_report(r: dict[str, Any]) -> str:
+    def g(b: float) -> str:
+        return f"{b / GiB:8.2f} GiB" if abs(b) >= GiB / 10 else f"{b / 2**20:8.2f} MiB"
+
+    lines = [f"{r['config']} serving round on {r['topology']}: {r['num_chips']} {r['chip']} "
+             f"chips, mesh {r['mesh']}, {r['requests']} request slots × {r['max_len']} tokens, "
+             f"capacity bucket {r['capacity']}, scheduler {r['scheduler']}",
+             f"  {'per chip':14s}{'argument':>12s}{'temp':>12s}{'peak':>12s}  "
+             f"{'GFLOPs':>10s}  FLOPs-bound   HBM-bound"]
+    for name in ("draft_step", "verify_step"):
+        p = r[name]
+        lines.append(f"  {name:14s}{g(p['argument_bytes_per_chip'])}{g(p['temp_bytes_per_chip'])}"
+                     f"{g(p['peak_bytes_per_chip'])}  {p['flops_per_step'] / 1e9:10.1f}  "
+                     f"{p['flops_bound_s'] * 1e3:8.3f} ms {p['hbm_traffic_bound_s'] * 1e3:8.3f} ms")
+    lines.append(f"  round peak {g(r['peak_bytes_per_chip']).strip()} of "
+                 f"{g(r['hbm_bytes_per_chip']).strip()} HBM → "
+                 + ("fits" if r["fits"] else "DOES NOT FIT")
+                 + f", headroom {g(r['headroom_bytes_per_chip']).strip()}; round ≥ "
+                 f"{r['step_time_lower_bound_s'] * 1e3:.3f} ms (≤ "
+                 f"{r['tokens_per_s_upper_bound']:.0f} verified tokens/s)")
+    return "\n".join(lines)
+
+
+def decode_markdown_table(reports: Sequence[dict[str, Any]]) -> str:
+    rows = ["| config | topology | mesh (data×fsdp×tensor) | slots × context | capacity "
+            "| draft peak GiB | verify peak GiB | HBM GiB | fits | verify GFLOPs "
+            "| round ≥ ms (FLOPs / HBM bound) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        m, d, v = r["mesh"], r["draft_step"], r["verify_step"]
+        rows.append(
+            f"| {r['config']} | {r['topology']} | {m['data']}×{m['fsdp']}×{m['tensor']} | "
+            f"{r['requests']} × {r['max_len']} | {r['capacity']} | "
+            f"{d['peak_bytes_per_chip'] / GiB:.2f} | {v['peak_bytes_per_chip'] / GiB:.2f} | "
+            f"{r['hbm_bytes_per_chip'] / GiB:.0f} | {'yes' if r['fits'] else '**no**'} | "
+            f"{v['flops_per_step'] / 1e9:.0f} | {r['step_time_lower_bound_s'] * 1e3:.2f} "
+            f"({(d['flops_bound_s'] + v['flops_bound_s']) * 1e3:.2f} / "
+            f"{(d['hbm_traffic_bound_s'] + v['hbm_traffic_bound_s']) * 1e3:.2f}) |")
+    return "\n".join(rows) + "\n"
