@@ -71,6 +71,7 @@ def test_probe_backoff_and_reset():
     for _ in range(14):
         d, cap = pol.decide(R)
         flags.append(d)
+        assert cap <= (R * G if len(flags) <= 2 else R)   # probes admit ≤ one token a request
         pol.update(d, bad if d else None, predicted=1.0, realised=1.0)
     # two unknown rounds draft (admitting everything), then probes after 2, 4, 4, ... rounds
     assert flags == [True, True, False, True, False, False, False, True, False, False, False,
@@ -90,13 +91,14 @@ def test_probe_backoff_and_reset():
 
 def test_hopeless_drafter_decodes_plainly_from_the_start():
     """No estimate yet, but even all-accepted drafts cannot pay for this drafter: plain
-    decoding from round 1, probes only (which admit everything: nothing is known)."""
+    decoding from round 1, probes only (one draft token per request: a probe only refreshes the
+    confidences and ρ)."""
     pol = policy.DraftPolicy(T_V, 100.0, 1.0, G, R * G, probe_interval=2, max_probe_interval=2)
     flags = []
     for _ in range(5):
         d, cap = pol.decide(R)
         flags.append(d)
-        assert cap == (R * G if d else 0)
+        assert cap == (R if d else 0)
         pol.update(d, None)
     assert flags == [False, True, False, True, False]
 
