@@ -19,7 +19,7 @@ sequences per micro-step over the data axis); raise it if a micro-batch does not
 files to regenerate (DeepSpec's mixture); HumanEval is only the fallback.
 """
 
-from configs.common import get_base_config
+from configs.common import apply_deepspec_recipe, get_base_config
 
 QWEN3_MASK_TOKEN = 151669
 
@@ -44,35 +44,9 @@ def qwen3_config(size: str, model_type: str):
     c.target = ""                    # required: --config.target=/path/to/Qwen3-XB (HF directory)
     c.seed = SEEDS[model_type]
     d = c.draft
-    d.model_type = model_type
     d.target_layer_ids = QWEN3_TARGET_LAYER_IDS[size]
     d.mask_token_id = QWEN3_MASK_TOKEN
-    if model_type == "eagle3":
-        d.draft_num_hidden_layers = 1
-        d.ttt_length = 7
-        d.step_loss_decay = 0.8
-        d.markov_rank = 0
-        d.enable_confidence_head = False
-        d.confidence_head_alpha = 0.0
-    else:
-        d.num_draft_layers = 5
-        d.block_size = 7
-        d.num_anchors = 512
-        d.loss_decay_gamma = 4.0
-        if model_type == "dspark":
-            d.markov_rank = 256
-            d.markov_head_type = "vanilla"
-            d.enable_confidence_head = True
-            d.confidence_head_alpha = 1.0
-            d.confidence_head_with_markov = True
-            d.ce_loss_alpha = 0.1
-            d.l1_loss_alpha = 0.9
-        else:                        # dflash: no Markov head, no confidence head, CE only
-            d.markov_rank = 0
-            d.enable_confidence_head = False
-            d.confidence_head_alpha = 0.0
-            d.ce_loss_alpha = 1.0
-            d.l1_loss_alpha = 0.0
+    apply_deepspec_recipe(d, model_type, draft_layers=5, markov_rank=256, num_anchors=512)
     c.data.max_length = 4096
     c.data.max_new_tokens = 2048
     c.data.regen_batch_size = 64

@@ -20,6 +20,7 @@ DeepSpec's recipes (config/{dspark,dflash,eagle3}/*_qwen3_4b.py) scaled down:
 """
 
 from configs import smollm2_dspark
+from configs.common import apply_deepspec_recipe
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
 SEEDS = {"dspark": 42, "dflash": 42, "eagle3": 0}   # DeepSpec's config/*/*.py
@@ -36,34 +37,9 @@ def table1_config(model_type: str):
     c.seed = SEEDS[model_type]
     c.train.max_steps = TABLE1_STEPS
     c.eval.every_steps = TABLE1_EVAL_EVERY
-    d = c.draft
-    d.model_type = model_type
-    if model_type == "eagle3":
-        d.draft_num_hidden_layers = 1
-        d.ttt_length = 7
-        d.step_loss_decay = 0.8
-        d.markov_rank = 0
-        d.enable_confidence_head = False
-        d.confidence_head_alpha = 0.0
-        return c
-    d.num_draft_layers = 2
-    d.block_size = 7
-    d.num_anchors = 16
-    d.loss_decay_gamma = 4.0
-    if model_type == "dspark":
-        d.markov_rank = 64
-        d.markov_head_type = "vanilla"
-        d.enable_confidence_head = True
-        d.confidence_head_alpha = 1.0
-        d.confidence_head_with_markov = True
-        d.ce_loss_alpha = 0.1
-        d.l1_loss_alpha = 0.9
-    else:
-        d.markov_rank = 0
-        d.enable_confidence_head = False
-        d.confidence_head_alpha = 0.0
-        d.ce_loss_alpha = 1.0
-        d.l1_loss_alpha = 0.0
+    c.data.max_prompts = 480         # the 480-prompt subsample, 32 held out (see above)
+    c.data.heldout = 32.0
+    apply_deepspec_recipe(c.draft, model_type, draft_layers=2, markov_rank=64, num_anchors=16)
     return c
 
 

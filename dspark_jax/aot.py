@@ -132,22 +132,12 @@ class AbstractJob:
     micro_batches: int
 
 
-def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
+def mesh_and_configs(c: Any, devices: Sequence[Any]) -> tuple[Any, Any, Any]:
+    """The config's mesh over `devices`, the target's DecoderConfig (from its config.json or
+    preset, no weights) and the DraftConfig — what every abstract program here starts from."""
     from dspark_jax.models.config import DecoderConfig
-    from dspark_jax.models.decoder import TargetDecoder
-    from dspark_jax.models.draft import create_draft_module
     from dspark_jax.models.draft_config import DraftConfig
-    from dspark_jax.models.target import resolve_dtype
-    from dspark_jax.sharding import abstract_on_mesh, make_mesh
-    from dspark_jax.train.job_config import attn_key_chunk
-    from dspark_jax.train.step import (BATCH_KEYS_ONLINE, BATCH_KEYS_OFFLINE, OptimConfig,
-                                       abstract_train_state, build_train_step, make_optimizer,
-                                       make_loss_sums_fn, make_schedule, split_draft)
+    from dspark_jax.sharding import make_mesh
 
     try:
         mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
@@ -158,7 +148,25 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
     fields["target_layer_ids"] = tuple(int(i) for i in fields["target_layer_ids"])
     if fields["mask_token_id"] == -1:   # auto: no tokenizer here; any row works for shapes
         fields["mask_token_id"] = t_cfg.vocab_size - 1
-    d_cfg = DraftConfig(target=t_cfg, **fields)
+    return mesh, t_cfg, DraftConfig(target=t_cfg, **fields)
+
+
+def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from dspark_jax.models.decoder import TargetDecoder
+    from dspark_jax.models.draft import create_draft_module
+    from dspark_jax.models.target import resolve_dtype
+    from dspark_jax.sharding import abstract_on_mesh
+    from dspark_jax.train.job_config import attn_key_chunk
+    from dspark_jax.train.step import (BATCH_KEYS_ONLINE, BATCH_KEYS_OFFLINE, OptimConfig,
+                                       abstract_train_state, build_train_step, make_optimizer,
+                                       make_loss_sums_fn, make_schedule, split_draft)
+
+    mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
     t_dtype, c_dtype = resolve_dtype(c.train.target_dtype), resolve_dtype(c.train.compute_dtype)
     online = c.data.features == "online"
 

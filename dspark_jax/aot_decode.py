@@ -24,8 +24,8 @@ import functools
 import time
 from typing import Any, Sequence
 
-from dspark_jax.aot import AotError, GiB, chip_for, libtpu_version, memory_report, \
-    target_hf_dict, topology_devices
+from dspark_jax.aot import (AotError, GiB, chip_for, libtpu_version, memory_report,
+                            mesh_and_configs, target_hf_dict, topology_devices)
 
 # the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
 # DFlash and Eagle3 verify every draft ("fixed")
@@ -93,24 +93,13 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
     from jax.sharding import NamedSharding, PartitionSpec
 
     from dspark_jax.decoding.drafters import adapter_for
-    from dspark_jax.models.config import DecoderConfig
     from dspark_jax.models.decoder import TargetDecoder, init_cache
     from dspark_jax.models.draft import create_draft_module
-    from dspark_jax.models.draft_config import DraftConfig
     from dspark_jax.models.target import resolve_dtype
     from dspark_jax.serving import rounds as R_
-    from dspark_jax.sharding import abstract_on_mesh, make_mesh
+    from dspark_jax.sharding import abstract_on_mesh
 
-    try:
-        mesh = make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor, devices=devices)
-    except ValueError as e:
-        raise AotError(f"config.mesh: {e}") from None
-    t_cfg = DecoderConfig.from_hf_dict(target_hf_dict(c), source=f"target of {c.name}")
-    fields = dict(c.draft.to_dict())
-    fields["target_layer_ids"] = tuple(int(i) for i in fields["target_layer_ids"])
-    if fields["mask_token_id"] == -1:
-        fields["mask_token_id"] = t_cfg.vocab_size - 1
-    d_cfg = DraftConfig(target=t_cfg, **fields)
+    mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
     gamma = int(d_cfg.num_drafts)
     if shape.capacity == 0:     # the top bucket: every slot verifies all γ drafts
         shape = dataclasses.replace(shape, capacity=shape.requests * (gamma + 1))

@@ -27,6 +27,7 @@ time is measured. Writes JSON, a markdown table (`<out>.md`) and two PNGs:
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import time
 from typing import Any, Sequence
@@ -258,6 +259,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result = dict(device=device_name(), target=a.target, draft=a.draft,
                   gamma=int(draft.config.num_drafts), settings=vars(a), points=points,
                   verify_step=verify_s, total_s=time.perf_counter() - t_all)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     result["figures"] = plots(points, a.out)
     with open(f"{a.out}.json", "w") as f:
         json.dump(result, f, indent=2)
