@@ -305,10 +305,13 @@ def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]
     }
 
 
-def format_report(r: dict[str, Any]) -> str:
-    def g(b: float) -> str:
-        return f"{b / GiB:8.2f} GiB" if abs(b) >= GiB / 10 else f"{b / 2**20:8.2f} MiB"
+def fmt_bytes(b: float) -> str:
+    """Bytes as a fixed-width GiB (or MiB below 0.1 GiB) figure for the report tables."""
+    return f"{b / GiB:8.2f} GiB" if abs(b) >= GiB / 10 else f"{b / 2**20:8.2f} MiB"
 
+
+def format_report(r: dict[str, Any]) -> str:
+    g = fmt_bytes
     lines = [f"{r['config']} on {r['topology']} × {r['num_slices']} slice(s): {r['num_chips']} "
              f"{r['chip']} chips, mesh {r['mesh']}, batch {r['global_batch_size']}×{r['seq_len']} "
              f"in {r['micro_batches']} micro-batches (compiled in {r['compile_s']} s)",

@@ -24,7 +24,7 @@ import functools
 import time
 from typing import Any, Sequence
 
-from dspark_jax.aot import (AotError, GiB, chip_for, libtpu_version, memory_report,
+from dspark_jax.aot import (AotError, GiB, chip_for, fmt_bytes, libtpu_version, memory_report,
                             mesh_and_configs, target_hf_dict, topology_devices)
 
 # the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
@@ -216,8 +216,7 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
 
 
 def format_decode_report(r: dict[str, Any]) -> str:
-    def g(b: float) -> str:
-        return f"{b / GiB:8.2f} GiB" if abs(b) >= GiB / 10 else f"{b / 2**20:8.2f} MiB"
+    g = fmt_bytes
 
     lines = [f"{r['config']} serving round on {r['topology']}: {r['num_chips']} {r['chip']} "
              f"chips, mesh {r['mesh']}, {r['requests']} request slots × {r['max_len']} tokens, "
