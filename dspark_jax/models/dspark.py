@@ -88,32 +88,46 @@ class DSparkDraft(nnx.Module):
         mask = jnp.full(anchor_tokens.shape + (g - 1,), self.cfg.mask_token_id, jnp.int32)
         return jnp.concatenate([anchor_tokens[..., None].astype(jnp.int32), mask], axis=-1)
 
+    def embed_block(self, toks: jax.Array) -> jax.Array:
+        """Block token embeddings [..., D] (the draft layers' input)."""
+        return jnp.take(self.embed.get_value(), toks, axis=0).astype(self.dtype)
+
+    def block_qkv(self, lp: Any, x: jax.Array, pos: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v of the normed block inputs x [B, T, D] at positions pos [B, T] (RoPE on q, k;
+        block_attend scales the scores by H^-½)."""
+        eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
+        q = L.apply_rope(L.project_q(lp, x, eps), pos, rope)
+        k, v = L.project_kv(lp, x, eps)
+        return q, L.apply_rope(k, pos, rope), v
+
+    def attn_out_and_mlp(self, lp: Any, h: jax.Array, attn: jax.Array) -> jax.Array:
+        """The rest of a draft layer after attention: output projection, residuals, MLP."""
+        return L.attn_out_and_mlp(lp, h, attn, self.cfg.target.rms_norm_eps)
+
     def backbone(self, anchor_tokens_ba: jax.Array, anchor_pos_ba: jax.Array,
                  ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array,
                  blk_valid_ba: jax.Array, remat: bool = False,
                  key_chunk: int | None = None) -> jax.Array:
         """Final-normed block hidden states h [B, A, γ, D]. `key_chunk`: context keys per
         online-softmax chunk of the block attention (None: dense scores, block_attention.py)."""
-        cfg = self.cfg
-        eps, rope = cfg.target.rms_norm_eps, cfg.target.rope
-        g = cfg.block_size
+        eps = self.cfg.layer_config().rms_norm_eps
+        g = self.cfg.block_size
         toks = self.block_tokens(anchor_tokens_ba)                          # [B,A,γ]
         pos = anchor_pos_ba[..., None] + jnp.arange(g, dtype=jnp.int32)     # [B,A,γ]
         B, A = toks.shape[:2]
-        h = jnp.take(self.embed.get_value(), toks, axis=0).astype(self.dtype)  # [B,A,γ,D]
+        h = self.embed_block(toks)                                          # [B,A,γ,D]
         flat_pos = pos.reshape(B, A * g)
 
         def layer(h, xs):
             lp, ck, cv = xs
             x = L.rms_norm(h, lp["input_norm"], eps).reshape(B, A * g, -1)
-            q = L.apply_rope(L.project_q(lp, x, eps), flat_pos, rope)
-            k, v = L.project_kv(lp, x, eps)
-            k = L.apply_rope(k, flat_pos, rope)
+            q, k, v = self.block_qkv(lp, x, flat_pos)
             split = lambda t: t.reshape((B, A, g) + t.shape[2:])
             attn = block_attend(split(q), ck, cv, split(k), split(v), ctx_visible_bas,
                                 blk_valid_ba, key_chunk)
-            h_flat = L.attn_out_and_mlp(lp, h.reshape(B, A * g, -1),
-                                        attn.reshape(B, A * g, *attn.shape[3:]), eps)
+            h_flat = self.attn_out_and_mlp(lp, h.reshape(B, A * g, -1),
+                                           attn.reshape(B, A * g, *attn.shape[3:]))
             return h_flat.reshape(h.shape), None
 
         if remat:

@@ -24,10 +24,9 @@ from dspark_jax.models import gemma4 as G
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.dspark import DSparkDraft, block_attend, frozen
+from dspark_jax.models.dspark import DSparkDraft, frozen
 from dspark_jax.models.eagle3 import Eagle3Draft
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
-from dspark_jax.sharding import constrain
 
 
 def gemma4_draft_layer_config(target: DecoderConfig, n: int) -> DecoderConfig:
@@ -79,42 +78,27 @@ class Gemma4DSparkDraft(DSparkDraft):
         return jax.vmap(lambda lp: G.project_kv(lp, ctx, positions_bs, lc.rope,
                                                 lc.rms_norm_eps))(stack)
 
-    def backbone(self, anchor_tokens_ba: jax.Array, anchor_pos_ba: jax.Array,
-                 ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array,
-                 blk_valid_ba: jax.Array, remat: bool = False,
-                 key_chunk: int | None = None) -> jax.Array:
-        """Final-normed block hidden states h [B, A, γ, D] (`key_chunk` as in DSparkDraft)."""
-        cfg, lc = self.cfg, self.cfg.layer_config()
-        eps, rope, g = lc.rms_norm_eps, lc.rope, cfg.block_size
-        toks = self.block_tokens(anchor_tokens_ba)                          # [B,A,γ]
-        pos = anchor_pos_ba[..., None] + jnp.arange(g, dtype=jnp.int32)     # [B,A,γ]
-        B, A = toks.shape[:2]
+    # the block backbone is DSparkDraft.backbone; Gemma4 changes the three layer pieces
+    def embed_block(self, toks: jax.Array) -> jax.Array:
+        """Gemma4 scales the embeddings by √D."""
         table = self.embed.get_value()
-        h = (jnp.take(table, toks, axis=0)
-             * jnp.asarray(lc.hidden_size ** 0.5, table.dtype)).astype(self.dtype)
-        flat_pos = pos.reshape(B, A * g)
-        # block_attend scales scores by H^-½; Gemma4 attends with scale 1 (its q/k norms set
-        # the scale), so q is pre-multiplied by H^½
-        q_scale = lc.head_dim ** 0.5
+        return (jnp.take(table, toks, axis=0)
+                * jnp.asarray(self.cfg.layer_config().hidden_size ** 0.5, table.dtype)
+                ).astype(self.dtype)
 
-        def layer(h, xs):
-            lp, ck, cv = xs
-            x = L.rms_norm(h, lp["input_norm"], eps).reshape(B, A * g, -1)
-            q = G.project_q(lp, x, flat_pos, rope, eps) * q_scale
-            k, v = G.project_kv(lp, x, flat_pos, rope, eps)
-            split = lambda t: t.reshape((B, A, g) + t.shape[2:])
-            attn = block_attend(split(q), ck, cv, split(k), split(v), ctx_visible_bas,
-                                blk_valid_ba, key_chunk)
-            h_flat = G.attn_out_and_mlp(lp, h.reshape(B, A * g, -1),
-                                        attn.reshape(B, A * g, *attn.shape[3:]), eps)
-            return h_flat.reshape(h.shape), None
+    def block_qkv(self, lp: Any, x: jax.Array, pos: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Gemma4 q/k/v (q/k norms, scale-free v norm, its RoPE). block_attend scales scores by
+        H^-½ while Gemma4 attends with scale 1 (its q/k norms set the scale): q is
+        pre-multiplied by H^½."""
+        lc = self.cfg.layer_config()
+        q = G.project_q(lp, x, pos, lc.rope, lc.rms_norm_eps) * lc.head_dim ** 0.5
+        k, v = G.project_kv(lp, x, pos, lc.rope, lc.rms_norm_eps)
+        return q, k, v
 
-        if remat:
-            layer = jax.checkpoint(layer)
-        stack = self.layers.stacked(self.dtype)
-        h, _ = jax.lax.scan(layer, h, (stack, ctx_k.astype(self.dtype), ctx_v.astype(self.dtype)))
-        h = L.rms_norm(h, self.norm.get_value(), eps)
-        return constrain(h, ("batch", None, None, "act_embed"))
+    def attn_out_and_mlp(self, lp: Any, h: jax.Array, attn: jax.Array) -> jax.Array:
+        """Gemma4's sandwich norms, GELU-tanh MLP and layer scalar."""
+        return G.attn_out_and_mlp(lp, h, attn, self.cfg.layer_config().rms_norm_eps)
 
     def base_logits(self, h: jax.Array) -> jax.Array:
         """Softcapped LM-head logits (DeepSpec's `compute_logits`); heads add on top."""
