@@ -21,10 +21,12 @@ argmax), `accept_rate@{s}` (1 − ½‖p_d − p_t‖₁, clamped), `valid_token
 started at every valid position, `tau_greedy` = 1 + Σ_s Π_{j≤s} correct_j and
 `tau_probabilistic` = 1 + Σ_s Π_{j≤s} accept_j.
 
-Memory: the [B, S, V] logits are never materialised for all steps at once. The draft hidden of
-step s at t is aligned with the target index j = t+1+s, and a checkpointed scan over chunks of
-j computes the target softmax once per chunk and the T draft logits against it, keeping only
-[T, B, C, V] live (and recomputing it in the backward pass).
+Memory and compute: the [B, S, V] logits are never materialised for all steps at once. The
+draft hidden of step s at t is aligned with the target index j = t+1+s; each row's positions
+that some step supervises are gathered to the row's front, and a checkpointed scan over chunks
+of j computes the target softmax once per chunk and the T draft logits against it, keeping only
+[T, B, C, V] live (recomputed in the backward pass) and skipping the chunks past the longest
+row's supervised count — most prompt and padding positions cost no LM-head matmul.
 """
 
 from __future__ import annotations
@@ -113,20 +115,32 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     # j and its chain start t share a sequence wherever m_al > 0, so j's length is t's
     w_pos = inv_len if local_mean else jnp.ones((B, S), jnp.float32)
 
+    # Only positions some step supervises need logits (on a padded row of prompt + reply that
+    # is about a third). Each row's supervised positions are moved to its front (a stable
+    # per-row sort: the batch axis stays sharded as it is), the chunks past the longest row's
+    # count are skipped (`lax.cond`), and per-position results are scattered back; the sums are
+    # those of the dense loop up to summation order.
     C = max(1, min(chunk_size, S))
     n_chunks = -(-S // C)
     pad = n_chunks * C - S
-    tgt = target_hidden_bsd.astype(model.dtype)
-    h_p, m_p, w_p = h_al, m_al, w_pos
+    used = jnp.max(m_al, axis=0) > 0                                   # [B,S] any step's weight
+    order = jnp.argsort(~used, axis=1, stable=True)                    # used first, per row
+    n_used = jnp.max(jnp.sum(used.astype(jnp.int32), axis=1))
+    h_al_o = jnp.take_along_axis(h_al, order[None, :, :, None], axis=2)  # [T,B,S,D]
+    m_al_o = jnp.take_along_axis(m_al, order[None], axis=2)            # [T,B,S]
+    w_o = jnp.take_along_axis(w_pos, order, axis=1)                     # [B,S]
+    tgt = jnp.take_along_axis(target_hidden_bsd.astype(model.dtype), order[..., None], axis=1)
+    h_p, m_p, w_p = h_al_o, m_al_o, w_o
     if pad:
-        h_p = jnp.pad(h_al, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        m_p = jnp.pad(m_al, ((0, 0), (0, 0), (0, pad)))
-        w_p = jnp.pad(w_pos, ((0, 0), (0, pad)))
+        h_p = jnp.pad(h_p, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        m_p = jnp.pad(m_p, ((0, 0), (0, 0), (0, pad)))
+        w_p = jnp.pad(w_p, ((0, 0), (0, pad)))
         tgt = jnp.pad(tgt, ((0, 0), (0, pad), (0, 0)))
     h_c = jnp.moveaxis(h_p.reshape(T, B, n_chunks, C, D), 2, 0)       # [nC,T,B,C,D]
     m_c = jnp.moveaxis(m_p.reshape(T, B, n_chunks, C), 2, 0)          # [nC,T,B,C]
     w_c = jnp.moveaxis(w_p.reshape(B, n_chunks, C), 1, 0)             # [nC,B,C]
     t_c = jnp.moveaxis(tgt.reshape(B, n_chunks, C, D), 1, 0)          # [nC,B,C,D]
+    starts = jnp.arange(n_chunks, dtype=jnp.int32) * C
 
     eps = cfg.target.rms_norm_eps
     norm_w = model.norm.get_value()
@@ -134,8 +148,7 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     cap = cfg.target.final_logit_softcapping  # Gemma4: target and draft logits are softcapped
     capped = (lambda z: z) if cap is None else (lambda z: jnp.tanh(z / cap) * cap)
 
-    def chunk(num, xs):
-        h_tbcd, tgt_bcd, m_tbc, w_bc = xs
+    def chunk_terms(h_tbcd, tgt_bcd, m_tbc, w_bc):
         t_logits = capped(jnp.einsum("BCD,VD->BCV", tgt_bcd, lm_w,
                                      preferred_element_type=jnp.float32))
         t_logits = jax.lax.stop_gradient(t_logits)
@@ -148,12 +161,25 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
         correct = (jnp.argmax(d_logits, -1) == jnp.argmax(t_logits, -1)[None])
         l1 = jnp.sum(jnp.abs(jnp.exp(d_logp) - t_p[None]), axis=-1)
         accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
-        num = num + jnp.sum(ce * m_tbc * w_bc[None], axis=(1, 2))
-        return num, (correct * m_tbc, accept * m_tbc)
+        return (jnp.sum(ce * m_tbc * w_bc[None], axis=(1, 2)),
+                (correct * m_tbc).astype(jnp.float32), accept * m_tbc)
+
+    def chunk(num, xs):
+        start, h_tbcd, tgt_bcd, m_tbc, w_bc = xs
+        skip = lambda *_: (jnp.zeros((T,), jnp.float32), jnp.zeros((T, B, C), jnp.float32),
+                           jnp.zeros((T, B, C), jnp.float32))
+        add, corr, acc = jax.lax.cond(start < n_used, chunk_terms, skip,
+                                      h_tbcd, tgt_bcd, m_tbc, w_bc)
+        return num + add, (corr, acc)
 
     step_num, (corr_c, acc_c) = jax.lax.scan(jax.checkpoint(chunk), jnp.zeros((T,), jnp.float32),
-                                             (h_c, t_c, m_c, w_c))
-    back = lambda y: jnp.moveaxis(y, 0, 2).reshape(T, B, n_chunks * C)[..., :S]  # [T,B,S]
+                                             (starts, h_c, t_c, m_c, w_c))
+    b_idx = jnp.arange(B)[:, None]
+
+    def back(y: jax.Array) -> jax.Array:   # [nC,T,B,C] in sorted order → [T,B,S] in place
+        y = jnp.moveaxis(y, 0, 2).reshape(T, B, n_chunks * C)[..., :S]
+        return jnp.zeros((T, B, S), y.dtype).at[:, b_idx, order].set(y)
+
     corr_al, acc_al = back(corr_c), back(acc_c)
     tokens = jnp.sum(m_al, axis=(1, 2))
     decay = step_weights(cfg.step_loss_decay, T)
