@@ -21,9 +21,11 @@ carried to the current n (K capped at n·γ, G scaled by n / n_then). ρ is the 
 to predicted accepted drafts (an exponential average over drafting rounds, 1 at start): it keeps
 miscalibrated confidences — a random drafter's σ(c) ≈ 0.5 — from buying rounds that never pay.
 The round drafts iff Θ_b ≥ Θ_a (with t_d = 0 and t_plain = t_v(n) that always holds: the
-paper's behaviour). Before any estimate exists (the first two rounds) the round drafts and
-admits everything, unless even a drafter whose every draft is accepted (K = G = n·γ) could
-not pay — then it decodes plainly from the start and only probes draft.
+paper's behaviour). Before any estimate exists (the first two rounds) the round drafts as a
+probe (one draft token per request, see below) — admitting everything there cost six plain
+rounds each at c = 16 on the CPU load bench (the K = R(γ+1) bucket) for a drafter that turned
+out not to pay — unless even a drafter whose every draft is accepted (K = G = n·γ) could not
+pay; then it decodes plainly from the start and only probes draft.
 
 Re-probing: while (a) wins, no confidences arrive and the estimate goes stale, so a round drafts
 anyway once `probe_interval` rounds have passed since the last drafting round; each such probe
@@ -108,10 +110,12 @@ class DraftPolicy:
 
     def decide(self, n_active: int) -> tuple[bool, int]:
         est = self.queue[0]
-        if est is None:   # nothing known yet: admit everything if a perfect drafter could pay
+        if est is None:   # nothing known yet: probe if a perfect drafter could pay
             best = Estimate(self.initial_capacity, float(self.initial_capacity), n_active)
             want, _, _ = plain_or_draft(n_active, best, self.t_v, self.t_d, self.t_plain,
                                         self.gamma)
+            if want:
+                return True, min(self.initial_capacity, n_active)
             cap = self.initial_capacity
         else:
             want, _, _ = plain_or_draft(n_active, est, self.t_v, self.t_d, self.t_plain,

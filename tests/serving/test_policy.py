@@ -71,9 +71,11 @@ def test_probe_backoff_and_reset():
     for _ in range(14):
         d, cap = pol.decide(R)
         flags.append(d)
-        assert cap <= (R * G if len(flags) <= 2 else R)   # probes admit ≤ one token a request
+        assert cap <= R   # probes (the first two rounds included) admit ≤ one token a request
+        if len(flags) <= 2:
+            assert d and cap == R
         pol.update(d, bad if d else None, predicted=1.0, realised=1.0)
-    # two unknown rounds draft (admitting everything), then probes after 2, 4, 4, ... rounds
+    # two unknown rounds probe, then probes after 2, 4, 4, ... rounds
     assert flags == [True, True, False, True, False, False, False, True, False, False, False,
                      True, False, False]
     # a probe that finds a good drafter is used two rounds later, and resets the interval
