@@ -4,9 +4,8 @@
 #     --command="cd dspark_jax && launch/tpu_pod.sh configs/qwen3_14b_dspark.py \
 #                --config.target=/mnt/ckpt/Qwen3-14B --config.mesh.fsdp=8"
 # jax.distributed.initialize() discovers the slice topology itself (DSPARK_DISTRIBUTED=1).
-# Regenerate the data (and the feature cache, if offline) once before, on one host:
-#   launch/single_host.sh CONFIG --config.train.max_steps=0 ...   (then point
-#   --config.data.regenerated at the file, on storage every host can read).
+# Regeneration and the offline feature cache are split across the hosts (each its share, process
+# 0 merges); the workdir must be on storage every host can read and write.
 set -euo pipefail
 CONFIG=${1:?usage: $0 configs/NAME.py [--config.key=value ...]}; shift
 cd "$(dirname "$0")/.."

@@ -77,6 +77,39 @@ def regenerate_part(target: Any, conversations: Sequence[Conversation], out_path
     return stats
 
 
+def _write_in_input_order(conversations: Sequence[Conversation], records: Mapping[str, str],
+                          out_path: Path, foreign: str) -> None:
+    """Writes the JSONL lines `records` (by id) to `out_path` in input order, atomically."""
+    order, seen = [], set()
+    for c in conversations:
+        if c.id in records and c.id not in seen:
+            seen.add(c.id)
+            order.append(records[c.id])
+    if len(order) != len(records):
+        raise RegenerationError(foreign)
+    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("".join(order))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, out_path)
+
+
+def put_in_input_order(conversations: Sequence[Conversation], out_path: PathLike) -> Path:
+    """Rewrites a finished single-process regeneration output in input order (it is written in
+    completion order), so that one process and a merge of parts give the same file."""
+    out_path = Path(out_path)
+    scan_output(out_path, truncate_torn=False)  # refuses a corrupt output
+    records: dict[str, str] = {}
+    with open(out_path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                records[json.loads(line)["id"]] = line if line.endswith("\n") else line + "\n"
+    _write_in_input_order(conversations, records, out_path,
+                          f"{out_path} holds ids that are not in the input prompts")
+    return out_path
+
+
 def merge_regenerated(conversations: Sequence[Conversation], out_path: PathLike,
                       count: int) -> Path:
     """Merges the `count` finished parts into `out_path`, records in input order."""
@@ -99,19 +132,8 @@ def merge_regenerated(conversations: Sequence[Conversation], out_path: PathLike,
             for line in fh:
                 if line.strip():
                     records[json.loads(line)["id"]] = line if line.endswith("\n") else line + "\n"
-    order, seen = [], set()
-    for c in conversations:
-        if c.id in records and c.id not in seen:
-            seen.add(c.id)
-            order.append(records[c.id])
-    if len(order) != len(records):
-        raise RegenerationError(f"the parts of {out_path} hold ids that are not in the input")
-    tmp = out_path.with_name(f".{out_path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write("".join(order))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out_path)
+    _write_in_input_order(conversations, records, out_path,
+                          f"the parts of {out_path} hold ids that are not in the input")
     if settings is not None:
         out_path.with_name(out_path.name + ".regen.json").write_text(json.dumps(settings, indent=1),
                                                                      encoding="utf-8")
@@ -209,7 +231,9 @@ def regenerate_distributed(target: Any, conversations: Sequence[Conversation], o
     """Every process regenerates its part; process 0 merges; all return after the merge."""
     index, count, barrier = _process()
     if count == 1:
-        return regenerate(target, conversations, out_path, **kwargs)
+        stats = regenerate(target, conversations, out_path, **kwargs)
+        put_in_input_order(conversations, out_path)
+        return stats
     stats = regenerate_part(target, conversations, out_path, index, count, **kwargs)
     barrier("dspark_jax.regenerate.parts")
     if index == 0:
@@ -235,6 +259,7 @@ def write_feature_cache_distributed(target: Any, records: Sequence[Mapping[str, 
 
 
 __all__ = ["part_of_id", "conversations_of_part", "part_path", "regenerate_part",
-           "merge_regenerated", "records_of_part", "cache_part_dir", "write_feature_cache_part",
+           "merge_regenerated", "put_in_input_order", "records_of_part", "cache_part_dir",
+           "write_feature_cache_part",
            "merge_feature_cache_parts", "regenerate_distributed",
            "write_feature_cache_distributed"]

@@ -39,13 +39,35 @@ def heldout_arg(x: float) -> float | int:
     return int(x) if x >= 1 else float(x)
 
 
+_LOCAL_TARGET: dict[int, Any] = {}
+
+
+def process_local_target(c: ml_collections.ConfigDict, target: Any) -> Any:
+    """The target itself with one process; with several, a copy on this process's own devices
+    (loaded once, FSDP over them): per-process regeneration and feature caching run different
+    programs on different data in each process, which parameters sharded over the global mesh
+    cannot do."""
+    import jax
+
+    if jax.process_count() == 1:
+        return target
+    if id(target) not in _LOCAL_TARGET:
+        from dspark_jax.models import load_target
+        from dspark_jax.sharding import make_mesh
+
+        local = jax.local_devices()
+        mesh = make_mesh(data=1, fsdp=len(local), tensor=1, devices=local)
+        _LOCAL_TARGET[id(target)] = load_target(c.target, dtype=c.train.target_dtype, mesh=mesh)
+    return _LOCAL_TARGET[id(target)]
+
+
 def prepare_conversations(c, target, workdir: pathlib.Path,
                           is_main: bool) -> tuple[list, list, dict]:
     """(a)+(b): training and held-out regenerated conversations, and info for the summary."""
     import jax
 
+    from dspark_jax.data.distributed import regenerate_distributed
     from dspark_jax.data.prompts import load_conversations, split_train_heldout
-    from dspark_jax.data.regenerate import regenerate
 
     heldout = heldout_arg(c.data.heldout)
     info: dict[str, Any] = {}
@@ -56,19 +78,16 @@ def prepare_conversations(c, target, workdir: pathlib.Path,
         path = pathlib.Path(c.data.regenerated or workdir / "data" / "regenerated.jsonl")
         prompts = load_prompts(c)
         info["prompts"] = len(prompts)
-        if jax.process_count() > 1:
-            if not path.is_file():
-                raise UsageError("multi-host runs need the regenerated data first: run once on "
-                                 f"one host with --config.train.max_steps=0 (writes {path}), or set "
-                                 "config.data.regenerated")
-        else:
-            stats = regenerate(target, prompts, path, max_new_tokens=c.data.max_new_tokens,
-                               batch_size=c.data.regen_batch_size,
-                               temperature=c.data.temperature, top_p=c.data.top_p,
-                               top_k=c.data.top_k, seed=c.data.regen_seed,
-                               progress=c.logging.progress and is_main)
-            info["regenerated"] = {"path": str(path), "reused": False,
-                                   **dataclasses.asdict(stats)}
+        # several processes: each regenerates its share of the prompts with its own copy of
+        # the target and process 0 merges the parts into what one process writes (resumable;
+        # the work directory must be visible to every process)
+        stats = regenerate_distributed(
+            process_local_target(c, target), prompts, path,
+            max_new_tokens=c.data.max_new_tokens, batch_size=c.data.regen_batch_size,
+            temperature=c.data.temperature, top_p=c.data.top_p, top_k=c.data.top_k,
+            seed=c.data.regen_seed, progress=c.logging.progress and is_main)
+        info["regenerated"] = {"path": str(path), "reused": False,
+                               "processes": jax.process_count(), **dataclasses.asdict(stats)}
     # the split is a function of the regenerated ids alone, so a run that reuses a regenerated
     # file splits it exactly as the run that wrote it
     convs = load_conversations(path)
@@ -81,17 +100,19 @@ def feature_source(c, target, draft_cfg, records: list, workdir: pathlib.Path):
     """(c) offline mode: the feature cache for `records` (written once, then reused)."""
     import numpy as np
 
-    from dspark_jax.data.features import MANIFEST, FeatureCache, write_feature_cache
+    import jax
+
+    from dspark_jax.data.distributed import write_feature_cache_distributed
+    from dspark_jax.data.features import MANIFEST, FeatureCache
 
     out = pathlib.Path(c.data.feature_cache or workdir / "data" / "features")
     if not (out / MANIFEST).is_file():
-        import jax
-
-        if jax.process_count() > 1:
-            raise UsageError(f"multi-host offline training needs the feature cache {out} first "
-                             "(write it on one host with --config.train.max_steps=0)")
-        write_feature_cache(target, records, out, draft_cfg.target_layer_ids,
-                            batch_size=c.data.feature_batch_size, progress=c.logging.progress)
+        # several processes: each caches its share of the records (longest first, dealt
+        # round-robin) and process 0 writes the manifest that points into the parts
+        write_feature_cache_distributed(
+            process_local_target(c, target), records, out, draft_cfg.target_layer_ids,
+            batch_size=c.data.feature_batch_size,
+            progress=c.logging.progress and jax.process_index() == 0)
     cache = FeatureCache(out, expected_target=getattr(target, "name", "") or "",
                          expected_layer_ids=draft_cfg.target_layer_ids)
     lengths = np.asarray([len(r["input_ids"]) for r in records])

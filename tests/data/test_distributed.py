@@ -60,6 +60,9 @@ def test_two_processes_regenerate_what_one_does(target, tmp_path):
     merged = _lines(out)
     assert {r["id"]: r for r in merged} == {r["id"]: r for r in _lines(single)}
     assert [r["id"] for r in merged] == [c.id for c in convs]  # canonical: input order
+    # a single-process output (completion order) put in input order is the merge, byte for byte
+    D.put_in_input_order(convs, single)
+    assert single.read_bytes() == out.read_bytes()
     # a finished part is resumed, not redone; merging again gives the same bytes
     again = D.regenerate_part(target, convs, out, 0, 2, **KW)
     assert again.written == 0 and again.already_done == len(parts[0])

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from dspark_jax.data.features import FeatureCache
 from dspark_jax.train.metrics_log import read_jsonl
-from tiny_job import REPO, TINY_CONFIG, make_tiny_target, write_regenerated
+from tiny_job import (REPO, TINY_CONFIG, make_tiny_target, write_prompt_files,
+                      write_regenerated)
 
 pytestmark = pytest.mark.slow
 LAUNCH = REPO / "launch" / "local_multiprocess.sh"
@@ -27,13 +29,15 @@ def job(tmp_path_factory):
             root)
 
 
-def launch(job, name: str, num: int, local_devices: int, *extra: str, check: bool = True):
+def launch(job, name: str, num: int, local_devices: int, *extra: str, check: bool = True,
+           regenerated: bool = True):
     target, regen, root = job
     env = dict(os.environ, PYTHON=sys.executable, LOCAL_DEVICES=str(local_devices),
                LOG_DIR=str(root / f"logs_{name}"))
     env.pop("XLA_FLAGS", None)
+    data = [f"--config.data.regenerated={regen}"] if regenerated else []
     args = [f"--config.target={target}", f"--config.workdir={root / name}",
-            f"--config.data.regenerated={regen}", "--config.mesh.num_devices=-1",
+            *data, "--config.mesh.num_devices=-1",
             "--config.eval.batch_size=4", "--config.train.max_steps=4",
             "--config.logging.tensorboard=False", *extra]
     proc = subprocess.run(["bash", str(LAUNCH), str(num), TINY_CONFIG, *args], env=env,
@@ -84,3 +88,31 @@ def test_two_processes_equal_one_and_resume_after_sigkill(job):
     h = hashes(resumed)
     assert {s: h[s] for s in (3, 4)} == {s: hashes(two)[s] for s in (3, 4)}
     assert_same_params(resumed, two)
+
+
+def test_two_processes_regenerate_and_cache_features_as_one_does(job):
+    """No regenerated file and offline features: each of 2 processes regenerates its share of
+    the prompts and caches its share of the features with its own copy of the target; the
+    merged outputs, the batches and the trained parameters equal 1 process × 4 devices'."""
+    prompts = write_prompt_files(job[2] / "prompts")
+    extra = (f"--config.data.prompts=({','.join(map(repr, prompts))},)",
+             "--config.data.features=offline")
+    _, one = launch(job, "regen_one", 1, 4, *extra, regenerated=False)
+    _, two = launch(job, "regen_two", 2, 2, *extra, regenerated=False)
+    regen_one = (one / "data" / "regenerated.jsonl").read_text()
+    assert regen_one and regen_one == (two / "data" / "regenerated.jsonl").read_text()
+    assert list((two / "data").glob("regenerated.jsonl.part-*-of-2.jsonl"))  # made in parts
+    assert (two / "data" / "features" / "part-1-of-2").is_dir()
+    # the cached features agree to bf16 rounding (the stored dtype): the local target copies
+    # are FSDP over 2 and 4 devices, so fp32 sums differ in the last bits and a few values
+    # round to the neighbouring bf16; the parameters then agree to 1e-5 after 4 steps
+    c1, c2 = FeatureCache(one / "data" / "features"), FeatureCache(two / "data" / "features")
+    assert len(c1) == len(c2) > 0
+    for r in range(len(c1)):
+        a, b = c1[r], c2[r]
+        np.testing.assert_array_equal(a["input_ids"], b["input_ids"])
+        for f in ("features", "target_hidden"):
+            np.testing.assert_allclose(np.asarray(a[f], np.float32), np.asarray(b[f], np.float32),
+                                       rtol=2 ** -7, atol=1e-3, err_msg=f)
+    assert hashes(one) == hashes(two) and len(hashes(one)) == 4
+    assert_same_params(one, two, atol=1e-5)
