@@ -77,6 +77,16 @@ def regenerate_part(target: Any, conversations: Sequence[Conversation], out_path
     return stats
 
 
+def _read_lines_by_id(path: Path, records: dict[str, str]) -> None:
+    """Adds the JSONL lines of a regeneration output to `records` by id (a corrupt file is
+    refused, `scan_output`)."""
+    scan_output(path, truncate_torn=False)
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if line.strip():
+                records[json.loads(line)["id"]] = line if line.endswith("\n") else line + "\n"
+
+
 def _write_in_input_order(conversations: Sequence[Conversation], records: Mapping[str, str],
                           out_path: Path, foreign: str) -> None:
     """Writes the JSONL lines `records` (by id) to `out_path` in input order, atomically."""
@@ -99,12 +109,8 @@ def put_in_input_order(conversations: Sequence[Conversation], out_path: PathLike
     """Rewrites a finished single-process regeneration output in input order (it is written in
     completion order), so that one process and a merge of parts give the same file."""
     out_path = Path(out_path)
-    scan_output(out_path, truncate_torn=False)  # refuses a corrupt output
     records: dict[str, str] = {}
-    with open(out_path, encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                records[json.loads(line)["id"]] = line if line.endswith("\n") else line + "\n"
+    _read_lines_by_id(out_path, records)
     _write_in_input_order(conversations, records, out_path,
                           f"{out_path} holds ids that are not in the input prompts")
     return out_path
@@ -127,11 +133,7 @@ def merge_regenerated(conversations: Sequence[Conversation], out_path: PathLike,
             if settings is not None and s != settings:
                 raise RegenerationError(f"{meta}: settings differ from the other parts")
             settings = s
-        scan_output(path, truncate_torn=False)  # refuses corrupt parts
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    records[json.loads(line)["id"]] = line if line.endswith("\n") else line + "\n"
+        _read_lines_by_id(path, records)
     _write_in_input_order(conversations, records, out_path,
                           f"the parts of {out_path} hold ids that are not in the input")
     if settings is not None:
