@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import ml_collections
 
@@ -39,30 +39,32 @@ def heldout_arg(x: float) -> float | int:
     return int(x) if x >= 1 else float(x)
 
 
-_LOCAL_TARGET: dict[int, Any] = {}
-
-
-def process_local_target(c: ml_collections.ConfigDict, target: Any) -> Any:
-    """The target itself with one process; with several, a copy on this process's own devices
-    (loaded once, FSDP over them): per-process regeneration and feature caching run different
-    programs on different data in each process, which parameters sharded over the global mesh
-    cannot do."""
+def process_local_target(c: ml_collections.ConfigDict, target: Any) -> Callable[[], Any]:
+    """→ a function giving the target itself with one process; with several, a copy on this
+    process's own devices (FSDP over them, loaded on first use, then kept): per-process
+    regeneration and feature caching run different programs on different data in each
+    process, which parameters sharded over the global mesh cannot do."""
     import jax
 
-    if jax.process_count() == 1:
-        return target
-    if id(target) not in _LOCAL_TARGET:
-        from dspark_jax.models import load_target
-        from dspark_jax.sharding import make_mesh
+    held: list[Any] = []
 
-        local = jax.local_devices()
-        mesh = make_mesh(data=1, fsdp=len(local), tensor=1, devices=local)
-        _LOCAL_TARGET[id(target)] = load_target(c.target, dtype=c.train.target_dtype, mesh=mesh)
-    return _LOCAL_TARGET[id(target)]
+    def get() -> Any:
+        if jax.process_count() == 1:
+            return target
+        if not held:
+            from dspark_jax.models import load_target
+            from dspark_jax.sharding import make_mesh
+
+            local = jax.local_devices()
+            mesh = make_mesh(data=1, fsdp=len(local), tensor=1, devices=local)
+            held.append(load_target(c.target, dtype=c.train.target_dtype, mesh=mesh))
+        return held[0]
+
+    return get
 
 
-def prepare_conversations(c, target, workdir: pathlib.Path,
-                          is_main: bool) -> tuple[list, list, dict]:
+def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool,
+                          local_target: Callable[[], Any]) -> tuple[list, list, dict]:
     """(a)+(b): training and held-out regenerated conversations, and info for the summary."""
     import jax
 
@@ -82,7 +84,7 @@ def prepare_conversations(c, target, workdir: pathlib.Path,
         # the target and process 0 merges the parts into what one process writes (resumable;
         # the work directory must be visible to every process)
         stats = regenerate_distributed(
-            process_local_target(c, target), prompts, path,
+            local_target(), prompts, path,
             max_new_tokens=c.data.max_new_tokens, batch_size=c.data.regen_batch_size,
             temperature=c.data.temperature, top_p=c.data.top_p, top_k=c.data.top_k,
             seed=c.data.regen_seed, progress=c.logging.progress and is_main)
@@ -96,7 +98,8 @@ def prepare_conversations(c, target, workdir: pathlib.Path,
     return train, held, info
 
 
-def feature_source(c, target, draft_cfg, records: list, workdir: pathlib.Path):
+def feature_source(c, target, draft_cfg, records: list, workdir: pathlib.Path,
+                   local_target: Callable[[], Any]):
     """(c) offline mode: the feature cache for `records` (written once, then reused)."""
     import numpy as np
 
@@ -110,7 +113,7 @@ def feature_source(c, target, draft_cfg, records: list, workdir: pathlib.Path):
         # several processes: each caches its share of the records (longest first, dealt
         # round-robin) and process 0 writes the manifest that points into the parts
         write_feature_cache_distributed(
-            process_local_target(c, target), records, out, draft_cfg.target_layer_ids,
+            local_target(), records, out, draft_cfg.target_layer_ids,
             batch_size=c.data.feature_batch_size,
             progress=c.logging.progress and jax.process_index() == 0)
     cache = FeatureCache(out, expected_target=getattr(target, "name", "") or "",
@@ -139,7 +142,9 @@ def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
     from dspark_jax.data.pipeline import records_from_conversations
 
     # (a)+(b) prompts and regeneration
-    train_convs, held_convs, data_info = prepare_conversations(c, target, workdir, is_main)
+    local_target = process_local_target(c, target)
+    train_convs, held_convs, data_info = prepare_conversations(c, target, workdir, is_main,
+                                                               local_target)
     lap("prompts_and_regeneration")
     # (c) rendering + loss masks
     records, rstats = records_from_conversations(train_convs, target.tokenizer, c.data.max_length)
@@ -152,7 +157,8 @@ def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
         raise UsageError(f"no training records after rendering ({dict(rstats)}): more prompts or "
                          "a larger config.data.max_new_tokens / max_length are needed")
     online = c.data.features == "online"
-    source = records if online else feature_source(c, target, draft_cfg, records, workdir)
+    source = (records if online
+              else feature_source(c, target, draft_cfg, records, workdir, local_target))
     lap("records_and_features")
     return PreparedData(records=records, held_records=held_records, held_convs=held_convs,
                         source=source, info=data_info)

@@ -126,11 +126,10 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     used = jnp.max(m_al, axis=0) > 0                                   # [B,S] any step's weight
     order = jnp.argsort(~used, axis=1, stable=True)                    # used first, per row
     n_used = jnp.max(jnp.sum(used.astype(jnp.int32), axis=1))
-    h_al_o = jnp.take_along_axis(h_al, order[None, :, :, None], axis=2)  # [T,B,S,D]
-    m_al_o = jnp.take_along_axis(m_al, order[None], axis=2)            # [T,B,S]
-    w_o = jnp.take_along_axis(w_pos, order, axis=1)                     # [B,S]
+    h_p = jnp.take_along_axis(h_al, order[None, :, :, None], axis=2)    # [T,B,S,D] sorted
+    m_p = jnp.take_along_axis(m_al, order[None], axis=2)                # [T,B,S]
+    w_p = jnp.take_along_axis(w_pos, order, axis=1)                     # [B,S]
     tgt = jnp.take_along_axis(target_hidden_bsd.astype(model.dtype), order[..., None], axis=1)
-    h_p, m_p, w_p = h_al_o, m_al_o, w_o
     if pad:
         h_p = jnp.pad(h_p, ((0, 0), (0, 0), (0, pad), (0, 0)))
         m_p = jnp.pad(m_p, ((0, 0), (0, 0), (0, pad)))
