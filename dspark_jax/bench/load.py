@@ -2,8 +2,11 @@
 
 Closed loop: for each concurrency c, an engine with c request slots decodes `--requests-per-slot`
 × c prompts (a finished request's slot is refilled at once, so c requests stay in flight), for
-each scheduler mode (default: none, fixed, threshold, algorithm1, adaptive). Per (mode, c):
-aggregate output tok/s, per-user tok/s (median and p10 of tokens / (finish − join)), mean
+each scheduler mode (default: none, fixed, threshold, algorithm1, adaptive). Every mode's engine
+is built, compiled and run once over c prompts first (a served engine is warm: `adaptive` keeps
+what its policy learned there, `serving.policy`); then `--repeats` measured passes run with the
+modes interleaved, the order rotating each pass, so the machine's drift hits every mode alike.
+Per (mode, c): aggregate output tok/s (median pass, each pass listed), per-user tok/s (median and p10 of tokens / (finish − join)), mean
 verified draft tokens per request per round, τ, the fraction of rounds that ran the drafter
 (`adaptive` skips it when plain decoding is expected to be faster), the drafter's time per
 round and the seconds the engine spent profiling at start (SPS + drafter/plain-step costs; 0
@@ -55,6 +58,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measured passes per (mode, c), modes interleaved; the median is kept")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--threshold", type=float, default=0.5)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -99,42 +104,73 @@ def _load_draft(target: Any, spec: str) -> Any:
     return init_draft(target, {k: d[k] for k in keep if k in d}, seed=0)
 
 
-def run_point(target: Any, draft: Any, mode: str, c: int, a: argparse.Namespace
-              ) -> tuple[dict[str, Any], Any]:
+def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[int]],
+                 a: argparse.Namespace) -> Any:
+    """An engine with c slots for `mode`, compiled (warm-up) and run once over c prompts."""
     from dspark_jax.serving import Engine
 
     eng = Engine(target, draft if mode != "none" else None, max_requests=c,
                  max_len=a.max_len, scheduler=mode, threshold=a.threshold,
                  prefill_chunk=a.prefill_chunk, sampler=a.sampler, verifier=a.verifier,
                  sps_cache_dir=a.sps_cache_dir)
-    prompts = _prompts(target, c * a.requests_per_slot)
     eng.warmup()
     eng.generate(prompts[:c], max_new_tokens=a.max_new_tokens, temperature=a.temperature)
-    res = eng.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
-    n_tok = sum(len(t) for t in res.tokens)
+    return eng
+
+
+def summarize(mode: str, c: int, n_prompts: int, runs: list[Any], eng: Any) -> dict[str, Any]:
+    """One (mode, c) point from its repeated passes: aggregate tok/s is the median pass (each
+    pass's figure listed), everything else pooled over the passes."""
+    agg = [sum(len(t) for t in r.tokens) / r.wall_s for r in runs]
     costs = eng.profile_costs() if eng.draft is not None else {}
     per_user = [len(t) / max(p["finish_s"] - p["join_s"], 1e-9)
-                for t, p in zip(res.tokens, res.per_request)]
+                for r in runs for t, p in zip(r.tokens, r.per_request)]
+    rounds = [x for r in runs for x in r.rounds]
+    terms = [t for r in runs for q in r.per_request for t in q["acceptance"]]
     by_bucket: dict[int, list[float]] = {}
-    for r in res.rounds:
-        by_bucket.setdefault(r["capacity"], []).append(r["seconds"])
-    point = dict(
-        mode=mode, concurrency=c, requests=len(prompts), output_tokens=n_tok,
-        wall_s=res.wall_s, aggregate_tok_s=n_tok / res.wall_s,
+    for x in rounds:
+        by_bucket.setdefault(x["capacity"], []).append(x["seconds"])
+    return dict(
+        mode=mode, concurrency=c, requests=n_prompts,
+        output_tokens=sum(len(t) for t in runs[0].tokens), passes=len(runs),
+        wall_s=float(np.median([r.wall_s for r in runs])),
+        aggregate_tok_s=float(np.median(agg)), aggregate_tok_s_passes=[float(x) for x in agg],
         per_user_tok_s_median=float(np.median(per_user)),
         per_user_tok_s_p10=float(np.percentile(per_user, 10)),
-        verified_per_request_round=float(np.mean([r["verified_tokens"] / r["active"]
-                                                  for r in res.rounds])),
-        tau=res.tau, rounds=len(res.rounds),
-        drafted_fraction=float(np.mean([r.get("drafted", mode != "none")
-                                        for r in res.rounds])),
+        verified_per_request_round=float(np.mean([x["verified_tokens"] / x["active"]
+                                                  for x in rounds])),
+        tau=float(sum(terms) / max(len(terms), 1)), rounds=len(rounds) // len(runs),
+        drafted_fraction=float(np.mean([x.get("drafted", mode != "none") for x in rounds])),
         draft_ms_per_round=1e3 * costs["draft"] if costs else 0.0,
         plain_step_ms=1e3 * costs["plain"] if costs else None,
         engine_profile_s=float(eng.profile_seconds + eng.cost_profile_seconds),
         round_ms_by_bucket={str(k): 1e3 * float(np.mean(v))
                             for k, v in sorted(by_bucket.items())},
-        rounds_by_bucket={str(k): len(v) for k, v in sorted(by_bucket.items())})
-    return point, eng
+        rounds_by_bucket={str(k): len(v) // len(runs) for k, v in sorted(by_bucket.items())})
+
+
+def run_concurrency(target: Any, draft: Any, modes: list[str], c: int, a: argparse.Namespace
+                    ) -> list[tuple[dict[str, Any], Any]]:
+    """Every mode at concurrency c: engines built and warmed first, then `a.repeats` passes
+    over the same prompts with the modes interleaved (the order rotates each pass), so machine
+    drift hits every mode alike. → [(point, engine)] in `modes` order."""
+    prompts = _prompts(target, c * a.requests_per_slot)
+    engines, built = {}, {}
+    for m in modes:
+        t0 = time.perf_counter()
+        engines[m] = build_engine(target, draft, m, c, prompts, a)
+        built[m] = time.perf_counter() - t0
+    runs: dict[str, list[Any]] = {m: [] for m in modes}
+    for rep in range(a.repeats):
+        for m in modes[rep % len(modes):] + modes[:rep % len(modes)]:
+            runs[m].append(engines[m].generate(prompts, max_new_tokens=a.max_new_tokens,
+                                               temperature=a.temperature))
+    out = []
+    for m in modes:
+        point = summarize(m, c, len(prompts), runs[m], engines[m])
+        point["build_s"] = built[m]
+        out.append((point, engines[m]))
+    return out
 
 
 def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
@@ -218,6 +254,8 @@ def plots(points: list[dict[str, Any]], out: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     a = parse_args(argv)
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats must be ≥ 1, got {a.repeats}")
     from dspark_jax.bench.common import device_name
     from dspark_jax.models import load_target
 
@@ -234,16 +272,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     points, verify_s = [], {}
     t_all = time.perf_counter()
     for c in conc:
-        for m in modes:
-            t0 = time.perf_counter()
-            point, eng = run_point(target, draft, m, c, a)
+        t0 = time.perf_counter()
+        for point, eng in run_concurrency(target, draft, modes, c, a):
+            m = point["mode"]
             points.append(point)
-            print(f"c={c:3d} {m:10s} agg {point['aggregate_tok_s']:8.1f} tok/s  per-user "
-                  f"{point['per_user_tok_s_median']:7.1f} (p10 {point['per_user_tok_s_p10']:.1f})"
+            spread = "/".join(f"{x:.1f}" for x in point["aggregate_tok_s_passes"])
+            print(f"c={c:3d} {m:10s} agg {point['aggregate_tok_s']:8.1f} tok/s ({spread})  "
+                  f"per-user {point['per_user_tok_s_median']:7.1f} "
+                  f"(p10 {point['per_user_tok_s_p10']:.1f})"
                   f"  verified/req/round {point['verified_per_request_round']:.2f}  "
                   f"tau {point['tau']:.2f}  drafted {100 * point['drafted_fraction']:.0f}%  "
-                  f"draft {point['draft_ms_per_round']:.1f} ms/round  "
-                  f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+                  f"draft {point['draft_ms_per_round']:.1f} ms/round", flush=True)
             # verification step per bucket: once per c for the drafting modes (one program),
             # separately for "none" (its own drafter-free program)
             vkey = f"{c}/plain (none)" if m == "none" else str(c)
@@ -256,6 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                       + f" (SPS profiling {v['sps_profile_s']:.2f} s"
                       + ("" if v["grows_with_bucket"] or len(v["step_ms_by_bucket"]) < 2
                          else "; does NOT grow with the bucket") + ")", flush=True)
+        print(f"c={c:3d} done in {time.perf_counter() - t0:.0f} s", flush=True)
     result = dict(device=device_name(), target=a.target, draft=a.draft,
                   gamma=int(draft.config.num_drafts), settings=vars(a), points=points,
                   verify_step=verify_s, total_s=time.perf_counter() - t_all)

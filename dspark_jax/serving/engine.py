@@ -68,8 +68,10 @@ class Engine:
     time per round) and `plain_seconds` (a plain decoding step), in the units of `sps`; when
     None they are profiled with SPS (cached on disk), except that with `sps` passed in the
     drafter counts as free and a plain step as the verification step at n tokens (the paper's
-    rule: always draft). `probe_interval` / `max_probe_interval`: rounds without drafting
-    before a probe round drafts anyway while plain decoding wins (doubling at each probe).
+    rule: always draft). `probe_interval` / `max_probe_interval`: the least rounds between
+    probes while plain decoding wins (doubling at each probe); `explore`: the fraction of plain
+    decoding time that probes may cost (None: no limit). The adaptive policy's learned state
+    persists across `generate` calls; `reset_policy()` forgets it.
     """
 
     def __init__(self, target: Any, draft: Any = None, max_requests: int = 16,
@@ -80,7 +82,8 @@ class Engine:
                  verifier: str = "jax", sampler: str = "jax",
                  stop_token_ids: Sequence[int] | None = None, cap_to_budget: bool = True,
                  draft_seconds: float | None = None, plain_seconds: float | None = None,
-                 probe_interval: int = 4, max_probe_interval: int = 64):
+                 probe_interval: int = 4, max_probe_interval: int = 64,
+                 explore: float | None = 0.02):
         if scheduler not in R_.MODES:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(R_.MODES)}")
         if verifier not in R_.VERIFY_FNS:
@@ -105,8 +108,11 @@ class Engine:
             raise ValueError(f"probe_interval must be ≥ 1 and ≤ max_probe_interval, got "
                              f"probe_interval={probe_interval}, "
                              f"max_probe_interval={max_probe_interval}")
+        if explore is not None and not 0.0 <= float(explore) <= 1.0:
+            raise ValueError(f"explore must be in [0, 1] or None, got {explore}")
         self.probe_interval, self.max_probe_interval = int(probe_interval), int(
             max_probe_interval)
+        self.explore = None if explore is None else float(explore)
         self.target, self.mode = target, scheduler
         self.draft = draft if scheduler != "none" else None
         if self.draft is not None:
@@ -157,6 +163,7 @@ class Engine:
         self.sps_cache_dir, self.profile_repeats = sps_cache_dir, int(profile_repeats)
         self.sps = self._init_sps(sps, sps_cache_dir, profile_repeats)
         self._init_costs(sps, draft_seconds, plain_seconds)
+        self.reset_policy()
 
     # ------------------------------------------------------------------ state
     def _fresh_state(self) -> R_.EngineState:
@@ -297,10 +304,16 @@ class Engine:
         self.sps_draft = jnp.asarray(policy.drafting_sps_table(t_v, self.draft_seconds))
 
     def new_policy(self) -> policy.DraftPolicy:
-        """The per-`generate` state of the adaptive drafting choice (`serving.policy`)."""
+        """A fresh state of the adaptive drafting choice (`serving.policy`)."""
         return policy.DraftPolicy(self.verify_step_seconds, self.draft_seconds,
                                   self.plain_step_seconds, self.gamma, self.R * self.gamma,
-                                  self.probe_interval, self.max_probe_interval)
+                                  self.probe_interval, self.max_probe_interval,
+                                  explore=self.explore)
+
+    def reset_policy(self) -> None:
+        """Forgets what the adaptive policy learned (ρ, estimates, probe budget): the next
+        `generate` starts as a new engine does. Other modes have no policy (None)."""
+        self.policy = self.new_policy() if self.mode == "adaptive" else None
 
     def _init_sps(self, sps: Any, cache_dir: str | None, repeats: int) -> jax.Array:
         top = self.buckets[-1]
@@ -339,6 +352,7 @@ class Engine:
         if self.mode == "adaptive":   # rounds that skip drafting
             jax.block_until_ready(self._plain_step_fn()(self.buckets[0]))
         self.generate([[0]], max_new_tokens=2)
+        self.reset_policy()   # a dummy request teaches the policy nothing
 
     def round_seconds(self, prompts: Sequence[Sequence[int]], rounds: int,
                       temperature: float = 1.0, seed: int = 0) -> list[float]:
@@ -356,7 +370,7 @@ class Engine:
         kd = list(np.asarray(jax.random.key_data(jax.random.split(
             jax.random.key(int(seed), impl="threefry2x32"), n))))
         run = _Run(self, prompts, budget, [float(temperature)] * n, [0] * n, [1.0] * n, kd,
-                   [0.0] * n)
+                   [0.0] * n, fresh_policy=True)
         run.t0 = time.perf_counter()
         s = run._prefill(self._fresh_state(), run._admit(0.0))
         s = run._round(s)
@@ -416,7 +430,8 @@ class Engine:
 class _Run:
     """Host bookkeeping of one `Engine.generate` call."""
 
-    def __init__(self, eng: Engine, prompts, max_new, temps, tks, tps, kd, arrivals):
+    def __init__(self, eng: Engine, prompts, max_new, temps, tks, tps, kd, arrivals,
+                 fresh_policy: bool = False):
         self.e, self.prompts, self.max_new = eng, [list(map(int, p)) for p in prompts], max_new
         self.temps, self.tks, self.tps, self.kd, self.arrivals = temps, tks, tps, kd, arrivals
         n = len(prompts)
@@ -431,8 +446,10 @@ class _Run:
         self.slot_req = [-1] * eng.R
         self.free = collections.deque(range(eng.R))
         self.pending = collections.deque(sorted(range(n), key=lambda i: (arrivals[i], i)))
-        # adaptive: estimates of the last two rounds; the first two rounds admit everything
-        self.policy = eng.new_policy() if eng.mode == "adaptive" else None
+        # adaptive: the engine's drafting policy (its state persists across calls)
+        self.policy = eng.policy
+        if fresh_policy and self.policy is not None:
+            self.policy = eng.new_policy()
         self.no_drafts = (jnp.zeros((eng.R, 0), jnp.int32),
                           jnp.zeros((eng.R, 0, eng.V), jnp.float32))
 

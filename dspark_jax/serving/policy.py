@@ -21,19 +21,28 @@ carried to the current n (K capped at n·γ, G scaled by n / n_then). ρ is the 
 to predicted accepted drafts (an exponential average over drafting rounds, 1 at start): it keeps
 miscalibrated confidences — a random drafter's σ(c) ≈ 0.5 — from buying rounds that never pay.
 The round drafts iff Θ_b ≥ Θ_a (with t_d = 0 and t_plain = t_v(n) that always holds: the
-paper's behaviour). Before any estimate exists (the first two rounds) the round drafts as a
-probe (one draft token per request, see below) — admitting everything there cost six plain
-rounds each at c = 16 on the CPU load bench (the K = R(γ+1) bucket) for a drafter that turned
-out not to pay — unless even a drafter whose every draft is accepted (K = G = n·γ) could not
-pay; then it decodes plainly from the start and only probes draft.
+paper's behaviour). The very first round, with no estimate, drafts as a probe (one draft
+token per request, see below) — admitting everything there cost six plain rounds each at c = 16
+on the CPU load bench (the K = R(γ+1) bucket) for a drafter that turned out not to pay; the
+next round, whose two-rounds-old estimate does not exist yet either, decodes plainly.
 
-Re-probing: while (a) wins, no confidences arrive and the estimate goes stale, so a round drafts
-anyway once `probe_interval` rounds have passed since the last drafting round; each such probe
-doubles the interval (up to `max_probe_interval`), a won decision resets it. A probe's estimate
-is used two rounds later, like any other. A probe admits at most one draft token per active
-request (K = min(K*, n)): the drafter's confidences for every slot arrive whatever is admitted,
-and one verified token per request is enough to keep ρ current, so a probe costs t_d + t_v(2n)
-instead of the full t_v(n(γ+1)) (at c = 8 on the CPU load bench: ~200 instead of ~600 ms).
+Probing: while (a) wins, no confidences arrive and the estimate goes stale, so a round drafts
+anyway now and then as a probe. A probe admits at most one draft token per active request
+(K = min(K*, n)): the drafter's confidences for every slot arrive whatever is admitted, and one
+verified token per request keeps ρ current, so a probe costs t_d + t_v(2n) instead of the full
+t_v(n(γ+1)). Its price over a plain round, t_d + t_v(2n) − t_plain, is paid from an exploration
+budget that grows by `explore` · t_plain with every plain round: re-probing costs at most that
+fraction of plain decoding time however long plain decoding keeps winning (at c = 32 on the CPU
+load bench a probe costs ~1.8 plain rounds; probing every 4–64 rounds, as the first version
+did, lost 28% against `none` on a 46-round run). `probe_interval` is the least number of rounds
+between probes (doubling at each probe up to `max_probe_interval`; a won decision resets it);
+`explore=None` lifts the budget (probes by the interval alone). Only the very first round,
+when nothing is known, probes for free (unless even a drafter whose every draft is accepted,
+K = G = n·γ, could not pay: then the first probe waits for the budget too).
+
+The state persists across `Engine.generate` calls (one policy per engine, like a server that
+learns its drafter's acceptance once): ρ, the latest estimate (scaled to the current load) and
+the budget carry over; `Engine.reset_policy()` forgets them.
 
 Lossless: the choice uses only what earlier rounds produced (their confidences, acceptances and
 the active set), never the current round's drafts, so each round's verification lengths are
@@ -85,19 +94,26 @@ def plain_or_draft(n_active: int, est: Estimate, verify_seconds: np.ndarray,
 
 
 class DraftPolicy:
-    """Per-`generate` state of the choice: the two-round estimate queue, the probe back-off and
-    the calibration ratio ρ. `decide(n)` → (draft?, capacity to admit); `update(...)` after."""
+    """State of the choice (see the module docstring): the two-round estimate queue, the probe
+    spacing and budget, and the calibration ratio ρ. `decide(n)` → (draft?, capacity to admit);
+    `update(...)` after the round."""
 
     def __init__(self, verify_seconds: np.ndarray, draft_seconds: float,
-                 plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int, probe_interval: int = 4,
-                 max_probe_interval: int = 64, ratio_decay: float = 0.8):
+                 plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int,
+                 probe_interval: int = 4, max_probe_interval: int = 64,
+                 ratio_decay: float = 0.8, explore: float | None = 0.02):
         if probe_interval < 1 or max_probe_interval < probe_interval:
             raise ValueError(f"probe_interval must be ≥ 1 and ≤ max_probe_interval, got "
                              f"{probe_interval} and {max_probe_interval}")
+        if explore is not None and not 0.0 <= float(explore) <= 1.0:
+            raise ValueError(f"explore must be in [0, 1] or None, got {explore}")
         self.t_v, self.t_d, self.t_plain = verify_seconds, float(draft_seconds), plain_seconds
         self.gamma, self.initial_capacity = int(gamma), int(initial_capacity)
         self.probe0, self.probe_max = int(probe_interval), int(max_probe_interval)
         self.interval, self.since_draft = self.probe0, 0
+        self.explore = None if explore is None else float(explore)
+        self.budget = 0.0            # seconds of probing that plain rounds have paid for
+        self.started = False         # a round has been decided
         self.decay, self.pred, self.real = float(ratio_decay), 0.0, 0.0
         self.queue: list[Estimate | None] = [None, None]   # estimates of rounds t−2, t−1
 
@@ -108,26 +124,45 @@ class DraftPolicy:
             return 1.0
         return float(min(self.real / self.pred, 4.0))
 
+    def plain_seconds(self, n_active: int) -> float:
+        """t_plain at n active requests."""
+        t = np.asarray(self.t_plain, np.float64)
+        return float(t[min(int(n_active), t.shape[0] - 1)] if t.ndim else t)
+
+    def probe_cost(self, n_active: int, capacity: int) -> float:
+        """A probe's seconds over a plain round: t_d + t_v(n + min(K, n)) − t_plain(n) ≥ 0."""
+        n = int(n_active)
+        b = min(n + min(int(capacity), n), len(self.t_v) - 1)
+        return max(self.t_d + float(self.t_v[b]) - self.plain_seconds(n), 0.0)
+
     def decide(self, n_active: int) -> tuple[bool, int]:
         est = self.queue[0]
-        if est is None:   # nothing known yet: probe if a perfect drafter could pay
+        first, self.started = not self.started, True
+        if est is None:   # nothing known yet: would a perfect drafter pay?
             best = Estimate(self.initial_capacity, float(self.initial_capacity), n_active)
             want, _, _ = plain_or_draft(n_active, best, self.t_v, self.t_d, self.t_plain,
                                         self.gamma)
-            if want:
+            if want and first:   # the one free probe
                 return True, min(self.initial_capacity, n_active)
-            cap = self.initial_capacity
+            want, cap = False, self.initial_capacity
         else:
             want, _, _ = plain_or_draft(n_active, est, self.t_v, self.t_d, self.t_plain,
                                         self.gamma, self.ratio)
             cap = est.capacity
         if want:
-            if est is not None:
-                self.interval = self.probe0
+            self.interval = self.probe0
             return True, cap
-        if self.since_draft + 1 >= self.interval:   # probe: refresh the confidences, cheaply
+        cap = min(cap, n_active)
+        cost = self.probe_cost(n_active, cap)
+        if self.since_draft + 1 >= self.interval and (self.explore is None
+                                                      or self.budget >= cost):
             self.interval = min(2 * self.interval, self.probe_max)
-            return True, min(cap, n_active)
+            if self.explore is not None:
+                self.budget -= cost
+            return True, cap
+        if self.explore is not None:   # this plain round pays into the probing budget
+            self.budget = min(self.budget + self.explore * self.plain_seconds(n_active),
+                              max(cost, self.budget))
         return False, 0
 
     def update(self, drafted: bool, est: Estimate | None = None, predicted: float = 0.0,

@@ -99,7 +99,7 @@ def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref):
     committed token's features exactly as a prefill of the committed sequence writes them
     (skipped rounds included)."""
     kw = dict(scheduler="adaptive", sps=SPS, draft_seconds=100.0, probe_interval=2,
-              max_probe_interval=2)
+              max_probe_interval=2, explore=None)
     eng = Engine(target, draft, **kw, **ENGINE_KW)
     res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
     assert res.tokens == greedy_ref
@@ -120,6 +120,32 @@ def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref):
     for got, want in ((s.draft_cache.k, ref.draft_cache.k), (s.draft_cache.v, ref.draft_cache.v)):
         np.testing.assert_allclose(np.asarray(got[:, 0, :L]), np.asarray(want[:, 0, :L]),
                                    atol=1e-4)
+
+
+def test_adaptive_policy_persists_across_generate_calls(target, draft, greedy_ref):
+    """One policy per engine: the second `generate` starts from what the first learned (no
+    second free probe: it decides on the carried estimate queue, ρ and budget), output stays
+    exact; `reset_policy` and `warmup` start over."""
+    kw = dict(scheduler="adaptive", sps=SPS, draft_seconds=0.5, plain_seconds=1.0)
+    eng = Engine(target, draft, **kw, **ENGINE_KW)
+    first = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert first.tokens == greedy_ref
+    assert first.rounds[0]["drafted"]          # the free first probe
+    pol = eng.policy
+    assert pol.started and pol.queue[1] is not None
+    carried = (list(pol.queue), pol.ratio, pol.budget)
+    seen = []
+    decide = pol.decide
+    pol.decide = lambda n: seen.append((list(pol.queue), pol.ratio, pol.budget)) or decide(n)
+    second = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert second.tokens == greedy_ref
+    assert eng.policy is pol and seen[0] == carried
+    eng.reset_policy()
+    assert eng.policy is not pol and not eng.policy.started
+    third = eng.generate(PROMPTS[:2], max_new_tokens=4)
+    assert third.rounds[0]["drafted"]
+    eng.warmup()
+    assert not eng.policy.started
 
 
 def test_stop_token_among_accepted_drafts_follows_deepspec(target, draft):

@@ -66,7 +66,7 @@ def _chi2(counts, probs):
 
 # "adaptive_skip": adaptive with a drafter that costs more than it could ever gain, probing
 # every 2nd round, so rounds alternate plain decoding (drafter not run) and drafting
-SKIP_KW = dict(draft_seconds=1e3, probe_interval=2, max_probe_interval=2)
+SKIP_KW = dict(draft_seconds=1e3, probe_interval=2, max_probe_interval=2, explore=None)
 
 
 def _run(target, draft, mode, n, verifier="jax", top_k=0, top_p=1.0, sampler="jax"):

@@ -66,21 +66,21 @@ def test_estimate_scales_to_current_load():
 def test_probe_backoff_and_reset():
     bad = policy.Estimate(capacity=0, gain=0.0, n_active=R)
     good = policy.Estimate(capacity=R * G, gain=R * G * 0.95, n_active=R)
-    pol = policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, probe_interval=2, max_probe_interval=4)
+    pol = policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, probe_interval=2, max_probe_interval=4,
+                             explore=None)
     flags = []
     for _ in range(14):
         d, cap = pol.decide(R)
         flags.append(d)
-        assert cap <= R   # probes (the first two rounds included) admit ≤ one token a request
-        if len(flags) <= 2:
+        assert cap <= R   # probes (the first round's included) admit ≤ one token a request
+        if len(flags) == 1:
             assert d and cap == R
         pol.update(d, bad if d else None, predicted=1.0, realised=1.0)
-    # two unknown rounds probe, then probes after 2, 4, 4, ... rounds
-    assert flags == [True, True, False, True, False, False, False, True, False, False, False,
-                     True, False, False]
+    # the unknown first round probes, the second (no two-rounds-old estimate) does not, then
+    # probes after 2, 4, 4, ... rounds
+    assert flags == [True, False, True, False, False, False, True, False, False, False,
+                     True, False, False, False]
     # a probe that finds a good drafter is used two rounds later, and resets the interval
-    d, _ = pol.decide(R)
-    pol.update(d, None)
     d, _ = pol.decide(R)
     assert d   # the 4th round since the last draft: a probe
     pol.update(True, good, predicted=1.0, realised=1.0)
@@ -91,11 +91,35 @@ def test_probe_backoff_and_reset():
     assert d and cap == R * G and pol.interval == 2
 
 
+def test_probe_budget_bounds_probing_time():
+    """With `explore` = ε, probes cost at most ε of the plain decoding time: a drafter that
+    never pays is probed about every cost / (ε · t_plain) rounds, however many rounds run."""
+    bad = policy.Estimate(capacity=0, gain=0.0, n_active=R)
+    eps, t_d = 0.05, 0.2
+    pol = policy.DraftPolicy(T_V, t_d, 1.0, G, R * G, probe_interval=1, max_probe_interval=1,
+                             explore=eps)
+    assert pol.probe_cost(R, R) == pytest.approx(t_d + T_V[2 * R] - 1.0)
+    cost = pol.probe_cost(R, bad.capacity)   # K* = 0: a probe only drafts
+    assert cost == pytest.approx(t_d)
+    flags = []
+    for _ in range(400):
+        d, cap = pol.decide(R)
+        flags.append(d)
+        pol.update(d, bad if d else None)
+    probes = sum(flags[1:])   # the first round's free probe aside
+    plain = flags.count(False)
+    assert probes * cost <= eps * plain * 1.0 + cost   # the budget holds (one probe of slack)
+    assert probes >= int(eps * plain / cost) - 1        # and is spent: probing does not stop
+    gaps = np.diff(np.nonzero(flags)[0][1:])
+    assert gaps.min() >= int(cost / eps) - 1
+
+
 def test_hopeless_drafter_decodes_plainly_from_the_start():
     """No estimate yet, but even all-accepted drafts cannot pay for this drafter: plain
     decoding from round 1, probes only (one draft token per request: a probe only refreshes the
-    confidences and ρ)."""
-    pol = policy.DraftPolicy(T_V, 100.0, 1.0, G, R * G, probe_interval=2, max_probe_interval=2)
+    confidences and ρ); under the default budget such a drafter is almost never probed."""
+    pol = policy.DraftPolicy(T_V, 100.0, 1.0, G, R * G, probe_interval=2, max_probe_interval=2,
+                             explore=None)
     flags = []
     for _ in range(5):
         d, cap = pol.decide(R)
@@ -103,6 +127,13 @@ def test_hopeless_drafter_decodes_plainly_from_the_start():
         assert cap == (R if d else 0)
         pol.update(d, None)
     assert flags == [False, True, False, True, False]
+    pol = policy.DraftPolicy(T_V, 100.0, 1.0, G, R * G)
+    flags = []
+    for _ in range(200):
+        d, _ = pol.decide(R)
+        flags.append(d)
+        pol.update(d, None)
+    assert not any(flags)   # 200 plain rounds at ε = 2% buy 4 s, a probe costs ~100 s
 
 
 def test_ratio_tracks_realised_acceptance():
@@ -113,3 +144,5 @@ def test_ratio_tracks_realised_acceptance():
     assert pol.ratio == 0.0
     with pytest.raises(ValueError, match="probe_interval"):
         policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, probe_interval=0)
+    with pytest.raises(ValueError, match="explore"):
+        policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, explore=1.5)
