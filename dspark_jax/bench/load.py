@@ -62,6 +62,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="measured passes per (mode, c), modes interleaved; the median is kept")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--threshold", type=float, default=0.5)
+    p.add_argument("--explore", type=float, default=0.01,
+                   help="adaptive: the fraction of plain-decoding time probes may cost")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--prefill-chunk", type=int, default=128)
@@ -112,7 +114,7 @@ def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[
     eng = Engine(target, draft if mode != "none" else None, max_requests=c,
                  max_len=a.max_len, scheduler=mode, threshold=a.threshold,
                  prefill_chunk=a.prefill_chunk, sampler=a.sampler, verifier=a.verifier,
-                 sps_cache_dir=a.sps_cache_dir)
+                 sps_cache_dir=a.sps_cache_dir, explore=a.explore)
     eng.warmup()
     eng.generate(prompts[:c], max_new_tokens=a.max_new_tokens, temperature=a.temperature)
     return eng
@@ -191,12 +193,14 @@ def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any]) -> str:
     """The load table and the per-bucket verification times as markdown (for BENCHMARKS.md)."""
-    rows = ["| c | mode | agg tok/s | per-user tok/s median (p10) | verified/req/round | τ | "
+    rows = ["| c | mode | agg tok/s (passes) | per-user tok/s median (p10) | verified/req/round | τ | "
             "drafted rounds | draft ms/round | engine profiling s | rounds | "
             "whole-round ms by bucket K |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
         rb = ", ".join(f"{k}: {v:.0f}" for k, v in p["round_ms_by_bucket"].items())
-        rows.append(f"| {p['concurrency']} | {p['mode']} | {p['aggregate_tok_s']:.1f} | "
+        passes = "/".join(f"{x:.1f}" for x in p.get("aggregate_tok_s_passes", []))
+        rows.append(f"| {p['concurrency']} | {p['mode']} | {p['aggregate_tok_s']:.1f}"
+                    f"{f' ({passes})' if passes else ''} | "
                     f"{p['per_user_tok_s_median']:.1f} ({p['per_user_tok_s_p10']:.1f}) | "
                     f"{p['verified_per_request_round']:.2f} | {p['tau']:.2f} | "
                     f"{100 * p['drafted_fraction']:.0f}% | {p['draft_ms_per_round']:.1f} | "

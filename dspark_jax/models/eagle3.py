@@ -36,7 +36,7 @@ Position bookkeeping for the speculative decoding engine (cache position = t of 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -91,13 +91,10 @@ def ttt_dense_mask(base_mask_bts: jax.Array, step: int) -> jax.Array:
     return jnp.concatenate([base_mask_bts] + [eye] * step, axis=-1)
 
 
-def ttt_attend(q_btnh: jax.Array, k0_bskh: jax.Array, v0_bskh: jax.Array,
-               kd_jbtkh: jax.Array, vd_jbtkh: jax.Array, base_mask_bts: jax.Array,
-               diag_valid_j: jax.Array) -> jax.Array:
-    """Attention of one TTT step over [step-0 keys ; own-position keys of steps 1..T−1]
-    without materialising the (s+1)·S-wide key axis: the diagonal keys only ever meet the
-    query at the same position, so their scores are a per-position dot product.
-    q [B,T,N,H]; k0/v0 [B,S,K,H]; kd/vd [J,B,T,K,H] (J = ttt_length − 1); → [B,T,N,H]."""
+def _ttt_attend_rows(q_btnh: jax.Array, k0_bskh: jax.Array, v0_bskh: jax.Array,
+                     kd_jbtkh: jax.Array, vd_jbtkh: jax.Array, base_mask_bts: jax.Array,
+                     diag_valid_j: jax.Array) -> jax.Array:
+    """`ttt_attend` for all T query rows at once (scores [B, K, G, T, S + J])."""
     B, T, N, H = q_btnh.shape
     K = k0_bskh.shape[2]
     q = q_btnh.reshape(B, T, K, N // K, H)
@@ -116,6 +113,48 @@ def ttt_attend(q_btnh: jax.Array, k0_bskh: jax.Array, v0_bskh: jax.Array,
            + jnp.einsum("BKGTJ,JBTKH->BTKGH", probs[..., S:], vd_jbtkh,
                         preferred_element_type=jnp.float32))
     return out.reshape(B, T, N, H).astype(q_btnh.dtype)
+
+
+def map_query_chunks(fn: Any, chunk: int | None, rows: Sequence[tuple[jax.Array, int]]
+                     ) -> jax.Array:
+    """fn(*rows) for attention whose query rows are independent, computed C = `chunk` query
+    rows at a time: each row operand (array, its query axis) is padded to a multiple of C and
+    split, each chunk is a checkpointed step of `lax.map` (recomputed in the backward pass), and
+    the [B, T, ...] outputs are joined and cut back to T rows. The f32 scores then live as
+    [.., C, S] instead of [.., T, S]. chunk None/0 or ≥ T: fn(*rows) at once."""
+    T = rows[0][0].shape[rows[0][1]]
+    if not chunk or int(chunk) >= T:
+        return fn(*(x for x, _ in rows))
+    C = int(chunk)
+    n = -(-T // C)
+    pad = n * C - T
+
+    def split(x, axis):   # [.., T, ..] → [n, .., C, ..]
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, pad)
+        x = jnp.pad(x, widths)
+        return jnp.moveaxis(x.reshape(x.shape[:axis] + (n, C) + x.shape[axis + 1:]), axis, 0)
+
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(split(x, ax) for x, ax in rows))
+    B = out.shape[1]
+    return jnp.moveaxis(out, 0, 1).reshape((B, n * C) + out.shape[3:])[:, :T]
+
+
+def ttt_attend(q_btnh: jax.Array, k0_bskh: jax.Array, v0_bskh: jax.Array,
+               kd_jbtkh: jax.Array, vd_jbtkh: jax.Array, base_mask_bts: jax.Array,
+               diag_valid_j: jax.Array, query_chunk: int | None = None) -> jax.Array:
+    """Attention of one TTT step over [step-0 keys ; own-position keys of steps 1..T−1]
+    without materialising the (s+1)·S-wide key axis: the diagonal keys only ever meet the
+    query at the same position, so their scores are a per-position dot product.
+    q [B,T,N,H]; k0/v0 [B,S,K,H]; kd/vd [J,B,T,K,H] (J = ttt_length − 1); → [B,T,N,H].
+    `query_chunk`: C query rows at a time (`map_query_chunks`): scores [B, K, G, C, S] instead
+    of the S² term [B, K, G, T, S] (2.5 GiB f32 per layer-step at Qwen3-14B, S = 4096). Padded
+    rows see no step-0 key (finite NEG_INF scores: no NaN) and are cut."""
+    def rows(q, kd, vd, mask):
+        return _ttt_attend_rows(q, k0_bskh, v0_bskh, kd, vd, mask, diag_valid_j)
+
+    return map_query_chunks(rows, query_chunk, ((q_btnh, 1), (kd_jbtkh, 2), (vd_jbtkh, 2),
+                                                (base_mask_bts, 1)))
 
 
 # ----------------------------------------------------------------------------- inference state
@@ -195,12 +234,15 @@ class Eagle3Draft(nnx.Module):
     # ------------------------------------------------------------------ training (TTT)
     def ttt_hidden(self, feats_bsf: jax.Array, input_ids_bs: jax.Array,
                    segment_ids_bs: jax.Array | None = None, ttt_length: int | None = None,
-                   remat: bool = False, positions_bs: jax.Array | None = None) -> jax.Array:
+                   remat: bool = False, positions_bs: jax.Array | None = None,
+                   query_chunk: int | None = None) -> jax.Array:
         """Output hiddens (pre-final-norm) of every TTT step [T, B, S, D] (SPEC §5).
 
         Step s at position t reads embed(x_{t+1+s}) (token 0 past the end; such positions are
         masked by the loss) and, for s > 0, step s−1's output at t in place of g_t. Step-0
-        RoPE positions are `positions_bs` if given, else 0..S−1 restarting per segment."""
+        RoPE positions are `positions_bs` if given, else 0..S−1 restarting per segment.
+        `query_chunk`: attention query rows per chunk in every step (`map_query_chunks`;
+        None: all S rows at once)."""
         T = int(ttt_length or self.cfg.ttt_length)
         B, S = input_ids_bs.shape
         stack, hn = self._stack()
@@ -219,7 +261,9 @@ class Eagle3Draft(nnx.Module):
         def layer0(h, xs):
             lp, hn_d = xs
             q, k, v = self._qkv(lp, hn_d, emb0, h, pos0)
-            return self._layer_out(lp, h, L.attend(q, k, v, base_mask)), (k, v)
+            attn = map_query_chunks(lambda q_, m_: L.attend(q_, k, v, m_), query_chunk,
+                                    ((q, 1), (base_mask, 1)))
+            return self._layer_out(lp, h, attn), (k, v)
 
         if remat:
             layer0 = jax.checkpoint(layer0)
@@ -242,7 +286,7 @@ class Eagle3Draft(nnx.Module):
                 q, k, v = self._qkv(lp, hn_d, emb, h, pos)
                 kd_l = jax.lax.dynamic_update_index_in_dim(kd_l, k, s - 1, axis=0)
                 vd_l = jax.lax.dynamic_update_index_in_dim(vd_l, v, s - 1, axis=0)
-                attn = ttt_attend(q, k0_l, v0_l, kd_l, vd_l, base_mask, valid)
+                attn = ttt_attend(q, k0_l, v0_l, kd_l, vd_l, base_mask, valid, query_chunk)
                 return self._layer_out(lp, h, attn), (kd_l, vd_l)
 
             if remat:

@@ -83,7 +83,7 @@ class Engine:
                  stop_token_ids: Sequence[int] | None = None, cap_to_budget: bool = True,
                  draft_seconds: float | None = None, plain_seconds: float | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64,
-                 explore: float | None = 0.02):
+                 explore: float | None = 0.01):
         if scheduler not in R_.MODES:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(R_.MODES)}")
         if verifier not in R_.VERIFY_FNS:

@@ -101,7 +101,7 @@ class DraftPolicy:
     def __init__(self, verify_seconds: np.ndarray, draft_seconds: float,
                  plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int,
                  probe_interval: int = 4, max_probe_interval: int = 64,
-                 ratio_decay: float = 0.8, explore: float | None = 0.02):
+                 ratio_decay: float = 0.8, explore: float | None = 0.01):
         if probe_interval < 1 or max_probe_interval < probe_interval:
             raise ValueError(f"probe_interval must be ≥ 1 and ≤ max_probe_interval, got "
                              f"{probe_interval} and {max_probe_interval}")

@@ -92,7 +92,8 @@ def _unshift(x_tbs: jax.Array) -> jax.Array:
 def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
                      loss_mask_bs: jax.Array, target_hidden_bsd: jax.Array, *,
                      segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                     chunk_size: int = 64, remat: bool = False) -> dict[str, jax.Array]:
+                     chunk_size: int = 64, remat: bool = False,
+                     query_chunk: int | None = None) -> dict[str, jax.Array]:
     """Additive sums of the TTT loss over a (micro-)batch (what the train step accumulates).
 
     feats [B, S, n·d] target taps; input_ids [B, S]; loss_mask [B, S]; target_hidden [B, S, d]
@@ -107,7 +108,7 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     T = cfg.ttt_length
     B, S = input_ids_bs.shape
     hs = model.ttt_hidden(feats_bsf, input_ids_bs, segment_ids, T, remat=remat,
-                          positions_bs=positions)                         # [T,B,S,D]
+                          positions_bs=positions, query_chunk=query_chunk)                         # [T,B,S,D]
     h_al, m_al = _aligned_steps(hs, loss_mask_bs, segment_ids)
     D = hs.shape[-1]
     local_mean = cfg.eagle3_loss_normalization == "local_mean"
@@ -224,7 +225,7 @@ def eagle3_metrics_from_sums(sums: dict[str, jax.Array]) -> dict[str, jax.Array]
 def eagle3_loss(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
                 loss_mask_bs: jax.Array, target_hidden_bsd: jax.Array, *,
                 segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                chunk_size: int = 64, remat: bool = False
+                chunk_size: int = 64, remat: bool = False, query_chunk: int | None = None
                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """TTT loss of an `Eagle3Draft` on one batch → (loss, metrics).
 
@@ -234,7 +235,7 @@ def eagle3_loss(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     """
     sums = eagle3_loss_sums(model, feats_bsf, input_ids_bs, loss_mask_bs, target_hidden_bsd,
                             segment_ids=segment_ids, positions=positions,
-                            chunk_size=chunk_size, remat=remat)
+                            chunk_size=chunk_size, remat=remat, query_chunk=query_chunk)
     metrics = eagle3_metrics_from_sums(sums)
     tokens = jnp.maximum(sums["step_tokens"], 1.0)
     metrics.update(step_loss=sums["step_num"] / jnp.maximum(sums["step_den"], 1e-6),

@@ -136,7 +136,10 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
     `sums["objective"]` (divide by Σw = `sums["weight"]` for the loss). `max_segments`: the most
     packed sequences in a row (each gets up to num_anchors anchors). `remat`: recompute the
     drafter's layers and each anchor chunk's logits in the backward pass (memory ∝ one chunk)
-    instead of keeping them (one LM-head matmul fewer per chunk: faster where memory allows)."""
+    instead of keeping them (one LM-head matmul fewer per chunk: faster where memory allows).
+    `attn_key_chunk`: the drafter attention's memory chunk — context keys per online-softmax
+    chunk of the DSpark/DFlash block attention, query rows per chunk of the Eagle3 TTT
+    attention (None: dense scores)."""
 
     def fn(params, frozen, target_state, mb, key):
         draft = nnx.merge(draft_graphdef, params, frozen)
@@ -151,7 +154,8 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
             from dspark_jax.train.eagle3_loss import eagle3_loss_sums
 
             return eagle3_loss_sums(draft, feats, mb["input_ids"], mb["loss_mask"], hidden,
-                                    segment_ids=mb["segment_ids"], remat=remat)
+                                    segment_ids=mb["segment_ids"], remat=remat,
+                                    query_chunk=attn_key_chunk)
         sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
                                 positions=mb["positions"], segment_ids=mb["segment_ids"],
                                 anchor_chunk=anchor_chunk, max_segments=max_segments,

@@ -278,16 +278,18 @@ def test_gradients_reach_trainable_params_only(target):
 
 def test_chunked_loss_and_gradients_equal_the_unchunked_ones(draft):
     """fp32: the position-chunked logits (chunk 3 over S = 10: a padded last chunk) with the
-    TTT layers rematerialised (the train step's setting) give the loss and parameter gradients
-    of one chunk over the whole sequence without remat."""
+    TTT layers rematerialised (the train step's setting) and the TTT attention in query chunks
+    of 4 (padded too; step 0 included) give the loss and parameter gradients of one chunk over
+    the whole sequence without remat and with dense attention scores."""
     feats, ids, lmask, tgt = _batch(4)
     seg = np.asarray([[1] * 6 + [2] * 4, [1] * 8 + [0] * 2], np.int32)
     graphdef, params, rest = nnx.split(draft, nnx.Param, ...)
 
-    def loss_and_grads(chunk_size, remat):
+    def loss_and_grads(chunk_size, remat, query_chunk=None):
         def f(p):
             return eagle3_loss(nnx.merge(graphdef, p, rest), feats, ids, lmask * (seg > 0), tgt,
-                               segment_ids=seg, chunk_size=chunk_size, remat=remat)[0]
+                               segment_ids=seg, chunk_size=chunk_size, remat=remat,
+                               query_chunk=query_chunk)[0]
 
         val, g = jax.jit(jax.value_and_grad(f))(params)
         return float(val), {"/".join(map(str, k)): np.asarray(v.get_value())
@@ -295,7 +297,7 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_ones(draft):
 
     ref_loss, ref_grads = loss_and_grads(10, False)             # one chunk: the whole sequence
     assert np.isfinite(ref_loss) and ref_loss > 0
-    loss, grads = loss_and_grads(3, True)
+    loss, grads = loss_and_grads(3, True, query_chunk=4)
     assert abs(loss - ref_loss) <= 1e-6 * ref_loss
     assert grads.keys() == ref_grads.keys()
     for k, g in grads.items():

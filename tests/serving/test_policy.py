@@ -133,7 +133,7 @@ def test_hopeless_drafter_decodes_plainly_from_the_start():
         d, _ = pol.decide(R)
         flags.append(d)
         pol.update(d, None)
-    assert not any(flags)   # 200 plain rounds at ε = 2% buy 4 s, a probe costs ~100 s
+    assert not any(flags)   # 200 plain rounds at ε = 1% buy 2 s, a probe costs ~100 s
 
 
 def test_ratio_tracks_realised_acceptance():
