@@ -86,17 +86,19 @@ def cache_key(target_cfg: Any, dtype: Any, num_slots: int, max_len: int,
 
 def profile_buckets(step_fn: Callable[[int], Any], buckets: Sequence[int], *,
                     repeats: int = 3) -> dict[int, float]:
-    """Median seconds of `step_fn(K)` per bucket (one untimed call first: compilation)."""
-    out = {}
-    for K in buckets:
-        jax.block_until_ready(step_fn(int(K)))
-        times = []
-        for _ in range(repeats):
+    """Median seconds of `step_fn(K)` per bucket. Every bucket is called once untimed first
+    (compilation), then the timed calls go round-robin over the buckets, `repeats` rounds, so
+    that the machine's drift hits every bucket alike instead of bending the profile."""
+    ks = [int(K) for K in buckets]
+    for K in ks:
+        jax.block_until_ready(step_fn(K))
+    times: dict[int, list[float]] = {K: [] for K in ks}
+    for _ in range(repeats):
+        for K in ks:
             t0 = time.perf_counter()
-            jax.block_until_ready(step_fn(int(K)))
-            times.append(time.perf_counter() - t0)
-        out[int(K)] = float(np.median(times))
-    return out
+            jax.block_until_ready(step_fn(K))
+            times[K].append(time.perf_counter() - t0)
+    return {K: float(np.median(v)) for K, v in times.items()}
 
 
 def load_or_profile(key: str, cache_dir: str | os.PathLike | None, step_fn: Callable[[int], Any],
