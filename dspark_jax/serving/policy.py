@@ -75,6 +75,12 @@ def drafting_sps_table(verify_seconds: Sequence[float], draft_seconds: float) ->
     return (1.0 / np.maximum(t + float(draft_seconds), 1e-12)).astype(np.float32)
 
 
+def plain_at(plain_seconds: float | np.ndarray, n_active: int) -> float:
+    """t_plain at n active requests (a scalar, or [n] by active requests, clipped)."""
+    t = np.asarray(plain_seconds, np.float64)
+    return float(t[min(int(n_active), t.shape[0] - 1)] if t.ndim else t)
+
+
 def plain_or_draft(n_active: int, est: Estimate, verify_seconds: np.ndarray,
                    draft_seconds: float, plain_seconds: float | np.ndarray, gamma: int,
                    ratio: float = 1.0) -> tuple[bool, float, float]:
@@ -82,10 +88,7 @@ def plain_or_draft(n_active: int, est: Estimate, verify_seconds: np.ndarray,
     plain_seconds a scalar or [n] (t_plain by active requests). → (draft?, Θ_a, Θ_b) in
     tokens/second."""
     n = int(n_active)
-    t_plain = np.asarray(plain_seconds, np.float64)
-    if t_plain.ndim:
-        t_plain = t_plain[min(n, t_plain.shape[0] - 1)]
-    theta_plain = n / max(float(t_plain), 1e-12)
+    theta_plain = n / max(plain_at(plain_seconds, n), 1e-12)
     k = min(int(est.capacity), n * int(gamma))
     gain = float(ratio) * float(est.gain) * n / max(int(est.n_active), 1)
     b = min(n + k, len(verify_seconds) - 1)
@@ -124,16 +127,11 @@ class DraftPolicy:
             return 1.0
         return float(min(self.real / self.pred, 4.0))
 
-    def plain_seconds(self, n_active: int) -> float:
-        """t_plain at n active requests."""
-        t = np.asarray(self.t_plain, np.float64)
-        return float(t[min(int(n_active), t.shape[0] - 1)] if t.ndim else t)
-
     def probe_cost(self, n_active: int, capacity: int) -> float:
         """A probe's seconds over a plain round: t_d + t_v(n + min(K, n)) − t_plain(n) ≥ 0."""
         n = int(n_active)
         b = min(n + min(int(capacity), n), len(self.t_v) - 1)
-        return max(self.t_d + float(self.t_v[b]) - self.plain_seconds(n), 0.0)
+        return max(self.t_d + float(self.t_v[b]) - plain_at(self.t_plain, n), 0.0)
 
     def decide(self, n_active: int) -> tuple[bool, int]:
         est = self.queue[0]
@@ -161,7 +159,7 @@ class DraftPolicy:
                 self.budget -= cost
             return True, cap
         if self.explore is not None:   # this plain round pays into the probing budget
-            self.budget = min(self.budget + self.explore * self.plain_seconds(n_active),
+            self.budget = min(self.budget + self.explore * plain_at(self.t_plain, n_active),
                               max(cost, self.budget))
         return False, 0
 
