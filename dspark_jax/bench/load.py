@@ -51,9 +51,13 @@ PROMPTS = [
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="target name or HF directory")
+    p.add_argument("--target", required=True,
+                   help="embedded target name, HF directory, or a random-weight shape of "
+                        "bench.common.SHAPES (e.g. qwen3-8b: synthetic prompts, no tokenizer)")
     p.add_argument("--draft", required=True,
                    help="DeepSpec-format drafter directory, or 'random' (random-init DSpark)")
+    p.add_argument("--draft-layers", type=int, default=2, help="layers of a 'random' drafter")
+    p.add_argument("--rank", type=int, default=64, help="Markov rank of a 'random' drafter")
     p.add_argument("--modes", default="none,fixed,threshold,algorithm1,adaptive")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-slot", type=int, default=2)
@@ -90,7 +94,16 @@ def _prompts(target: Any, n: int) -> list[list[int]]:
     return out
 
 
-def _load_draft(target: Any, spec: str) -> Any:
+def _load_target(name: str, dtype: str) -> Any:
+    """A real target (with its tokenizer), or a named random-weight shape (bench.common)."""
+    from dspark_jax.bench.common import SHAPES, build_target
+    from dspark_jax.models import load_target
+
+    # build_target loads real targets without their tokenizer; the load benchmark wants it
+    return build_target(name, dtype) if name in SHAPES else load_target(name, dtype=dtype)
+
+
+def _load_draft(target: Any, spec: str, layers: int = 2, rank: int = 64) -> Any:
     from dspark_jax.models import init_draft, load_draft
 
     if spec != "random":
@@ -98,6 +111,7 @@ def _load_draft(target: Any, spec: str) -> Any:
     from configs.smollm2_dspark import get_config
 
     d = get_config().draft.to_dict()
+    d["num_draft_layers"], d["markov_rank"] = layers, rank
     n = target.config.num_hidden_layers
     d["target_layer_ids"] = tuple(x for x in d["target_layer_ids"] if x < n - 1) or (0,)
     d["mask_token_id"] = min(int(d["mask_token_id"]), target.config.vocab_size - 1)
@@ -191,6 +205,17 @@ def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
                 sps_profile_s=took, grows_with_bucket=bool(all(np.diff(ms) > 0)))
 
 
+def headline(points: list[dict[str, Any]]) -> dict[str, float]:
+    """Aggregate tok/s per (mode, c) as flat keys `<mode>@c<c>`, and `adaptive_over_none@c<c>`
+    where both ran (the one-line summary the benchmark suite prints)."""
+    out = {f"{p['mode']}@c{p['concurrency']}": p["aggregate_tok_s"] for p in points}
+    for p in points:
+        none = out.get(f"none@c{p['concurrency']}")
+        if p["mode"] == "adaptive" and none:
+            out[f"adaptive_over_none@c{p['concurrency']}"] = p["aggregate_tok_s"] / none
+    return out
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The load table and the per-bucket verification times as markdown (for BENCHMARKS.md)."""
     rows = ["| c | mode | agg tok/s (passes) | per-user tok/s median (p10) | verified/req/round | τ | "
@@ -261,10 +286,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be ≥ 1, got {a.repeats}")
     from dspark_jax.bench.common import device_name
-    from dspark_jax.models import load_target
 
-    target = load_target(a.target, dtype=a.dtype)
-    draft = _load_draft(target, a.draft)
+    target = _load_target(a.target, a.dtype)
+    draft = _load_draft(target, a.draft, a.draft_layers, a.rank)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not draft.config.has_confidence:
         modes = [m for m in modes if m in ("none", "fixed")]
@@ -302,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(f"c={c:3d} done in {time.perf_counter() - t0:.0f} s", flush=True)
     result = dict(device=device_name(), target=a.target, draft=a.draft,
                   gamma=int(draft.config.num_drafts), settings=vars(a), points=points,
-                  verify_step=verify_s, total_s=time.perf_counter() - t_all)
+                  verify_step=verify_s, total_s=time.perf_counter() - t_all,
+                  headline=headline(points))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     result["figures"] = plots(points, a.out)
     with open(f"{a.out}.json", "w") as f:

@@ -4,9 +4,11 @@ markdown table (issue 9: the accelerator check a session with a lent GPU runs on
 `python -m dspark_jax.bench.suite --preset {gpu-h200,cpu-smoke} [--out DIR]`
 
 Runs the decode-step (HBM floor, PERFORMANCE.md), speculative-round (round / plain step and the
-sequential stage share) and drafter training-step benchmarks, plus the serving load benchmark
-(`dspark_jax.bench.load`) when that module is importable (otherwise it is listed as skipped).
-A benchmark that fails is recorded with its error and the others still run. `gpu-h200`: the
+sequential stage share) and drafter training-step benchmarks, and the serving load benchmark
+(`dspark_jax.bench.load`: `none` / `fixed` / `adaptive` under concurrent requests with a
+random-init DSpark drafter, whose drafts are rejected, so `adaptive` must learn to stop drafting
+and stay near `none`; its JSON and PNGs go to `<out>/load*`). A benchmark that is not importable
+is listed as skipped; one that fails is recorded with its error and the others still run. `gpu-h200`: the
 Qwen3-8B shape with random bf16 weights at context 4096 (fits the 8-minute budget on one H200);
 `cpu-smoke`: SmolLM2-135M at tiny sizes (under 3 minutes on 2 CPU cores).
 """
@@ -32,7 +34,10 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                        "--seq", "4096", "--draft-layers", "5", "--anchors", "512",
                        "--anchor-chunk", "64", "--gamma", "7", "--rank", "256",
                        "--repeats", "3", "--peak-tflops", "989"],
-        "load": [],
+        "load": ["--target", "qwen3-8b", "--dtype", "bfloat16", "--draft", "random",
+                 "--draft-layers", "5", "--rank", "256", "--modes", "none,fixed,adaptive",
+                 "--concurrency", "1,8,32", "--max-new-tokens", "32", "--requests-per-slot", "1",
+                 "--repeats", "1", "--max-len", "1024", "--out", "{out}/load"],
     },
     "cpu-smoke": {
         "decode_step": ["--batch", "1", "--context", "128", "--steps", "4", "--repeats", "1",
@@ -42,7 +47,10 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                        "--dtype", "float32", "--no-pallas-rows"],   # interpreted on CPU: slow
         "train_step": ["--batch", "2", "--seq", "128", "--draft-layers", "1", "--anchors", "8",
                        "--anchor-chunk", "8", "--gamma", "3", "--rank", "16", "--repeats", "1"],
-        "load": [],
+        "load": ["--target", "smollm2-135m-instruct", "--draft", "random", "--draft-layers", "1",
+                 "--rank", "16", "--modes", "none,adaptive", "--concurrency", "1,2",
+                 "--max-new-tokens", "8", "--requests-per-slot", "1", "--repeats", "1",
+                 "--max-len", "128", "--out", "{out}/load"],
     },
 }
 
@@ -85,6 +93,9 @@ def markdown(preset: str, results: dict[str, dict[str, Any]], device: str) -> st
             figs = ", ".join(f"{label} {fmt.format(res[key])}"
                              for key, label, fmt in HEADLINES.get(name, [])
                              if isinstance(res.get(key), (int, float)))
+            # a benchmark may also hand over flat `headline` figures (load: tok/s per mode@c)
+            figs = ", ".join([figs] * bool(figs) + [f"{k} {v:.3g}" for k, v in
+                                                    (res.get("headline") or {}).items()])
         else:
             figs = r.get("reason") or r.get("error", "")
         lines.append(f"| {name} | {r['status']} | {r.get('wall_s', '')} | {figs} |")
@@ -102,12 +113,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dspark_jax.bench.common import device_name
 
     only = {s for s in a.only.split(",") if s}
-    t0 = time.perf_counter()
-    results = {name: run_one(name, args) for name, args in PRESETS[a.preset].items()
-               if not only or name in only}
-    device = device_name()
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results = {name: run_one(name, [x.replace("{out}", str(out)) for x in args])
+               for name, args in PRESETS[a.preset].items() if not only or name in only}
+    device = device_name()
     summary = {"preset": a.preset, "device": device, "jax": jax.__version__,
                "wall_s": round(time.perf_counter() - t0, 1), "benchmarks": results}
     (out / "suite.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

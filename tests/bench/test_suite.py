@@ -18,3 +18,19 @@ def test_missing_and_failing_benchmarks_are_recorded():
 def test_presets_name_the_four_benchmarks():
     for preset in ("gpu-h200", "cpu-smoke"):
         assert set(suite.PRESETS[preset]) == {"decode_step", "spec_round", "train_step", "load"}
+
+
+def test_load_preset_parses_and_its_headline_is_rendered(tmp_path):
+    from dspark_jax.bench import load
+
+    for preset in ("gpu-h200", "cpu-smoke"):
+        argv = [x.replace("{out}", str(tmp_path)) for x in suite.PRESETS[preset]["load"]]
+        a = load.parse_args(argv)
+        assert a.draft == "random" and a.out == f"{tmp_path}/load" and "adaptive" in a.modes
+    points = [{"mode": "none", "concurrency": 2, "aggregate_tok_s": 20.0},
+              {"mode": "adaptive", "concurrency": 2, "aggregate_tok_s": 19.0}]
+    head = load.headline(points)
+    assert head == {"none@c2": 20.0, "adaptive@c2": 19.0, "adaptive_over_none@c2": 0.95}
+    ok = {"status": "ok", "wall_s": 3.0, "result": {"headline": head}}
+    table = suite.markdown("cpu-smoke", {"load": ok}, "cpu")
+    assert "| load | ok | 3.0 | none@c2 20, adaptive@c2 19, adaptive_over_none@c2 0.95 |" in table
