@@ -156,6 +156,10 @@ def get_base_config() -> ml_collections.ConfigDict:
                                    # (memory ∝ one anchor chunk); False keeps them: one LM-head
                                    # matmul fewer per chunk (faster where memory allows)
         log_every=10,              # fetch device metrics every N steps (fingerprints: every step)
+        init_from_target=False,    # DSpark/DFlash: start the backbone from the target's layers
+                                   # after the last tap, fc = identity on that tap, final norm
+                                   # copied (models/draft.target_layers_init); False: DeepSpec's
+                                   # random init
     ))
 
     c.checkpoint = ml_collections.ConfigDict(dict(

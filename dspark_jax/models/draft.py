@@ -123,8 +123,11 @@ def _as_config(target_cfg: Any, draft_config: DraftConfig | Mapping[str, Any]) -
 
 
 def init_draft(target: Any, draft_config: DraftConfig | Mapping[str, Any], seed: int = 0,
-               dtype: Any = "float32", param_dtype: Any = "float32") -> Draft:
-    """A randomly initialised drafter for `target`, with embedding and LM head copied from it."""
+               dtype: Any = "float32", param_dtype: Any = "float32",
+               from_target: bool = False) -> Draft:
+    """A randomly initialised drafter for `target`, with embedding and LM head copied from it;
+    `from_target` also starts its backbone from the target's own layers
+    (`target_layers_init`)."""
     cfg = _as_config(target.config, draft_config)
     validate_against_target(cfg, target.config)
     model = create_draft_module(cfg, seed, resolve_dtype(dtype), resolve_dtype(param_dtype))
@@ -132,7 +135,55 @@ def init_draft(target: Any, draft_config: DraftConfig | Mapping[str, Any], seed:
     emb = tmodel.embed.get_value()
     model.embed.set_value(emb.astype(model.embed.get_value().dtype))
     model.lm_head.set_value(tmodel.lm_head_weight().astype(model.lm_head.get_value().dtype))
+    if from_target:
+        target_layers_init(model, tmodel)
     return Draft.from_model(model)
+
+
+def copied_target_layers(cfg: DraftConfig) -> list[int]:
+    """The target layers a `from_target` backbone starts from: the Ld layers that follow the last
+    tapped layer (its output is exactly their input), or the target's last Ld layers when fewer
+    follow it."""
+    n, ld = cfg.target.num_hidden_layers, cfg.num_draft_layers
+    first = min(max(cfg.target_layer_ids) + 1, n - ld)
+    return list(range(first, first + ld))
+
+
+def target_layers_init(model: nnx.Module, tmodel: nnx.Module) -> None:
+    """Starts a DSpark/DFlash backbone (SPEC §3) from the target instead of noise, in place:
+
+    - draft layer i ← target layer `copied_target_layers(cfg)[i]` (every weight and norm);
+    - fc ← the identity on the last tap's slice (zeros elsewhere) and hidden_norm ← the first
+      copied layer's input norm: the context hidden_norm(fc(features)) is then exactly that
+      layer's normed input in the target, so the first draft layer's context K/V are the
+      target's own K/V of the layer that follows the tap;
+    - the final norm ← the target's final norm: the shared LM head then sees hidden states on
+      the target's scale (a ones-norm gives logits far sharper than the target's and a first
+      cross-entropy of ~60 nats on SmolLM2).
+
+    The Markov and confidence heads stay random. Training still moves every copied weight; the
+    start only spares the drafter from learning the target's representation from scratch, which
+    a small budget cannot buy (BENCHMARKS.md, issue 10). Not for Eagle3 (its fused first layer
+    reads 2·d) or Gemma4 drafters."""
+    if not isinstance(model, DSparkDraft):
+        raise ConfigError(f"train.init_from_target: only DSpark / DFlash drafters start from the "
+                          f"target's layers, not {type(model).__name__}")
+    cfg = model.cfg
+    ids = np.asarray(copied_target_layers(cfg))
+    src, dst = tmodel.layers, model.layers
+    for name in dst.NAMES:
+        if hasattr(dst, name):
+            var = getattr(dst, name)
+            var.set_value(getattr(src, name).get_value()[ids].astype(var.get_value().dtype))
+    D = cfg.target.hidden_size
+    slot = cfg.target_layer_ids.index(max(cfg.target_layer_ids))
+    fc = jnp.zeros(model.fc.get_value().shape, model.fc.get_value().dtype)
+    model.fc.set_value(fc.at[slot * D:(slot + 1) * D].set(jnp.eye(D, dtype=fc.dtype)))
+    model.hidden_norm.set_value(
+        src.input_norm.get_value()[ids[0]].astype(model.hidden_norm.get_value().dtype))
+    # a copy: the target's own array must survive the training step's buffer donation
+    model.norm.set_value(jnp.array(tmodel.final_norm.get_value(),
+                                   dtype=model.norm.get_value().dtype, copy=True))
 
 
 def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float32",

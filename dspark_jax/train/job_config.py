@@ -130,6 +130,9 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
         bad("train.attn_key_chunk", "must be ≥ 1 (keys per chunk) or 0 (dense scores)")
     if t.log_every < 1:
         bad("train.log_every", "must be ≥ 1")
+    if t.init_from_target and c.draft.get("model_type") not in ("dspark", "dflash"):
+        bad("train.init_from_target", f"only DSpark / DFlash drafters start from the target's "
+            f"layers, not draft.model_type={c.draft.get('model_type')!r}")
     if c.checkpoint.every_steps < 1:
         bad("checkpoint.every_steps", "must be ≥ 1")
     if c.checkpoint.keep < 1:

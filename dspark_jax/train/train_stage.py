@@ -145,7 +145,7 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
                      warmup_ratio=c.train.warmup_ratio, total_steps=max(total, 1))
     tx, schedule = make_optimizer(oc), make_schedule(oc)
     draft = init_draft(target, draft_cfg, seed=c.seed, dtype=c.train.compute_dtype,
-                       param_dtype="float32")
+                       param_dtype="float32", from_target=bool(c.train.init_from_target))
     graphdef, params, frozen = split_draft(draft.model)
     frozen = put_on_mesh(frozen, state_shardings(frozen, mesh))
     state, state_sh = init_train_state(params, tx, c.seed, mesh)

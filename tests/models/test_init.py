@@ -68,3 +68,43 @@ def test_fresh_drafter_follows_deepspec_init(target, kw):
     m = draft.model
     np.testing.assert_array_equal(m.embed.get_value(), target.model.embed.get_value())
     np.testing.assert_array_equal(m.lm_head.get_value(), target.model.lm_head_weight())
+
+
+def test_backbone_from_target_starts_on_the_targets_own_context_kv(target):
+    """`from_target`: draft layer 0 is the target layer after the last tap, and its context K/V
+    from the tapped features equal the K/V the target itself computes in that layer."""
+    import jax.numpy as jnp
+
+    from dspark_jax.models import layers as L
+    from dspark_jax.models.draft import copied_target_layers
+
+    model = create_target(target.config, seed=1)     # norms ≠ 1, so a wrong norm shows
+    rng = np.random.default_rng(1)
+    for var in (model.layers.input_norm, model.final_norm):
+        var.set_value(jnp.asarray(rng.uniform(0.5, 2.0, var.get_value().shape), jnp.float32))
+    target = Target.from_model(model)
+
+    cfg = DraftConfig(target=target.config, block_size=4, num_draft_layers=2,
+                      target_layer_ids=(0, 1), mask_token_id=511, markov_rank=32)
+    assert copied_target_layers(cfg) == [2, 3]
+    assert copied_target_layers(cfg.replace(target_layer_ids=(0, 2))) == [2, 3]  # last 2 layers
+    draft = init_draft(target, cfg, seed=3, from_target=True)
+    tl, dl = target.model.layers, draft.model.layers
+    for name in dl.NAMES:
+        np.testing.assert_array_equal(getattr(dl, name).get_value(),
+                                      getattr(tl, name).get_value()[2:4], err_msg=name)
+    np.testing.assert_array_equal(draft.model.norm.get_value(),
+                                  target.model.final_norm.get_value())
+    ids = np.random.default_rng(0).integers(3, 500, (2, 9))
+    feats = jnp.asarray(target.hidden_states(ids, (0, 1)))          # taps: outputs of layers 0, 1
+    pos = jnp.broadcast_to(jnp.arange(9, dtype=jnp.int32), (2, 9))
+    k_draft, v_draft = draft.model.context_kv(feats, pos)          # [Ld, B, S, K, H]
+    lp = {k: v[2] for k, v in tl.stacked(jnp.float32).items()}      # the target's layer 2
+    eps, rope = target.config.rms_norm_eps, target.config.rope
+    x = L.rms_norm(feats[..., 64:], lp["input_norm"], eps)           # layer 1's output, normed
+    k, v = L.project_kv(lp, x, eps)
+    np.testing.assert_allclose(k_draft[0], L.apply_rope(k, pos, rope), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v_draft[0], v, rtol=1e-5, atol=1e-5)
+    eagle = cfg.replace(model_type="eagle3", markov_rank=0, enable_confidence_head=False)
+    with pytest.raises(Exception, match="only DSpark / DFlash"):
+        init_draft(target, eagle, from_target=True)

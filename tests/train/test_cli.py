@@ -105,6 +105,9 @@ def test_unknown_keys_and_bad_values_are_clear_errors(tiny):
     for arg, msg in cases:
         with pytest.raises(cli.UsageError, match=msg):
             cli.parse_config(base + [arg])
+    with pytest.raises(cli.UsageError, match="train.init_from_target.*eagle3"):
+        cli.parse_config(base + ["--config.train.init_from_target=True",
+                                 "--config.draft.model_type=eagle3"])
     # a config FILE with a key the base config does not have
     bad = root / "bad_configs"
     bad.mkdir(exist_ok=True)
