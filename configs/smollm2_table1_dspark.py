@@ -39,6 +39,7 @@ def table1_config(model_type: str):
     c.eval.every_steps = TABLE1_EVAL_EVERY
     c.data.max_prompts = 480         # the 480-prompt subsample, 32 held out (see above)
     c.data.heldout = 32.0
+    c.train.init_from_target = False   # DeepSpec's random init for every row (Eagle3 has no other)
     apply_deepspec_recipe(c.draft, model_type, draft_layers=2, markov_rank=64, num_anchors=16)
     return c
 
