@@ -13,4 +13,5 @@ def get_config():
     c.draft.step_loss_decay = 0.8
     c.draft.markov_rank = 0
     c.draft.enable_confidence_head = False
+    c.train.init_from_target = False    # Eagle3's fused first layer has no target counterpart
     return c

@@ -302,7 +302,10 @@ def test_chunked_loss_and_gradients_equal_the_unchunked_ones(draft):
     assert grads.keys() == ref_grads.keys()
     for k, g in grads.items():
         assert np.abs(ref_grads[k]).max() > 0, k
-        np.testing.assert_allclose(g, ref_grads[k], rtol=1e-5, atol=1e-7, err_msg=k)
+        # fp32 summation order differs between the chunkings: an absolute floor of 1e-5 of the
+        # tensor's largest gradient (a wrong chunk bound is off by orders of magnitude more)
+        np.testing.assert_allclose(g, ref_grads[k], rtol=1e-5,
+                                   atol=1e-5 * np.abs(ref_grads[k]).max(), err_msg=k)
 
 
 def _naive_causal_hidden(m, g_seq, tok_seq):
