@@ -188,7 +188,7 @@ class TargetDecoder(nnx.Module):
                 kc = kc.at[layer_idx, b_idx, positions_bt].set(k, mode="drop")
                 vc = vc.at[layer_idx, b_idx, positions_bt].set(v, mode="drop")
                 kv = (kc, vc)
-                attn = L.attend(q, kc[layer_idx], vc[layer_idx], mask)
+                attn = L.attend(q, kc[layer_idx], vc[layer_idx], mask, one_query_reduce=True)
             h = L.attn_out_and_mlp(lp, h, attn, eps)
             if n_taps:
                 cur = taps[jnp.maximum(slot, 0)]

@@ -61,15 +61,18 @@ def rms_norm_noscale(x: jax.Array, eps: float) -> jax.Array:
 
 
 def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-           mask_bts: jax.Array, scale: float | None = None) -> jax.Array:
+           mask_bts: jax.Array, scale: float | None = None,
+           one_query_reduce: bool = False) -> jax.Array:
     """Grouped-query attention with a boolean visibility mask; fully masked rows give zeros.
 
     `scale` multiplies the scores (default head_dim^-0.5; Gemma4 uses 1, its q/k norms set it).
+    `one_query_reduce`: with one query per row (T = 1), use `_attend_one_query` (the cached
+    autoregressive decode step opts in).
     """
     b, t, n, h = q_btnh.shape
     kvh = k_bskh.shape[2]
     scale = h ** -0.5 if scale is None else scale
-    if t == 1:
+    if one_query_reduce and t == 1:
         return _attend_one_query(q_btnh, k_bskh, v_bskh, mask_bts, scale)
     q = q_btnh.reshape(b, t, kvh, n // kvh, h)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_bskh,
@@ -88,8 +91,9 @@ def _attend_one_query(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     """`attend` for one query per row (autoregressive decoding over a KV cache): the scores and
     the weighted sum as fused multiply-reduce loops over the cache in its [B, S, K, H] layout,
     instead of batched dots over B·K tiny matrices (which also transpose the cache): 1.9× faster
-    per layer on XLA:CPU at B = 32, S = 512 (BENCHMARKS.md); the same memory-bound read of K/V
-    elsewhere. Equal to the einsum path up to summation order."""
+    per layer on XLA:CPU at B = 32, S = 512 (BENCHMARKS.md). Equal to the einsum path up to
+    summation order. Opt-in: the cost analysis counts its FLOPs differently (the AOT tables use
+    the einsum), and the ragged/verification paths keep the einsum."""
     b, _, n, h = q_btnh.shape
     kvh = k_bskh.shape[2]
     q = q_btnh.reshape(b, 1, kvh, n // kvh, h).astype(jnp.float32)            # [B,1,K,G,H]

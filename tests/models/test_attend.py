@@ -17,7 +17,7 @@ def test_one_query_attend_matches_the_einsum_path(dtype):
     v = jax.random.normal(ks[2], (B, S, K, H), dtype)
     lens = jnp.asarray([4, S, 0])                        # the last row sees nothing: zeros
     mask = jnp.arange(S)[None, None, :] < lens[:, None, None]          # [B, 1, S]
-    one = L.attend(q, k, v, mask, scale=0.3)
+    one = L.attend(q, k, v, mask, scale=0.3, one_query_reduce=True)
     # the same query twice takes the T > 1 (einsum) path; its first row is the reference
     two = L.attend(jnp.concatenate([q, q], 1), k, v, jnp.concatenate([mask, mask], 1), scale=0.3)
     assert one.shape == (B, 1, N, H) and one.dtype == dtype
