@@ -60,6 +60,12 @@ def rms_norm_noscale(x: jax.Array, eps: float) -> jax.Array:
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def masked_softmax(scores: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
+    """Softmax over the visible keys along `axis`; a row with no visible key gives zeros."""
+    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=axis)
+    return jnp.where(jnp.any(mask, axis=axis, keepdims=True), probs, 0.0)
+
+
 def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
            mask_bts: jax.Array, scale: float | None = None,
            one_query_reduce: bool = False) -> jax.Array:
@@ -77,10 +83,7 @@ def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     q = q_btnh.reshape(b, t, kvh, n // kvh, h)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_bskh,
                         preferred_element_type=jnp.float32) * scale
-    mask = mask_bts[:, None, None, :, :]
-    scores = jnp.where(mask, scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(jnp.any(mask, axis=-1, keepdims=True), probs, 0.0)
+    probs = masked_softmax(scores, mask_bts[:, None, None, :, :], axis=-1)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v_bskh.dtype), v_bskh,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q_btnh.dtype)
@@ -98,10 +101,7 @@ def _attend_one_query(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     kvh = k_bskh.shape[2]
     q = q_btnh.reshape(b, 1, kvh, n // kvh, h).astype(jnp.float32)            # [B,1,K,G,H]
     scores = jnp.sum(q * k_bskh.astype(jnp.float32)[:, :, :, None, :], axis=-1) * scale
-    mask = mask_bts[:, 0, :, None, None]                                       # [B,S,1,1]
-    scores = jnp.where(mask, scores, NEG_INF)                                  # [B,S,K,G]
-    probs = jax.nn.softmax(scores, axis=1)
-    probs = jnp.where(jnp.any(mask, axis=1, keepdims=True), probs, 0.0)
+    probs = masked_softmax(scores, mask_bts[:, 0, :, None, None], axis=1)     # [B,S,K,G]
     out = jnp.sum(probs[..., None] * v_bskh.astype(jnp.float32)[:, :, :, None, :], axis=1)
     return out.reshape(b, 1, n, h).astype(q_btnh.dtype)
 
