@@ -101,7 +101,7 @@ def draft_defaults() -> dict:
     """DraftConfig's own defaults (DeepSpec's DSpark recipe), so they live in one place."""
     out = {}
     for f in dataclasses.fields(DraftConfig):
-        if f.name == "target":
+        if f.name in ("target", "draft_vocab"):   # draft_vocab: ids the data stage chooses
             continue
         out[f.name] = f.default
     out["mask_token_id"] = AUTO_MASK_TOKEN

@@ -148,6 +148,8 @@ def mesh_and_configs(c: Any, devices: Sequence[Any]) -> tuple[Any, Any, Any]:
     fields["target_layer_ids"] = tuple(int(i) for i in fields["target_layer_ids"])
     if fields["mask_token_id"] == -1:   # auto: no tokenizer here; any row works for shapes
         fields["mask_token_id"] = t_cfg.vocab_size - 1
+    if 0 < fields.get("draft_vocab_size", 0) < t_cfg.vocab_size:   # the data chooses the ids;
+        fields["draft_vocab"] = tuple(range(fields["draft_vocab_size"]))   # shapes need K only
     return mesh, t_cfg, DraftConfig(target=t_cfg, **fields)
 
 

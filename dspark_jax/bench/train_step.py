@@ -41,7 +41,9 @@ def run(a: argparse.Namespace) -> dict:
     draft = init_draft(target, dict(
         block_size=a.gamma, num_draft_layers=a.draft_layers, num_anchors=a.anchors,
         target_layer_ids=default_target_layer_ids(cfg.num_hidden_layers),
-        mask_token_id=cfg.vocab_size - 1, markov_rank=a.rank),
+        mask_token_id=cfg.vocab_size - 1, markov_rank=a.rank,
+        # timing only needs K ids: the lowest ones (a real run chooses them from its data)
+        draft_vocab_size=a.draft_vocab, draft_vocab=tuple(range(a.draft_vocab))),
         seed=0, dtype=a.dtype, param_dtype="float32")
     gd, params, frozen = split_draft(draft.model)
     oc = OptimConfig(total_steps=1000)
@@ -82,6 +84,7 @@ def run(a: argparse.Namespace) -> dict:
     return {"target": a.target, "device": device_name(), "dtype": a.dtype, "batch": B, "seq": S,
             "features": a.features, "attn_key_chunk": a.attn_key_chunk, "remat": not a.no_remat,
             "draft_layers": a.draft_layers, "anchors": a.anchors, "gamma": a.gamma,
+            "draft_vocab": a.draft_vocab or cfg.vocab_size,
             "trainable_params_m": n_train / 1e6, "step_s": t, "tokens_per_s": B * S / t,
             "tflops_per_s": flops / t / 1e12,
             "mfu": flops / t / (a.peak_tflops * 1e12) if a.peak_tflops else None,
@@ -101,6 +104,8 @@ def main(argv=None) -> dict:
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--rank", type=int, default=64)
     p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="a pruned draft vocabulary of K ids (0: the full vocabulary)")
     p.add_argument("--features", choices=("online", "offline"), default="online",
                    help="online: the target runs inside the step; offline: cached features")
     p.add_argument("--no-remat", action="store_true",
@@ -117,7 +122,8 @@ def main(argv=None) -> dict:
     print_table([
         ("target / device", f"{r['target']} / {r['device']}"),
         ("batch × seq, anchors × γ", f"{r['batch']} × {r['seq']}, {r['anchors']} × {r['gamma']}"),
-        ("draft", f"{r['draft_layers']} layers, {r['trainable_params_m']:.1f}M trainable"),
+        ("draft", f"{r['draft_layers']} layers, {r['trainable_params_m']:.1f}M trainable, "
+                  f"vocabulary {r['draft_vocab']}"),
         ("features, block attention", f"{r['features']}, "
          + (f"key chunk {r['attn_key_chunk']}" if r["attn_key_chunk"] else "dense")
          + (", remat" if r["remat"] else ", no remat")),

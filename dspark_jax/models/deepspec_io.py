@@ -116,7 +116,7 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
     if unknown:
         raise ConfigError(f"{source}: unknown fields {unknown} under 'dspark_jax'")
     for k, v in ours.items():
-        fields[k] = tuple(v) if k == "target_layer_ids" else v
+        fields[k] = tuple(v) if k in ("target_layer_ids", "draft_vocab") else v
     return DraftConfig(target=target, **fields)
 
 

@@ -63,6 +63,12 @@ class DraftConfig:
     ce_loss_alpha: float = 0.1
     l1_loss_alpha: float = 0.9
     loss_normalization: str = "deepspec"
+    # Draft vocabulary (EAGLE-3's pruning, for every drafter): the drafter proposes only these
+    # target ids (sorted), so training computes draft and target logits over K columns of the
+    # frozen LM head instead of V. 0 / (): the full vocabulary (DeepSpec). `draft_vocab` is data,
+    # chosen from the training records by data/draft_vocab.py; `draft_vocab_size` is the recipe.
+    draft_vocab_size: int = 0
+    draft_vocab: tuple[int, ...] = ()
     # Eagle3
     ttt_length: int = 7
     step_loss_decay: float = 0.8
@@ -118,6 +124,17 @@ class DraftConfig:
                 f"{self.eagle3_loss_normalization!r} not one of {EAGLE3_LOSS_NORMALIZATIONS}")
         if self.ttt_length < 1:
             bad("ttt_length", "must be ≥ 1")
+        object.__setattr__(self, "draft_vocab", tuple(int(i) for i in self.draft_vocab))
+        if not 0 <= self.draft_vocab_size <= t.vocab_size:
+            bad("draft_vocab_size", f"{self.draft_vocab_size} outside [0, {t.vocab_size}] "
+                "(0: the full vocabulary)")
+        if self.draft_vocab:
+            v = self.draft_vocab
+            if len(v) != self.draft_vocab_size:
+                bad("draft_vocab", f"{len(v)} ids but draft_vocab_size is "
+                    f"{self.draft_vocab_size}")
+            if any(b <= a for a, b in zip(v, v[1:])) or v[0] < 0 or v[-1] >= t.vocab_size:
+                bad("draft_vocab", f"must be strictly increasing ids in [0, {t.vocab_size})")
         if self.model_type in ("dflash", "eagle3") and (self.markov_rank
                                                          or self.enable_confidence_head):
             # neither has a sequential or confidence head: normalise so round trips are exact
@@ -136,6 +153,11 @@ class DraftConfig:
     @property
     def has_confidence(self) -> bool:
         return self.model_type == "dspark" and self.enable_confidence_head
+
+    @property
+    def pruned_vocab(self) -> bool:
+        """The drafter proposes only `draft_vocab` (resolved ids of a draft_vocab_size < V)."""
+        return 0 < self.draft_vocab_size < self.target.vocab_size
 
     @property
     def num_drafts(self) -> int:
@@ -161,6 +183,7 @@ class DraftConfig:
         d = dataclasses.asdict(self)
         d["target"] = self.target.to_hf_dict()
         d["target_layer_ids"] = list(self.target_layer_ids)
+        d["draft_vocab"] = list(self.draft_vocab)
         return d
 
     @classmethod
@@ -172,6 +195,7 @@ class DraftConfig:
         if unknown:
             raise ConfigError(f"unknown draft config fields {unknown}")
         d["target_layer_ids"] = tuple(d.get("target_layer_ids", ()))
+        d["draft_vocab"] = tuple(d.get("draft_vocab", ()))
         return cls(target=target, **d)
 
 

@@ -6,6 +6,11 @@ the anchor a, and (2) all γ keys of its own block (bidirectional). Context K/V 
 target features, so inference caches them per draft layer and grows them as tokens commit.
 DFlash is this backbone with no sequential head; DSpark adds the Markov/gated/RNN head and the
 confidence head (heads.py).
+
+A pruned draft vocabulary (`DraftConfig.draft_vocab`, EAGLE-3's technique applied to the block
+drafter) restricts proposals to K target ids: inference keeps [.., V] logits with the other
+columns at −1e9 (probability exactly 0, so verification stays lossless for any K), and training
+asks for the compact [.., K] logits over those columns of the frozen LM head.
 """
 
 from __future__ import annotations
@@ -22,6 +27,25 @@ from dspark_jax.models.block_attention import block_attend
 from dspark_jax.models.draft_config import DraftConfig
 from dspark_jax.models.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
+
+
+def draft_vocab_ids(cfg: DraftConfig) -> jax.Array | None:
+    """The draft vocabulary [K] (int32, sorted), or None when it is the full vocabulary."""
+    if not cfg.pruned_vocab:
+        return None
+    if not cfg.draft_vocab:
+        raise ValueError("draft config: draft_vocab_size is set but draft_vocab holds no ids "
+                         "(the training data stage chooses them: data/draft_vocab.py)")
+    return jnp.asarray(cfg.draft_vocab, jnp.int32)
+
+
+def draft_vocab_bias(cfg: DraftConfig) -> jax.Array | None:
+    """[V] f32: 0 on the draft vocabulary, −1e9 elsewhere (None: full vocabulary). Added to
+    final logits, it gives the other ids probability exactly 0 at any temperature."""
+    ids = draft_vocab_ids(cfg)
+    if ids is None:
+        return None
+    return jnp.full((cfg.target.vocab_size,), -1e9, jnp.float32).at[ids].set(0.0)
 
 
 class FrozenParam(nnx.Variable):
@@ -142,18 +166,41 @@ class DSparkDraft(nnx.Module):
         z-lab's convention, where it sits on the anchor)."""
         return h[..., 1:, :] if self.cfg.block_convention == "zlab" else h
 
-    def base_logits(self, h: jax.Array) -> jax.Array:
-        return jnp.einsum("...D,VD->...V", h, self.lm_head.get_value().astype(h.dtype),
+    def vocab_ids(self) -> jax.Array | None:
+        return draft_vocab_ids(self.cfg)
+
+    def vocab_mask_bias(self) -> jax.Array | None:
+        return draft_vocab_bias(self.cfg)
+
+    def lm_logits(self, h: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """lm_head(h) [..., V] in f32, or over the given LM-head rows [K, D] → [..., K]."""
+        w = self.lm_head.get_value() if rows is None else rows
+        return jnp.einsum("...D,VD->...V", h, w.astype(h.dtype),
                           preferred_element_type=jnp.float32)
 
+    def base_logits(self, h: jax.Array) -> jax.Array:
+        """U_k = lm_head(h_k) [..., V] (f32), tokens outside a pruned draft vocabulary at −1e9."""
+        logits = self.lm_logits(h)
+        bias = self.vocab_mask_bias()
+        return logits if bias is None else logits + bias
+
     # ------------------------------------------------------------------ heads
-    def heads_teacher_forced(self, h: jax.Array, prev_tokens: jax.Array
+    def heads_teacher_forced(self, h: jax.Array, prev_tokens: jax.Array,
+                             lm_head_rows: jax.Array | None = None
                              ) -> tuple[jax.Array, jax.Array | None]:
-        """Draft logits [..., γ, V] (f32) and confidence logits [..., γ] with given x_{k−1}."""
-        logits = self.base_logits(h)
+        """Draft logits [..., γ, V] (f32) and confidence logits [..., γ] with given x_{k−1}.
+
+        With a pruned draft vocabulary and `lm_head_rows` = lm_head[vocab_ids()] [K, D]
+        (gathered once by the caller), the logits are the compact [..., γ, K] over the draft
+        vocabulary (training); without it they are [..., γ, V] with the other columns at −1e9."""
+        ids = self.vocab_ids() if lm_head_rows is not None else None
+        if ids is None:
+            logits = self.base_logits(h)
+        else:
+            logits = self.lm_logits(h, lm_head_rows)
         emb = None
         if self.cfg.has_markov:
-            logits = logits + self.markov.teacher_forced(h, prev_tokens)
+            logits = logits + self.markov.teacher_forced(h, prev_tokens, rows=ids)
             emb = self.markov.embed_prev(prev_tokens, h.dtype)
         conf = self.confidence(h, emb) if self.cfg.has_confidence else None
         return logits, conf

@@ -45,7 +45,7 @@ from flax import nnx
 
 from dspark_jax.models import layers as L
 from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.dspark import FrozenParam, frozen
+from dspark_jax.models.dspark import FrozenParam, draft_vocab_bias, draft_vocab_ids, frozen
 from dspark_jax.sharding import constrain
 
 
@@ -206,11 +206,20 @@ class Eagle3Draft(nnx.Module):
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         return jnp.take(self.embed.get_value(), tokens_bt, axis=0).astype(self.dtype)
 
-    def logits(self, h_btd: jax.Array) -> jax.Array:
+    def lm_logits(self, h_btd: jax.Array) -> jax.Array:
         """float32 logits [..., V] = lm_head(norm(h)) from output hiddens (pre-final-norm)."""
         x = L.rms_norm(h_btd.astype(self.dtype), self.norm.get_value(), self._eps)
         return jnp.einsum("...D,VD->...V", x, self.lm_head.get_value().astype(self.dtype),
                           preferred_element_type=jnp.float32)
+
+    def vocab_ids(self) -> jax.Array | None:
+        return draft_vocab_ids(self.cfg)
+
+    def logits(self, h_btd: jax.Array) -> jax.Array:
+        """The drafting logits: `lm_logits`, ids outside a pruned draft vocabulary at −1e9."""
+        logits = self.lm_logits(h_btd)
+        bias = draft_vocab_bias(self.cfg)
+        return logits if bias is None else logits + bias
 
     def _stack(self) -> tuple[dict[str, jax.Array], jax.Array]:
         return self.layers.stacked(self.dtype), self.hidden_norm.get_value().astype(self.dtype)

@@ -100,9 +100,9 @@ class Gemma4DSparkDraft(DSparkDraft):
         """Gemma4's sandwich norms, GELU-tanh MLP and layer scalar."""
         return G.attn_out_and_mlp(lp, h, attn, self.cfg.layer_config().rms_norm_eps)
 
-    def base_logits(self, h: jax.Array) -> jax.Array:
+    def lm_logits(self, h: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """Softcapped LM-head logits (DeepSpec's `compute_logits`); heads add on top."""
-        return softcap(super().base_logits(h), self.cfg.target.final_logit_softcapping)
+        return softcap(super().lm_logits(h, rows), self.cfg.target.final_logit_softcapping)
 
 
 class Gemma4Eagle3Draft(Eagle3Draft):
@@ -129,8 +129,8 @@ class Gemma4Eagle3Draft(Eagle3Draft):
         return (emb * jnp.asarray(self.cfg.target.hidden_size ** 0.5, table.dtype)
                 ).astype(self.dtype)
 
-    def logits(self, h_btd: jax.Array) -> jax.Array:
-        return softcap(super().logits(h_btd), self.cfg.target.final_logit_softcapping)
+    def lm_logits(self, h_btd: jax.Array) -> jax.Array:
+        return softcap(super().lm_logits(h_btd), self.cfg.target.final_logit_softcapping)
 
     def _qkv(self, lp: dict[str, jax.Array], hn_d: jax.Array, emb_btd: jax.Array,
              h_btd: jax.Array, positions_bt: jax.Array

@@ -43,9 +43,10 @@ class MarkovHead(nnx.Module):
     def embed_prev(self, prev_tokens: jax.Array, dtype: Any) -> jax.Array:
         return jnp.take(self.w1.get_value(), prev_tokens, axis=0).astype(dtype)
 
-    def step(self, h_d: jax.Array, prev_tok: jax.Array, state_r: jax.Array
-             ) -> tuple[jax.Array, jax.Array]:
-        """One slot: h [..., D], x_{k−1} [...], s_{k−1} [..., r] → (bias [..., V] f32, s_k)."""
+    def step(self, h_d: jax.Array, prev_tok: jax.Array, state_r: jax.Array,
+             rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """One slot: h [..., D], x_{k−1} [...], s_{k−1} [..., r] → (bias [..., V] f32, s_k);
+        `rows` [K] (a pruned draft vocabulary): the bias of those tokens only, [..., K]."""
         dtype = h_d.dtype
         e = self.embed_prev(prev_tok, dtype)                               # [..., r]
         if self.kind == "vanilla":
@@ -64,18 +65,21 @@ class MarkovHead(nnx.Module):
             sg = jax.nn.sigmoid(gate)
             state_r = sg * state_r + (1.0 - sg) * jnp.tanh(cand)
             z = jnp.tanh(out)
-        bias = jnp.einsum("...R,VR->...V", z, self.w2.get_value().astype(dtype),
+        w2 = self.w2.get_value()
+        if rows is not None:
+            w2 = jnp.take(w2, rows, axis=0)
+        bias = jnp.einsum("...R,VR->...V", z, w2.astype(dtype),
                           preferred_element_type=jnp.float32)
         return bias, state_r
 
-    def teacher_forced(self, h_btd: jax.Array, prev_bt: jax.Array) -> jax.Array:
-        """Biases [..., γ, V] for all slots with ground-truth previous tokens (training).
-
-        h [..., γ, D] and prev [..., γ]; the RNN state is carried over the γ axis.
+    def teacher_forced(self, h_btd: jax.Array, prev_bt: jax.Array,
+                       rows: jax.Array | None = None) -> jax.Array:
+        """Biases [..., γ, V] (or [..., γ, K] on `rows`) for all slots with ground-truth previous
+        tokens (training). h [..., γ, D] and prev [..., γ]; the RNN state is carried over γ.
         """
         if self.kind != "rnn":
             bias, _ = self.step(h_btd, prev_bt, jnp.zeros(h_btd.shape[:-1] + (self.rank,),
-                                                          h_btd.dtype))
+                                                          h_btd.dtype), rows)
             return bias
         h_first = jnp.moveaxis(h_btd, -2, 0)
         p_first = jnp.moveaxis(prev_bt, -1, 0)
@@ -83,7 +87,7 @@ class MarkovHead(nnx.Module):
 
         def body(s, xs):
             h, p = xs
-            b, s = self.step(h, p, s)
+            b, s = self.step(h, p, s, rows)
             return s, b
 
         _, biases = jax.lax.scan(body, s0, (h_first, p_first))

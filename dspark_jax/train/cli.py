@@ -76,6 +76,7 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     lap("load_target")
     # (a)–(c)
     data = data_stage.prepare_data(c, target, draft_cfg, workdir, is_main, lap)
+    draft_cfg = data_stage.resolve_draft_vocab(c, draft_cfg, data, target)
     pc, spe, total = train_stage.schedule_length(c, data)
     if total == 0:
         print(f"train.max_steps=0: data prepared in {workdir / 'data'}", flush=True)

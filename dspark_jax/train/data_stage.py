@@ -12,6 +12,7 @@ import pathlib
 from typing import Any, Callable
 
 import ml_collections
+import numpy as np
 
 from dspark_jax.train.job_config import UsageError
 
@@ -162,3 +163,48 @@ def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
     lap("records_and_features")
     return PreparedData(records=records, held_records=held_records, held_convs=held_convs,
                         source=source, info=data_info)
+
+
+def prompt_pool_records(c: ml_collections.ConfigDict, tokenizer: Any, exclude: set
+                        ) -> list[dict]:
+    """Every prompt of `config.data.prompts` before subsampling (minus the `exclude` ids, the
+    held-out ones), tokenized as prompt-only records: word statistics for the draft vocabulary
+    beyond the few hundred regenerated replies."""
+    from dspark_jax.data.prompts import load_humaneval
+    from dspark_jax.data.regenerate import load_prompt_files
+
+    paths = [str(p) for p in c.data.prompts]
+    convs = (load_prompt_files(paths, decontaminate=c.data.get("decontaminate", "") or None)
+             if paths else load_humaneval())
+    out = []
+    for cv in convs:
+        if cv.id in exclude:
+            continue
+        text = "\n".join(str(m.get("content", "")) for m in cv.messages)
+        ids = np.asarray(tokenizer.encode(text), np.int64)
+        out.append({"input_ids": ids, "loss_mask": np.zeros(len(ids), np.int8)})
+    return out
+
+
+def resolve_draft_vocab(c: ml_collections.ConfigDict, draft_cfg: Any, data: PreparedData,
+                        target: Any) -> Any:
+    """`draft.draft_vocab_size` > 0 without ids: the draft vocabulary chosen from the training
+    records' replies, then the whole prompt pool (data/draft_vocab.py; the stop tokens always in
+    it); its share of the held-out assistant tokens goes into the summary's data section."""
+    if not draft_cfg.pruned_vocab or draft_cfg.draft_vocab:
+        return draft_cfg
+    from dspark_jax.data.draft_vocab import choose_draft_vocab, coverage
+
+    V = draft_cfg.target.vocab_size
+    pool = prompt_pool_records(c, target.tokenizer, {cv.id for cv in data.held_convs})
+    ids = choose_draft_vocab(list(data.records) + pool, draft_cfg.draft_vocab_size, V,
+                             always=target.config.stop_token_ids)
+    data.info["draft_vocab"] = {
+        "size": len(ids), "prompt_pool": len(pool),
+        "coverage_train": round(coverage(data.records, ids, V), 4),
+        "coverage_heldout": (round(coverage(data.held_records, ids, V), 4)
+                             if data.held_records else None)}
+    print(f"draft vocabulary: {len(ids)} of {V} ids, covering "
+          f"{data.info['draft_vocab']['coverage_heldout']} of the held-out assistant tokens",
+          flush=True)
+    return draft_cfg.replace(draft_vocab=ids)

@@ -145,6 +145,9 @@ def eagle3_loss_sums(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     eps = cfg.target.rms_norm_eps
     norm_w = model.norm.get_value()
     lm_w = jax.lax.stop_gradient(model.lm_head.get_value()).astype(model.dtype)  # [V,D]
+    vocab_ids = model.vocab_ids()
+    if vocab_ids is not None:   # pruned draft vocabulary: both distributions over its K ids
+        lm_w = jnp.take(lm_w, vocab_ids, axis=0)                                  # [K,D]
     cap = cfg.target.final_logit_softcapping  # Gemma4: target and draft logits are softcapped
     capped = (lambda z: z) if cap is None else (lambda z: jnp.tanh(z / cap) * cap)
 

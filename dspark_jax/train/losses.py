@@ -77,10 +77,25 @@ def _ce_l1_bwd(res, cts):
 ce_l1_terms.defvjp(_ce_l1_fwd, _ce_l1_bwd)
 
 
+def draft_vocab_label_map(cfg: DraftConfig, vocab_ids: jax.Array) -> jax.Array:
+    """[V] int32: a target id's column in the draft vocabulary, −1 where it is not in it."""
+    K = vocab_ids.shape[0]
+    return jnp.full((cfg.target.vocab_size,), -1, jnp.int32).at[vocab_ids].set(
+        jnp.arange(K, dtype=jnp.int32))
+
+
 def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: AnchorBlocks,
-                lm_head: jax.Array, weights: jax.Array, cfg: DraftConfig) -> dict[str, jax.Array]:
-    """Loss sums for one chunk of anchors: h [B, Ac, γ, D]; blocks sliced to the chunk."""
-    d_logits, conf_logits = draft.heads_teacher_forced(h, blocks.prev_tokens)   # [B,Ac,γ,V]
+                lm_head: jax.Array, weights: jax.Array, cfg: DraftConfig,
+                label_map: jax.Array | None = None) -> dict[str, jax.Array]:
+    """Loss sums for one chunk of anchors: h [B, Ac, γ, D]; blocks sliced to the chunk.
+
+    With a pruned draft vocabulary, `lm_head` holds its K rows and `label_map` maps target ids to
+    columns (draft_vocab_label_map): the draft distribution is over those K tokens (the ones it
+    can propose) and the target's is renormalised over them, so logits cost K columns instead of
+    V; a label outside the draft vocabulary (which the drafter can never propose) adds no CE."""
+    pruned = label_map is not None
+    d_logits, conf_logits = draft.heads_teacher_forced(
+        h, blocks.prev_tokens, lm_head_rows=lm_head if pruned else None)      # [B,Ac,γ,V|K]
     t_hidden = _gather_bs(target_hidden, blocks.target_pos)                      # [B,Ac,γ,D]
     t_logits = jnp.einsum("...D,VD->...V", t_hidden.astype(h.dtype), lm_head.astype(h.dtype),
                           preferred_element_type=jnp.float32)
@@ -88,7 +103,13 @@ def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: Anch
     if cap is not None:
         t_logits = jnp.tanh(t_logits / cap) * cap
     t_probs = jax.lax.stop_gradient(jax.nn.softmax(t_logits, axis=-1))
-    ce, l1 = ce_l1_terms(d_logits, t_probs, blocks.labels)                       # [B,Ac,γ]
+    labels = blocks.labels
+    if pruned:
+        col = jnp.take(label_map, labels)
+        ce, l1 = ce_l1_terms(d_logits, t_probs, jnp.maximum(col, 0))             # [B,Ac,γ]
+        ce = jnp.where(col >= 0, ce, 0.0)
+    else:
+        ce, l1 = ce_l1_terms(d_logits, t_probs, labels)                          # [B,Ac,γ]
     accept = jax.lax.stop_gradient(jnp.clip(1.0 - 0.5 * l1, 0.0, 1.0))
     m = blocks.eval_mask
     w = m * weights
@@ -145,6 +166,11 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
 
     weights = position_weights(g, cfg.loss_decay_gamma, cfg.decay_convention, cfg.block_size)
     lm_head = draft.lm_head.get_value()
+    vocab_ids = draft.vocab_ids()
+    label_map = None
+    if vocab_ids is not None:                     # pruned draft vocabulary: its K rows only
+        lm_head = jnp.take(lm_head, vocab_ids, axis=0)
+        label_map = draft_vocab_label_map(cfg, vocab_ids)
     c = max(1, min(anchor_chunk, A))
     n_chunks = -(-A // c)
     pad = n_chunks * c - A
@@ -157,7 +183,7 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
 
     def body(acc, x):
         hc, bc = x
-        terms = chunk_terms(draft, hc, target_hidden, bc, lm_head, weights, cfg)
+        terms = chunk_terms(draft, hc, target_hidden, bc, lm_head, weights, cfg, label_map)
         return jax.tree.map(jnp.add, acc, terms), None
 
     if remat:

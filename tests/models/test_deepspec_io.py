@@ -31,7 +31,8 @@ def feats(target):
 @pytest.mark.parametrize("kw", [dict(), dict(markov_head_type="gated"),
                                 dict(markov_head_type="rnn", confidence_head_with_markov=False),
                                 dict(model_type="dflash", markov_rank=0,
-                                     enable_confidence_head=False)])
+                                     enable_confidence_head=False),
+                                dict(draft_vocab_size=48, draft_vocab=tuple(range(0, 96, 2)))])
 def test_round_trip_is_exact(target, feats, tmp_path, kw):
     draft = init_draft(target, dict(BASE, **kw), seed=4)
     draft.save(tmp_path / "ck")

@@ -436,3 +436,27 @@ def test_tiny_eagle3_overfits_target_with_the_train_step(target):
     assert first["accuracy@0"] < 0.2 and first["loss_tokens"] == 4 * 23
     assert float(met["accuracy@0"]) > 0.9, (first, met)
     assert float(met["loss"]) < first["loss"]
+
+
+def test_pruned_vocabulary_loss_is_the_reference_over_its_rows(draft):
+    """A pruned draft vocabulary: draft and target distributions both over its K ids, i.e. the
+    naive reference with the LM head cut to those rows; drafting logits mask the other ids."""
+    keep = tuple(range(0, 97, 2))
+    model = nnx.clone(draft)
+    model.cfg = model.cfg.replace(draft_vocab_size=len(keep), draft_vocab=keep)
+    feats, ids, lmask, tgt = _batch(0)
+    loss, met = jax.jit(lambda f, i, lm, t: eagle3_loss(model, f, i, lm, t, chunk_size=4))(
+        feats, ids, lmask, tgt)
+    ref_model = nnx.clone(draft)
+    ref_model.lm_head.set_value(draft.lm_head.get_value()[np.asarray(keep)])
+    ref = _naive_ttt_loss(ref_model, feats, ids, lmask, tgt, np.ones_like(ids))
+    full = _naive_ttt_loss(draft, feats, ids, lmask, tgt, np.ones_like(ids))
+    assert abs(ref["local_mean"][0] - full["local_mean"][0]) > 1e-3, "pruning must matter here"
+    assert abs(float(loss) - ref["local_mean"][0]) <= 1e-5 * max(1.0, ref["local_mean"][0])
+    for k in ("tau_greedy", "tau_probabilistic"):
+        np.testing.assert_allclose(float(met[k]), ref[k], rtol=1e-5)
+    h = jax.random.normal(jax.random.key(0), (5, D))
+    probs = np.asarray(jax.nn.softmax(model.logits(h), axis=-1))
+    assert probs[:, 1::2].max() == 0.0
+    np.testing.assert_allclose(np.asarray(model.logits(h))[:, ::2],
+                               np.asarray(draft.logits(h))[:, ::2], rtol=1e-6)

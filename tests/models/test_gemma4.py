@@ -260,7 +260,9 @@ def test_gemma4_ragged_forward_equals_dense_verification(targets):
         jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(valid, bool), cache)
     r_logits = np.asarray(model.logits(rag.hidden))
     for k, (r, j) in enumerate(order):
-        np.testing.assert_allclose(r_logits[k], d_logits[r, j], atol=1e-5, rtol=1e-5)
+        # the two paths sum in different orders: on some CPUs (AVX-512 XLA kernels) logits of
+        # |z| ≤ 1.7 differ by 1.7e-5 after the layer scalars; the project's fp32 parity is 1e-4
+        np.testing.assert_allclose(r_logits[k], d_logits[r, j], atol=5e-5, rtol=1e-5)
         # taps reach |h| ≈ 10 through the layer scalars: fp32 rounding ≈ 1e-5 relative
         np.testing.assert_allclose(np.asarray(rag.taps[k]), np.asarray(dense.taps[r, j]),
                                    atol=1e-4, rtol=1e-5)

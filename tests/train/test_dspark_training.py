@@ -44,10 +44,19 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
-def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
-    """Training (all anchors at once, big masks, chunks) vs inference (one block at a time)."""
-    draft = init_draft(target, dict(DRAFT, markov_head_type=head), seed=2)
+# a pruned draft vocabulary: 60 of the 97 ids, so many labels of _batch fall outside it
+PRUNED = tuple(int(i) for i in np.sort(np.random.RandomState(3).choice(97, 60, replace=False)))
+
+
+@pytest.mark.parametrize("head,pruned", [("vanilla", False), ("gated", False), ("rnn", False),
+                                         ("vanilla", True), ("rnn", True)])
+def test_loss_matches_numpy_reference_built_from_block_inference(target, head, pruned):
+    """Training (all anchors at once, big masks, chunks) vs inference (one block at a time).
+    Pruned: training computes K-column logits; the reference takes inference's full-vocabulary
+    draft distribution (zero outside the draft vocabulary), renormalises the target's over the
+    draft vocabulary, and gives a label outside it no CE."""
+    extra = dict(draft_vocab_size=len(PRUNED), draft_vocab=PRUNED) if pruned else {}
+    draft = init_draft(target, dict(DRAFT, markov_head_type=head, **extra), seed=2)
     model = draft.model
     # make the Markov output non-zero so the head matters
     model.markov.w2.set_value(0.3 * jax.random.normal(jax.random.key(5), model.markov.w2.shape))
@@ -82,6 +91,8 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
             prev = [ids[bi, min(a + k, S - 1)] for k in range(g)]
             out = draft.block_logits(feats[bi], ids[bi, a], a, prev)
             pd = _softmax(out["logits"].astype(np.float64))
+            if pruned:
+                assert np.abs(np.delete(pd, PRUNED, axis=-1)).max() == 0.0
             m = 1.0
             prefix_c = prefix_t = 1.0
             for k in range(g):
@@ -90,6 +101,10 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
                 if m == 0:
                     break
                 pt = _softmax(t_logits[bi, a + k].astype(np.float64))
+                if pruned:
+                    pt = np.zeros_like(pt)
+                    pt[list(PRUNED)] = _softmax(t_logits[bi, a + k, list(PRUNED)]
+                                                .astype(np.float64))
                 l1 = np.abs(pd[k] - pt).sum()
                 c_star = np.clip(1 - 0.5 * l1, 0, 1)
                 c = out["confidence_logits"][k]
@@ -97,7 +112,8 @@ def test_loss_matches_numpy_reference_built_from_block_inference(target, head):
                 sig = 1 / (1 + np.exp(-c))
                 prefix_c, prefix_t = prefix_c * sig, prefix_t * c_star
                 w = w_k[k]
-                num["ce"] += w * -np.log(pd[k, ids[bi, pos]])
+                if not pruned or ids[bi, pos] in PRUNED:
+                    num["ce"] += w * -np.log(pd[k, ids[bi, pos]])
                 num["l1"] += w * l1
                 num["conf"] += w * bce
                 # DeepSpec weights the confidence errors with the decayed loss weights
