@@ -7,8 +7,11 @@ Identical in the three rows: the prompts (the default job's: a seeded 480-prompt
 `offline-mix`, 32 held out by id hash), the regenerated replies (one regeneration, pointed at by
 `data.regenerated`), the cached target features (same target layer ids), sequence length, batch 8,
 the steps (`train.max_steps`), optimizer, learning rate and warmup, the data order
-(`data.data_seed`) and the held-out learning curve (`eval.every_steps`). Different: the drafter,
-and its init seed as in DeepSpec (42 for DSpark / DFlash, 0 for Eagle3).
+(`data.data_seed`), the held-out learning curve (`eval.every_steps`) and the draft vocabulary
+(the default job's 8,192 ids chosen from the same records, EAGLE-3's pruning — DeepSpec trains all
+three over the full vocabulary; on 2 cores that made Eagle3's TTT step 27 s, and K = 8,192 cuts
+every row's LM-head work by 6×; `--set draft.draft_vocab_size=0` restores DeepSpec's). Different:
+the drafter, and its init seed as in DeepSpec (42 for DSpark / DFlash, 0 for Eagle3).
 
 DeepSpec's recipes (config/{dspark,dflash,eagle3}/*_qwen3_4b.py) scaled down:
   DSpark : 2 draft layers (DeepSpec: 5), block 7, vanilla Markov head of rank 64 (256),

@@ -26,7 +26,10 @@ draft hidden of step s at t is aligned with the target index j = t+1+s; each row
 that some step supervises are gathered to the row's front, and a checkpointed scan over chunks
 of j computes the target softmax once per chunk and the T draft logits against it, keeping only
 [T, B, C, V] live (recomputed in the backward pass) and skipping the chunks past the longest
-row's supervised count — most prompt and padding positions cost no LM-head matmul.
+row's supervised count — most prompt and padding positions cost no LM-head matmul. With a pruned
+draft vocabulary (`DraftConfig.draft_vocab`) V is its K ids: both distributions are over those
+rows of the frozen LM head (the target's renormalised there), and `correct` compares argmaxes
+within them.
 """
 
 from __future__ import annotations
