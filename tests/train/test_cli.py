@@ -217,3 +217,26 @@ def test_smollm2_default_job(tmp_path):
     # the drafter learned something that generalises to held-out prompts (≈1.24 measured)
     assert s["heldout_teacher_forced"]["tau_probabilistic"] > 1.1
     assert s["wall_time_s"] < 15 * 60
+
+
+def test_draft_vocabulary_is_chosen_from_the_data_exported_and_kept_on_resume(tiny, tmp_path):
+    """`draft.draft_vocab_size`: the data stage picks the ids (stop token included), the summary
+    reports coverage, the export carries them and proposes nothing else, and a resumed run
+    chooses the same ids (otherwise the checkpoint's draft config would not match)."""
+    target_dir, prompts, _ = tiny
+    args = cli_args(target_dir, tmp_path / "w", prompts, "--config.draft.draft_vocab_size=40",
+                    "--config.logging.progress=False")
+    s = cli.main(args)
+    info = s["data"]["draft_vocab"]
+    assert info["size"] == 40 and info["coverage_train"] > 0.5
+    assert 0.0 <= info["coverage_heldout"] <= 1.0
+    target = load_target(target_dir)
+    draft = load_draft(tmp_path / "w" / "export", target)
+    ids = draft.config.draft_vocab
+    assert len(ids) == 40 and list(ids) == sorted(ids)
+    assert set(target.config.stop_token_ids) <= set(ids)
+    out = draft.block_logits(np.zeros((5, draft.config.num_features * 32), np.float32), 5)
+    outside = np.setdiff1d(np.arange(128), ids)
+    assert (out["logits"][:, outside] < -1e8).all() and np.isfinite(out["logits"][:, list(ids)]).all()
+    again = cli.main(args + ["--config.train.max_steps=" + str(s["steps"] + 1)])
+    assert again["resumed_from_step"] == s["steps"]
