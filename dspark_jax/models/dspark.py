@@ -20,6 +20,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.models import layers as L
@@ -39,13 +40,16 @@ def draft_vocab_ids(cfg: DraftConfig) -> jax.Array | None:
     return jnp.asarray(cfg.draft_vocab, jnp.int32)
 
 
-def draft_vocab_bias(cfg: DraftConfig) -> jax.Array | None:
-    """[V] f32: 0 on the draft vocabulary, −1e9 elsewhere (None: full vocabulary). Added to
-    final logits, it gives the other ids probability exactly 0 at any temperature."""
-    ids = draft_vocab_ids(cfg)
-    if ids is None:
-        return None
-    return jnp.full((cfg.target.vocab_size,), -1e9, jnp.float32).at[ids].set(0.0)
+def restrict_to_draft_vocab(cfg: DraftConfig, logits: jax.Array) -> jax.Array:
+    """Final drafting logits [..., V] with ids outside a pruned draft vocabulary at −1e9
+    (probability exactly 0 at any temperature); unchanged for the full vocabulary. The mask is a
+    trace-time constant, so the decode loop pays one add, not a scatter per round."""
+    if not cfg.pruned_vocab:
+        return logits
+    draft_vocab_ids(cfg)   # the error for unresolved ids
+    bias = np.full((cfg.target.vocab_size,), -1e9, np.float32)
+    bias[np.asarray(cfg.draft_vocab)] = 0.0
+    return logits + bias
 
 
 class FrozenParam(nnx.Variable):
@@ -169,9 +173,6 @@ class DSparkDraft(nnx.Module):
     def vocab_ids(self) -> jax.Array | None:
         return draft_vocab_ids(self.cfg)
 
-    def vocab_mask_bias(self) -> jax.Array | None:
-        return draft_vocab_bias(self.cfg)
-
     def lm_logits(self, h: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """lm_head(h) [..., V] in f32, or over the given LM-head rows [K, D] → [..., K]."""
         w = self.lm_head.get_value() if rows is None else rows
@@ -180,9 +181,7 @@ class DSparkDraft(nnx.Module):
 
     def base_logits(self, h: jax.Array) -> jax.Array:
         """U_k = lm_head(h_k) [..., V] (f32), tokens outside a pruned draft vocabulary at −1e9."""
-        logits = self.lm_logits(h)
-        bias = self.vocab_mask_bias()
-        return logits if bias is None else logits + bias
+        return restrict_to_draft_vocab(self.cfg, self.lm_logits(h))
 
     # ------------------------------------------------------------------ heads
     def heads_teacher_forced(self, h: jax.Array, prev_tokens: jax.Array,

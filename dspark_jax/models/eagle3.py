@@ -45,7 +45,8 @@ from flax import nnx
 
 from dspark_jax.models import layers as L
 from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.dspark import FrozenParam, draft_vocab_bias, draft_vocab_ids, frozen
+from dspark_jax.models.dspark import (FrozenParam, draft_vocab_ids, frozen,
+                                      restrict_to_draft_vocab)
 from dspark_jax.sharding import constrain
 
 
@@ -217,9 +218,7 @@ class Eagle3Draft(nnx.Module):
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
         """The drafting logits: `lm_logits`, ids outside a pruned draft vocabulary at −1e9."""
-        logits = self.lm_logits(h_btd)
-        bias = draft_vocab_bias(self.cfg)
-        return logits if bias is None else logits + bias
+        return restrict_to_draft_vocab(self.cfg, self.lm_logits(h_btd))
 
     def _stack(self) -> tuple[dict[str, jax.Array], jax.Array]:
         return self.layers.stacked(self.dtype), self.hidden_norm.get_value().astype(self.dtype)
