@@ -40,7 +40,8 @@ def run_ours(target, convs, *, batch: int, max_new_tokens: int, temperature: flo
                            batch_size=batch, temperature=temperature, top_k=top_k, top_p=top_p,
                            progress=False, engine=engine)
     return {"tokens": stats.generated_tokens, "seconds": stats.elapsed_s,
-            "tok_s": stats.tokens_per_s}
+            "tok_s": stats.tokens_per_s, "refill_s": stats.refill_s, "decode_s": stats.decode_s,
+            "decode_steps": stats.decode_steps, "ms_per_decode_step": stats.ms_per_decode_step}
 
 
 def run_transformers(convs, tok, *, batch: int, max_new_tokens: int, temperature: float,
@@ -120,6 +121,10 @@ def main(argv=None) -> dict:
                         f"{a.max_new_tokens} new tokens, T {a.temperature}"),
             ("dspark_jax regenerate", f"{ours['tok_s']:.1f} tok/s ({ours['tokens']} tokens, "
                                       f"{ours['seconds']:.1f} s, incl. compile)")]
+    if ours["decode_steps"]:
+        rows.append(("  of which", f"prefill {ours['refill_s']:.1f} s, decode {ours['decode_s']:.1f} s "
+                                   f"({ours['decode_steps']} steps × "
+                                   f"{ours['ms_per_decode_step']:.0f} ms)"))
     if "warm_tok_s" in ours:
         rows.append(("dspark_jax, compiled", f"{ours['warm_tok_s']:.1f} tok/s"))
     if theirs:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -41,6 +42,10 @@ class ContinuousBatcher:
     queue and the batch are empty, calling `on_reply(handle, reply_ids)` as each reply ends (the
     stop token, when hit, is the last id; replies are at most `max_new_tokens` long) and
     `on_chunk()` after every device call that finished a reply (a point to write results).
+
+    Where the time goes: `device_calls` counts the calls of each kind (refill / decode / grow),
+    `device_seconds` is their wall time (each call waited for; the first call of each shape
+    includes its compilation) and `decode_steps` the batched decode steps run.
     """
 
     def __init__(self, target: Any, *, batch_size: int, max_new_tokens: int,
@@ -63,6 +68,16 @@ class ContinuousBatcher:
         self._queue: list[tuple[int, int, Hashable, np.ndarray, np.ndarray]] = []
         self._seq = itertools.count()
         self.device_calls = {"refill": 0, "decode": 0, "grow": 0}
+        self.device_seconds = {"refill": 0.0, "decode": 0.0, "grow": 0.0}
+        self.decode_steps = 0
+
+    def _call(self, kind: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, waited for and booked under `kind`."""
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args, **kwargs))
+        self.device_seconds[kind] += time.perf_counter() - t0
+        self.device_calls[kind] += 1
+        return out
 
     def submit(self, handle: Hashable, prompt_ids: Sequence[int], key_data: np.ndarray) -> None:
         ids = np.asarray(prompt_ids, np.int32)
@@ -101,8 +116,7 @@ class ContinuousBatcher:
                 if s is None:
                     s = ar_empty(t.config, self.B, need, self.max_new, t.dtype)
                 elif need > s.cache.max_len:
-                    s = ar_grow(s, cache_len=need)
-                    self.device_calls["grow"] += 1
+                    s = self._call("grow", ar_grow, s, cache_len=need)
                 tokens = np.zeros((self.R, P), np.int32)
                 lens = np.ones((self.R,), np.int32)
                 rows = np.full((self.R,), self.B, np.int32)  # B = padding row, dropped
@@ -111,19 +125,19 @@ class ContinuousBatcher:
                     tokens[r, :ids.size], lens[r], keys[r] = ids, ids.size, key
                     rows[r] = free.pop(0)
                     slots[rows[r]] = handle
-                s = ar_refill(t.graphdef, t.state, s, jnp.asarray(tokens), jnp.asarray(lens),
-                              jnp.asarray(rows), jnp.asarray(keys), self.temp, self.stops,
-                              top_k=self.top_k, top_p=self.top_p)
-                self.device_calls["refill"] += 1
+                s = self._call("refill", ar_refill, t.graphdef, t.state, s, jnp.asarray(tokens),
+                               jnp.asarray(lens), jnp.asarray(rows), jnp.asarray(keys),
+                               self.temp, self.stops, top_k=self.top_k, top_p=self.top_p)
             if len(free) == self.B:  # an all-free batch admits any queued request: all done
                 return
             # return to the host as soon as a refill is possible (or one more reply when the
             # queue is empty but replies may still submit follow-ups)
             min_done = len(free) + 1 if not self._queue else max(self.R, len(free) + 1)
-            s = ar_decode(t.graphdef, t.state, s, self.temp, self.stops,
-                          num_steps=self.steps_per_call, top_k=self.top_k, top_p=self.top_p,
-                          min_done=jnp.asarray(min_done, jnp.int32))
-            self.device_calls["decode"] += 1
+            steps_before = int(s.steps)
+            s = self._call("decode", ar_decode, t.graphdef, t.state, s, self.temp, self.stops,
+                           num_steps=self.steps_per_call, top_k=self.top_k, top_p=self.top_p,
+                           min_done=jnp.asarray(min_done, jnp.int32))
+            self.decode_steps += int(s.steps) - steps_before
 
 
 __all__ = ["ContinuousBatcher"]

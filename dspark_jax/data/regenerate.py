@@ -86,10 +86,19 @@ class RegenStats:
     replies_hit_max_new_tokens: int = 0
     generated_tokens: int = 0
     elapsed_s: float = 0.0
+    # where the refill engine's time went (0 with the static engine): wall time of its prefill
+    # and decode device calls (first calls include compilation) and the batched decode steps
+    refill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def ms_per_decode_step(self) -> float:
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else 0.0
 
 
 # ---------------------------------------------------------------- per-row sampling on device
@@ -370,6 +379,9 @@ def regenerate(
     log.info("regenerate: %d conversations written, %d tokens in %.1f s = %.1f tok/s (%s engine, "
              "batch %d)", stats.written, stats.generated_tokens, stats.elapsed_s,
              stats.tokens_per_s, engine, batch_size)
+    if stats.decode_steps:
+        log.info("regenerate: prefill %.1f s, decode %.1f s (%d steps × %.0f ms)", stats.refill_s,
+                 stats.decode_s, stats.decode_steps, stats.ms_per_decode_step)
     return stats
 
 
@@ -401,6 +413,10 @@ def _run_refill(target: Any, todo: list[_Conv], replay: _Replay, finish: Callabl
     for i in range(len(todo)):
         submit(i, 0)
     batcher.run(on_reply, on_chunk=flush)
+    stats = replay.stats
+    stats.refill_s += batcher.device_seconds["refill"] + batcher.device_seconds["grow"]
+    stats.decode_s += batcher.device_seconds["decode"]
+    stats.decode_steps += batcher.decode_steps
 
 
 def _run_static(target: Any, convs: list[_Conv], done: set[str], replay: _Replay,
@@ -535,7 +551,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"regenerated {stats.written} conversations ({stats.already_done} already done): "
           f"{stats.generated_tokens} tokens in {stats.elapsed_s:.1f} s = "
           f"{stats.tokens_per_s:.1f} tok/s", file=sys.stderr)
-    print(json.dumps(dataclasses.asdict(stats) | {"tokens_per_s": round(stats.tokens_per_s, 2)}))
+    print(json.dumps(dataclasses.asdict(stats) | {"tokens_per_s": round(stats.tokens_per_s, 2),
+                                                  "ms_per_decode_step":
+                                                      round(stats.ms_per_decode_step, 1)}))
     return 0
 
 

@@ -78,6 +78,11 @@ def test_replies_equal_the_request_decoded_alone(target, temperature):
     assert got["2b"] == _alone(target, follow_up["prompt"], keys[2], temperature, stops)
     assert batcher.device_calls["grow"] == 1
     assert batcher.device_calls["refill"] == len(prompts) + 1  # one row per refill, R = 1
+    assert all(batcher.device_seconds[k] > 0 for k in ("refill", "decode", "grow"))
+    # each reply's first token comes from its prefill; the others take one decode step of the
+    # batch of 3 each, and every step advances at least one reply
+    stepped = sum(len(r) - 1 for r in got.values())
+    assert stepped / 3 <= batcher.decode_steps <= stepped
 
 
 def test_steady_state_does_not_recompile(target):
@@ -126,3 +131,21 @@ def test_top_k_candidate_sampler_matches_the_filtered_distribution():
     greedy = sample(A.row_key_data(0, 3), jnp.zeros((3,), jnp.int32),
                            jnp.tile(logits, (3, 1)), jnp.asarray(0.0), 10, 0.8)
     assert np.all(np.asarray(greedy) == int(jnp.argmax(logits)))
+
+
+def test_decode_steps_and_device_time_are_booked(target):
+    """Three requests in a batch of three: every decode step advances every unfinished row, so
+    the steps booked are exactly the longest reply's length minus its prefill-sampled token."""
+    prompts = _prompts()[:3]
+    stops = _stops_that_end_rows_early(target, _prompts())
+    keys = [R.sample_key_data(1, str(i), 0) for i in range(3)]
+    b = ContinuousBatcher(target, batch_size=3, max_new_tokens=MAX_NEW, temperature=0.0,
+                          top_k=8, top_p=0.9, stop_token_ids=stops, refill_size=3,
+                          steps_per_call=3)
+    for i, (p, k) in enumerate(zip(prompts, keys)):
+        b.submit(i, p, k)
+    out: dict = {}
+    b.run(lambda h, r: out.__setitem__(h, r))
+    assert b.decode_steps == max(len(r) for r in out.values()) - 1
+    assert b.device_calls["refill"] == 1 and b.device_calls["decode"] >= 2
+    assert b.device_seconds["refill"] > 0 and b.device_seconds["decode"] > 0

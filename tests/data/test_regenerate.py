@@ -157,8 +157,17 @@ def test_refill_engine_equals_the_static_one_at_t0(target, prompts_file, tmp_pat
 
     assert records(tmp_path / "r.jsonl") == records(tmp_path / "s.jsonl")
     assert len(records(tmp_path / "r.jsonl")) == 11
-    same = lambda st: dataclasses.asdict(st) | {"elapsed_s": 0}  # noqa: E731
+    timing = dict(elapsed_s=0, refill_s=0, decode_s=0, decode_steps=0)
+    same = lambda st: dataclasses.asdict(st) | timing  # noqa: E731
     assert same(refill) == same(static)
+    # the refill engine says where its time went; the static one has no breakdown
+    assert static.decode_steps == 0 and static.ms_per_decode_step == 0.0
+    assert refill.refill_s > 0 and refill.decode_s > 0
+    assert refill.refill_s + refill.decode_s <= refill.elapsed_s
+    # every generated token but each reply's first (sampled by its prefill) takes a decode step
+    # of a batch of 3, and every step advances at least one reply
+    per_step_tokens = refill.generated_tokens - refill.turns_generated
+    assert per_step_tokens / 3 <= refill.decode_steps <= per_step_tokens
     assert static.skipped_prompt_too_long == 1 and static.ended_early == 1
     with pytest.raises(ValueError, match="engine must be one of"):
         R.regenerate(target, convs, tmp_path / "x.jsonl", engine="fast", **kw)
@@ -185,6 +194,8 @@ def test_skip_rules(target, tmp_path, monkeypatch, engine):
     class FakeBatcher:  # the refill engine's seam: same scripted replies, batches of 4
         def __init__(self, target, **kw):
             self.queue = []
+            self.device_seconds = {"refill": 0.0, "decode": 0.0, "grow": 0.0}
+            self.decode_steps = 0
 
         def submit(self, handle, ids, key):
             self.queue.append((handle, ids))
