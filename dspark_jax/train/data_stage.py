@@ -17,8 +17,10 @@ import numpy as np
 from dspark_jax.train.job_config import UsageError
 
 
-def load_prompts(c: ml_collections.ConfigDict) -> list:
-    from dspark_jax.data.prompts import PROMPT_SOURCES, load_humaneval, subsample
+def load_prompt_pool(c: ml_collections.ConfigDict) -> list:
+    """Every prompt of `config.data.prompts` (files or named sources; HumanEval when empty),
+    with `config.data.decontaminate`'s overlap filter applied, before any subsampling."""
+    from dspark_jax.data.prompts import PROMPT_SOURCES, load_humaneval
     from dspark_jax.data.regenerate import load_prompt_files
 
     paths = [str(p) for p in c.data.prompts]
@@ -27,8 +29,15 @@ def load_prompts(c: ml_collections.ConfigDict) -> list:
             raise UsageError(f"config.data.prompts: file {p!r} not found (and not a named "
                              f"source {list(PROMPT_SOURCES)})")
     decontaminate = c.data.get("decontaminate", "") or None
-    convs = (load_prompt_files(paths, decontaminate=decontaminate) if paths
-             else load_humaneval())
+    return load_prompt_files(paths, decontaminate=decontaminate) if paths else load_humaneval()
+
+
+def load_prompts(c: ml_collections.ConfigDict, pool: list | None = None) -> list:
+    """The prompts to regenerate: the pool (`load_prompt_pool`, or `pool` when the caller
+    already loaded it), subsampled to `config.data.max_prompts`."""
+    from dspark_jax.data.prompts import subsample
+
+    convs = load_prompt_pool(c) if pool is None else pool
     if c.data.max_prompts >= 0:
         convs = subsample(convs, c.data.max_prompts, seed=c.data.split_seed)
     if not convs:
@@ -65,8 +74,10 @@ def process_local_target(c: ml_collections.ConfigDict, target: Any) -> Callable[
 
 
 def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool,
-                          local_target: Callable[[], Any]) -> tuple[list, list, dict]:
-    """(a)+(b): training and held-out regenerated conversations, and info for the summary."""
+                          local_target: Callable[[], Any], pool: list | None = None
+                          ) -> tuple[list, list, dict]:
+    """(a)+(b): training and held-out regenerated conversations, and info for the summary.
+    `pool`: the prompt pool when the caller already loaded it (`load_prompt_pool`)."""
     import jax
 
     from dspark_jax.data.distributed import regenerate_distributed
@@ -79,7 +90,7 @@ def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool,
         info["regenerated"] = {"path": str(path), "reused": True}
     else:
         path = pathlib.Path(c.data.regenerated or workdir / "data" / "regenerated.jsonl")
-        prompts = load_prompts(c)
+        prompts = load_prompts(c, pool)
         info["prompts"] = len(prompts)
         # several processes: each regenerates its share of the prompts with its own copy of
         # the target and process 0 merges the parts into what one process writes (resumable;
@@ -134,6 +145,7 @@ class PreparedData:
     held_convs: list         # held-out conversations (prompts for speculative evaluation)
     source: Any              # what the grain pipeline reads: records (online) or a FeatureCache
     info: dict               # for the summary: prompts, regeneration, split, render stats
+    prompt_pool: list | None = None  # `load_prompt_pool(c)` when prepare_data loaded it
 
 
 def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
@@ -142,10 +154,14 @@ def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
     """(a)+(b)+(c); `lap(name)` is called after each part (timings)."""
     from dspark_jax.data.pipeline import records_from_conversations
 
-    # (a)+(b) prompts and regeneration
+    # (a)+(b) prompts and regeneration; the prompt pool is loaded (and decontaminated) once
+    # here when both the regeneration and the draft vocabulary read it
     local_target = process_local_target(c, target)
+    regenerating = not (c.data.regenerated and os.path.isfile(c.data.regenerated))
+    pool = load_prompt_pool(c) if regenerating and draft_cfg.pruned_vocab \
+        and not draft_cfg.draft_vocab else None
     train_convs, held_convs, data_info = prepare_conversations(c, target, workdir, is_main,
-                                                               local_target)
+                                                               local_target, pool)
     lap("prompts_and_regeneration")
     # (c) rendering + loss masks
     records, rstats = records_from_conversations(train_convs, target.tokenizer, c.data.max_length)
@@ -162,20 +178,16 @@ def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
               else feature_source(c, target, draft_cfg, records, workdir, local_target))
     lap("records_and_features")
     return PreparedData(records=records, held_records=held_records, held_convs=held_convs,
-                        source=source, info=data_info)
+                        source=source, info=data_info, prompt_pool=pool)
 
 
-def prompt_pool_records(c: ml_collections.ConfigDict, tokenizer: Any, exclude: set
-                        ) -> list[dict]:
+def prompt_pool_records(c: ml_collections.ConfigDict, tokenizer: Any, exclude: set,
+                        pool: list | None = None) -> list[dict]:
     """Every prompt of `config.data.prompts` before subsampling (minus the `exclude` ids, the
     held-out ones), tokenized as prompt-only records: word statistics for the draft vocabulary
-    beyond the few hundred regenerated replies."""
-    from dspark_jax.data.prompts import load_humaneval
-    from dspark_jax.data.regenerate import load_prompt_files
-
-    paths = [str(p) for p in c.data.prompts]
-    convs = (load_prompt_files(paths, decontaminate=c.data.get("decontaminate", "") or None)
-             if paths else load_humaneval())
+    beyond the few hundred regenerated replies. `pool`: `load_prompt_pool(c)` if already
+    loaded."""
+    convs = load_prompt_pool(c) if pool is None else pool
     out = []
     for cv in convs:
         if cv.id in exclude:
@@ -196,7 +208,8 @@ def resolve_draft_vocab(c: ml_collections.ConfigDict, draft_cfg: Any, data: Prep
     from dspark_jax.data.draft_vocab import choose_draft_vocab, coverage
 
     V = draft_cfg.target.vocab_size
-    pool = prompt_pool_records(c, target.tokenizer, {cv.id for cv in data.held_convs})
+    pool = prompt_pool_records(c, target.tokenizer, {cv.id for cv in data.held_convs},
+                               data.prompt_pool)
     ids = choose_draft_vocab(list(data.records) + pool, draft_cfg.draft_vocab_size, V,
                              always=target.config.stop_token_ids)
     data.info["draft_vocab"] = {

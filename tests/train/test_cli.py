@@ -219,14 +219,23 @@ def test_smollm2_default_job(tmp_path):
     assert s["wall_time_s"] < 15 * 60
 
 
-def test_draft_vocabulary_is_chosen_from_the_data_exported_and_kept_on_resume(tiny, tmp_path):
+def test_draft_vocabulary_is_chosen_from_the_data_exported_and_kept_on_resume(tiny, tmp_path,
+                                                                            monkeypatch):
     """`draft.draft_vocab_size`: the data stage picks the ids (stop token included), the summary
     reports coverage, the export carries them and proposes nothing else, and a resumed run
-    chooses the same ids (otherwise the checkpoint's draft config would not match)."""
+    chooses the same ids (otherwise the checkpoint's draft config would not match). The prompt
+    pool that both the regeneration and the vocabulary read is loaded (and decontaminated) once."""
+    from dspark_jax.data import regenerate as R
+
     target_dir, prompts, _ = tiny
+    loads = []
+    real_load = R.load_prompt_files
+    monkeypatch.setattr(R, "load_prompt_files",
+                        lambda *a, **k: loads.append(a) or real_load(*a, **k))
     args = cli_args(target_dir, tmp_path / "w", prompts, "--config.draft.draft_vocab_size=40",
                     "--config.logging.progress=False")
     s = cli.main(args)
+    assert len(loads) == 1
     info = s["data"]["draft_vocab"]
     assert info["size"] == 40 and info["coverage_train"] > 0.5
     assert 0.0 <= info["coverage_heldout"] <= 1.0
