@@ -87,7 +87,8 @@ class RegenStats:
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     # where the refill engine's time went (0 with the static engine): wall time of its prefill
-    # and decode device calls (first calls include compilation) and the batched decode steps
+    # (refills and cache grows) and decode device calls (first calls include compilation) and
+    # the batched decode steps
     refill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
