@@ -74,10 +74,9 @@ def process_local_target(c: ml_collections.ConfigDict, target: Any) -> Callable[
 
 
 def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool,
-                          local_target: Callable[[], Any], pool: list | None = None
-                          ) -> tuple[list, list, dict]:
-    """(a)+(b): training and held-out regenerated conversations, and info for the summary.
-    `pool`: the prompt pool when the caller already loaded it (`load_prompt_pool`)."""
+                          local_target: Callable[[], Any]) -> tuple[list, list, dict, list | None]:
+    """(a)+(b): training and held-out regenerated conversations, info for the summary, and the
+    prompt pool (`load_prompt_pool`) when it was loaded to regenerate (None when reusing)."""
     import jax
 
     from dspark_jax.data.distributed import regenerate_distributed
@@ -85,11 +84,13 @@ def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool,
 
     heldout = heldout_arg(c.data.heldout)
     info: dict[str, Any] = {}
+    pool = None
     if c.data.regenerated and os.path.isfile(c.data.regenerated):
         path = pathlib.Path(c.data.regenerated)
         info["regenerated"] = {"path": str(path), "reused": True}
     else:
         path = pathlib.Path(c.data.regenerated or workdir / "data" / "regenerated.jsonl")
+        pool = load_prompt_pool(c)
         prompts = load_prompts(c, pool)
         info["prompts"] = len(prompts)
         # several processes: each regenerates its share of the prompts with its own copy of
@@ -107,7 +108,7 @@ def prepare_conversations(c, target, workdir: pathlib.Path, is_main: bool,
     convs = load_conversations(path)
     train, held = split_train_heldout(convs, heldout, seed=c.data.split_seed)
     info["split"] = {"train": len(train), "heldout": len(held)}
-    return train, held, info
+    return train, held, info, pool
 
 
 def feature_source(c, target, draft_cfg, records: list, workdir: pathlib.Path,
@@ -145,7 +146,7 @@ class PreparedData:
     held_convs: list         # held-out conversations (prompts for speculative evaluation)
     source: Any              # what the grain pipeline reads: records (online) or a FeatureCache
     info: dict               # for the summary: prompts, regeneration, split, render stats
-    prompt_pool: list | None = None  # `load_prompt_pool(c)` when prepare_data loaded it
+    prompt_pool: list | None = None  # `load_prompt_pool(c)` when the regeneration loaded it
 
 
 def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
@@ -154,14 +155,11 @@ def prepare_data(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any,
     """(a)+(b)+(c); `lap(name)` is called after each part (timings)."""
     from dspark_jax.data.pipeline import records_from_conversations
 
-    # (a)+(b) prompts and regeneration; the prompt pool is loaded (and decontaminated) once
-    # here when both the regeneration and the draft vocabulary read it
+    # (a)+(b) prompts and regeneration; the prompt pool it loads (and decontaminates) is kept
+    # for the draft vocabulary, which reads it again
     local_target = process_local_target(c, target)
-    regenerating = not (c.data.regenerated and os.path.isfile(c.data.regenerated))
-    pool = load_prompt_pool(c) if regenerating and draft_cfg.pruned_vocab \
-        and not draft_cfg.draft_vocab else None
-    train_convs, held_convs, data_info = prepare_conversations(c, target, workdir, is_main,
-                                                               local_target, pool)
+    train_convs, held_convs, data_info, pool = prepare_conversations(c, target, workdir,
+                                                                     is_main, local_target)
     lap("prompts_and_regeneration")
     # (c) rendering + loss masks
     records, rstats = records_from_conversations(train_convs, target.tokenizer, c.data.max_length)
