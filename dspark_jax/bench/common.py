@@ -7,11 +7,14 @@ weights created directly on the device (PERFORMANCE.md).
 from __future__ import annotations
 
 import json
+import os
+import platform
 import statistics
 import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig, RopeConfig
@@ -72,6 +75,65 @@ def median(xs: list[float]) -> float:
 def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}"
+
+
+def _cpu_times() -> list[int] | None:
+    """The aggregate `cpu` line of /proc/stat (user nice system idle iowait irq softirq steal …)
+    in clock ticks; None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            first = f.readline().split()
+    except OSError:
+        return None
+    return [int(x) for x in first[1:]] if first and first[0] == "cpu" else None
+
+
+class StealMeter:
+    """Share of CPU time the hypervisor gave to other guests ("steal") between construction and
+    `fraction()`: a CPU benchmark on a VM with 20% steal runs ~20% slower than on the same VM
+    quiet, so figures taken on different days say how noisy they were. None off Linux."""
+
+    def __init__(self) -> None:
+        self._t0 = _cpu_times()
+
+    def fraction(self) -> float | None:
+        t1 = _cpu_times()
+        if self._t0 is None or t1 is None or len(t1) < 8:
+            return None
+        delta = [b - a for a, b in zip(self._t0, t1)]
+        total = sum(delta[:8])
+        return delta[7] / total if total > 0 else None
+
+
+def memory_copy_gbs(megabytes: int = 256, repeats: int = 3) -> float:
+    """Memory bandwidth one numpy copy reaches now (GB/s, bytes read + written, best of
+    `repeats`). A batch-32 decode step on CPU reads every weight and the whole KV cache once, so
+    machines that differ 3× in this differ 2–3× in step time (BENCHMARKS.md)."""
+    src = np.ones(megabytes * 2**20 // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best / 1e9
+
+
+def cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo's `model name`, else `platform.processor()`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else (platform.processor() or platform.machine())
+
+
+def host_facts() -> dict:
+    """What a CPU figure depends on besides the code: processor, logical CPUs, copy bandwidth."""
+    return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(),
+            "memory_copy_gbs": round(memory_copy_gbs(), 1)}
 
 
 def save_json(result: dict, path: str | None) -> None:

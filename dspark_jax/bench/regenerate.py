@@ -7,7 +7,9 @@ meaningful even on a loaded machine. Ours is the whole `data.regenerate.regenera
 (prompt rendering, compilation, continuous batching, decoding the text, writing the JSONL);
 theirs is `model.generate` over static batches of `batch` prompts (left-padded), counting only
 the tokens each row really generated (up to and including its stop token). Model loading is
-excluded on both sides. Example (the issue's setting is --prompts 64 --max-new-tokens 128):
+excluded on both sides. The table also names the host (processor, logical CPUs, the memory
+bandwidth a numpy copy reaches) and the CPU time stolen by other guests during the run: the same
+code measured 1.00–1.43× on different 2-core VMs (BENCHMARKS.md). Example (the issue's setting is --prompts 64 --max-new-tokens 128):
   python -m dspark_jax.bench.regenerate --prompts 64 --batch 32 --max-new-tokens 128
 """
 
@@ -18,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dspark_jax.bench.common import print_table, save_json
+from dspark_jax.bench.common import StealMeter, host_facts, print_table, save_json
 
 
 def bench_prompts(n: int, source: str) -> list:
@@ -82,6 +84,13 @@ def run_transformers(convs, tok, *, batch: int, max_new_tokens: int, temperature
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
+def _host_line(host: dict) -> str:
+    steal = host.get("steal_fraction")
+    stolen = "" if steal is None else f", {100 * steal:.0f}% of CPU time stolen during the run"
+    return (f"{host['cpu']}, {host['logical_cpus']} logical CPUs, memory copy "
+            f"{host['memory_copy_gbs']:.1f} GB/s{stolen}")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +110,8 @@ def main(argv=None) -> dict:
 
     from dspark_jax.models import load_target
 
+    host = host_facts()
+    steal = StealMeter()
     target = load_target("smollm2-135m-instruct")
     convs = bench_prompts(a.prompts, a.source)
     kw = dict(batch=a.batch, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
@@ -113,12 +124,14 @@ def main(argv=None) -> dict:
         print(f"dspark_jax regenerate, compiled: {warm['tok_s']:.1f} tok/s", flush=True)
         ours["warm_tok_s"] = warm["tok_s"]
     theirs = None if a.skip_transformers else run_transformers(convs, target.tokenizer, **kw)
-    r = {"prompts": a.prompts, "source": a.source, **kw, "engine": a.engine, "ours": ours,
-         "transformers": theirs,
+    host["steal_fraction"] = steal.fraction()
+    r = {"prompts": a.prompts, "source": a.source, **kw, "engine": a.engine, "host": host,
+         "ours": ours, "transformers": theirs,
          "ratio": ours["tok_s"] / theirs["tok_s"] if theirs else None}
     save_json(r, a.json)
     rows = [("setting", f"{a.prompts} prompts ({a.source}), batch {a.batch}, "
                         f"{a.max_new_tokens} new tokens, T {a.temperature}"),
+            ("host", _host_line(host)),
             ("dspark_jax regenerate", f"{ours['tok_s']:.1f} tok/s ({ours['tokens']} tokens, "
                                       f"{ours['seconds']:.1f} s, incl. compile)")]
     if ours["decode_steps"]:
