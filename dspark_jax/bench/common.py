@@ -88,27 +88,29 @@ def _cpu_times() -> list[int] | None:
     return [int(x) for x in first[1:]] if first and first[0] == "cpu" else None
 
 
+_STEAL = 7  # index of "steal" among /proc/stat's cpu fields
+
+
 class StealMeter:
     """Share of CPU time the hypervisor gave to other guests ("steal") between construction and
-    `fraction()`: a CPU benchmark on a VM with 20% steal runs ~20% slower than on the same VM
-    quiet, so figures taken on different days say how noisy they were. None off Linux."""
+    `fraction()`, so CPU figures taken on different days say how contended the VM was. None
+    where /proc/stat is missing."""
 
     def __init__(self) -> None:
         self._t0 = _cpu_times()
 
     def fraction(self) -> float | None:
         t1 = _cpu_times()
-        if self._t0 is None or t1 is None or len(t1) < 8:
+        if self._t0 is None or t1 is None or len(t1) <= _STEAL:
             return None
         delta = [b - a for a, b in zip(self._t0, t1)]
-        total = sum(delta[:8])
-        return delta[7] / total if total > 0 else None
+        total = sum(delta[:_STEAL + 1])  # guest time is already counted in user/nice
+        return delta[_STEAL] / total if total > 0 else None
 
 
 def memory_copy_gbs(megabytes: int = 256, repeats: int = 3) -> float:
     """Memory bandwidth one numpy copy reaches now (GB/s, bytes read + written, best of
-    `repeats`). A batch-32 decode step on CPU reads every weight and the whole KV cache once, so
-    machines that differ 3× in this differ 2–3× in step time (BENCHMARKS.md)."""
+    `repeats`): a batch-32 decode step on CPU reads every weight and the whole KV cache."""
     src = np.ones(megabytes * 2**20 // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)

@@ -9,7 +9,8 @@ theirs is `model.generate` over static batches of `batch` prompts (left-padded),
 the tokens each row really generated (up to and including its stop token). Model loading is
 excluded on both sides. The table also names the host (processor, logical CPUs, the memory
 bandwidth a numpy copy reaches) and the CPU time stolen by other guests during the run: the same
-code measured 1.00–1.43× on different 2-core VMs (BENCHMARKS.md). Example (the issue's setting is --prompts 64 --max-new-tokens 128):
+code measured 1.00–1.43× on different 2-core VMs (BENCHMARKS.md). Example (the issue's setting
+is --prompts 64 --max-new-tokens 128):
   python -m dspark_jax.bench.regenerate --prompts 64 --batch 32 --max-new-tokens 128
 """
 
