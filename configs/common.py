@@ -181,6 +181,10 @@ def get_base_config() -> ml_collections.ConfigDict:
         speculative_max_new_tokens=-1,  # -1: data.max_new_tokens
         speculative_batch_size=8,
         speculative_temperatures=(1.0,),  # one dspark_jax.evaluate run each (→ speculative/T<t>)
+        # DeepSpec's own loop on the DeepSpec-format export vs our engine, T = 0 (needs torch
+        # and DeepSpec: installed or ../shared/reference/deepspec); 0 skips
+        deepspec_check_samples=8,
+        deepspec_check_max_new_tokens=48,
     ))
 
     c.logging = ml_collections.ConfigDict(dict(progress=True, tensorboard=True, jsonl=True))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 import pathlib
 import re
 from typing import Any, Mapping
@@ -35,6 +36,10 @@ from dspark_jax.models.hf_io import (CheckpointError, export_layer_stack, import
 _ARCH = re.compile(r"^(Qwen3|Llama|Gemma4)(DSpark|DFlash|Eagle3)(Model|ForCausalLM)?$")
 _FAMILY = {"Qwen3": "qwen3", "Llama": "llama", "Gemma4": "gemma4"}
 EAGLE3_DRAFT_MODEL = "Eagle3DraftModel"   # eval.py maps it to the Qwen3 Eagle3 evaluator
+
+
+class LegacyDrafterWarning(UserWarning):
+    """A drafter checkpoint in a layout only older dspark_jax releases wrote."""
 
 # config.json fields DeepSpec's Qwen3DSparkModel.__init__ / build_draft_config / the DSpark
 # evaluator read (besides the Qwen3 shape), and those it writes only in some cases
@@ -66,6 +71,7 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
     """DeepSpec config.json → DraftConfig (the target shape comes from `target` if given)."""
     family, kind = _arch_info(raw, source)
     ours = dict(raw.get("dspark_jax") or {})
+    ours.pop("export", None)     # how the directory was written (write_deepspec_dir)
     if family == "gemma4":
         from dspark_jax.models import gemma4_draft
 
@@ -77,6 +83,13 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
         shape["architectures"] = ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"]
         shape["model_type"] = family
         layer_shape = DecoderConfig.from_hf_dict(shape, source=source)
+    if family == "llama" and EAGLE3_DRAFT_MODEL not in (raw.get("architectures") or []):
+        # exported before the draft layers became Qwen3's (issue 24): Llama layers, no q/k norm
+        warnings.warn(f"{source}: a Llama-layer drafter ({raw.get('architectures')}, no q/k "
+                      "norms) from an older dspark_jax; it loads as the drafter it is, but no "
+                      "other consumer (DeepSpec, vLLM, SGLang, llama.cpp) can load it. Re-export "
+                      "a retrained drafter to get Qwen3DSparkModel / Qwen3Eagle3Model layers.",
+                      LegacyDrafterWarning, stacklevel=3)
     n_draft = layer_shape.num_hidden_layers
     ids = tuple(int(i) for i in raw.get("target_layer_ids") or ours.get("target_layer_ids") or ())
     if not ids:
@@ -92,7 +105,7 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
         target = layer_shape.replace(num_hidden_layers=n_target)
         if family == "gemma4":
             target = target.replace(layer_types=("full_attention",) * n_target)
-    fields: dict[str, Any] = dict(target_layer_ids=ids)
+    fields: dict[str, Any] = dict(target_layer_ids=ids, layer_family=family)
     if kind == "eagle3":
         ttt = int(raw.get("ttt_length", 7))
         fields.update(model_type="eagle3", ttt_length=ttt,
@@ -129,7 +142,7 @@ def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
         hf = deepspec_base_config(cfg)
     else:
         hf = layer_cfg.to_hf_dict()
-    prefix = {"qwen3": "Qwen3", "llama": "Llama", "gemma4": "Gemma4"}[cfg.target.family]
+    prefix = {"qwen3": "Qwen3", "llama": "Llama", "gemma4": "Gemma4"}[cfg.layer_family]
     kind = {"dspark": "DSpark", "dflash": "DSpark", "eagle3": "Eagle3"}[cfg.model_type]
     n = layer_cfg.num_hidden_layers
     hf.setdefault("layer_types", ["full_attention"] * n)
@@ -335,16 +348,76 @@ def read_deepspec_dir(path: str | os.PathLike, target: DecoderConfig | None = No
     return cfg, draft_pure_from_deepspec(cfg, tensors, source)
 
 
-def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike) -> pathlib.Path:
-    """Exports a drafter (nnx.State or pure dict) in DeepSpec's format, atomically per file."""
+class ExportError(ValueError):
+    """A drafter that the requested export format cannot hold faithfully (names the field)."""
+
+
+FULL_VOCAB_FALLBACK_NOTE = (
+    "full-vocabulary fallback of a drafter trained with a {k}-id draft vocabulary: DeepSpec's "
+    "format has no draft vocabulary, so every consumer of this directory proposes from all {v} "
+    "ids, including ids the drafter was never trained to rank; DeepSpec's loop measures a "
+    "different tau than dspark_jax with the draft vocabulary (export --format speculators "
+    "carries it)")
+
+
+def full_vocab_fallback(cfg: DraftConfig) -> DraftConfig:
+    """The drafter a DeepSpec-format export of `cfg` really is: the same weights proposing from
+    the whole vocabulary (the draft vocabulary dropped)."""
+    return cfg.replace(draft_vocab_size=0, draft_vocab=())
+
+
+def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
+                       full_vocab_fallback_ok: bool = False, progress: Any = None
+                       ) -> pathlib.Path:
+    """Exports a drafter (nnx.State or pure dict) in DeepSpec's format, each file atomically.
+
+    A pruned draft vocabulary cannot be a faithful DeepSpec checkpoint (its `lm_head` has V rows
+    and no bias, there is no `d2t`): that is an `ExportError`, unless `full_vocab_fallback_ok`,
+    which writes the full-vocabulary drafter, warns, and records the fact in config.json
+    (`dspark_jax.export`). `progress(name)` is called once per tensor group written."""
     path = pathlib.Path(path)
+    export_note = None
+    if cfg.pruned_vocab:
+        if not full_vocab_fallback_ok:
+            raise ExportError(
+                f"draft_vocab_size: the drafter proposes from a {cfg.draft_vocab_size}-id draft "
+                f"vocabulary, which DeepSpec's format cannot hold (a {cfg.target.vocab_size}-row "
+                "lm_head, no d2t); export it with --format speculators, or pass "
+                "--full-vocab-fallback to write the full-vocabulary drafter (DeepSpec's loop "
+                "then measures a different tau)")
+        export_note = FULL_VOCAB_FALLBACK_NOTE.format(k=cfg.draft_vocab_size,
+                                                      v=cfg.target.vocab_size)
+        warnings.warn(f"{path}: {export_note}", stacklevel=2)
+        trained_k = cfg.draft_vocab_size
+        cfg = full_vocab_fallback(cfg)
     path.mkdir(parents=True, exist_ok=True)
     pure = state if isinstance(state, Mapping) and not isinstance(state, nnx.State) \
         else nnx.to_pure_dict(state)
     tensors = deepspec_tensors_from_pure(cfg, pure)
     assert sorted(tensors) == sorted(deepspec_tensor_names(cfg)), "export names drifted"
+    if progress is not None:
+        for group in tensor_groups(tensors):
+            progress(group)
     write_safetensors(path / "model.safetensors", tensors)
-    tmp = path / "config.json.tmp"
-    tmp.write_text(json.dumps(deepspec_config_dict(cfg), indent=2))
-    os.replace(tmp, path / "config.json")
+    config = deepspec_config_dict(cfg)
+    if export_note is not None:
+        config["dspark_jax"]["export"] = {"full_vocab_fallback": True,
+                                          "trained_draft_vocab_size": trained_k,
+                                          "note": export_note}
+    write_json_atomic(path / "config.json", config)
     return path
+
+
+def tensor_groups(tensors: Mapping[str, Any]) -> list[str]:
+    """The groups of a drafter's tensors, in order (`layers.0`, `markov_head`, `lm_head`, …)."""
+    groups: dict[str, None] = {}
+    for name in tensors:
+        parts = name.split(".")
+        groups[".".join(parts[:2]) if parts[0] == "layers" else parts[0]] = None
+    return list(groups)
+
+
+def write_json_atomic(path: pathlib.Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import pathlib
 from typing import Any, Mapping
 
 import jax
@@ -107,11 +108,23 @@ class Draft:
                 "logits": np.asarray(logits, np.float32),
                 "confidence_logits": None if conf is None else np.asarray(conf, np.float32)}
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Writes the drafter in DeepSpec's format (plus our fields under `dspark_jax`)."""
-        from dspark_jax.models.deepspec_io import write_deepspec_dir
+    def save(self, path: str | os.PathLike, format: str = "auto") -> None:
+        """Writes the drafter (plus our fields under `dspark_jax`) in "deepspec" format, or in
+        "speculators" format (vLLM's, which carries a draft vocabulary); "auto" picks
+        speculators for a draft-vocabulary drafter and DeepSpec otherwise. `python -m
+        dspark_jax.export` is the command-line form (atomic directory, every option)."""
+        from dspark_jax.models.deepspec_io import ExportError, write_deepspec_dir
+        from dspark_jax.models.speculators_io import write_speculators_dir
 
-        write_deepspec_dir(self.config, self.state, path)
+        if format == "auto":
+            format = "speculators" if self.config.pruned_vocab else "deepspec"
+        if format == "deepspec":
+            write_deepspec_dir(self.config, self.state, path)
+        elif format == "speculators":
+            write_speculators_dir(self.config, self.state, path)
+        else:
+            raise ExportError(f"format: {format!r} is not one of ('auto', 'deepspec', "
+                              "'speculators')")
 
 
 def _as_config(target_cfg: Any, draft_config: DraftConfig | Mapping[str, Any]) -> DraftConfig:
@@ -171,8 +184,10 @@ def target_layers_init(model: nnx.Module, tmodel: nnx.Module) -> None:
     cfg = model.cfg
     ids = np.asarray(copied_target_layers(cfg))
     src, dst = tmodel.layers, model.layers
+    # a Llama target has no q/k norms: the Qwen3 draft layers keep DeepSpec's initialisation
+    # (ones) for them, so the copied layers normalise q/k where the target did not
     for name in dst.NAMES:
-        if hasattr(dst, name):
+        if hasattr(dst, name) and hasattr(src, name):
             var = getattr(dst, name)
             var.set_value(getattr(src, name).get_value()[ids].astype(var.get_value().dtype))
     D = cfg.target.hidden_size
@@ -188,16 +203,21 @@ def target_layers_init(model: nnx.Module, tmodel: nnx.Module) -> None:
 
 def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float32",
                param_dtype: Any = "float32", block_convention: str | None = None) -> Draft:
-    """Loads a DeepSpec-format drafter directory (ours are the same format).
+    """Loads a drafter directory: DeepSpec's format or speculators' (vLLM's), both as we
+    export them, and DeepSpec's own checkpoints.
 
     With `target`, checks that the drafter was built for it (vocabulary, width, layer ids).
     `block_convention` overrides the checkpoint's ("zlab" for z-lab DFlash checkpoints).
     A `confidence_calibration.json` in the directory sets `confidence_temperatures`.
     """
     from dspark_jax.models.deepspec_io import read_deepspec_dir
-    from dspark_jax.models.hf_io import build_from_pure
+    from dspark_jax.models.hf_io import build_from_pure, read_config_json
+    from dspark_jax.models.speculators_io import is_speculators_config, read_speculators_dir
 
-    cfg, pure = read_deepspec_dir(path, target.config if target is not None else None)
+    tcfg = target.config if target is not None else None
+    read = (read_speculators_dir if pathlib.Path(path).is_dir()
+            and is_speculators_config(read_config_json(path)) else read_deepspec_dir)
+    cfg, pure = read(path, tcfg)
     if block_convention is not None:
         cfg = cfg.replace(block_convention=block_convention)
     if target is not None:

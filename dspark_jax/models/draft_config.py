@@ -17,6 +17,11 @@ MODEL_TYPES = ("dspark", "dflash", "eagle3")
 # "zlab": z-lab's DFlash, slot k predicts position p+k (slot 0 is the anchor: γ−1 drafts)
 BLOCK_CONVENTIONS = ("deepspec", "zlab")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+# The drafter's decoder layers. "qwen3" (every Llama / Qwen3 target): the layers of DeepSpec's
+# Qwen3DSparkModel / Qwen3Eagle3Model, q/k RMSNorm included — the only layers DeepSpec, vLLM,
+# SGLang, llama.cpp and speculators build for a non-Gemma drafter. "gemma4": Gemma4 targets.
+# "llama": no q/k norm; only for reading drafters exported before the layers became Qwen3's.
+LAYER_FAMILIES = ("qwen3", "gemma4", "llama")
 DECAY_CONVENTIONS = ("deepspec", "paper")
 # DSpark/DFlash with gradient accumulation (SPEC §4): "deepspec" divides each micro-step's sums by
 # that micro-step's Σw (over the whole micro-batch, i.e. all-reduced over the data axis) and
@@ -69,6 +74,8 @@ class DraftConfig:
     # chosen from the training records by data/draft_vocab.py; `draft_vocab_size` is the recipe.
     draft_vocab_size: int = 0
     draft_vocab: tuple[int, ...] = ()
+    # the draft layers' family (LAYER_FAMILIES); "" resolves to the target's consumer family
+    layer_family: str = ""
     # Eagle3
     ttt_length: int = 7
     step_loss_decay: float = 0.8
@@ -86,6 +93,14 @@ class DraftConfig:
         def bad(field: str, why: str) -> None:
             raise ConfigError(f"draft config field {field!r}: {why}")
 
+        want_family = "gemma4" if t.is_gemma4 else "qwen3"
+        if not self.layer_family:
+            object.__setattr__(self, "layer_family", want_family)
+        if self.layer_family not in LAYER_FAMILIES:
+            bad("layer_family", f"{self.layer_family!r} not one of {LAYER_FAMILIES}")
+        if (self.layer_family == "gemma4") != t.is_gemma4:
+            bad("layer_family", f"{self.layer_family!r} draft layers cannot serve a "
+                f"{t.family} target (Gemma4 targets take Gemma4 layers, others Qwen3 layers)")
         if self.model_type not in MODEL_TYPES:
             bad("model_type", f"{self.model_type!r} is not one of {MODEL_TYPES}")
         if self.block_size < 1:
@@ -168,13 +183,16 @@ class DraftConfig:
         return self.block_size
 
     def layer_config(self) -> DecoderConfig:
-        """The draft layers follow the target's family and shapes."""
+        """The draft layers: the target's shapes in the consumers' family (`layer_family`):
+        Qwen3 layers (q/k RMSNorm) for Llama and Qwen3 targets, Gemma4 layers for Gemma4."""
         n = self.draft_num_hidden_layers if self.model_type == "eagle3" else self.num_draft_layers
         if self.target.is_gemma4:
             from dspark_jax.models.gemma4_draft import gemma4_draft_layer_config
 
             return gemma4_draft_layer_config(self.target, n)
-        return self.target.replace(num_hidden_layers=n)
+        return self.target.replace(num_hidden_layers=n, family=self.layer_family,
+                                   qk_norm=self.layer_family == "qwen3",
+                                   tie_word_embeddings=False)
 
     def replace(self, **kw: Any) -> "DraftConfig":
         return dataclasses.replace(self, **kw)

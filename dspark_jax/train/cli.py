@@ -85,8 +85,10 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     tr = train_stage.train_loop(c, target, draft_cfg, mesh, data, pc, total, workdir, is_main)
     lap("training")
     # (e)
-    export_dir = eval_stage.export_draft(tr.graphdef, tr.state.params, tr.frozen,
-                                         workdir / "export")
+    exports = eval_stage.export_draft(tr.graphdef, tr.state.params, tr.frozen,
+                                      workdir / "export",
+                                      verifier=str(c.target) if os.path.isdir(c.target) else None)
+    export_dir = exports["primary"]
     heldout = eval_stage.heldout_eval(c, (mesh, tr.fns.batch_sharding, tr.graphdef), draft_cfg,
                                       target, tr.state.params, tr.frozen, data.held_records)
     if heldout:
@@ -101,6 +103,8 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
         "data": data.info, "wall_time_s": round(time.perf_counter() - t0, 1),
         "timings_s": timings,
         "outputs": {"workdir": str(workdir), "export": str(export_dir),
+                    "export_format": exports["format"],
+                    "export_deepspec": str(exports["deepspec"]),
                     "checkpoints": str(tr.ckpt_dir), "metrics": str(workdir / "metrics.jsonl"),
                     "tensorboard": str(workdir / "tensorboard"),
                     "regenerated": data.info.get("regenerated", {}).get("path"),
@@ -109,6 +113,9 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     if c.eval.speculative:
         summary["speculative"] = eval_stage.speculative_eval(c, target, export_dir,
                                                              data.held_convs, workdir)
+    summary["deepspec_check"] = eval_stage.deepspec_check(c, target, exports["deepspec"],
+                                                          data.held_convs)
+    summary["wall_time_s"] = round(time.perf_counter() - t0, 1)
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         print(format_summary(summary), flush=True)
@@ -137,8 +144,20 @@ def format_summary(s: dict[str, Any]) -> str:
                          f"({r['out_dir']})")
     if spec.get("skipped"):
         lines.append(f"speculative evaluation skipped: {spec['skipped']}")
+    check = s.get("deepspec_check") or {}
+    if "deepspec_tau" in check:
+        lines.append(f"DeepSpec loop tau = {check['deepspec_tau']:.3f} (ours "
+                     f"{check['ours_tau']:.3f}; T=0, {check['prompts']} held-out prompts, "
+                     f"{check['identical_tokens']}/{check['prompts']} identical outputs; "
+                     f"{check['export']})")
+    elif check.get("skipped"):
+        lines.append(f"DeepSpec loop check skipped: {check['skipped']}")
     o = s["outputs"]
-    lines.append(f"drafter (DeepSpec format): {o['export']}")
+    fmt = o.get("export_format", "deepspec")
+    lines.append(f"drafter ({fmt} format): {o['export']}")
+    if o.get("export_deepspec") and o["export_deepspec"] != o["export"]:
+        lines.append(f"drafter (DeepSpec format, full-vocabulary fallback: DeepSpec has no draft "
+                     f"vocabulary): {o['export_deepspec']}")
     lines.append(f"summary: {o['summary']}  metrics: {o['metrics']}  checkpoints: "
                  f"{o['checkpoints']}")
     return "\n".join(lines)

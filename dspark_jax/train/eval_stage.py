@@ -129,19 +129,76 @@ def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> 
             "temperature": temps[0], "by_temperature": by_t}
 
 
-def export_draft(graphdef, params, frozen, out: pathlib.Path) -> pathlib.Path:
-    """The trained drafter in DeepSpec's format, written by process 0."""
+def export_draft(graphdef, params, frozen, out: pathlib.Path, verifier: str | None = None
+                 ) -> dict[str, pathlib.Path]:
+    """The trained drafter, written by process 0 in the consumer format that holds it
+    faithfully: DeepSpec's for a full-vocabulary drafter; speculators' (vLLM, llama.cpp) for a
+    draft-vocabulary one, plus DeepSpec's full-vocabulary fallback beside it
+    (`<out>-deepspec-fullvocab`, for DeepSpec / SGLang users, with the export's warning).
+    Returns {"primary": dir, "format": name, "deepspec": dir}."""
     import jax
     from flax import nnx
 
+    from dspark_jax.export import write_export
     from dspark_jax.models.draft import Draft
 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
         params, frozen = multihost_utils.process_allgather((params, frozen), tiled=True)
+    model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(frozen))
+    draft = Draft.from_model(model)
+    pruned = draft.config.pruned_vocab
+    fmt = "speculators" if pruned else "deepspec"
+    deepspec_dir = out.with_name(out.name + "-deepspec-fullvocab") if pruned else out
     if jax.process_index() == 0:
-        model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(frozen))
-        Draft.from_model(model).save(out)
+        write_export(draft, out, fmt, verifier=verifier)
+        if pruned:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # the fallback is stated in the summary
+                write_export(draft, deepspec_dir, "deepspec", full_vocab_fallback=True)
     barrier("export")          # the others read the export only after it is complete
-    return out
+    return {"primary": out, "format": fmt, "deepspec": deepspec_dir}
+
+
+def deepspec_check(c, target, deepspec_dir: pathlib.Path, heldout_convs) -> dict[str, Any]:
+    """The job checks its own export in its consumer: DeepSpec's evaluation loop
+    (eval/deepspec_loop.py) and our engine decode the same held-out prompts greedily with the
+    DeepSpec-format export; both τ and whether every token agrees. Skipped, with the reason,
+    without DeepSpec or PyTorch, or when `eval.deepspec_check_samples` is 0."""
+    import jax
+
+    from dspark_jax.eval import deepspec_loop as dl
+
+    n = int(c.eval.deepspec_check_samples)
+    if n <= 0:
+        return {"skipped": "eval.deepspec_check_samples = 0"}
+    ok, where = dl.locate_deepspec()
+    if not ok:
+        return {"skipped": where}
+    if jax.process_count() > 1:
+        return {"skipped": "runs on single-process jobs only"}
+    from dspark_jax.data.chat import render_prompt
+    from dspark_jax.decoding.speculative import speculative_generate
+    from dspark_jax.models.draft import load_draft
+
+    tok = target.tokenizer
+    prompts = [render_prompt([next(m for m in conv.messages if m["role"] == "user")], tok)
+               .tolist() for conv in heldout_convs[:n]]
+    if not prompts:
+        return {"skipped": "no held-out prompts (config.data.heldout)"}
+    max_new = int(c.eval.deepspec_check_max_new_tokens)
+    stops = list(tok.stop_token_ids)
+    ev = dl.deepspec_evaluator(dl.torch_target(c.target), deepspec_dir,
+                               max_new_tokens=max_new, temperature=0.0)
+    theirs = dl.run_deepspec_loop(ev, prompts, stops)
+    draft = load_draft(deepspec_dir, target)
+    ours = speculative_generate(target, draft, prompts, max_new_tokens=max_new,
+                                temperature=0.0, stop_token_ids=stops)
+    same = [list(map(int, o)) == t.tokens for o, t in zip(ours.tokens, theirs)]
+    return {"deepspec": where, "export": str(deepspec_dir), "prompts": len(prompts),
+            "max_new_tokens": max_new, "deepspec_tau": dl.deepspec_tau(theirs),
+            "ours_tau": float(ours.tau), "identical_tokens": int(sum(same)),
+            "deepspec_rounds": sum(len(t.acceptance_lengths) for t in theirs)}

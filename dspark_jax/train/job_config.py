@@ -147,6 +147,10 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
         bad("eval.batch_size", "must be ≥ 1")
     if c.eval.every_steps < 0:
         bad("eval.every_steps", "must be ≥ 0 (0: held-out evaluation only after training)")
+    if c.eval.deepspec_check_samples < 0:
+        bad("eval.deepspec_check_samples", "must be ≥ 0 (0: no DeepSpec-loop check)")
+    if c.eval.deepspec_check_max_new_tokens < 1:
+        bad("eval.deepspec_check_max_new_tokens", "must be ≥ 1")
     temps = c.eval.speculative_temperatures
     if isinstance(temps, (int, float)):
         bad("eval.speculative_temperatures", f"{temps!r} must be a tuple, e.g. '(0.0, 1.0)'")

@@ -1,0 +1,192 @@
+"""Drafters that travel (issue 24): Qwen3 draft layers for every non-Gemma target, the draft
+vocabulary carried by the speculators format or refused by DeepSpec's, older Llama-layer exports
+still loading as what they are, and `python -m dspark_jax.export`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from dspark_jax import export as export_cli
+from dspark_jax.models import init_draft, load_draft, load_target
+from dspark_jax.models.deepspec_io import ExportError, LegacyDrafterWarning
+from dspark_jax.models.hf_io import read_safetensors_dir, write_safetensors
+from hf_tiny import save_tiny_hf
+
+BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,
+            markov_rank=8)
+VOCAB = tuple(range(0, 96, 2))
+PRUNED = dict(BASE, draft_vocab_size=len(VOCAB), draft_vocab=VOCAB)
+PREV = [7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "llama", head_dim=16,
+                                    layers=4))
+
+
+@pytest.fixture(scope="module")
+def feats(target):
+    return target.hidden_states(np.arange(3, 15)[None], [0, 1])[0]
+
+
+def _same_block(a, b, feats):
+    x, y = a.block_logits(feats, 7, prev_tokens=PREV), b.block_logits(feats, 7, prev_tokens=PREV)
+    for k in x:
+        np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+def test_llama_target_gets_qwen3_layers(target, tmp_path):
+    draft = init_draft(target, BASE, seed=1)
+    assert draft.config.layer_family == "qwen3" and draft.config.layer_config().qk_norm
+    draft.save(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["head_dim"] == 16
+    names = set(read_safetensors_dir(tmp_path / "d"))
+    assert {"layers.0.self_attn.q_norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
+
+
+def test_legacy_llama_layer_export_loads_as_it_was(target, feats, tmp_path):
+    """An export from before the Qwen3 layers (LlamaDSparkModel, no q/k norms) loads as a
+    Llama-layer drafter — no q/k normalisation — with a warning naming the file."""
+    draft = init_draft(target, dict(BASE, layer_family="llama"), seed=2)
+    assert not draft.config.layer_config().qk_norm
+    draft.save(tmp_path / "old")
+    cfg_file = tmp_path / "old" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    assert cfg["architectures"] == ["LlamaDSparkModel"]
+    cfg["dspark_jax"].pop("layer_family")            # what those exports wrote
+    cfg["model_type"] = "llama"
+    cfg_file.write_text(json.dumps(cfg))
+    assert not any("q_norm" in k for k in read_safetensors_dir(tmp_path / "old"))
+    with pytest.warns(LegacyDrafterWarning, match=str(cfg_file)):
+        again = load_draft(tmp_path / "old", target=target)
+    assert again.config.layer_family == "llama"
+    _same_block(draft, again, feats)
+    # a ones q/k norm is a different drafter: the legacy one must not be given one
+    qwen = init_draft(target, BASE, seed=2)
+    assert not np.allclose(qwen.block_logits(feats, 7, prev_tokens=PREV)["logits"],
+                           again.block_logits(feats, 7, prev_tokens=PREV)["logits"])
+
+
+def test_deepspec_format_refuses_a_draft_vocabulary(target, tmp_path):
+    draft = init_draft(target, PRUNED, seed=3)
+    with pytest.raises(ExportError, match="draft_vocab_size.*speculators.*full-vocab-fallback"):
+        export_cli.write_export(draft, tmp_path / "ds", "deepspec")
+    assert not (tmp_path / "ds").exists()
+    with pytest.warns(UserWarning, match="full-vocabulary fallback"):
+        export_cli.write_export(draft, tmp_path / "ds", "deepspec", full_vocab_fallback=True)
+    cfg = json.loads((tmp_path / "ds" / "config.json").read_text())
+    rec = cfg["dspark_jax"]["export"]
+    assert rec["full_vocab_fallback"] and rec["trained_draft_vocab_size"] == len(VOCAB)
+    assert "different tau" in rec["note"]
+    back = load_draft(tmp_path / "ds", target=target)      # the drafter DeepSpec runs
+    assert not back.config.pruned_vocab
+    assert read_safetensors_dir(tmp_path / "ds")["lm_head.weight"].shape[0] == 97
+
+
+@pytest.mark.parametrize("kw", [BASE, PRUNED,
+                                dict(BASE, model_type="dflash", markov_rank=0,
+                                     enable_confidence_head=False)],
+                         ids=["dspark", "dspark-draft-vocab", "dflash"])
+def test_speculators_round_trip_carries_the_draft_vocabulary(target, feats, tmp_path, kw):
+    draft = init_draft(target, kw, seed=4)
+    export_cli.write_export(draft, tmp_path / "s", "speculators", verifier="some/target")
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "dspark"
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2]          # DeepSpec's ids + 1
+    assert cfg["transformer_layer_config"]["model_type"] == "qwen3"
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "some/target"
+    t = read_safetensors_dir(tmp_path / "s")
+    K = len(VOCAB) if draft.config.pruned_vocab else 97
+    assert cfg["draft_vocab_size"] == K and t["lm_head.weight"].shape == (K, 32)
+    if draft.config.pruned_vocab:
+        np.testing.assert_array_equal(np.arange(K) + t["d2t"], VOCAB)
+        assert t["t2d"].dtype == bool and np.flatnonzero(t["t2d"]).tolist() == list(VOCAB)
+        assert t["markov_head.markov_w2.weight"].shape == (K, 8)
+        assert t["markov_head.markov_w1.weight"].shape == (97, 8)
+    else:
+        assert "d2t" not in t
+    again = load_draft(tmp_path / "s", target=target)
+    assert again.config == draft.config
+    x = draft.block_logits(feats, 7, prev_tokens=PREV)
+    y = again.block_logits(feats, 7, prev_tokens=PREV)
+    for k in x:
+        if x[k] is None:
+            assert y[k] is None
+            continue
+        if draft.config.pruned_vocab and k != "confidence_logits":
+            # ids outside the vocabulary are at -1e9 either way; the K proposable ones exact
+            np.testing.assert_array_equal(x[k][..., list(VOCAB)], y[k][..., list(VOCAB)])
+            assert (y[k][..., 1::2] <= -1e8).all()
+        else:
+            np.testing.assert_array_equal(x[k], y[k])
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(BASE, markov_head_type="gated"), "markov_head_type"),
+    (dict(BASE, markov_head_type="rnn"), "markov_head_type"),
+    (dict(block_size=4, target_layer_ids=(0, 1), model_type="eagle3", ttt_length=3), "model_type"),
+])
+def test_speculators_refuses_what_its_consumers_cannot_run(target, tmp_path, kw, field):
+    draft = init_draft(target, kw, seed=5)
+    with pytest.raises(ExportError, match=f"^{field}:"):
+        export_cli.write_export(draft, tmp_path / "s", "speculators")
+    assert not (tmp_path / "s").exists() and not list(tmp_path.iterdir())
+
+
+def test_export_cli(target, feats, tmp_path, capsys):
+    draft = init_draft(target, PRUNED, seed=6)
+    work = tmp_path / "work"
+    draft.save(work / "export")                   # a training workdir's primary export
+    out = export_cli.main([str(work), "--format", "speculators", "--out", str(tmp_path / "o"),
+                           "--no-progress"])
+    _same_block(load_draft(out, target=target), load_draft(work / "export", target=target),
+                feats)
+    # an existing export is replaced whole; a refused one leaves the old in place
+    before = (tmp_path / "o" / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit) as e:
+        export_cli.main([str(work), "--format", "deepspec", "--out", str(tmp_path / "o"),
+                         "--no-progress"])
+    assert e.value.code == 2 and "draft_vocab_size" in capsys.readouterr().err
+    assert (tmp_path / "o" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o", "work"]
+    for bad, msg in ([str(work), "--format", "gguf"], "--format: 'gguf'"), \
+                    ([str(tmp_path / "nothing"), "--format", "deepspec"], "neither a drafter"):
+        with pytest.raises(SystemExit) as e:
+            export_cli.main(bad + ["--out", str(tmp_path / "x"), "--no-progress"])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_speculators_library_loads_the_export(target, tmp_path):
+    """`speculators==0.9.0` itself (vLLM's format library) loads our export with no missing or
+    unexpected tensor, its config validates, and the tensors arrive unchanged."""
+    pytest.importorskip("speculators", reason="speculators not installed (README test command)")
+    import torch
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    for kw in (BASE, PRUNED):
+        d = tmp_path / f"s{len(kw)}"
+        init_draft(target, kw, seed=7).save(d, "speculators")
+        cfg = SpeculatorModelConfig.from_pretrained(str(d), local_files_only=True)
+        assert type(cfg).__name__ == "DSparkSpeculatorConfig"
+        assert cfg.draft_vocab_size == (len(VOCAB) if kw is PRUNED else 97)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = SpeculatorModel.from_pretrained(str(d), local_files_only=True)
+        sd = model.state_dict()
+        files = read_safetensors_dir(d)
+        ignorable = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ())
+        assert not sorted(set(files) - set(sd)), "unexpected tensors"
+        missing = [k for k in sd if k not in files
+                   and not any(__import__("re").fullmatch(p, k) or p == k for p in ignorable)]
+        assert not missing, f"missing tensors {missing}"
+        for k, v in files.items():
+            np.testing.assert_array_equal(sd[k].to(torch.float32).numpy()
+                                          if v.dtype != bool and v.dtype != np.int64
+                                          else sd[k].numpy(), v, err_msg=k)
