@@ -150,6 +150,10 @@ class DraftConfig:
                     f"{self.draft_vocab_size}")
             if any(b <= a for a, b in zip(v, v[1:])) or v[0] < 0 or v[-1] >= t.vocab_size:
                 bad("draft_vocab", f"must be strictly increasing ids in [0, {t.vocab_size})")
+        if self.model_type == "eagle3" and self.block_size != self.ttt_length:
+            # Eagle3 drafts ttt_length tokens a round, as DeepSpec's evaluator does
+            # (max_proposal_tokens = ttt_length): one number, so no consumer drafts another γ
+            object.__setattr__(self, "block_size", self.ttt_length)
         if self.model_type in ("dflash", "eagle3") and (self.markov_rank
                                                          or self.enable_confidence_head):
             # neither has a sequential or confidence head: normalise so round trips are exact
