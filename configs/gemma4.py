@@ -8,7 +8,7 @@ clipping 1.0, a checkpoint every 3000 steps, seed 42 (Eagle3: 0); the "gemma4" c
 vision/audio weights are skipped): `--config.target=/path/to/gemma-4-12B-it`.
 """
 
-from configs.common import get_base_config
+from dspark_jax.train.config_base import get_base_config
 
 GEMMA4_MASK_TOKEN = 4
 GEMMA4_12B_LAYER_IDS = (5, 17, 29, 41, 46)

@@ -19,7 +19,7 @@ sequences per micro-step over the data axis); raise it if a micro-batch does not
 files to regenerate (DeepSpec's mixture); HumanEval is only the fallback.
 """
 
-from configs.common import apply_deepspec_recipe, get_base_config
+from dspark_jax.train.config_base import apply_deepspec_recipe, get_base_config
 
 QWEN3_MASK_TOKEN = 151669
 

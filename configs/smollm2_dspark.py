@@ -37,8 +37,8 @@ fp32 (faster than bf16 on CPU), the block attention is dense and nothing is rema
 S = 256 chunking and recompute only cost time, `bench.train_step --features offline`).
 """
 
-from configs.common import get_base_config
 from dspark_jax.models.draft_config import default_target_layer_ids
+from dspark_jax.train.config_base import get_base_config
 
 SMOLLM2_LAYERS = 30
 SMOLLM2_MASK_TOKEN = 16  # <empty_output>, an unused StarCoder control token (see above)

@@ -23,7 +23,7 @@ DeepSpec's recipes (config/{dspark,dflash,eagle3}/*_qwen3_4b.py) scaled down:
 """
 
 from configs import smollm2_dspark
-from configs.common import apply_deepspec_recipe
+from dspark_jax.train.config_base import apply_deepspec_recipe
 
 DRAFTERS = ("dspark", "dflash", "eagle3")
 SEEDS = {"dspark": 42, "dflash": 42, "eagle3": 0}   # DeepSpec's config/*/*.py

@@ -4,7 +4,7 @@
 tokenizer.json and a chat template). Everything is sized to run end to end on CPU in seconds.
 """
 
-from configs.common import get_base_config
+from dspark_jax.train.config_base import get_base_config
 
 
 def get_config():

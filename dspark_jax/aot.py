@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train_report(c: Any, args: argparse.Namespace, no_preset: bool) -> dict[str, Any]:
-    from configs.common import apply_mesh_preset   # importable once the config is loaded
+    from dspark_jax.train.config_base import apply_mesh_preset
 
     if not no_preset:
         preset = c.mesh.preset or args.topology

@@ -108,16 +108,15 @@ def _load_draft(target: Any, spec: str, layers: int = 2, rank: int = 64) -> Any:
 
     if spec != "random":
         return load_draft(spec, target=target)
-    from configs.smollm2_dspark import get_config
+    from dspark_jax.models.draft_config import default_target_layer_ids
 
-    d = get_config().draft.to_dict()
-    d["num_draft_layers"], d["markov_rank"] = layers, rank
+    # the default job's drafter (configs/smollm2_dspark.py): DSpark, block 7, taps by DeepSpec's
+    # rule on SmolLM2's 30 layers, mask token 16 — clipped to the target at hand
     n = target.config.num_hidden_layers
-    d["target_layer_ids"] = tuple(x for x in d["target_layer_ids"] if x < n - 1) or (0,)
-    d["mask_token_id"] = min(int(d["mask_token_id"]), target.config.vocab_size - 1)
-    keep = ("model_type", "num_draft_layers", "block_size", "markov_rank", "target_layer_ids",
-            "mask_token_id")
-    return init_draft(target, {k: d[k] for k in keep if k in d}, seed=0)
+    taps = tuple(x for x in default_target_layer_ids(30) if x < n - 1) or (0,)
+    return init_draft(target, dict(model_type="dspark", num_draft_layers=layers, block_size=7,
+                                   markov_rank=rank, target_layer_ids=taps,
+                                   mask_token_id=min(16, target.config.vocab_size - 1)), seed=0)
 
 
 def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[int]],

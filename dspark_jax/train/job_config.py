@@ -1,6 +1,7 @@
 """The training job's configuration: `--config=FILE` + `--config.key=value` overrides
-(ml_collections, locked, so a misspelt key is an error naming the key) and the checks of the
-values the job itself interprets; the DraftConfig built from `config.draft` (SPEC §3–5 fields).
+(ml_collections over `train/config_base.py`, locked, so a misspelt key is an error naming the
+key) and the checks of the values the job itself interprets; the DraftConfig built from
+`config.draft` (SPEC §3–5 fields).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def parse_config(argv: Sequence[str], require_target: bool = True) -> ml_collect
     path = files[-1] if files[-1] is not None else (argv[idx + 1] if idx + 1 < len(argv) else "")
     if not os.path.isfile(path):
         raise UsageError(f"config file {path!r} not found")
-    # config files import `configs.common`: make their parent directory importable
+    # experiment files import the package's config base; the repo's configs/*.py also import
+    # each other (`from configs.qwen3 import …`): make the config directory's parent importable
     root = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -88,7 +90,7 @@ def parse_config(argv: Sequence[str], require_target: bool = True) -> ml_collect
 
 def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -> None:
     """Checks the values the job itself interprets (the drafter fields are DraftConfig's)."""
-    from configs.common import get_base_config
+    from dspark_jax.train.config_base import get_base_config
 
     base = get_base_config()
 

@@ -21,7 +21,7 @@ def job_mesh(c: ml_collections.ConfigDict):
     from dspark_jax.sharding import make_mesh, select_devices
 
     if c.mesh.preset:
-        from configs.common import apply_mesh_preset
+        from dspark_jax.train.config_base import apply_mesh_preset
 
         try:
             apply_mesh_preset(c, c.mesh.preset, _num_slices())

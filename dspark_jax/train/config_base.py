@@ -1,6 +1,9 @@
-"""Shared defaults of every training config: `get_base_config()` (SPEC §4 optimisation settings,
-DeepSpec's drafter recipe). Experiment files override a few fields; the returned ConfigDict is
-LOCKED, so a misspelt key in a config file or on the command line is an error, not a silent no-op.
+"""The config base of every training job: `get_base_config()` with SPEC §4's optimisation
+settings and DeepSpec's drafter recipe as defaults (`draft_defaults`, `apply_deepspec_recipe`),
+and the per-TPU-topology meshes (`MESH_PRESETS`, `apply_mesh_preset`). It ships with the package,
+so an installed `dspark_jax` can train; experiment files (the repo's `configs/*.py`, or any file
+given to `--config`) import it and override a few fields. The returned ConfigDict is LOCKED, so
+a misspelt key in a config file or on the command line is an error, not a silent no-op.
 
 Layout (all overridable as `--config.<section>.<key>=value`):
   target            embedded name ("smollm2-135m-instruct") or a Hugging Face directory
