@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation for a TPU topology on CPU (python -m dspark_jax.aot)."""
+"""Ahead-of-time compilation for a TPU topology on CPU (python -m dspark_jax.aot): the
+training step, the serving round, and the CLI's errors and verdict."""
 
 import json
 
@@ -6,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax import aot
+from dspark_jax.aot import cli, memory, topology
 from dspark_jax.jaxpr_flops import matmul_flops
 from hf_tiny import save_tiny_hf
 
@@ -30,12 +31,12 @@ def test_flops_count_loop_trips_and_gradients():
     assert matmul_flops(jax.grad(jax.checkpoint(f), argnums=(0, 1)), x, w) == 4 * fwd
 
 
-@pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+@pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
 def test_tiny_config_compiles_for_v5e_2x2(tmp_path, capsys):
     target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2)
     out = tmp_path / "aot.json"
-    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--json", str(out), f"--config.target={target}",
                    "--config.data.max_length=64", "--config.draft.num_draft_layers=1"])
     assert rc == 0
@@ -43,7 +44,7 @@ def test_tiny_config_compiles_for_v5e_2x2(tmp_path, capsys):
     assert set(KEYS) <= set(r)
     assert r["topology"] == "v5e:2x2" and r["num_chips"] == 4 and r["chip"] == "v5e"
     assert r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}          # the v5e:2x2 preset
-    assert r["hbm_bytes_per_chip"] == 16 * aot.GiB and r["fits"] is True
+    assert r["hbm_bytes_per_chip"] == 16 * topology.GiB and r["fits"] is True
     for k in ("argument_bytes_per_chip", "temp_bytes_per_chip", "peak_bytes_per_chip",
               "flops_per_step", "model_flops_per_step", "step_time_lower_bound_s"):
         assert r[k] > 0, k
@@ -53,25 +54,25 @@ def test_tiny_config_compiles_for_v5e_2x2(tmp_path, capsys):
 
 
 def test_shortfall_is_reported():
-    code, msg = aot.verdict({"peak_bytes_per_chip": 20 * aot.GiB,
-                             "hbm_bytes_per_chip": 16 * aot.GiB})
+    code, msg = memory.verdict({"peak_bytes_per_chip": 20 * topology.GiB,
+                             "hbm_bytes_per_chip": 16 * topology.GiB})
     assert code == 1 and "short by 4.00 GiB" in msg
-    assert aot.verdict({"peak_bytes_per_chip": 1, "hbm_bytes_per_chip": 2})[0] == 0
+    assert memory.verdict({"peak_bytes_per_chip": 1, "hbm_bytes_per_chip": 2})[0] == 0
 
 
 def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
-    monkeypatch.setattr(aot, "has_libtpu", lambda: False)
-    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2"])
+    monkeypatch.setattr(cli, "has_libtpu", lambda: False)
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2"])
     assert rc == 2
     assert "pip install -e '.[tpu]'" in capsys.readouterr().err
 
 
 def test_unknown_topology_and_target_are_clear_errors(capsys):
-    if not aot.has_libtpu():
+    if not topology.has_libtpu():
         pytest.skip("needs libtpu")
-    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v9x:1x1"])
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--topology", "v9x:1x1"])
     assert rc == 2 and "v9x:1x1" in capsys.readouterr().err
-    rc = aot.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--config.target=nowhere"])
     assert rc == 2 and "config.target 'nowhere'" in capsys.readouterr().err
 
@@ -79,12 +80,12 @@ def test_unknown_topology_and_target_are_clear_errors(capsys):
 def test_compile_time_oom_becomes_a_shortfall():
     msg = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
            "memory required for HLO temporaries (47.84G) exceeds available HBM (31.24G).")
-    mem = aot._compile_time_oom(msg)
-    assert mem["temp"] == int(47.84 * aot.GiB) and "CompileTimeHbmOom" in mem["error"]
-    assert aot._compile_time_oom("INVALID_ARGUMENT: something else") is None
+    mem = memory._compile_time_oom(msg)
+    assert mem["temp"] == int(47.84 * topology.GiB) and "CompileTimeHbmOom" in mem["error"]
+    assert memory._compile_time_oom("INVALID_ARGUMENT: something else") is None
 
 
-@pytest.mark.skipif(not aot.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+@pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
 def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     """--decode: the draft step and the ragged verification step of the tiny DSpark config for
@@ -92,7 +93,7 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2)
     hf = json.loads((target / "config.json").read_text())
     out = tmp_path / "decode.json"
-    rc = aot.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--requests", "4", "--max-len", "64", "--json", str(out),
                    f"--config.target={target}"])
     assert rc == 0
@@ -121,6 +122,6 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
         d["step_time_lower_bound_s"] + v["step_time_lower_bound_s"])
     assert "verify_step" in capsys.readouterr().out
     # a capacity below one anchor per slot is a usage error naming the flag
-    rc = aot.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--requests", "4", "--capacity", "3", f"--config.target={target}"])
     assert rc == 2 and "--capacity 3" in capsys.readouterr().err

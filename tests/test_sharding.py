@@ -49,7 +49,7 @@ def test_select_devices_keeps_every_process():
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu]') for a TPU "
                     "topology on CPU")
 def test_two_slices_put_data_parallelism_over_dcn():
-    from dspark_jax.aot import topology_devices
+    from dspark_jax.aot.topology import topology_devices
 
     devs = topology_devices("v5e:2x2", num_slices=2)
     mesh = make_mesh(data=2, fsdp=2, tensor=2, devices=devs)

@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of one serving round for a TPU topology (`python -m dspark_jax.aot
---decode`; issue 9 item 1).
+--decode`, `aot/cli.py`; issue 9 item 1).
 
 A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9; `serving/rounds.py`) is two
 programs: the drafter's draft step (`draft_and_schedule`: γ proposals and the scheduler's
@@ -24,8 +24,9 @@ import functools
 import time
 from typing import Any, Sequence
 
-from dspark_jax.aot import (AotError, GiB, chip_for, fmt_bytes, libtpu_version, memory_report,
-                            mesh_and_configs, target_hf_dict, topology_devices)
+from dspark_jax.aot.memory import fmt_bytes, memory_report
+from dspark_jax.aot.shapes import mesh_and_configs, target_hf_dict
+from dspark_jax.aot.topology import AotError, GiB, chip_for, libtpu_version, topology_devices
 
 # the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
 # DFlash and Eagle3 verify every draft ("fixed")

@@ -1,0 +1,78 @@
+"""Compile the training step or a serving round for a TPU topology, on a CPU-only machine.
+
+`python -m dspark_jax.aot --config configs/NAME.py --topology v5p:2x4x4 [--num-slices N]
+[--json PATH] [--config.key=value ...]` compiles the training step (SPEC §4, `train_step.py`);
+`--decode [--requests R] [--max-len S] [--capacity K]` compiles a serving round instead (the
+drafter's draft step and the target's ragged verification step at R request slots, S context
+tokens each and capacity bucket K, on a tensor × fsdp serving mesh; paper §5.2–5.3,
+`decode.py`). Prints the per-chip report (and writes it as JSON with `--json`). Exits 1 with
+the shortfall when the program does not fit, 2 on a usage error (e.g. libtpu missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+from typing import Sequence
+
+from dspark_jax.aot.memory import verdict
+from dspark_jax.aot.topology import INSTALL_HINT, AotError, has_libtpu
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="python -m dspark_jax.aot", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="configs/NAME.py")
+    ap.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:2x4x4")
+    ap.add_argument("--num-slices", type=int, default=1)
+    ap.add_argument("--json", default="", help="also write the report as one JSON object")
+    ap.add_argument("--no-preset", action="store_true",
+                    help="keep the config's mesh and micro_batches instead of the topology's preset")
+    ap.add_argument("--decode", action="store_true",
+                    help="compile a serving round (draft step + ragged verification step) "
+                         "instead of the training step")
+    ap.add_argument("--requests", type=int, default=64, help="--decode: request slots R")
+    ap.add_argument("--max-len", type=int, default=8192,
+                    help="--decode: context tokens per request slot")
+    ap.add_argument("--capacity", type=int, default=0,
+                    help="--decode: capacity bucket K of the verification step (0: R·(γ+1))")
+    args, overrides = ap.parse_known_args(argv[1:])
+    bad = [o for o in overrides if not re.match(r"^--?(no)?config\.", o)]
+    if bad:
+        ap.error(f"unrecognised arguments: {bad}")
+    try:
+        if not has_libtpu():
+            raise AotError(f"compiling for a TPU topology needs libtpu: {INSTALL_HINT}")
+        from dspark_jax.train.job_config import UsageError, parse_config
+
+        try:
+            c = parse_config([argv[0], f"--config={args.config}", *overrides],
+                             require_target=False)
+        except UsageError as e:
+            raise AotError(str(e)) from None
+        if args.decode:
+            from dspark_jax.aot.decode import DecodeShape, decode_report, format_decode_report
+
+            shape = DecodeShape(args.requests, args.max_len, args.capacity)
+            report = decode_report(c, args.topology, shape, args.num_slices,
+                                   default_mesh=not args.no_preset)
+            text = format_decode_report(report)
+        else:
+            from dspark_jax.aot.train_step import format_report, train_report
+
+            report = train_report(c, args.topology, args.num_slices, preset=not args.no_preset)
+            text = format_report(report)
+    except AotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(text, flush=True)
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    code, message = verdict(report)
+    if code:
+        print(f"error: {message}", file=sys.stderr)
+    return code
