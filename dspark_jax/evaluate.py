@@ -8,11 +8,13 @@ What this module implements:
   only, rendered with the chat template with the generation prompt on and thinking disabled
   (`data.chat.render_prompt`), T = 1.0 and 2048 new tokens. Every default can be overridden.
 * The paper's measurements (DSpark paper §4, Table 1 and Figure 2): the pooled accepted length
-  τ = Σ(accepted+1)/#rounds per dataset and its macro mean, DeepSpec's verify_rate and
-  cumulative accept_rate@k, the paper's position-wise conditional acceptance, all from
-  `eval.acceptance`; a markdown table in the layout of Table 1 with the paper's row for
-  reference; PNG plots of τ per dataset and of the conditional acceptance by position
-  (Figure 2).
+  τ = Σ(acceptance length)/#rounds per dataset, counted as DeepSpec's evaluator counts it
+  (accepted drafts + 1 per round; a round whose accepted drafts hold a stop token counts the
+  drafts up to and including it, no bonus; rounds run under DeepSpec's token-budget rule), and
+  its macro mean, DeepSpec's verify_rate and cumulative accept_rate@k, the paper's
+  position-wise conditional acceptance, all from `eval.acceptance`; a markdown table in the
+  layout of Table 1 with the paper's row for reference; PNG plots of τ per dataset and of the
+  conditional acceptance by position (Figure 2).
 * Confidence calibration of the DSpark confidence head (paper §3.2.1; SPEC §7): per-slot ECE
   (20 bins), AUROC, Brier and a reliability diagram of the predicted prefix survival
   Π_{j≤k} σ(c_j) against "slots ≤ k accepted", from the confidence logits recorded in every
@@ -35,7 +37,8 @@ Outputs written to `out_dir`:
   calibration tables;
 * `records.jsonl` — the raw per-round records: one line per decoded prompt
   `{"dataset", "index", "id", "prompt_tokens", "output_tokens", "proposed": [..],
-  "accepted": [..]}` (+ `"output_ids"`, `"text"`, `"baseline_output_ids"` on request);
+  "accepted": [..], "acceptance": [..]}` (DeepSpec's per-round proposal length, accepted drafts
+  and acceptance length; + `"output_ids"`, `"text"`, `"baseline_output_ids"` on request);
 * `confidence.npz` — (drafts with a confidence head) per dataset a float32 [R, γ] array of the
   confidence logits of every round, rows in the order of `records.jsonl` (dataset, then
   records, then rounds);
@@ -350,10 +353,12 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
                     conf_j = None
                     if has_conf and res.confidence is not None:
                         conf_j = np.asarray(res.confidence[j], np.float32).reshape(-1, gamma)
+                    alen = (res.acceptance[j] if res.acceptance is not None
+                            else [a + 1 for a in res.accepted[j]])
                     outs[i] = dict(tokens=res.tokens[j], proposed=res.proposed[j],
-                                   accepted=res.accepted[j], confidence=conf_j)
-                    ds_committed += (sum(res.acceptance[j]) if res.acceptance is not None
-                                     else sum(a + 1 for a in res.accepted[j]))
+                                   accepted=res.accepted[j], acceptance=list(alen),
+                                   confidence=conf_j)
+                    ds_committed += sum(alen)
                     ds_rounds += len(res.accepted[j])
                 n_tok = sum(len(t) for t in res.tokens)
                 run_tokens += n_tok
@@ -362,22 +367,25 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
                 bar.set_postfix(tok_s=f"{run_tokens / max(run_time, 1e-9):.1f}",
                                 tau=f"{_safe_div(ds_committed, ds_rounds):.2f}")
             # per-dataset aggregation, records in the subsampled order
-            recs, prop_all, acc_all, conf_rows = [], [], [], []
+            recs, prop_all, acc_all, alen_all, conf_rows = [], [], [], [], []
             for i in keep:
                 o = outs[i]
                 rec = {"dataset": name, "index": i, "id": convs[i].id,
                        "prompt_tokens": len(ids[i]), "output_tokens": len(o["tokens"]),
-                       "proposed": o["proposed"], "accepted": o["accepted"]}
+                       "proposed": o["proposed"], "accepted": o["accepted"],
+                       "acceptance": o["acceptance"]}
                 if save_outputs:
                     rec["output_ids"] = o["tokens"]
                     rec["text"] = tok.decode(o["tokens"])
                 recs.append(rec)
                 prop_all += o["proposed"]
                 acc_all += o["accepted"]
+                alen_all += o["acceptance"]
                 if o["confidence"] is not None:
                     conf_rows.append(o["confidence"])
             records[name] = recs
-            st = acceptance_stats(prop_all, acc_all, gamma=gamma, name=name)
+            st = acceptance_stats(prop_all, acc_all, gamma=gamma, name=name,
+                                  acceptance=alen_all)
             stats_by_ds[name] = st
             n_tok = sum(r["output_tokens"] for r in recs)
             entry: dict[str, Any] = {

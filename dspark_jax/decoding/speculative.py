@@ -255,10 +255,12 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     """Speculative decoding of a batch of prompts (token-id lists); lossless w.r.t. the target.
 
     A thin wrapper over `dspark_jax.serving.Engine` with one slot per prompt (`scheduler`
-    "fixed" verifies all γ drafts, as DeepSpec's evaluator; any engine mode works). Returns
-    the generated ids per prompt and per-round statistics (proposed/accepted counts, DeepSpec's
-    bookkeeping on stop tokens). `policy` and `rounds_per_call` belong to the on-device loop
-    (`spec_loop`) and are ignored here; `progress` is accepted for compatibility.
+    "fixed" verifies all γ drafts, as DeepSpec's evaluator; any engine mode works) and
+    DeepSpec's token-budget rule (`Engine(budget_rule="deepspec")`). Returns the generated ids
+    per prompt and per-round statistics (proposed/accepted counts and acceptance lengths in
+    DeepSpec's bookkeeping on stop tokens). `policy` and `rounds_per_call` belong to the
+    on-device loop (`spec_loop`) and are ignored here; `progress` is accepted for
+    compatibility.
     """
     del policy, rounds_per_call, progress
     from dspark_jax.serving import Engine
@@ -273,9 +275,10 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     _, lens, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len,
                                      max_new_tokens + g + 1)
     R = len(prompts)
-    # DeepSpec's protocol: every round verifies γ drafts, also near the token budget
+    # DeepSpec's protocol: every round verifies γ drafts, also near the token budget, and
+    # rounds continue while DeepSpec's `while start < max_length` would
     kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=int(min(sum(lens), 8192)),
-              cap_to_budget=False)
+              budget_rule="deepspec")
     kw.update(engine_kw)
     eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,
                  verifier=settings.verifier, stop_token_ids=stop_token_ids, **kw)

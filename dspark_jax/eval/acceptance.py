@@ -1,17 +1,31 @@
 """Acceptance statistics of speculative decoding (SPEC §1 step 7 and §6; paper §4 Table 1, Figure 2).
 
-Per dataset, from per-round records (one verification round = one target forward):
+Per dataset, from per-round records (one verification round = one target forward), in
+DeepSpec's bookkeeping (its ``generate_decoding_sample`` / ``verify_draft_tokens``):
 
 * ``proposed[r]``: draft tokens proposed, i.e. sent to verification, in round ``r``;
-* ``accepted[r]``: accepted drafts in round ``r`` (``0..proposed[r]``).
+* ``accepted[r]``: accepted drafts in round ``r`` (``0..proposed[r]``);
+* ``acceptance[r]``: the round's acceptance length: ``accepted[r] + 1`` (the accepted drafts and
+  the correction/bonus token), except on a round whose accepted drafts hold a stop token at
+  index ``e``, which ends the request there: DeepSpec then records ``e + 1`` as the acceptance
+  length, the accepted count *and* the proposal length (the drafts up to and including the stop
+  token, no bonus). Without ``acceptance`` every round counts ``accepted + 1``, which is exact
+  only when no round ended on a stop token among its accepted drafts.
 
-Statistics (DeepSpec conventions, pooled over the dataset):
+The rounds themselves must be DeepSpec's too: its loop runs ``while start < max_length``, i.e. a
+request runs another full-block round while it has emitted at most ``max_new_tokens`` tokens
+(one more round than needed when a round ends exactly on the budget) and the output is truncated
+afterwards. ``serving.Engine(..., budget_rule="deepspec")`` does this, as
+``decoding.speculative_generate`` and ``dspark_jax.evaluate`` use it.
 
-* ``tau = sum(accepted + 1) / R`` — accepted length including the bonus/correction token;
-* ``verify_rate = sum(accepted + 1) / (sum(proposed) + R)`` — committed tokens per verified
+Statistics (DeepSpec conventions, pooled over the dataset; identical to its evaluator's
+``build_metrics_row``):
+
+* ``tau = sum(acceptance) / R`` — DeepSpec's ``acceptance_length``;
+* ``verify_rate = sum(acceptance) / (sum(proposed) + R)`` — committed tokens per verified
   token (the anchor of every round counts as verified);
 * ``accept_rate_at[k]`` (k = 0..gamma-1) — cumulative prefix survival:
-  ``#{accepted >= k + 1} / #{proposed > k}``;
+  ``#{accepted >= k + 1} / #{proposed > k}`` (DeepSpec's ``accepted_at_pos / proposals_at_pos``);
 * ``conditional_acceptance[k] = accept_rate_at[k] / accept_rate_at[k - 1]`` (k = 0: ``accept_rate_at[0]``)
   — the paper's position-wise conditional acceptance (Figure 2).  With a constant proposal length
   (the offline protocol) it is exactly ``P(slot k accepted | slots < k accepted)``.
@@ -94,8 +108,8 @@ class AcceptanceStats:
 
     rounds: int  # R, number of verification rounds
     gamma: int  # block size used for the per-position statistics
-    tau: float  # sum(accepted + 1) / R
-    verify_rate: float  # sum(accepted + 1) / (sum(proposed) + R)
+    tau: float  # sum(acceptance) / R  (acceptance = accepted + 1, or eos_pos + 1 on a stop round)
+    verify_rate: float  # sum(acceptance) / (sum(proposed) + R)
     accept_rate_at: tuple[float, ...]  # [gamma] cumulative prefix survival
     conditional_acceptance: tuple[float, ...]  # [gamma] position-wise conditional acceptance
     total_accepted: int  # sum(accepted)
@@ -149,11 +163,15 @@ def acceptance_stats(
     accepted: Sequence[int] | np.ndarray,  # [R]
     gamma: int | None = None,
     name: str | None = None,
+    acceptance: Sequence[int] | np.ndarray | None = None,  # [R]
 ) -> AcceptanceStats:
-    """Statistics of one dataset from per-round ``proposed`` / ``accepted`` counts.
+    """Statistics of one dataset from per-round ``proposed`` / ``accepted`` counts and DeepSpec's
+    per-round ``acceptance`` lengths (module docstring; None: ``accepted + 1`` every round).
 
     ``gamma`` defaults to ``max(proposed)`` (0 if there are no rounds).  Raises ``ValueError`` on
-    shape mismatch, negative counts, ``accepted > proposed`` or ``proposed > gamma``.
+    shape mismatch, negative counts, ``accepted > proposed``, ``proposed > gamma``, or an
+    acceptance length that is neither ``accepted + 1`` nor a stop round's
+    ``accepted == proposed >= 1``.
     """
     prop = np.asarray(proposed, dtype=np.int64).reshape(-1)
     acc = np.asarray(accepted, dtype=np.int64).reshape(-1)
@@ -163,13 +181,26 @@ def acceptance_stats(
         raise ValueError("counts must be non-negative")
     if np.any(acc > prop):
         raise ValueError("accepted must not exceed proposed")
+    if acceptance is None:
+        alen = acc + 1
+    else:
+        alen = np.asarray(acceptance, dtype=np.int64).reshape(-1)
+        if alen.shape != acc.shape:
+            raise ValueError(f"acceptance {alen.shape} and accepted {acc.shape} differ in length")
+        stop_round = (alen == acc) & (acc == prop) & (acc >= 1)
+        if np.any((alen != acc + 1) & ~stop_round):
+            r = int(np.nonzero((alen != acc + 1) & ~stop_round)[0][0])
+            raise ValueError(
+                f"round {r}: acceptance length {int(alen[r])} with accepted={int(acc[r])}, "
+                f"proposed={int(prop[r])}: expected accepted + 1, or on a stop round "
+                "acceptance == accepted == proposed >= 1")
     r_ = int(prop.size)
     if gamma is None:
         gamma = int(prop.max()) if r_ else 0
     gamma = int(gamma)
     if r_ and int(prop.max()) > gamma:
         raise ValueError(f"a round proposed {int(prop.max())} > gamma={gamma} drafts")
-    committed = int(acc.sum()) + r_
+    committed = int(alen.sum())
     rates = tuple(
         _ratio(int(np.sum(acc >= k + 1)), int(np.sum(prop > k))) for k in range(gamma)
     )
@@ -189,10 +220,16 @@ def acceptance_stats(
 def stats_from_records(
     records: Iterable[Mapping[str, Any]], gamma: int | None = None, name: str | None = None
 ) -> AcceptanceStats:
-    """Same as :func:`acceptance_stats` from records ``{"proposed": int, "accepted": int}``."""
+    """Same as :func:`acceptance_stats` from records ``{"proposed": int, "accepted": int}``, with
+    ``"acceptance": int`` (DeepSpec's acceptance length of the round) where the records have it
+    (all of them or none)."""
     recs = list(records)
+    has = ["acceptance" in r for r in recs]
+    if any(has) and not all(has):
+        raise ValueError("some records have 'acceptance' and others not")
     return acceptance_stats(
-        [int(r["proposed"]) for r in recs], [int(r["accepted"]) for r in recs], gamma=gamma, name=name
+        [int(r["proposed"]) for r in recs], [int(r["accepted"]) for r in recs], gamma=gamma,
+        name=name, acceptance=[int(r["acceptance"]) for r in recs] if all(has) and recs else None,
     )
 
 

@@ -72,6 +72,14 @@ class Engine:
     probes while plain decoding wins (doubling at each probe); `explore`: the fraction of plain
     decoding time that probes may cost (None: no limit). The adaptive policy's learned state
     persists across `generate` calls; `reset_policy()` forgets it.
+
+    Token budget: `budget_rule="serving"` (default) ends a request as soon as it has emitted
+    `max_new_tokens`, and `cap_to_budget` (default True) never verifies drafts past that budget.
+    `budget_rule="deepspec"` is the rule of DeepSpec's evaluation loop (`while start <
+    max_length`): every round verifies the full block (`cap_to_budget` defaults to False and
+    cannot be True), a request runs another round while it has emitted at most
+    `max_new_tokens` tokens, and its output is cut at the budget, so the rounds, their counts and
+    τ are DeepSpec's (`speculative_generate` and `dspark_jax.evaluate` use it).
     """
 
     def __init__(self, target: Any, draft: Any = None, max_requests: int = 16,
@@ -80,7 +88,8 @@ class Engine:
                  sps: Any = None, sps_cache_dir: str | None = None, profile_repeats: int = 3,
                  confidence_temperatures: Sequence[float] | None = None,
                  verifier: str = "jax", sampler: str = "jax",
-                 stop_token_ids: Sequence[int] | None = None, cap_to_budget: bool = True,
+                 stop_token_ids: Sequence[int] | None = None,
+                 cap_to_budget: bool | None = None, budget_rule: str = "serving",
                  draft_seconds: float | None = None, plain_seconds: float | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64,
                  explore: float | None = 0.01):
@@ -89,6 +98,14 @@ class Engine:
         if verifier not in R_.VERIFY_FNS:
             raise ValueError(f"unknown verifier {verifier!r}; choose from "
                              f"{sorted(R_.VERIFY_FNS)}")
+        if budget_rule not in R_.BUDGET_RULES:
+            raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from "
+                             f"{list(R_.BUDGET_RULES)}")
+        if cap_to_budget is None:
+            cap_to_budget = budget_rule == "serving"
+        elif cap_to_budget and budget_rule == "deepspec":
+            raise ValueError("budget_rule='deepspec' verifies full blocks up to the end (as "
+                             "DeepSpec's loop); it cannot be combined with cap_to_budget=True")
         if sampler not in R_.SAMPLERS:
             raise ValueError(f"unknown sampler {sampler!r}; choose from {list(R_.SAMPLERS)}")
         if max_requests < 1:
@@ -138,6 +155,7 @@ class Engine:
         self.verifier, self.prefill_chunk = verifier, int(prefill_chunk)
         self.sampler = sampler
         self.cap_to_budget = bool(cap_to_budget)
+        self.budget_rule = budget_rule
         self.buckets = sps_mod.capacity_buckets(self.R, self.gamma, capacity_buckets)
         if self.buckets[-1] > self.max_len * self.R:
             raise ValueError("capacity_buckets exceed what max_len can hold")
@@ -196,7 +214,8 @@ class Engine:
     def _verify(self, s, p, drafts, probs, ell, K):
         return R_.verify_and_commit(self.target.graphdef, self._dgd, self.target.state,
                                     self._dstate, s, p, drafts, probs, ell, self.stop_ids, K=K,
-                                    verifier=self.verifier, tap_layer_ids=self.tap_ids)
+                                    verifier=self.verifier, tap_layer_ids=self.tap_ids,
+                                    budget_rule=self.budget_rule)
 
     def _dummy_step_fn(self):
         """step_fn(K): one verification step with exactly K admitted tokens (all slots)."""
@@ -511,7 +530,8 @@ class _Run:
                 t = int(first[r])
                 self.out[i].append(t)
                 self.per[i]["first_token_s"] = now
-                if t in stops or self.max_new <= 1:
+                # DeepSpec's loop runs a round even with a budget of one token
+                if t in stops or (self.max_new <= 1 and e.budget_rule == "serving"):
                     self._finish(r, now)
                 else:
                     self.h["active"][r], self.h["remaining"][r] = True, self.max_new - 1

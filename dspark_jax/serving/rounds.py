@@ -202,19 +202,26 @@ def _verify(name: str, accept_u, sample_u, tp, dp, drafts, ell):
     return VERIFY_FNS[name](accept_u, sample_u, tp, dp, drafts, ell)
 
 
+BUDGET_RULES = ("serving", "deepspec")
+
+
 @functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "verifier",
-                                             "tap_layer_ids"),
+                                             "tap_layer_ids", "budget_rule"),
                    donate_argnames=("s",))
 def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                       s: EngineState, p: Params, drafts: jax.Array, draft_probs: jax.Array,
                       ell: jax.Array, stop_ids: jax.Array, *, K: int, verifier: str,
-                      tap_layer_ids: tuple[int, ...]) -> tuple[EngineState, dict[str, jax.Array]]:
+                      tap_layer_ids: tuple[int, ...], budget_rule: str = "serving"
+                      ) -> tuple[EngineState, dict[str, jax.Array]]:
     """Ragged verification of the admitted tokens in capacity K, then commit.
 
     drafts [R, γ], draft_probs [R, γ, V], ell [R] (0 for inactive slots). Returns the new state
     and per slot: emitted tokens [R, γ+1] with their count, and DeepSpec's bookkeeping (SPEC §1
     step 6): a stop token among the accepted drafts at index e records e+1 as both accepted and
-    proposed, and adds e+1 (no bonus) to τ.
+    proposed, and adds e+1 (no bonus) to τ. `budget_rule` "serving": a request finishes once
+    it has emitted its budget (`remaining` tokens); "deepspec": DeepSpec's `while start <
+    max_length` — it finishes only when this round's tokens (before the cut at the budget)
+    exceed `remaining`, so a round that ends exactly on the budget is followed by one more.
     """
     target = nnx.merge(target_gd, target_state)
     R, g = drafts.shape
@@ -247,9 +254,14 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
     any_stop = jnp.any(stop_hit, axis=1)
     first_stop = jnp.argmax(stop_hit, axis=1)
     stop_in_drafts = any_stop & (first_stop < n_acc)
-    n_emit = jnp.where(any_stop, first_stop + 1, n_emit)
-    n_emit = jnp.where(p.active, jnp.minimum(n_emit, p.remaining), 0)
-    finished = p.active & (any_stop | (n_emit >= p.remaining))
+    n_full = jnp.where(any_stop, first_stop + 1, n_emit)
+    n_emit = jnp.where(p.active, jnp.minimum(n_full, p.remaining), 0)
+    if budget_rule == "deepspec":
+        finished = p.active & (any_stop | (n_full > p.remaining))
+    elif budget_rule == "serving":
+        finished = p.active & (any_stop | (n_emit >= p.remaining))
+    else:
+        raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from {BUDGET_RULES}")
     acc_rec = jnp.where(stop_in_drafts, first_stop + 1, n_acc)
     prop_rec = jnp.where(stop_in_drafts, first_stop + 1, ell)
     tau_term = jnp.where(stop_in_drafts, first_stop + 1, n_acc + 1)

@@ -1,4 +1,5 @@
-"""Tests for dspark_jax.eval.acceptance (hand-computed examples) and the tau / Figure-2 plots."""
+"""Tests for dspark_jax.eval.acceptance (hand-computed examples, DeepSpec's count on stop rounds)
+and the tau / Figure-2 plots."""
 
 from __future__ import annotations
 
@@ -40,6 +41,43 @@ def test_variable_lengths_hand_example() -> None:
     # k=0: accepted>=1 in rounds {0,1} / proposed>0 in {0,1,2}; k=1: {0} / {0,2}; k=2: {} / {0}
     assert s.accept_rate_at == pytest.approx((2 / 3, 1 / 2, 0.0))
     assert s.conditional_acceptance == pytest.approx((2 / 3, 0.75, 0.0))
+
+
+def test_stop_round_counts_eos_pos_plus_one_as_deepspec() -> None:
+    # DeepSpec's verify_draft_tokens: a stop token among the accepted drafts at index e makes
+    # accepted = proposed = e + 1 and the acceptance length e + 1 (no bonus token).
+    # Rounds: plain (3, 1) -> 2; stop at e = 1 -> (2, 2) -> 2; plain (3, 3) -> 4; stop at e = 0.
+    prop, acc, alen = [3, 2, 3, 1], [1, 2, 3, 1], [2, 2, 4, 1]
+    s = acceptance_stats(prop, acc, gamma=3, acceptance=alen)
+    assert s.tau == pytest.approx(9 / 4)  # DeepSpec: acceptance_length_sum / proposal_count
+    assert s.verify_rate == pytest.approx(9 / (9 + 4))  # ... / (proposal_length_sum + count)
+    # accepted_at_pos / proposals_at_pos: k=0: 4/4, k=1: {2,3}/{0,1,2}, k=2: {3}/{0,2}
+    assert s.accept_rate_at == pytest.approx((1.0, 2 / 3, 1 / 2))
+    assert s.total_accepted == 7 and s.total_proposed == 9
+    # the old count (accepted + 1 on every round) differs exactly on the stop rounds
+    old = acceptance_stats(prop, acc, gamma=3)
+    assert old.tau == pytest.approx(11 / 4) and old.tau - s.tau == pytest.approx(2 / 4)
+    assert old.accept_rate_at == s.accept_rate_at
+    # no stop round: acceptance = accepted + 1 is the default
+    plain = acceptance_stats([3, 3], [0, 3], acceptance=[1, 4])
+    assert plain == acceptance_stats([3, 3], [0, 3])
+    recs = [{"proposed": p, "accepted": a, "acceptance": x} for p, a, x in zip(prop, acc, alen)]
+    assert stats_from_records(recs, gamma=3) == s
+
+
+@pytest.mark.parametrize(
+    "proposed,accepted,acceptance",
+    [([3], [1], [3]),      # more than accepted + 1
+     ([3], [1], [1]),      # "stop round" that did not end the proposal at the stop token
+     ([2], [0], [0]),      # a stop round accepts at least the stop token
+     ([2, 2], [1, 1], [2])],
+)
+def test_invalid_acceptance_lengths(proposed, accepted, acceptance) -> None:
+    with pytest.raises(ValueError):
+        acceptance_stats(proposed, accepted, acceptance=acceptance)
+    with pytest.raises(ValueError, match="some records"):
+        stats_from_records([{"proposed": 1, "accepted": 0, "acceptance": 1},
+                            {"proposed": 1, "accepted": 0}])
 
 
 def test_default_gamma_and_records() -> None:

@@ -163,10 +163,15 @@ def test_statistics_recomputed_from_raw_records(env):
         assert len(rs) == e["num_evaluated"]
         prop = np.array([p for r in rs for p in r["proposed"]])
         acc = np.array([a for r in rs for a in r["accepted"]])
-        assert len(prop) == e["rounds"] and (acc <= prop).all() and (prop == g).all()
-        tau = (acc + 1).sum() / len(acc)
+        alen = np.array([x for r in rs for x in r["acceptance"]])
+        assert len(prop) == len(alen) == e["rounds"] and (acc <= prop).all()
+        # DeepSpec's bookkeeping: accepted + 1, or on a stop round eos_pos + 1 for all three
+        stop = alen == acc
+        assert ((alen == acc + 1) | (stop & (prop == acc) & (acc >= 1))).all()
+        assert (prop[~stop] == g).all()
+        tau = alen.sum() / len(alen)
         assert e["tau"] == pytest.approx(tau, rel=1e-12)
-        assert e["verify_rate"] == pytest.approx((acc + 1).sum() / (prop.sum() + len(prop)))
+        assert e["verify_rate"] == pytest.approx(alen.sum() / (prop.sum() + len(prop)))
         cum = [np.sum(acc >= k + 1) / np.sum(prop > k) for k in range(g)]
         assert e["accept_rate_at"] == pytest.approx(cum)
         for k in range(g):
@@ -179,15 +184,62 @@ def test_statistics_recomputed_from_raw_records(env):
                 assert 0.0 <= c <= 1.0
             else:
                 assert c is None
-        # every round emits accepted + 1 tokens at most (one more from the prefill)
+        # DeepSpec's budget rule (`while start < max_length`): every round starts with at most
+        # MAX_NEW tokens out (the prefill's token + the rounds' acceptance lengths), and the
+        # output is what the rounds committed, cut at MAX_NEW
+        # and it ends on a stop token or past MAX_NEW (a round that lands exactly on MAX_NEW is
+        # followed by one more, as in DeepSpec's loop)
+        t = env["target"]
+        stops = set(getattr(t.tokenizer, "stop_token_ids", None) or t.config.stop_token_ids)
         for r in rs:
-            assert 1 <= r["output_tokens"] <= 1 + sum(a + 1 for a in r["accepted"])
-            assert r["output_tokens"] <= MAX_NEW and len(r["output_ids"]) == r["output_tokens"]
+            out = 1 + np.cumsum([0] + r["acceptance"])   # tokens out before each round, after
+            assert (out[:-1] <= MAX_NEW).all()
+            assert r["output_tokens"] == len(r["output_ids"]) == min(out[-1], MAX_NEW)
+            assert out[-1] > MAX_NEW or r["output_ids"][-1] in stops
         n_tok = sum(r["output_tokens"] for r in rs)
         assert e["num_output_tokens"] == n_tok
         assert e["mean_output_tokens"] == pytest.approx(n_tok / len(rs))
         taus.append(tau)
     assert res["mean"]["tau"] == pytest.approx(np.mean(taus))
+
+
+def test_tau_counts_a_stop_round_as_deepspec(env, tmp_path, monkeypatch):
+    """results.json's τ is DeepSpec's: a round whose accepted drafts hold a stop token at index
+    e counts e + 1 (no bonus), with e + 1 as its accepted and proposed counts too. The decoding
+    is replaced by fixed per-round records (two requests, γ = 4):
+
+        request 0: proposed [4, 4, 2], accepted [1, 4, 2], acceptance [2, 5, 2]  (stop at e = 1)
+        request 1: proposed [4, 1],    accepted [0, 1],    acceptance [1, 1]     (stop at e = 0)
+
+    DeepSpec: τ = (2 + 5 + 2 + 1 + 1) / 5 = 2.2; the old count (accepted + 1 every round) gave
+    (2 + 5 + 3 + 1 + 2) / 5 = 2.6."""
+    import dspark_jax.decoding.speculative as spec_mod
+
+    fake = dict(proposed=[[4, 4, 2], [4, 1]], accepted=[[1, 4, 2], [0, 1]],
+                acceptance=[[2, 5, 2], [1, 1]], tokens=[[5] * 10, [6] * 2])
+
+    def fake_generate(target, draft, prompts, **kw):
+        n = len(prompts)
+        return spec_mod.SpecResult(
+            tokens=fake["tokens"][:n], proposed=fake["proposed"][:n],
+            accepted=fake["accepted"][:n], rounds=3,
+            confidence=[np.zeros((len(p), 4), np.float32) for p in fake["proposed"][:n]],
+            acceptance=fake["acceptance"][:n])
+
+    monkeypatch.setattr(spec_mod, "speculative_generate", fake_generate)
+    res = evaluate(env["target"], env["draft"], env["data"], datasets="alpha", max_samples=2,
+                   out_dir=tmp_path, plots=False, **RUN_KW)
+    a = res["datasets"]["alpha"]
+    assert a["rounds"] == 5
+    assert a["tau"] == pytest.approx(11 / 5)
+    assert a["verify_rate"] == pytest.approx(11 / (15 + 5))
+    # per position (DeepSpec's accepted_at_pos / proposals_at_pos): the stop rounds proposed 2
+    # and 1 drafts
+    assert a["accept_rate_at"] == pytest.approx([4 / 5, 2 / 4, 1 / 3, 1 / 3])
+    recs = _records(tmp_path)
+    assert sorted(r["acceptance"] for r in recs) == sorted(fake["acceptance"])
+    assert json.loads((tmp_path / "results.json").read_text())["datasets"]["alpha"]["tau"] == \
+        pytest.approx(2.2)
 
 
 def test_calibration_recomputed_from_confidence_logits(env):
@@ -375,8 +427,8 @@ def test_real_smollm2_random_draft_gsm8k(tmp_path):
     g = res["datasets"]["gsm8k"]
     assert g["num_evaluated"] == 2 and g["rounds"] > 0
     recs = _records(tmp_path)
-    acc = np.array([a for r in recs for a in r["accepted"]])
-    assert g["tau"] == pytest.approx((acc + 1).mean())
+    alen = np.array([x for r in recs for x in r["acceptance"]])
+    assert g["tau"] == pytest.approx(alen.mean())
     assert 1.0 <= g["tau"] <= 5.0
     want = [c.id for c in load_eval_dataset(EVAL_DIR, "gsm8k", 2)]
     assert sorted(r["id"] for r in recs) == sorted(want)

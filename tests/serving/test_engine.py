@@ -1,7 +1,7 @@
 """The serving engine is lossless under every scheduler: greedy output equals
 `autoregressive_generate` token for token with prompts of different lengths, chunked prefill
 and requests joining mid-run (slots reused); no recompiles after warm-up; DeepSpec's
-bookkeeping on stop tokens; bad settings fail naming the setting."""
+bookkeeping on stop tokens and its token-budget rule; bad settings fail naming the setting."""
 
 from __future__ import annotations
 
@@ -166,6 +166,41 @@ def test_stop_token_among_accepted_drafts_follows_deepspec(target, draft):
     assert int(o["accepted"][0]) == int(o["proposed"][0]) == 2
     assert int(o["tau_term"][0]) == 2 and int(o["n_emit"][0]) == 2 and bool(o["finished"][0])
     assert o["tokens"][0, :2].tolist() == greedy[1:3]
+
+
+def test_deepspec_budget_rule_runs_the_rounds_deepspec_runs(target, draft, greedy_ref):
+    """budget_rule="deepspec" is DeepSpec's `while start < max_length`: every round verifies γ
+    drafts and starts with at most MAX_NEW tokens out, the last one goes past MAX_NEW (no stop
+    tokens here), the output is cut at MAX_NEW. A request whose rounds land exactly on MAX_NEW
+    runs one more round than under "serving" (which stops there); the others run the same
+    rounds. A budget of one token still runs one round."""
+    eng = Engine(target, draft, scheduler="fixed", budget_rule="deepspec", **ENGINE_KW)
+    assert not eng.cap_to_budget
+    res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert res.tokens == greedy_ref
+    serving = Engine(target, draft, scheduler="fixed", cap_to_budget=False, **ENGINE_KW
+                     ).generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert serving.tokens == greedy_ref
+    landed = 0
+    for pr, sv in zip(res.per_request, serving.per_request):
+        out = 1 + np.cumsum([0] + pr["acceptance"])   # tokens out before each round, after
+        assert (out[:-1] <= MAX_NEW).all() and out[-1] > MAX_NEW
+        assert all(p == 3 for p in pr["proposed"])
+        if out[-2] == MAX_NEW:
+            landed += 1
+            assert pr["acceptance"][:-1] == sv["acceptance"]
+        else:
+            assert pr["acceptance"] == sv["acceptance"]
+    assert landed >= 1
+    assert res.tau != serving.tau
+    one = eng.generate(PROMPTS[:2], max_new_tokens=1)
+    assert one.tokens == [g[:1] for g in greedy_ref[:2]]
+    assert [len(pr["acceptance"]) for pr in one.per_request] == [1, 1]
+    with pytest.raises(ValueError, match="cap_to_budget"):
+        Engine(target, draft, scheduler="fixed", budget_rule="deepspec", cap_to_budget=True,
+               **ENGINE_KW)
+    with pytest.raises(ValueError, match="budget_rule"):
+        Engine(target, draft, scheduler="fixed", budget_rule="vllm", **ENGINE_KW)
 
 
 def test_no_recompile_after_warmup(target, draft):
