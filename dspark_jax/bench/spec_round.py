@@ -11,7 +11,7 @@ Reports, from one run on one device:
   * the sequential (Markov) stage's share of the round (bar ≤ 2%);
   * recompilations of the engine's round in steady state (bar: zero);
   * the Pallas kernels (pallas_kernels/markov_sample, pallas_kernels/verify) against the pure-JAX
-    paths they replace (decoding/verify.py), at the round's B, γ, V and r. Kernels are timed only
+    paths they replace (decoding/markov_sampling.py, decoding/acceptance_rule.py), at the round's B, γ, V and r. Kernels are timed only
     on GPU (Triton) and TPU (Mosaic): on CPU they could only run in interpret mode, which says
     nothing about speed, so the table shows the pure-JAX time and marks the kernel "n/a".
 Example:
@@ -30,7 +30,7 @@ import numpy as np
 
 from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
                                      time_call)
-from dspark_jax.decoding.sampling import sample_probs
+from dspark_jax.sampling import sample_probs
 from dspark_jax.models import init_draft
 from dspark_jax.models.draft_config import default_target_layer_ids
 
@@ -53,8 +53,8 @@ def kernel_timings(batch: int, gamma: int, vocab: int, rank: int, dtype: str,
 
     The kernel entries are None on CPU (interpret mode only; not a timing).
     """
-    from dspark_jax.decoding.verify import (rejection_verify_with_uniforms,
-                                            sequential_markov_sample_with_uniforms)
+    from dspark_jax.decoding.acceptance_rule import rejection_verify_with_uniforms
+    from dspark_jax.decoding.markov_sampling import sequential_markov_sample_with_uniforms
     from dspark_jax.models.target import resolve_dtype
     from pallas_kernels.markov_sample import markov_sample
     from pallas_kernels.verify import verify

@@ -53,7 +53,8 @@ from dspark_jax.data.chat import render_prompt, with_system_prompt
 from dspark_jax.data.prompts import (PROMPT_SOURCES, Conversation, Message, load_conversations,
                                      load_named_prompts, read_eval_file)
 from dspark_jax.data.continuous import ContinuousBatcher
-from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts, stop_array
+from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts
+from dspark_jax.decoding.stops import stop_array
 
 log = logging.getLogger(__name__)
 

@@ -1,24 +1,19 @@
-"""Lossless verification and the vanilla Markov head's sequential sampler (SPEC §1, §3).
+"""The acceptance rule: lossless verification of a speculative round (paper §2; SPEC §1
+steps 3–5; DeepSpec's evaluator's rejection sampling).
 
-* `rejection_verify` is steps 3–5 of a speculative round (paper §2, the standard
-  speculative-sampling rule): accept draft x_k iff u_k < min(1, p_t(x_k) / p_d(x_k)), stop at the
-  first rejection and sample the correction from norm(max(p_t − p_d, 0)) (p_t if that mass is
-  ≤ 1e-8), or the bonus from p_t,ℓ when all ℓ verified drafts were accepted. The emitted
-  tokens are then distributed exactly as the target's, whatever the drafter proposed.
-* `sequential_markov_sample` is the drafting side of DSpark's vanilla Markov head (paper §3.2,
-  SPEC §3): logits_k = U_k + W2·W1[x_{k−1}], each slot conditioned on the token actually sampled
-  at the slot before it.
-
-There is one copy of each rule: the pure-JAX oracles `ref_verify` / `ref_markov_sample` that
-sit beside their Pallas kernels in `pallas_kernels/{verify,markov_sample}` (kernels stand alone;
-decoding imports them, never the reverse). This module adds the key-taking wrappers, the γ = 0
-case of plain decoding, and `kernel_mode`, which picks how the kernels run on this backend
-(compiled Triton on GPU, compiled Mosaic on TPU, the interpreter only on CPU). All randomness
-enters as explicit uniforms (`*_with_uniforms`) and every categorical draw is an inverse-CDF
-search (`inverse_cdf_sample`), so a kernel and the pure-JAX path given the same uniforms emit
-the same tokens. Temperature is folded into the probabilities by the caller
-(`sampling.probs_from_logits`); T = 0 gives one-hot rows, for which the rule reduces to exact
+Accept draft x_k iff u_k < min(1, p_t(x_k) / p_d(x_k)), stop at the first rejection and sample
+the correction from norm(max(p_t − p_d, 0)) (p_t if that mass is ≤ 1e-8), or the bonus from
+p_t,ℓ when all ℓ verified drafts were accepted. The emitted tokens are then distributed exactly
+as the target's, whatever the drafter proposed. Temperature is folded into the probabilities by
+the caller (`decoding.sampling`); T = 0 gives one-hot rows, for which the rule reduces to exact
 greedy prefix matching.
+
+There is one copy of the rule: the pure-JAX oracle `ref_verify` beside its Pallas kernel in
+`pallas_kernels/verify` (kernels stand alone; decoding imports them, never the reverse). This
+module adds the γ = 0 case of plain decoding, the key-taking wrappers and `VERIFIERS`, the
+registry the engine's round picks a rule from by name. All randomness enters as explicit
+uniforms (`*_with_uniforms`), so the kernel and the pure-JAX path given the same uniforms emit
+the same tokens.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.pallas_backend import kernel_mode
 from pallas_kernels.common import inverse_cdf_sample
-from pallas_kernels.markov_sample.kernel import markov_sample as markov_sample_kernel
-from pallas_kernels.markov_sample.kernel import ref_markov_sample
 from pallas_kernels.verify.kernel import RESIDUAL_EPS, VerifyResult, ref_verify
 from pallas_kernels.verify.kernel import verify as verify_kernel
 
@@ -41,41 +35,22 @@ __all__ = [
     "VERIFIERS",
     "get_verifier",
     "inverse_cdf_sample",
-    "kernel_mode",
     "verify_uniforms",
     "rejection_verify",
     "rejection_verify_with_uniforms",
     "pallas_verify",
     "pallas_verify_with_uniforms",
-    "markov_uniforms",
-    "sequential_markov_sample",
-    "sequential_markov_sample_with_uniforms",
-    "pallas_markov_sample_with_uniforms",
 ]
 
 
 class Verifier(Protocol):
-    """Anything that verifies a round like `rejection_verify` (a kernel can stand in for it)."""
+    """A verification rule with explicit uniforms, like `rejection_verify_with_uniforms` (a
+    kernel can stand in for it)."""
 
-    def __call__(self, key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array,
-                 draft_tokens: jax.Array, verify_len: jax.Array) -> VerifyResult: ...
+    def __call__(self, accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array,
+                 draft_probs: jax.Array, draft_tokens: jax.Array,
+                 verify_len: jax.Array) -> VerifyResult: ...
 
-
-def kernel_mode() -> dict[str, object]:
-    """How the Pallas kernels run on JAX's default backend: keyword arguments for
-    `verify` / `markov_sample`. GPU → compiled Triton, TPU → compiled Mosaic; anything else
-    (CPU) → the Pallas interpreter, which is the only way a kernel runs there."""
-    backend = jax.default_backend()
-    if backend == "gpu":
-        return dict(interpret=False, backend="triton")
-    if backend == "tpu":
-        return dict(interpret=False, backend="mosaic")
-    return dict(interpret=True, backend="triton")
-
-
-# ------------------------------------------------------------------------------------------
-# Verification (SPEC §1 steps 3–5)
-# ------------------------------------------------------------------------------------------
 
 def verify_uniforms(key: jax.Array, batch: int, gamma: int) -> tuple[jax.Array, jax.Array]:
     """(accept_u [B, γ], sample_u [B]) f32 in [0, 1): the only randomness of a verification."""
@@ -143,55 +118,14 @@ def pallas_verify(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Arra
                          **mode)
 
 
-VERIFIERS: dict[str, Verifier] = {"jax": rejection_verify, "pallas": pallas_verify}
+# the rules the engine's round verifies with, by name (`Engine(verifier=...)`)
+VERIFIERS: dict[str, Verifier] = {"jax": rejection_verify_with_uniforms,
+                                  "pallas": pallas_verify_with_uniforms}
 
 
 def get_verifier(name: str) -> Verifier:
-    """The verifier registered under name ("jax" or "pallas")."""
+    """The verification rule registered under name ("jax" or "pallas")."""
     try:
         return VERIFIERS[name]
     except KeyError:
         raise ValueError(f"unknown verifier {name!r}; choose from {sorted(VERIFIERS)}") from None
-
-
-# ------------------------------------------------------------------------------------------
-# Vanilla Markov head, sequential sampling (SPEC §3)
-# ------------------------------------------------------------------------------------------
-
-def markov_uniforms(key: jax.Array, batch: int, gamma: int) -> jax.Array:
-    """One uniform per draft slot, [B, γ] f32 in [0, 1)."""
-    return jax.random.uniform(key, (batch, gamma), jnp.float32)
-
-
-def sequential_markov_sample_with_uniforms(uniforms: jax.Array, base_logits: jax.Array,
-                                           w1: jax.Array, w2: jax.Array, anchor: jax.Array,
-                                           temperature: jax.Array | float
-                                           ) -> tuple[jax.Array, jax.Array]:
-    """Samples x_1..x_γ left to right with the vanilla Markov head: the oracle
-    `ref_markov_sample`.
-
-    uniforms [B, γ] in [0, 1); base_logits U [B, γ, V] (any float dtype); w1, w2 [V, r];
-    anchor x_0 [B] int; temperature a scalar or [B] (≤ 0 → greedy one-hot).
-    Returns (tokens [B, γ] int32, probs p_d [B, γ, V] f32), probs[:, k] being the distribution
-    x_{k+1} was drawn from — the draft_probs that verification needs.
-    """
-    return ref_markov_sample(uniforms, base_logits, w1, w2, anchor, temperature)
-
-
-def pallas_markov_sample_with_uniforms(uniforms: jax.Array, base_logits: jax.Array,
-                                       w1: jax.Array, w2: jax.Array, anchor: jax.Array,
-                                       temperature: jax.Array | float
-                                       ) -> tuple[jax.Array, jax.Array]:
-    """`sequential_markov_sample_with_uniforms` through the batched Pallas kernel
-    (`kernel_mode` backend): same uniforms → same tokens."""
-    return markov_sample_kernel(uniforms, base_logits, w1, w2, anchor, temperature,
-                                **kernel_mode())
-
-
-def sequential_markov_sample(key: jax.Array, base_logits: jax.Array, w1: jax.Array,
-                             w2: jax.Array, anchor: jax.Array, temperature: jax.Array | float
-                             ) -> tuple[jax.Array, jax.Array]:
-    """`sequential_markov_sample_with_uniforms` with uniforms drawn from key."""
-    B, G, _ = base_logits.shape
-    return sequential_markov_sample_with_uniforms(markov_uniforms(key, B, G), base_logits, w1, w2,
-                                                  anchor, temperature)

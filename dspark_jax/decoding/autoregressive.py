@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.sampling import sample_logits
+from dspark_jax.decoding.stops import is_stop, stop_array
+from dspark_jax.sampling import sample_logits
 from dspark_jax.models.decoder import KVCache, init_cache
 
 
@@ -77,11 +78,6 @@ def row_key_data(seed: int, batch: int) -> jax.Array:
     return jax.random.key_data(jax.random.split(jax.random.key(seed, impl="threefry2x32"), batch))
 
 
-def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    """tokens [...] ∈ stop_ids [n] (padded with −1)."""
-    return jnp.any(tokens[..., None] == stop_ids, axis=-1)
-
-
 def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_cache: int | None,
                 max_new_tokens: int, bucket: int = 64) -> tuple[np.ndarray, np.ndarray, int]:
     """Right-pads prompts to a bucketed length; validates them; returns (tokens, lens, cache len)."""
@@ -106,11 +102,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_cache: in
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = p
     return tokens, np.asarray(lens, np.int32), cache_len
-
-
-def stop_array(stop_token_ids: Sequence[int] | None, default: Sequence[int]) -> jax.Array:
-    ids = list(default if stop_token_ids is None else stop_token_ids)
-    return jnp.asarray(ids + [-1], jnp.int32)
 
 
 def _prefill(model: Any, tokens: jax.Array, lens: jax.Array, key_data: jax.Array,

@@ -1,7 +1,9 @@
-"""Drafter adapters for the speculative loop (SPEC §1 step 2; §3 inference; §5 inference).
+"""Drafter adapters: how the speculative round drives each drafter model (SPEC §1 step 2; §3
+inference: DSpark/DFlash parallel blocks; §5 inference: Eagle3's chain; DeepSpec's evaluator's
+per-drafter `propose`). The drafter models themselves live in `dspark_jax.models`.
 
-Every drafter exposes the same three pure functions to the engine, so DSpark, DFlash and
-Eagle3 run through one loop:
+Every drafter exposes the same pure functions to the round (`decoding.round`), so DSpark,
+DFlash and Eagle3 run through one loop:
   init_cache(model, B, max_len)                       → draft cache
   commit(model, cache, feats [B,T,n·d], start [B], count [B], next_tokens [B,T]) → cache
       (target features of newly committed tokens at positions start..start+count−1;

@@ -5,7 +5,7 @@ One round, for a batch of requests at different lengths:
      features of all committed tokens);
   2. ONE target pass over [x0, x1..xγ] at per-request positions extends the target KV cache and
      yields p_t,0..p_t,γ plus the hidden-state taps of those positions;
-  3. rejection sampling (decoding/verify.py, replaceable by a Pallas kernel) accepts a prefix
+  3. rejection sampling (decoding/acceptance_rule.py, replaceable by a Pallas kernel) accepts a prefix
      of the first ℓ drafts (ℓ from a per-request verification mask — the scheduler's seam) and
      samples a correction or bonus token;
   4. commit by moving lengths: the anchor and accepted drafts stay in the target cache, their
@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.autoregressive import is_stop, pad_prompts, stop_array
-from dspark_jax.decoding.drafters import adapter_for
-from dspark_jax.decoding.sampling import probs_from_logits, sample_logits, sample_probs
+from dspark_jax.decoding.autoregressive import pad_prompts
+from dspark_jax.decoding.stops import is_stop, stop_array
+from dspark_jax.decoding.draft_adapters import adapter_for
+from dspark_jax.sampling import probs_from_logits, sample_logits, sample_probs
 from dspark_jax.models.decoder import KVCache, init_cache
 from dspark_jax.models.draft_config import validate_against_target
 
@@ -105,7 +106,7 @@ def _prefill(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
 def _round(target: Any, draft: Any, s: SpecState, verify_mask: jax.Array,
            temperature: jax.Array, stop_ids: jax.Array, settings: SpecSettings) -> SpecState:
     """One speculative round for every active request (inactive rows are left unchanged)."""
-    from dspark_jax.decoding.verify import get_verifier
+    from dspark_jax.decoding.acceptance_rule import pallas_verify, rejection_verify
 
     cfg = draft.cfg
     adapter = adapter_for(cfg.model_type)
@@ -127,7 +128,7 @@ def _round(target: Any, draft: Any, s: SpecState, verify_mask: jax.Array,
 
     # 3. verification of the first ℓ drafts
     ell = jnp.where(active, verify_len_from_mask(verify_mask), 0)
-    res = get_verifier(settings.verifier)(k_verify, target_probs, draft_probs, drafts, ell)
+    res = (pallas_verify if settings.verifier == "pallas" else rejection_verify)(k_verify, target_probs, draft_probs, drafts, ell)
     n_acc = res.num_accepted                                              # [B]
 
     # 4. emitted tokens: accepted drafts then the correction/bonus token; cut after a stop

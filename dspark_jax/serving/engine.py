@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decoding.autoregressive import stop_array
+from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import init_cache
 from dspark_jax.models.draft_config import validate_against_target
 from dspark_jax.serving import policy
@@ -139,7 +139,7 @@ class Engine:
                                  f"but this {draft.config.model_type} drafter has none; use "
                                  "scheduler='fixed' (or 'none')")
             if sampler == "pallas":
-                from dspark_jax.decoding.drafters import adapter_for
+                from dspark_jax.decoding.draft_adapters import adapter_for
 
                 ad = adapter_for(draft.config.model_type)
                 if not getattr(ad, "supports_markov_kernel", lambda m: False)(draft.model):
@@ -189,7 +189,7 @@ class Engine:
         cache = init_cache(t.config, self.R, self.max_len, t.dtype)
         dcache = None
         if self.draft is not None:
-            from dspark_jax.decoding.drafters import adapter_for
+            from dspark_jax.decoding.draft_adapters import adapter_for
 
             dcache = adapter_for(self.draft.config.model_type).init_cache(
                 self.draft.model, self.R, self.max_len)

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.decoding import scheduler as sched
-from dspark_jax.decoding.autoregressive import is_stop
-from dspark_jax.decoding.drafters import adapter_for
-from dspark_jax.decoding.verify import (inverse_cdf_sample, pallas_markov_sample_with_uniforms,
-                                        pallas_verify_with_uniforms,
-                                        rejection_verify_with_uniforms)
+from dspark_jax.decoding.stops import is_stop
+from dspark_jax.decoding.draft_adapters import adapter_for
+from dspark_jax.decoding.acceptance_rule import (inverse_cdf_sample, pallas_verify_with_uniforms,
+                                                 rejection_verify_with_uniforms)
+from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.models.decoder import KVCache, ragged_forward
 from dspark_jax.sampling import filtered_probs
 

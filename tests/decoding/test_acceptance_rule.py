@@ -1,5 +1,4 @@
-"""Tests for dspark_jax.decoding.verify: lossless verification (SPEC §1) and the vanilla Markov
-head's sequential sampler (SPEC §3)."""
+"""Tests for dspark_jax.decoding.acceptance_rule: lossless verification (SPEC §1 steps 3–5)."""
 
 from __future__ import annotations
 
@@ -8,16 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.decoding.sampling import probs_from_logits
-from dspark_jax.decoding.verify import (
+from dspark_jax.sampling import probs_from_logits
+from dspark_jax.decoding.acceptance_rule import (
     VERIFIERS,
     VerifyResult,
     get_verifier,
     inverse_cdf_sample,
+    pallas_verify,
     rejection_verify,
     rejection_verify_with_uniforms,
-    sequential_markov_sample,
-    sequential_markov_sample_with_uniforms,
 )
 
 try:  # scipy is not a declared dependency
@@ -244,7 +242,7 @@ def test_residual_falls_back_to_target_when_mass_vanishes():
 
 def test_registry():
     assert {"jax", "pallas"} <= set(VERIFIERS)  # other tests may register more
-    assert get_verifier("jax") is rejection_verify
+    assert get_verifier("jax") is rejection_verify_with_uniforms
     with pytest.raises(ValueError, match="unknown verifier"):
         get_verifier("cuda")
 
@@ -258,84 +256,23 @@ def test_pallas_verifier_matches_jax_for_same_key():
     vlen = jnp.array([4, 2, 0], jnp.int32)
     key = jax.random.key(7)
     want = rejection_verify(key, tp, dp, tokens, vlen)
-    got = get_verifier("pallas")(key, tp, dp, tokens, vlen)   # interpreter on CPU
+    got = pallas_verify(key, tp, dp, tokens, vlen)   # interpreter on CPU
     for w, g in zip(want, got):
         np.testing.assert_array_equal(w, g)
 
 
-# ------------------------------------------------------------------------------------------
-# Vanilla Markov head sampling
-# ------------------------------------------------------------------------------------------
-
-def _markov_inputs(B: int, G: int, V: int, r: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    U = jnp.asarray(rng.normal(size=(B, G, V)), jnp.float32)
-    w1 = jnp.asarray(rng.normal(size=(V, r)), jnp.float32)
-    w2 = jnp.asarray(rng.normal(size=(V, r)) * 0.5, jnp.float32)
-    anchor = jnp.asarray(rng.integers(0, V, size=B), jnp.int32)
-    return U, w1, w2, anchor
-
-
-@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
-def test_markov_sampler_conditions_on_previous_sample(temperature):
-    B, G, V, r = 4, 5, 13, 4
-    U, w1, w2, anchor = _markov_inputs(B, G, V, r)
-    u = jax.random.uniform(jax.random.key(0), (B, G))
-    toks, probs = jax.jit(sequential_markov_sample_with_uniforms)(u, U, w1, w2, anchor,
-                                                                  temperature)
-    assert toks.shape == (B, G) and toks.dtype == jnp.int32 and probs.shape == (B, G, V)
-    # recompute every slot from the tokens actually sampled: prev = [anchor, x_1..x_{γ−1}]
-    prev = np.concatenate([np.asarray(anchor)[:, None], np.asarray(toks)[:, :-1]], axis=1)
-    logits = np.asarray(U) + np.einsum("bgr,vr->bgv", np.asarray(w1)[prev], np.asarray(w2))
-    want = probs_from_logits(jnp.asarray(logits), temperature)
-    np.testing.assert_allclose(probs, want, atol=1e-5)
-    np.testing.assert_array_equal(toks, inverse_cdf_sample(probs, u))
-    if temperature == 0.0:
-        np.testing.assert_array_equal(toks, logits.argmax(-1))
-
-
-def test_markov_bias_drives_a_chain():
-    # zero base logits and a bias that strongly favours prev + 1: x_k = anchor + k + 1 (mod V)
-    B, G, V = 3, 6, 8
-    w1 = jnp.eye(V, dtype=jnp.float32)                          # r = V
-    w2 = 30.0 * jnp.roll(jnp.eye(V, dtype=jnp.float32), 1, axis=0)  # row v picks prev = v − 1
-    anchor = jnp.array([0, 3, 7], jnp.int32)
-    toks, _ = sequential_markov_sample(jax.random.key(0), jnp.zeros((B, G, V)), w1, w2, anchor,
-                                       1.0)
-    np.testing.assert_array_equal(toks, (anchor[:, None] + 1 + jnp.arange(G)) % V)
-
-
-def test_markov_sampler_joint_distribution():
-    """(x_1, x_2) ~ p_d,1(x_1) · p_d,2(x_2 | x_1) over 20,000 samples (χ², 0.999)."""
-    N, G, V, r = 20_000, 2, 5, 3
-    U1, w1, w2, _ = _markov_inputs(1, G, V, r, seed=2)
-    U1, w2 = 0.3 * U1, 0.5 * w2  # flat enough for ≥ 5 expected counts in every cell
-    U = jnp.broadcast_to(U1, (N, G, V))
-    anchor = jnp.full((N,), 2, jnp.int32)
-    toks, _ = jax.jit(sequential_markov_sample)(jax.random.key(3), U, w1, w2, anchor, 1.0)
-    bias = np.asarray(w1) @ np.asarray(w2).T                    # [prev, V]
-    p1 = np.asarray(jax.nn.softmax(U1[0, 0] + bias[2]))
-    p2 = np.asarray(jax.nn.softmax(U1[0, 1][None] + bias, axis=-1))  # [x1, V]
-    toks = np.asarray(toks)
-    s, df = chi2_stat(toks[:, 0] * V + toks[:, 1], p1[:, None] * p2)
-    assert s < chi2_crit(df)
-
-
-def test_one_copy_of_each_rule_the_kernels_oracles(monkeypatch):
-    """decoding runs the kernel package's `ref_*` oracles (one copy of each rule), and γ = 0
+def test_one_copy_of_the_rule_the_kernels_oracle(monkeypatch):
+    """decoding runs the kernel package's `ref_verify` oracle (one copy of the rule), and γ = 0
     (plain decoding) draws the next token from p_t."""
-    import dspark_jax.decoding.verify as dv
-    from pallas_kernels.markov_sample.kernel import ref_markov_sample
+    import dspark_jax.decoding.acceptance_rule as dv
     from pallas_kernels.verify.kernel import ref_verify
 
-    assert dv.ref_verify is ref_verify and dv.ref_markov_sample is ref_markov_sample
+    assert dv.ref_verify is ref_verify
     calls = []
     monkeypatch.setattr(dv, "ref_verify", lambda *a: calls.append("verify") or "v")
-    monkeypatch.setattr(dv, "ref_markov_sample", lambda *a: calls.append("markov") or "m")
     tp = jnp.full((2, 3, 4), 0.25)
     assert dv.rejection_verify_with_uniforms(None, None, tp, None, None, None) == "v"
-    assert dv.sequential_markov_sample_with_uniforms(None, None, None, None, None, 1.0) == "m"
-    assert calls == ["verify", "markov"]
+    assert calls == ["verify"]
     p0 = jnp.asarray([[[0.0, 1.0, 0.0]], [[0.5, 0.0, 0.5]]])              # [2, 1, 3]
     res = dv.rejection_verify_with_uniforms(jnp.zeros((2, 0)), jnp.asarray([0.3, 0.9]), p0,
                                             jnp.zeros((2, 0, 3)), jnp.zeros((2, 0), jnp.int32),
@@ -347,10 +284,11 @@ def test_one_copy_of_each_rule_the_kernels_oracles(monkeypatch):
 @pytest.mark.parametrize("backend,want", [("cpu", (True, "triton")), ("gpu", (False, "triton")),
                                           ("tpu", (False, "mosaic"))])
 def test_kernels_compiled_on_gpu_and_tpu_interpreted_only_on_cpu(monkeypatch, backend, want):
-    import dspark_jax.decoding.verify as dv
+    import dspark_jax.decoding.acceptance_rule as dv
+    from dspark_jax.decoding.pallas_backend import kernel_mode
 
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    mode = dv.kernel_mode()
+    mode = kernel_mode()
     assert (mode["interpret"], mode["backend"]) == want
     seen = {}
     monkeypatch.setattr(dv, "verify_kernel", lambda *a, **kw: seen.update(kw) or "k")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding import autoregressive_generate
-from dspark_jax.decoding import verify as verify_mod
+from dspark_jax.decoding import acceptance_rule as verify_mod
 from dspark_jax.decoding.speculative import (SpecSettings, full_verify_mask, spec_prefill,
                                              spec_step, speculative_generate)
 from dspark_jax.models import init_draft, load_target
@@ -99,7 +99,8 @@ def test_greedy_equals_autoregressive_trained_draft(target, kind):
 
 def test_verification_mask_prunes_slots(target, greedy_ref):
     draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
-    from dspark_jax.decoding.autoregressive import pad_prompts, stop_array
+    from dspark_jax.decoding.autoregressive import pad_prompts
+    from dspark_jax.decoding.stops import stop_array
 
     tokens, lens, cache_len = pad_prompts(PROMPTS, 97, None, 16 + 5)
     settings = SpecSettings()

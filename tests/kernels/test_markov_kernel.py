@@ -128,7 +128,7 @@ def test_sampled_draws_follow_the_markov_distribution():
     """T = 1: 20,480 draws of (x1, x2) from the kernel (fresh uniforms, not the oracle's) follow
     the exact joint p(x1)·p(x2 | x1) of the vanilla Markov head, as do the pure-JAX sampler's;
     a stateless head (x2 conditioned on the anchor instead of x1) is rejected."""
-    from dspark_jax.decoding.verify import sequential_markov_sample
+    from dspark_jax.decoding.markov_sampling import sequential_markov_sample
     from tests.decoding.test_verify import chi2_crit, chi2_stat
 
     V, G, r, B, calls = 5, 2, 4, 64, 320

@@ -275,10 +275,10 @@ def test_kernel_drafting_path_equals_model_scan(target):
     same uniforms reproduces the model's own per-slot scan — tokens, draft probabilities and
     confidence logits, on greedy and sampled rows — with the Pallas kernel (interpreted on
     CPU) and with its pure-JAX oracle."""
-    from dspark_jax.decoding.drafters import DSparkAdapter
-    from dspark_jax.decoding.verify import (inverse_cdf_sample,
-                                            pallas_markov_sample_with_uniforms,
-                                            sequential_markov_sample_with_uniforms)
+    from dspark_jax.decoding.draft_adapters import DSparkAdapter
+    from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
+    from dspark_jax.decoding.markov_sampling import (pallas_markov_sample_with_uniforms,
+                                                     sequential_markov_sample_with_uniforms)
 
     m = init_draft(target, BASE, seed=4).model
     # W2 is zero at init (DeepSpec): give the Markov bias real weight so x_{k−1} matters

@@ -87,7 +87,7 @@ def _always_accept(accept_u, sample_u, tp, dp, drafts, ell):
     """A deliberately broken rule: accept every verified draft."""
     B, g = drafts.shape
     n = ell.astype(jnp.int32)
-    from dspark_jax.decoding.verify import VerifyResult, inverse_cdf_sample
+    from dspark_jax.decoding.acceptance_rule import VerifyResult, inverse_cdf_sample
 
     bonus = inverse_cdf_sample(tp[jnp.arange(B), n], sample_u)
     return VerifyResult(n, bonus, jnp.arange(g)[None] < n[:, None])
