@@ -30,7 +30,7 @@ import numpy as np
 
 from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
                                      time_call)
-from dspark_jax.sampling import sample_probs
+from dspark_jax.decoding.sampling import sample_probs
 from dspark_jax.models import init_draft
 from dspark_jax.models.draft_config import default_target_layer_ids
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.decoding.sampling import sample_logits
 from dspark_jax.decoding.stops import is_stop, stop_array
-from dspark_jax.sampling import sample_logits
 from dspark_jax.models.decoder import KVCache, init_cache
 
 

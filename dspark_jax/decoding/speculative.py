@@ -31,7 +31,7 @@ from flax import nnx
 from dspark_jax.decoding.autoregressive import pad_prompts
 from dspark_jax.decoding.stops import is_stop, stop_array
 from dspark_jax.decoding.draft_adapters import adapter_for
-from dspark_jax.sampling import probs_from_logits, sample_logits, sample_probs
+from dspark_jax.decoding.sampling import probs_from_logits, sample_logits, sample_probs
 from dspark_jax.models.decoder import KVCache, init_cache
 from dspark_jax.models.draft_config import validate_against_target
 

@@ -34,7 +34,7 @@ from dspark_jax.decoding.acceptance_rule import (inverse_cdf_sample, pallas_veri
                                                  rejection_verify_with_uniforms)
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.models.decoder import KVCache, ragged_forward
-from dspark_jax.sampling import filtered_probs
+from dspark_jax.decoding.sampling import filtered_probs
 
 MODES = ("none", "fixed", "threshold", "algorithm1", "adaptive")
 CONFIDENCE_MODES = ("threshold", "algorithm1", "adaptive")

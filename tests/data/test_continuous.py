@@ -13,7 +13,7 @@ import pytest
 from dspark_jax.data import regenerate as R
 from dspark_jax.data.continuous import ContinuousBatcher
 from dspark_jax.decoding import autoregressive as A
-from dspark_jax.sampling import filter_logits
+from dspark_jax.decoding.sampling import filter_logits
 from dspark_jax.models import load_target
 from hf_tiny import save_tiny_hf
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.sampling import probs_from_logits
 from dspark_jax.decoding.acceptance_rule import (
     VERIFIERS,
     VerifyResult,
@@ -17,6 +16,7 @@ from dspark_jax.decoding.acceptance_rule import (
     rejection_verify,
     rejection_verify_with_uniforms,
 )
+from dspark_jax.decoding.sampling import probs_from_logits
 
 try:  # scipy is not a declared dependency
     from scipy.stats import chi2 as _chi2

@@ -11,7 +11,7 @@ import pytest
 from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
 from dspark_jax.decoding.markov_sampling import (sequential_markov_sample,
                                                  sequential_markov_sample_with_uniforms)
-from dspark_jax.sampling import probs_from_logits
+from dspark_jax.decoding.sampling import probs_from_logits
 from tests.decoding.test_acceptance_rule import chi2_crit, chi2_stat
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.sampling import probs_from_logits
+from dspark_jax.decoding.sampling import probs_from_logits
 from pallas_kernels.verify.kernel import ref_verify, verify
 
 

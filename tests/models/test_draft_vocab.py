@@ -11,7 +11,7 @@ import pytest
 from dspark_jax.data.draft_vocab import choose_draft_vocab, coverage
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.models.config import ConfigError
-from dspark_jax.sampling import sample_probs
+from dspark_jax.decoding.sampling import sample_probs
 from hf_tiny import save_tiny_hf
 
 BASE = dict(block_size=4, num_draft_layers=1, target_layer_ids=(0, 1), mask_token_id=96,

@@ -320,7 +320,7 @@ def _naive_causal_hidden(m, g_seq, tok_seq):
 
 
 def test_commit_and_propose_equal_naive_recomputation_and_ttt(draft):
-    from dspark_jax.sampling import sample_probs
+    from dspark_jax.decoding.sampling import sample_probs
 
     rng = np.random.RandomState(2)
     B, gamma, F = 3, 4, draft.cfg.num_features * D

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.models import init_draft, load_target
-from dspark_jax.sampling import filter_logits
+from dspark_jax.decoding.sampling import filter_logits
 from dspark_jax.serving import Engine
 from dspark_jax.serving import rounds as rounds_mod
 from hf_tiny import save_tiny_hf

@@ -1,10 +1,11 @@
-"""Token sampling shared by plain and speculative decoding (SPEC §1 step 3).
+"""Token sampling shared by plain and speculative decoding (SPEC §1 steps 1 and 3; DeepSpec's
+evaluator samples the target and the drafter at temperature T the same way).
 
 `probs_from_logits` defines the distribution the target and the drafter sample from at
 temperature T (T = 0 → one-hot argmax, which makes greedy decoding a special case of the
 lossless rejection rule). Top-k / top-p filtering applies to plain decoding, regeneration and
-every verified position of the serving engine. This module sits below `models` and `decoding`
-(both import it; it imports neither).
+every verified position of the serving engine. Pure JAX, it imports nothing from the package;
+the drafter models call `probs_from_logits` when the round passes no `probs_fn`.
 """
 
 from __future__ import annotations
