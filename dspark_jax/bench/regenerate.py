@@ -25,8 +25,8 @@ from dspark_jax.bench.common import StealMeter, host_facts, print_table, save_js
 
 
 def bench_prompts(n: int, source: str) -> list:
-    """The first `n` conversations of a named prompt source (`data.prompts.load_named_prompts`)."""
-    from dspark_jax.data.prompts import load_named_prompts
+    """The first `n` conversations of a named prompt source (`data.prompt_sources.load_named_prompts`)."""
+    from dspark_jax.data.prompt_sources import load_named_prompts
 
     convs = load_named_prompts(source)[:n]
     if len(convs) < n:

@@ -14,9 +14,8 @@ What each part implements:
   humaneval instruction (byte-identical to DeepSpec's `humaneval.jsonl`).
 - A seeded train/held-out split by id hash (used for confidence calibration and held-out
   acceptance, SPEC §7).
-- Named prompt sources (`PROMPT_SOURCES`, `load_named_prompts`): "humaneval" and the offline
-  code/math/chat mixture of `offline_prompts` ("offline-mix", "offline-code", "offline-math",
-  "offline-chat"), optionally decontaminated against an evaluation directory.
+- Named prompt sources live in `prompt_sources.py` (they build on this module, the offline
+  mixture and decontamination).
 
 Files are only parsed as JSON (gzip+JSON for HumanEval); nothing is evaluated or unpickled.
 Every malformed input raises `PromptDataError` naming the file, the 1-based line and the field.
@@ -313,36 +312,3 @@ def split_train_heldout(
     train = [c for c, h in zip(conversations, is_heldout) if not h]
     held = [c for c, h in zip(conversations, is_heldout) if h]
     return train, held
-
-
-# ---------------------------------------------------------------- named sources
-
-PROMPT_SOURCES: tuple[str, ...] = ("humaneval", "offline-mix", "offline-code", "offline-math",
-                                   "offline-chat")
-
-
-def load_named_prompts(name: str, *, seed: int = 0,
-                       decontaminate: PathLike | None = None) -> list[Conversation]:
-    """The prompts of a named source (`PROMPT_SOURCES`). With `decontaminate` (a directory of
-    DeepSpec `{"turns"}` evaluation files), prompts sharing a 13-gram with any of them are
-    dropped and the count is logged (`contamination.filter_contaminated`)."""
-    if name not in PROMPT_SOURCES:
-        raise ValueError(f"unknown prompt source {name!r}; named sources: {list(PROMPT_SOURCES)} "
-                         "(or give a JSONL file path)")
-    if name == "humaneval":
-        convs = load_humaneval()
-    else:
-        from dspark_jax.data.offline_prompts import DEFAULT_SIZES, build_offline_prompts
-
-        kind = name.removeprefix("offline-")
-        sizes = dict(DEFAULT_SIZES) if kind == "mix" else {k: 0 for k in DEFAULT_SIZES} | {
-            kind: DEFAULT_SIZES[kind]}
-        convs = build_offline_prompts(seed, **sizes)
-    if decontaminate is not None:
-        import logging
-
-        from dspark_jax.data.contamination import filter_contaminated
-
-        convs, report = filter_contaminated(convs, decontaminate)
-        logging.getLogger(__name__).warning("%s: %s", name, report.summary())
-    return convs

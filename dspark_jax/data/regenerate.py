@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.data.chat import render_prompt, with_system_prompt
-from dspark_jax.data.prompts import (PROMPT_SOURCES, Conversation, Message, load_conversations,
-                                     load_named_prompts, read_eval_file)
+from dspark_jax.data.prompt_sources import PROMPT_SOURCES, load_named_prompts
+from dspark_jax.data.prompts import Conversation, Message, load_conversations, read_eval_file
 from dspark_jax.data.continuous import ContinuousBatcher
 from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts
 from dspark_jax.decoding.stops import stop_array
@@ -472,7 +472,7 @@ def _end(c: _Conv, k: int, stats: RegenStats, reason: str) -> None:
 def load_prompt_files(paths: Sequence[str | os.PathLike[str]], *,
                       decontaminate: str | os.PathLike[str] | None = None) -> list[Conversation]:
     """Training conversation JSONL files, DeepSpec `{"turns": [...]}` prompt files (all turns),
-    or named sources (`prompts.PROMPT_SOURCES`, e.g. "offline-mix"), in order. `decontaminate`:
+    or named sources (`prompt_sources.PROMPT_SOURCES`, e.g. "offline-mix"), in order. `decontaminate`:
     drop prompts overlapping the evaluation files of that directory (the count is logged)."""
     out: list[Conversation] = []
     for path in paths:

@@ -20,7 +20,8 @@ from dspark_jax.train.job_config import UsageError
 def load_prompt_pool(c: ml_collections.ConfigDict) -> list:
     """Every prompt of `config.data.prompts` (files or named sources; HumanEval when empty),
     with `config.data.decontaminate`'s overlap filter applied, before any subsampling."""
-    from dspark_jax.data.prompts import PROMPT_SOURCES, load_humaneval
+    from dspark_jax.data.prompt_sources import PROMPT_SOURCES
+    from dspark_jax.data.prompts import load_humaneval
     from dspark_jax.data.regenerate import load_prompt_files
 
     paths = [str(p) for p in c.data.prompts]

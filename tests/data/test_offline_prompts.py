@@ -11,6 +11,7 @@ import pytest
 
 from dspark_jax.data import contamination as C
 from dspark_jax.data import offline_prompts as O
+from dspark_jax.data import prompt_sources as S
 from dspark_jax.data import prompts as P
 from dspark_jax.data.regenerate import load_prompt_files
 
@@ -19,7 +20,7 @@ SHARED_EVAL = Path("/work/shared/eval_datasets")
 
 @pytest.fixture(scope="module")
 def mix() -> list[P.Conversation]:
-    return P.load_named_prompts("offline-mix")
+    return S.load_named_prompts("offline-mix")
 
 
 def _text(c: P.Conversation) -> str:
@@ -56,11 +57,11 @@ def test_offline_prompts_are_deterministic_and_seeded(mix) -> None:
 
 
 def test_named_sources_and_bad_names(tmp_path: Path) -> None:
-    math = P.load_named_prompts("offline-math")
+    math = S.load_named_prompts("offline-math")
     assert len(math) == O.DEFAULT_SIZES["math"] and all("-math-" in c.id for c in math)
-    assert len(P.load_named_prompts("humaneval")) == 164
+    assert len(S.load_named_prompts("humaneval")) == 164
     with pytest.raises(ValueError, match="unknown prompt source 'offline-poetry'.*offline-mix"):
-        P.load_named_prompts("offline-poetry")
+        S.load_named_prompts("offline-poetry")
     with pytest.raises(ValueError, match="code count must be >= 0"):
         O.build_offline_prompts(0, code=-1)
     with pytest.raises(ValueError, match="only .* chat prompts available"):
@@ -159,7 +160,7 @@ def test_training_config_takes_named_sources_and_decontaminates(tmp_path: Path) 
     assert len(prompts("--config.data.prompts=('offline-chat',)")) == O.DEFAULT_SIZES["chat"]
     d = tmp_path / "evals"
     d.mkdir()
-    chat = P.load_named_prompts("offline-chat")
+    chat = S.load_named_prompts("offline-chat")
     (d / "bench.jsonl").write_text(json.dumps({"turns": [_text(chat[5])]}) + "\n")
     kept = prompts("--config.data.prompts=('offline-chat',)", f"--config.data.decontaminate={d}")
     assert [c.id for c in kept] == [c.id for c in chat if c.id != chat[5].id]
