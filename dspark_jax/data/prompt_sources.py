@@ -13,9 +13,7 @@ import logging
 
 from dspark_jax.data.contamination import filter_contaminated
 from dspark_jax.data.offline_prompts import DEFAULT_SIZES, build_offline_prompts
-from dspark_jax.data.prompts import Conversation, load_humaneval
-
-from dspark_jax.data.prompts import PathLike
+from dspark_jax.data.prompts import Conversation, PathLike, load_humaneval
 
 PROMPT_SOURCES: tuple[str, ...] = ("humaneval", "offline-mix", "offline-code", "offline-math",
                                    "offline-chat")
