@@ -93,7 +93,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from dspark_jax.decoding.drafters import adapter_for
+    from dspark_jax.decoding.draft_adapters import adapter_for
     from dspark_jax.models.decoder import TargetDecoder, init_cache
     from dspark_jax.models.draft import create_draft_module
     from dspark_jax.models.target import resolve_dtype
