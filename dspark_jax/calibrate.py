@@ -6,7 +6,7 @@ The scheduler (paper §3.2.2, Algorithm 1) ranks draft slots by the predicted pr
 
 1. decodes held-out prompts (`<data_dir>/<name>.jsonl`, DeepSpec's `{"turns": [...]}` records,
    first turn, chat template with the generation prompt) with
-   `decoding.speculative_generate`, every round verifying all γ drafts, and keeps per round the
+   `serving.speculative_generate`, every round verifying all γ drafts, and keeps per round the
    confidence logits of the proposed tokens and how many drafts were verified and accepted;
 2. splits the PROMPTS (seeded) into a fit part and a disjoint report part, so no round that
    fitted a temperature is used to judge it;
@@ -89,7 +89,7 @@ def collect_rounds(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     """
     from dspark_jax.data.chat import render_prompt
     from dspark_jax.data.prompts import list_eval_datasets, load_eval_dataset
-    from dspark_jax.decoding import SpecSettings, speculative_generate
+    from dspark_jax.serving import SpecSettings, speculative_generate
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")

@@ -24,7 +24,7 @@ What this module implements:
   `baseline=True` plain autoregressive decoding of the same prompts and the speedup.
 
 Prompts of a dataset are sorted by length and decoded in batches of `batch_size` with
-`decoding.speculative.speculative_generate` — the serving engine (lossless rejection sampling,
+`serving.speculative_generate` — the serving engine (lossless rejection sampling,
 SPEC §1; any scheduler mode, `scheduler=`). One cache
 length is used for the whole run so the decoding loop compiles once per batch size. A prompt
 whose length + max_new_tokens + γ + 1 does not fit the cache limit (default: the target's
@@ -238,8 +238,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
              enable_thinking: bool = False, system_prompt: str | None = None,
              stop_token_ids: Sequence[int] | None = None, tokenizer: Any = None,
              dtype: str = "float32", paper_reference: str | None = "auto",
-             save_outputs: bool = False, rounds_per_call: int | None = None,
-             progress: bool = True, plots: bool = True,
+             save_outputs: bool = False, progress: bool = True, plots: bool = True,
              scheduler: str = "fixed") -> dict[str, Any]:
     """Evaluates `draft` on `target` over DeepSpec-format prompt files; returns results.json.
 
@@ -259,7 +258,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     Raises `EvalDatasetError` for missing datasets, `ConfigError` for a drafter built for
     another target, `ValueError` for bad arguments.
     """
-    from dspark_jax.decoding.speculative import SpecSettings, check_compatible, speculative_generate
+    from dspark_jax.serving.generate import SpecSettings, check_compatible, speculative_generate
     from dspark_jax.models import Draft, Target, load_draft, load_target
 
     if max_new_tokens < 1:
@@ -345,7 +344,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
                     target, draft, [ids[i] for i in batch], max_new_tokens=max_new_tokens,
                     temperature=temperature, seed=_batch_seed(seed, name, b),
                     stop_token_ids=stop_token_ids, max_cache_len=cache_len, settings=settings,
-                    rounds_per_call=rounds_per_call, scheduler=scheduler)
+                    scheduler=scheduler)
                 dt, dc = time.perf_counter() - t0, timer.seconds - c0
                 wall += dt
                 compile_s += dc
@@ -754,8 +753,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. qwen3_4b/dspark)")
     p.add_argument("--save-outputs", action="store_true",
                    help="store generated ids and text in records.jsonl")
-    p.add_argument("--rounds-per-call", type=int, default=None,
-                   help="speculative rounds per device call (default: until the batch is done)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return p
@@ -775,7 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             scheduler=args.scheduler,
             enable_thinking=args.enable_thinking, system_prompt=args.system_prompt,
             dtype=args.dtype, paper_reference=args.paper_ref, save_outputs=args.save_outputs,
-            rounds_per_call=args.rounds_per_call, progress=not args.no_progress,
+            progress=not args.no_progress,
             plots=not args.no_plots)
     except (EvalDatasetError, ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

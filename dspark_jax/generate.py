@@ -1,8 +1,9 @@
 """`python -m dspark_jax.generate`: chat with a target model (plain or speculative decoding).
 
 Renders `--prompt` with the target's chat template as evaluation does (`data.chat.render_prompt`:
-thinking off; Gemma4's empty thought channel), decodes with the batched on-device loop
-(autoregressive by default, speculative with `--draft CKPT`) until a stop token of the target's
+thinking off; Gemma4's empty thought channel), decodes (autoregressive by default, with the
+on-device loop of `decoding.autoregressive`; speculative with `--draft CKPT`, through
+`serving.speculative_generate`) until a stop token of the target's
 tokenizer (eos, the end-of-turn marker such as Gemma4's `<turn|>`, generation_config.json's
 eos ids) and prints the reply.
 """
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         prompts.append(render_prompt(messages, tok).tolist())
     t0 = time.perf_counter()
     if args.draft:
-        from dspark_jax.decoding.speculative import speculative_generate
+        from dspark_jax.serving import speculative_generate
 
         draft = load_draft(args.draft, target=target)
         res = speculative_generate(target, draft, prompts, max_new_tokens=args.max_new_tokens,

@@ -2,7 +2,7 @@
 inference: DSpark/DFlash parallel blocks; §5 inference: Eagle3's chain; DeepSpec's evaluator's
 per-drafter `propose`). The drafter models themselves live in `dspark_jax.models`.
 
-Every drafter exposes the same pure functions to the round (`decoding.round`), so DSpark,
+Every drafter exposes the same pure functions to the round (`decoding.speculative_round`), so DSpark,
 DFlash and Eagle3 run through one loop:
   init_cache(model, B, max_len)                       → draft cache
   commit(model, cache, feats [B,T,n·d], start [B], count [B], next_tokens [B,T]) → cache

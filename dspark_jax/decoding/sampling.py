@@ -4,14 +4,22 @@ evaluator samples the target and the drafter at temperature T the same way).
 `probs_from_logits` defines the distribution the target and the drafter sample from at
 temperature T (T = 0 → one-hot argmax, which makes greedy decoding a special case of the
 lossless rejection rule). Top-k / top-p filtering applies to plain decoding, regeneration and
-every verified position of the serving engine. Pure JAX, it imports nothing from the package;
-the drafter models call `probs_from_logits` when the round passes no `probs_fn`.
+every verified position of the serving engine. Pure JAX, it imports nothing from the package.
+`probs_from_logits` is the kernels' own (`pallas_kernels.common`), which the drafter models
+import directly: models sit below decoding.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+# softmax(logits / T) in f32, T ≤ 0 → one-hot argmax: the kernels' convention (they stand alone,
+# below the package), so the drafter models, decoding and the kernels share one definition
+from pallas_kernels.common import GREEDY_T_EPS, probs_from_logits
+
+__all__ = ["GREEDY_T_EPS", "filter_logits", "filter_logits_rows", "filtered_probs",
+           "probs_from_logits", "sample_logits", "sample_probs"]
 
 
 def filter_logits(logits: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
@@ -33,22 +41,13 @@ def filter_logits(logits: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.
     return logits
 
 
-def probs_from_logits(logits: jax.Array, temperature: jax.Array | float) -> jax.Array:
-    """softmax(logits / T) in fp32; T ≤ 0 gives the one-hot argmax distribution."""
-    logits = logits.astype(jnp.float32)
-    t = jnp.asarray(temperature, jnp.float32)
-    soft = jax.nn.softmax(logits / jnp.maximum(t, 1e-6), axis=-1)
-    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.where(t > 0, soft, hard)
-
-
 def sample_logits(key: jax.Array, logits: jax.Array, temperature: jax.Array | float,
                   top_k: int = 0, top_p: float = 1.0) -> jax.Array:
     """Samples token ids [...] from logits [..., V]; greedy when temperature ≤ 0."""
     t = jnp.asarray(temperature, jnp.float32)
     greedy = jnp.argmax(logits, axis=-1)
     filtered = filter_logits(logits, top_k, top_p)
-    sampled = jax.random.categorical(key, filtered / jnp.maximum(t, 1e-6), axis=-1)
+    sampled = jax.random.categorical(key, filtered / jnp.maximum(t, GREEDY_T_EPS), axis=-1)
     return jnp.where(t > 0, sampled, greedy).astype(jnp.int32)
 
 

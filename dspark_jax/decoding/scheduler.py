@@ -8,7 +8,7 @@ each request the target verifies in the next forward pass:
 * every active request always verifies its anchor, so ``B = sum_r (1 + l_r)`` tokens and the
   expected number of committed tokens is ``tau = sum_r (1 + sum_{j <= l_r} a[r, j])``;
 * objective ``Theta = tau * SPS(B)`` where ``SPS`` is a table of target steps/second profiled once
-  per engine (:func:`profile_sps`).
+  per engine over its capacity buckets (the cost profile, ``dspark_jax.serving.cost_profile``).
 
 Algorithm 1 sorts all candidates ``(r, j)`` with ``a > 0`` by ``a`` descending (which respects
 the prefixes because ``a`` is monotone in ``j``), admits them one by one and *stops at the first
@@ -37,13 +37,16 @@ stale information, the admission of a current token cannot depend on its own rea
 :func:`global_capacity`, :func:`topk_admission` and :func:`production_schedule`.  The serving
 engine's ``adaptive`` mode adds the drafter's cost to this objective and may skip drafting for a
 round altogether (``dspark_jax.serving.policy``).
+
+:func:`schedule_lengths` is the scheduling step of the speculative round
+(``decoding.speculative_round``): one of :data:`MODES`, from plain decoding and DeepSpec's fixed
+γ or static confidence cut (``--confidence-threshold``) to Algorithm 1 and the §5.2 variant.
 """
 
 from __future__ import annotations
 
-import time
 from functools import partial
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +63,10 @@ __all__ = [
     "topk_admission_reference",
     "init_capacity_queue",
     "production_schedule",
-    "build_sps_table",
-    "profile_sps",
+    "MODES",
+    "CONFIDENCE_MODES",
+    "confidence_probs",
+    "schedule_lengths",
 ]
 
 
@@ -238,6 +243,57 @@ def production_schedule(
 
 
 # --------------------------------------------------------------------------------------------
+# The scheduler modes of the engine's round
+# --------------------------------------------------------------------------------------------
+
+# "none": plain decoding; "fixed": all γ drafts (DeepSpec's evaluator); "threshold": DeepSpec's
+# static confidence cut; "algorithm1": the causal scheduler above; "adaptive": §5.2 (stale K,
+# top-K admission) with the drafting choice of `dspark_jax.serving.policy`
+MODES = ("none", "fixed", "threshold", "algorithm1", "adaptive")
+CONFIDENCE_MODES = ("threshold", "algorithm1", "adaptive")
+
+
+def confidence_probs(conf_logits: jax.Array, temperatures: jax.Array | None) -> jax.Array:
+    """σ(c_k / T_k) [R, γ]: calibrated per-slot acceptance probabilities."""
+    c = conf_logits.astype(jnp.float32)
+    if temperatures is not None:
+        c = c / temperatures[None, :]
+    return jax.nn.sigmoid(c)
+
+
+def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
+                     threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
+                     sps_draft: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The scheduling step of the speculative round (`speculative_round.draft_and_schedule`):
+    ℓ [R] for the mode (SPEC §8; see `MODES`), and for "adaptive" the §5.2 capacity K computed
+    from these confidences (used two rounds later) with G, the expected accepted drafts among
+    those K (0 for the other modes). `sps_draft` [B] (default `sps`): rounds/s of a drafting round,
+    1 / (t_d + t_v(B)), the objective of the adaptive global search (`serving.policy`)."""
+    R = active.shape[0]
+    zero = jnp.zeros((), jnp.int32)
+    fzero = jnp.zeros((), jnp.float32)
+    if mode == "none":
+        return jnp.zeros((R,), jnp.int32), zero, fzero
+    if mode == "fixed":
+        return jnp.where(active, gamma, 0).astype(jnp.int32), zero, fzero
+    if mode == "threshold":   # DeepSpec's static cut: the first slot with σ(c) < t ends it
+        keep = jnp.cumprod((conf >= threshold).astype(jnp.int32), axis=-1)
+        return jnp.where(active, jnp.sum(keep, axis=-1), 0).astype(jnp.int32), zero, fzero
+    if mode == "algorithm1":  # causal early stop (Appendix A)
+        return (schedule_verification(conf, active, sps, early_stop=True).lengths, zero,
+                fzero)
+    if mode == "adaptive":    # K from two rounds ago; top-K of the current candidates
+        lengths = topk_admission(conf, active, capacity, sps).lengths
+        glob = schedule_verification(conf, active, sps if sps_draft is None else sps_draft,
+                                     early_stop=False)
+        n_act = jnp.sum(active).astype(jnp.float32)
+        return (lengths, jnp.sum(glob.lengths).astype(jnp.int32),
+                (glob.expected_accepts - n_act).astype(jnp.float32))
+    raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
+
+
+# --------------------------------------------------------------------------------------------
 # Literal numpy references (used by tests)
 # --------------------------------------------------------------------------------------------
 
@@ -306,71 +362,3 @@ def topk_admission_reference(
     for r, j, _a in cands[: max(int(capacity), 0)]:
         ell[r] = j + 1
     return ell, np.arange(g_)[None, :] < ell[:, None]
-
-
-# --------------------------------------------------------------------------------------------
-# SPS profiling
-# --------------------------------------------------------------------------------------------
-
-
-def build_sps_table(
-    batch_sizes: Sequence[int],
-    sps_values: Sequence[float],
-    max_tokens: int | None = None,
-    nonincreasing: bool = True,
-) -> np.ndarray:
-    """Table ``sps[B]`` for every ``B in 0..max_tokens`` from measurements at ``batch_sizes``.
-
-    Measurements are sorted by ``B`` (duplicates averaged); with ``nonincreasing`` a running
-    minimum removes timing noise that would make a larger batch look faster.  Values between
-    measured points are linearly interpolated (a shape-preserving interpolant: no overshoot, so a
-    monotone set of measurements gives a monotone table); below the smallest measured ``B`` the
-    first value is held, above the largest the last one (up to ``max_tokens``, default the largest
-    measured ``B``).  Returns float32 [max_tokens + 1].
-    """
-    bs = np.asarray(batch_sizes, np.float64)
-    vs = np.asarray(sps_values, np.float64)
-    if bs.ndim != 1 or bs.shape != vs.shape or bs.size == 0:
-        raise ValueError("batch_sizes and sps_values must be non-empty 1-D arrays of equal length")
-    if np.any(bs < 1) or np.any(~np.isfinite(vs)) or np.any(vs < 0):
-        raise ValueError("batch sizes must be >= 1 and SPS values finite and >= 0")
-    ub, inv = np.unique(bs, return_inverse=True)
-    uv = np.bincount(inv, weights=vs) / np.bincount(inv)
-    if nonincreasing:
-        uv = np.minimum.accumulate(uv)
-    top = int(ub[-1]) if max_tokens is None else int(max_tokens)
-    grid = np.arange(top + 1, dtype=np.float64)
-    return np.interp(grid, ub, uv).astype(np.float32)
-
-
-def profile_sps(
-    step_fn: Callable[[int], Any],
-    batch_sizes: Sequence[int],
-    *,
-    warmup: int = 1,
-    repeats: int = 5,
-    max_tokens: int | None = None,
-    nonincreasing: bool = True,
-    timer: Callable[[], float] = time.perf_counter,
-) -> np.ndarray:
-    """Time ``step_fn(B)`` (one target forward over ``B`` batch tokens) and build the SPS table.
-
-    For every ``B`` in ``batch_sizes``: ``warmup`` untimed calls (compilation), then ``repeats``
-    timed calls, each blocked with ``jax.block_until_ready`` on the returned value; SPS is
-    ``1 / median(seconds)``.  Returns :func:`build_sps_table` of the measurements (float32,
-    indexed by token count up to ``max_tokens`` or ``max(batch_sizes)``).
-    """
-    if repeats < 1:
-        raise ValueError("repeats must be >= 1")
-    measured = []
-    for b in batch_sizes:
-        for _ in range(warmup):
-            jax.block_until_ready(step_fn(int(b)))
-        times = []
-        for _ in range(repeats):
-            t0 = timer()
-            jax.block_until_ready(step_fn(int(b)))
-            times.append(timer() - t0)
-        sec = float(np.median(times))
-        measured.append(1.0 / max(sec, 1e-12))
-    return build_sps_table(batch_sizes, measured, max_tokens=max_tokens, nonincreasing=nonincreasing)

@@ -16,7 +16,7 @@ The rounds themselves must be DeepSpec's too: its loop runs ``while start < max_
 request runs another full-block round while it has emitted at most ``max_new_tokens`` tokens
 (one more round than needed when a round ends exactly on the budget) and the output is truncated
 afterwards. ``serving.Engine(..., budget_rule="deepspec")`` does this, as
-``decoding.speculative_generate`` and ``dspark_jax.evaluate`` use it.
+``serving.speculative_generate`` and ``dspark_jax.evaluate`` use it.
 
 Statistics (DeepSpec conventions, pooled over the dataset; identical to its evaluator's
 ``build_metrics_row``):

@@ -210,7 +210,7 @@ class DSparkDraft(nnx.Module):
         """Sequential sampling over the γ slots (each slot conditioned on the sampled previous
         token). h [B, γ, D] → tokens [B, γ], probs [B, γ, V], confidence logits [B, γ].
         `probs_fn(logits [B, V]) → probs` replaces softmax(·/T) (e.g. per-request top-k/top-p)."""
-        from dspark_jax.decoding.sampling import probs_from_logits
+        from pallas_kernels.common import probs_from_logits
 
         B, g, _ = h_btd.shape
         base = self.base_logits(h_btd)                                      # [B,γ,V]

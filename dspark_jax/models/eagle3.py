@@ -371,7 +371,7 @@ class Eagle3Draft(nnx.Module):
         `probs_fn(logits [B, V])` replaces softmax(·/T); with `stop_ids` [n] the chain stops at
         a drafted stop token like DeepSpec's evaluator: "length" [B] = drafts up to and
         including the first stop token (γ without one)."""
-        from dspark_jax.decoding.sampling import probs_from_logits
+        from pallas_kernels.common import probs_from_logits
 
         if probs_fn is None:
             probs_fn = lambda lg: probs_from_logits(lg, temperature)  # noqa: E731

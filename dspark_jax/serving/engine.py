@@ -28,11 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dspark_jax.decoding import speculative_round as round_
+from dspark_jax.decoding.acceptance_rule import VERIFIERS
+from dspark_jax.decoding.draft_adapters import adapter_for
+from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES
 from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import init_cache
 from dspark_jax.models.draft_config import validate_against_target
 from dspark_jax.serving import policy
-from dspark_jax.serving import rounds as R_
 from dspark_jax.serving import sps as sps_mod
 
 log = logging.getLogger(__name__)
@@ -93,21 +96,21 @@ class Engine:
                  draft_seconds: float | None = None, plain_seconds: float | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64,
                  explore: float | None = 0.01):
-        if scheduler not in R_.MODES:
-            raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(R_.MODES)}")
-        if verifier not in R_.VERIFY_FNS:
+        if scheduler not in MODES:
+            raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(MODES)}")
+        if verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {verifier!r}; choose from "
-                             f"{sorted(R_.VERIFY_FNS)}")
-        if budget_rule not in R_.BUDGET_RULES:
+                             f"{sorted(VERIFIERS)}")
+        if budget_rule not in round_.BUDGET_RULES:
             raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from "
-                             f"{list(R_.BUDGET_RULES)}")
+                             f"{list(round_.BUDGET_RULES)}")
         if cap_to_budget is None:
             cap_to_budget = budget_rule == "serving"
         elif cap_to_budget and budget_rule == "deepspec":
             raise ValueError("budget_rule='deepspec' verifies full blocks up to the end (as "
                              "DeepSpec's loop); it cannot be combined with cap_to_budget=True")
-        if sampler not in R_.SAMPLERS:
-            raise ValueError(f"unknown sampler {sampler!r}; choose from {list(R_.SAMPLERS)}")
+        if sampler not in round_.SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose from {list(round_.SAMPLERS)}")
         if max_requests < 1:
             raise ValueError(f"max_requests must be ≥ 1, got {max_requests}")
         if prefill_chunk < 1:
@@ -134,13 +137,11 @@ class Engine:
         self.draft = draft if scheduler != "none" else None
         if self.draft is not None:
             validate_against_target(draft.config, target.config, source="draft")
-            if scheduler in R_.CONFIDENCE_MODES and not draft.config.has_confidence:
+            if scheduler in CONFIDENCE_MODES and not draft.config.has_confidence:
                 raise ValueError(f"scheduler={scheduler!r} needs the drafter's confidence head, "
                                  f"but this {draft.config.model_type} drafter has none; use "
                                  "scheduler='fixed' (or 'none')")
             if sampler == "pallas":
-                from dspark_jax.decoding.draft_adapters import adapter_for
-
                 ad = adapter_for(draft.config.model_type)
                 if not getattr(ad, "supports_markov_kernel", lambda m: False)(draft.model):
                     raise ValueError(
@@ -184,24 +185,18 @@ class Engine:
         self.reset_policy()
 
     # ------------------------------------------------------------------ state
-    def _fresh_state(self) -> R_.EngineState:
+    def _fresh_state(self) -> round_.EngineState:
         t = self.target
         cache = init_cache(t.config, self.R, self.max_len, t.dtype)
         dcache = None
         if self.draft is not None:
-            from dspark_jax.decoding.draft_adapters import adapter_for
-
             dcache = adapter_for(self.draft.config.model_type).init_cache(
                 self.draft.model, self.R, self.max_len)
-        return R_.EngineState(cache=cache, draft_cache=dcache,
-                              anchor=jnp.zeros((self.R,), jnp.int32))
+        return round_.EngineState(cache=cache, draft_cache=dcache,
+                                  anchor=jnp.zeros((self.R,), jnp.int32))
 
-    def _params(self, h: dict[str, np.ndarray]) -> R_.Params:
-        return R_.Params(active=jnp.asarray(h["active"]), remaining=jnp.asarray(h["remaining"]),
-                         counter=jnp.asarray(h["counter"]),
-                         temperature=jnp.asarray(h["temperature"]),
-                         top_k=jnp.asarray(h["top_k"]), top_p=jnp.asarray(h["top_p"]),
-                         key_data=jnp.asarray(h["key_data"]))
+    def _slot_settings(self, h: dict[str, np.ndarray]) -> round_.SlotSettings:
+        return round_.SlotSettings(**{f: jnp.asarray(h[f]) for f in round_.SlotSettings._fields})
 
     def _host_arrays(self) -> dict[str, np.ndarray]:
         R = self.R
@@ -212,18 +207,15 @@ class Engine:
 
     # ------------------------------------------------------------------ SPS
     def _verify(self, s, p, drafts, probs, ell, K):
-        return R_.verify_and_commit(self.target.graphdef, self._dgd, self.target.state,
-                                    self._dstate, s, p, drafts, probs, ell, self.stop_ids, K=K,
-                                    verifier=self.verifier, tap_layer_ids=self.tap_ids,
-                                    budget_rule=self.budget_rule)
+        return round_.verify_and_commit(self.target.graphdef, self._dgd, self.target.state,
+                                        self._dstate, s, p, drafts, probs, ell, self.stop_ids,
+                                        K=K, verifier=self.verifier, tap_layer_ids=self.tap_ids,
+                                        budget_rule=self.budget_rule)
 
     def _dummy_step_fn(self):
         """step_fn(K): one verification step with exactly K admitted tokens (all slots)."""
         R, g = self.R, self.gamma
-        h = self._host_arrays()
-        h["active"][:] = True
-        h["remaining"][:] = self.max_len
-        p = self._params(h)
+        p = self._all_slots_active()
         drafts = jnp.zeros((R, g), jnp.int32)
         probs = jnp.full((R, g, self.V), 1.0 / self.V, jnp.float32)
         holder = {"s": self._fresh_state()}
@@ -238,16 +230,17 @@ class Engine:
 
         return step
 
-    def _dummy_params(self) -> R_.Params:
+    def _all_slots_active(self) -> round_.SlotSettings:
+        """Settings of R running requests with room to the end of the cache (profiling)."""
         h = self._host_arrays()
         h["active"][:] = True
         h["remaining"][:] = self.max_len
-        return self._params(h)
+        return self._slot_settings(h)
 
     def _plain_step_fn(self):
         """step_fn(K): one verification step of the anchors alone (a round that skips
         drafting: drafts of width 0, the drafter's context still fed)."""
-        p = self._dummy_params()
+        p = self._all_slots_active()
         drafts = jnp.zeros((self.R, 0), jnp.int32)
         probs = jnp.zeros((self.R, 0, self.V), jnp.float32)
         ell = jnp.zeros((self.R,), jnp.int32)
@@ -262,15 +255,16 @@ class Engine:
         return step
 
     def _draft(self, s, p, capacity: int) -> dict[str, jax.Array]:
-        return R_.draft_and_schedule(self._dgd, self._dstate, s, p, self.stop_ids,
-                                     self.conf_temps, jnp.asarray(self.threshold, jnp.float32),
-                                     self.sps, jnp.asarray(capacity, jnp.int32),
-                                     self.sps_draft, mode=self.mode,
-                                     cap_budget=self.cap_to_budget, sampler=self.sampler)
+        return round_.draft_and_schedule(self._dgd, self._dstate, s, p, self.stop_ids,
+                                         self.conf_temps,
+                                         jnp.asarray(self.threshold, jnp.float32), self.sps,
+                                         jnp.asarray(capacity, jnp.int32), self.sps_draft,
+                                         mode=self.mode, cap_budget=self.cap_to_budget,
+                                         sampler=self.sampler)
 
     def _draft_step_fn(self):
         """step_fn(_): one drafting + scheduling call, synchronised on what the host reads."""
-        p, s = self._dummy_params(), self._fresh_state()
+        p, s = self._all_slots_active(), self._fresh_state()
 
         def step(_: int):
             d = self._draft(s, p, self.R * self.gamma)
@@ -406,9 +400,10 @@ class Engine:
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  temperature: Any = 0.0, seed: Any = 0, arrivals: Sequence[float] | None = None,
-                 top_k: Any = 0, top_p: Any = 1.0) -> EngineResult:
+                 top_k: Any = 0, top_p: Any = 1.0, progress: bool = False) -> EngineResult:
         """Decodes every prompt (token-id lists); temperature/top_k/top_p/seed may be one value
-        or one per prompt; `arrivals` [s after the call] delays each request's join."""
+        or one per prompt; `arrivals` [s after the call] delays each request's join.
+        `progress`: a tqdm bar of the emitted tokens (out of prompts × max_new_tokens)."""
         n = len(prompts)
         if n == 0:
             raise ValueError("no prompts given")
@@ -442,7 +437,7 @@ class Engine:
         arr_t = [0.0] * n if arrivals is None else [float(a) for a in arrivals]
         if len(arr_t) != n:
             raise ValueError(f"arrivals: {len(arr_t)} values for {n} prompts")
-        run = _Run(self, prompts, max_new_tokens, temps, tks, tps, kd, arr_t)
+        run = _Run(self, prompts, max_new_tokens, temps, tks, tps, kd, arr_t, progress=progress)
         return run.loop()
 
 
@@ -450,7 +445,7 @@ class _Run:
     """Host bookkeeping of one `Engine.generate` call."""
 
     def __init__(self, eng: Engine, prompts, max_new, temps, tks, tps, kd, arrivals,
-                 fresh_policy: bool = False):
+                 fresh_policy: bool = False, progress: bool = False):
         self.e, self.prompts, self.max_new = eng, [list(map(int, p)) for p in prompts], max_new
         self.temps, self.tks, self.tps, self.kd, self.arrivals = temps, tks, tps, kd, arrivals
         n = len(prompts)
@@ -471,6 +466,12 @@ class _Run:
             self.policy = eng.new_policy()
         self.no_drafts = (jnp.zeros((eng.R, 0), jnp.int32),
                           jnp.zeros((eng.R, 0, eng.V), jnp.float32))
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=n * max_new, desc="speculative", unit="tok",
+                            dynamic_ncols=True)
 
     # -------------------------------------------------------------- joins
     def _admit(self, now: float) -> list[int]:
@@ -517,8 +518,9 @@ class _Run:
                 else:
                     todo.appendleft((r, off + m))
                 k += m
-            s, first = R_.prefill_chunk(
-                e.target.graphdef, e._dgd, e.target.state, e._dstate, s, e._params(self.h),
+            s, first = round_.prefill_chunk(
+                e.target.graphdef, e._dgd, e.target.state, e._dstate, s,
+                e._slot_settings(self.h),
                 jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(valid),
                 jnp.asarray(nxt), jnp.asarray(final_k), jnp.asarray(first_k),
                 jnp.asarray(count), jnp.asarray(start), tap_layer_ids=e.tap_ids)
@@ -529,6 +531,8 @@ class _Run:
                 i = self.slot_req[r]
                 t = int(first[r])
                 self.out[i].append(t)
+                if self.bar is not None:
+                    self.bar.update(1)
                 self.per[i]["first_token_s"] = now
                 # DeepSpec's loop runs a round even with a budget of one token
                 if t in stops or (self.max_new <= 1 and e.budget_rule == "serving"):
@@ -547,7 +551,7 @@ class _Run:
     def _round(self, s):
         e, h = self.e, self.h
         t_start = time.perf_counter()
-        p = e._params(h)
+        p = e._slot_settings(h)
         n_active = int(h["active"].sum())
         conf = None
         drafted, capacity = e.mode != "none", 0
@@ -593,6 +597,8 @@ class _Run:
             h["counter"][r] += 1
             if o["finished"][r]:
                 self._finish(r, now)
+        if self.bar is not None:
+            self.bar.update(emitted)
         self.rounds.append(dict(active=n_active, verified_tokens=int(ell_h.sum()), capacity=K,
                                 tokens=emitted, drafted=bool(drafted),
                                 seconds=time.perf_counter() - t_start))
@@ -615,5 +621,7 @@ class _Run:
                 continue
             s = self._round(s)
         self.final_state = s
+        if self.bar is not None:
+            self.bar.close()
         return EngineResult(tokens=self.out, rounds=self.rounds, per_request=self.per,
                             wall_s=time.perf_counter() - self.t0)

@@ -181,7 +181,7 @@ def deepspec_check(c, target, deepspec_dir: pathlib.Path, heldout_convs) -> dict
     if jax.process_count() > 1:
         return {"skipped": "runs on single-process jobs only"}
     from dspark_jax.data.chat import render_prompt
-    from dspark_jax.decoding.speculative import speculative_generate
+    from dspark_jax.serving import speculative_generate
     from dspark_jax.models.draft import load_draft
 
     tok = target.tokenizer

@@ -8,11 +8,9 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding.scheduler import (
-    build_sps_table,
     global_capacity,
     init_capacity_queue,
     production_schedule,
-    profile_sps,
     schedule_verification,
     schedule_verification_reference,
     topk_admission,
@@ -261,43 +259,3 @@ def test_production_admission_is_independent_of_current_continuation() -> None:
             lengths[x1] = int(sched.lengths[0])
         assert (lengths[0] >= 1) == (lengths[1] >= 1)
         assert _output_distribution(lambda x1: lengths[x1]) == pytest.approx(P_T)
-
-
-# ------------------------------------------------------------------------------------------
-# SPS table
-# ------------------------------------------------------------------------------------------
-
-
-def test_build_sps_table_interpolation() -> None:
-    table = build_sps_table([1, 5, 9], [10.0, 6.0, 2.0])
-    assert table.shape == (10,) and table.dtype == np.float32
-    assert np.allclose(table, [10, 10, 9, 8, 7, 6, 5, 4, 3, 2])
-    # noisy measurement (larger batch looking faster) is clipped to keep SPS non-increasing
-    noisy = build_sps_table([1, 4, 8], [10.0, 8.0, 9.0], max_tokens=10)
-    assert np.all(np.diff(noisy) <= 0) and noisy[-1] == pytest.approx(8.0)
-    raw = build_sps_table([1, 4, 8], [10.0, 8.0, 9.0], nonincreasing=False)
-    assert raw[8] == pytest.approx(9.0) and raw[6] == pytest.approx(8.5)
-    with pytest.raises(ValueError):
-        build_sps_table([], [])
-
-
-def test_profile_sps_with_fake_clock() -> None:
-    clock = [0.0]
-    calls: list[int] = []
-
-    def cost(b: int) -> float:  # seconds per step: flat to 8 tokens, then linear
-        return 0.01 if b <= 8 else 0.01 * b / 8
-
-    def step_fn(b: int):
-        calls.append(b)
-        clock[0] += cost(b)
-        return jnp.zeros((b,))
-
-    table = profile_sps(step_fn, [1, 8, 16, 32], warmup=1, repeats=3, timer=lambda: clock[0])
-    assert calls.count(16) == 4  # 1 warmup + 3 timed
-    assert table.shape == (33,)
-    for b in (1, 8, 16, 32):
-        assert table[b] == pytest.approx(1.0 / cost(b), rel=1e-4)
-    assert table[12] == pytest.approx((100.0 + 50.0) / 2, rel=1e-4)  # linear between 8 and 16
-    assert table[0] == pytest.approx(100.0)
-    assert np.all(np.diff(table) <= 1e-3)

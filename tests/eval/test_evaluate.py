@@ -213,7 +213,7 @@ def test_tau_counts_a_stop_round_as_deepspec(env, tmp_path, monkeypatch):
 
     DeepSpec: τ = (2 + 5 + 2 + 1 + 1) / 5 = 2.2; the old count (accepted + 1 every round) gave
     (2 + 5 + 3 + 1 + 2) / 5 = 2.6."""
-    import dspark_jax.decoding.speculative as spec_mod
+    import dspark_jax.serving.generate as spec_mod
 
     fake = dict(proposed=[[4, 4, 2], [4, 1]], accepted=[[1, 4, 2], [0, 1]],
                 acceptance=[[2, 5, 2], [1, 1]], tokens=[[5] * 10, [6] * 2])

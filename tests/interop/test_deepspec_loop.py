@@ -37,7 +37,7 @@ if not (DEEPSPEC_ROOT / "deepspec" / "eval" / "base_evaluator.py").is_file():
                 "clone)", allow_module_level=True)
 torch = pytest.importorskip("torch", reason="DeepSpec's loop runs in PyTorch")
 
-from dspark_jax.decoding.speculative import speculative_generate  # noqa: E402
+from dspark_jax.serving import speculative_generate  # noqa: E402
 from dspark_jax.eval.acceptance import acceptance_stats  # noqa: E402
 from dspark_jax.models import init_draft, load_target  # noqa: E402
 from dspark_jax.serving import Engine  # noqa: E402

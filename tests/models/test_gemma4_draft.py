@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.decoding import autoregressive_generate
-from dspark_jax.decoding.speculative import speculative_generate
+from dspark_jax.serving import speculative_generate
 from dspark_jax.models import init_draft, load_draft, load_target
 from dspark_jax.models.config import ConfigError
 from dspark_jax.models.hf_io import read_safetensors_dir

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.models import init_draft, load_target
+from dspark_jax.decoding import acceptance_rule, scheduler
 from dspark_jax.decoding.sampling import filter_logits
+from dspark_jax.models import init_draft, load_target
 from dspark_jax.serving import Engine
-from dspark_jax.serving import rounds as rounds_mod
 from hf_tiny import save_tiny_hf
 
 V = 8
@@ -118,7 +118,7 @@ def test_sampled_output_matches_target(small, monkeypatch, mode, top_k, top_p, s
         assert counts[exact[i] == 0].sum() == 0, "a filtered-out token was emitted"
     if top_k or sampler != "jax" or mode == "adaptive_skip":
         return
-    monkeypatch.setitem(rounds_mod.VERIFY_FNS, "always_accept", _always_accept)
+    monkeypatch.setitem(acceptance_rule.VERIFIERS, "always_accept", _always_accept)
     bad, _ = _run(target, draft, mode, N, verifier="always_accept")
     stats = [_chi2(np.bincount(bad[:, i], minlength=V), exact[i]) for i in range(1, NEW)]
     assert any(s > 3 * CHI2_Q9999[df] for s, df in stats), stats
@@ -140,12 +140,11 @@ def test_appendix_a_counterexample():
 
     def lengths(mode, c_r, cs_r):
         if mode == "global":
-            from dspark_jax.decoding.scheduler import schedule_verification
-
-            return schedule_verification(c_r[None], active, sps, early_stop=False).lengths[0]
-        cap = rounds_mod.schedule_lengths("adaptive", cs_r[None], active, 2, 0.5, sps,
-                                          jnp.zeros((), jnp.int32))[1]
-        return rounds_mod.schedule_lengths(mode, c_r[None], active, 2, 0.5, sps, cap)[0][0]
+            return scheduler.schedule_verification(c_r[None], active, sps,
+                                                   early_stop=False).lengths[0]
+        cap = scheduler.schedule_lengths("adaptive", cs_r[None], active, 2, 0.5, sps,
+                                         jnp.zeros((), jnp.int32))[1]
+        return scheduler.schedule_lengths(mode, c_r[None], active, 2, 0.5, sps, cap)[0][0]
 
     tp = jnp.broadcast_to(jnp.asarray([0.7, 0.3]), (n, 3, 2))
     dp = jnp.full((n, 2, 2), 0.5)
@@ -155,7 +154,7 @@ def test_appendix_a_counterexample():
     p_a = {}
     for mode in ("global", "algorithm1", "adaptive"):
         ell = jax.jit(jax.vmap(lambda a, b, m=mode: lengths(m, a, b)))(c, c_stale)
-        res = rounds_mod.VERIFY_FNS["jax"](acc_u, smp_u, tp, dp, drafts, ell)
+        res = acceptance_rule.VERIFIERS["jax"](acc_u, smp_u, tp, dp, drafts, ell)
         first = jnp.where(res.num_accepted > 0, x1, res.next_token)
         p_a[mode] = float(jnp.mean(first == 0))
     tol = 6 * np.sqrt(0.7 * 0.3 / n)

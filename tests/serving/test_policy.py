@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dspark_jax.decoding import scheduler
 from dspark_jax.serving import policy
-from dspark_jax.serving import rounds as rounds_mod
 
 R, G = 4, 3
 TOP = R * (G + 1)
@@ -25,8 +25,8 @@ def _estimate(conf: float, draft_s: float, active=(True,) * R) -> policy.Estimat
     act = jnp.asarray(active)
     sps = jnp.asarray(1.0 / T_V, jnp.float32)
     sps_d = jnp.asarray(policy.drafting_sps_table(T_V, draft_s))
-    _, k, gain = rounds_mod.schedule_lengths("adaptive", c, act, G, 0.5, sps,
-                                             jnp.zeros((), jnp.int32), sps_d)
+    _, k, gain = scheduler.schedule_lengths("adaptive", c, act, G, 0.5, sps,
+                                            jnp.zeros((), jnp.int32), sps_d)
     return policy.Estimate(int(k), float(gain), int(sum(active)))
 
 

@@ -1,4 +1,7 @@
-"""The jitted pieces of one serving-engine round (paper §3.2.2, §5.2–5.3; SPEC §1, §8, §9).
+"""The speculative round: draft → schedule → verify → commit, for a batch of request slots
+(paper §2, §3.2.2, §5.2–5.3; SPEC §1, §8, §9; DeepSpec's evaluator's round, with its
+budget rule as `budget_rule="deepspec"`). The one implementation of a round: the serving engine
+(`dspark_jax.serving.Engine`), `speculative_generate`, evaluation and calibration all run it.
 
 A round is host-stepped because the capacity bucket of the verification forward must be known
 on the host before that program is launched:
@@ -28,29 +31,28 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.decoding import scheduler as sched
-from dspark_jax.decoding.stops import is_stop
-from dspark_jax.decoding.draft_adapters import adapter_for
-from dspark_jax.decoding.acceptance_rule import (inverse_cdf_sample, pallas_verify_with_uniforms,
+from dspark_jax.decoding.acceptance_rule import (VERIFIERS, inverse_cdf_sample,
                                                  rejection_verify_with_uniforms)
+from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
-from dspark_jax.models.decoder import KVCache, ragged_forward
 from dspark_jax.decoding.sampling import filtered_probs
-
-MODES = ("none", "fixed", "threshold", "algorithm1", "adaptive")
-CONFIDENCE_MODES = ("threshold", "algorithm1", "adaptive")
+from dspark_jax.decoding.stops import is_stop
+from dspark_jax.models.decoder import KVCache, ragged_forward
 
 
 @flax.struct.dataclass
 class EngineState:
-    """Device state of the request slots (per-request settings are host arrays, see Params)."""
+    """Device state of the request slots (what the host sets per slot: `SlotSettings`)."""
 
     cache: KVCache        # target K/V [L, R, S]; lengths[r] = committed tokens = anchor position
     draft_cache: Any      # drafter context cache (None with scheduler "none")
     anchor: jax.Array     # [R] last committed token, not yet in the target cache
 
 
-class Params(NamedTuple):
-    """Per-slot settings sent with every call ([R] arrays; tiny)."""
+class SlotSettings(NamedTuple):
+    """What the host sets for each request slot, sent with every call ([R] arrays; tiny):
+    whether the slot runs a request, its token budget and round counter, its sampling settings
+    and its key."""
 
     active: jax.Array       # bool: slot holds a running request
     remaining: jax.Array    # int32: tokens it may still emit
@@ -61,7 +63,7 @@ class Params(NamedTuple):
     key_data: jax.Array     # [R, 2] uint32
 
 
-def _row_keys(p: Params, salt: int) -> jax.Array:
+def _row_keys(p: SlotSettings, salt: int) -> jax.Array:
     keys = jax.random.wrap_key_data(p.key_data, impl="threefry2x32")
     keys = jax.vmap(jax.random.fold_in)(keys, p.counter)
     return jax.vmap(lambda k: jax.random.fold_in(k, salt))(keys)
@@ -72,51 +74,12 @@ def _row_uniforms(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ 1. draft
-def confidence_probs(conf_logits: jax.Array, temperatures: jax.Array | None) -> jax.Array:
-    """σ(c_k / T_k) [R, γ]: calibrated per-slot acceptance probabilities."""
-    c = conf_logits.astype(jnp.float32)
-    if temperatures is not None:
-        c = c / temperatures[None, :]
-    return jax.nn.sigmoid(c)
-
-
-def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
-                     threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
-                     sps_draft: jax.Array | None = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """ℓ [R] for the mode (SPEC §8), and for "adaptive" the §5.2 capacity K computed from these
-    confidences (used two rounds later) with G, the expected accepted drafts among those K
-    (0 for the other modes). `sps_draft` [B] (default `sps`): rounds/s of a drafting round,
-    1 / (t_d + t_v(B)), the objective of the adaptive global search (`serving.policy`)."""
-    R = active.shape[0]
-    zero = jnp.zeros((), jnp.int32)
-    fzero = jnp.zeros((), jnp.float32)
-    if mode == "none":
-        return jnp.zeros((R,), jnp.int32), zero, fzero
-    if mode == "fixed":
-        return jnp.where(active, gamma, 0).astype(jnp.int32), zero, fzero
-    if mode == "threshold":   # DeepSpec's static cut: the first slot with σ(c) < t ends it
-        keep = jnp.cumprod((conf >= threshold).astype(jnp.int32), axis=-1)
-        return jnp.where(active, jnp.sum(keep, axis=-1), 0).astype(jnp.int32), zero, fzero
-    if mode == "algorithm1":  # causal early stop (Appendix A)
-        return (sched.schedule_verification(conf, active, sps, early_stop=True).lengths, zero,
-                fzero)
-    if mode == "adaptive":    # K from two rounds ago; top-K of the current candidates
-        lengths = sched.topk_admission(conf, active, capacity, sps).lengths
-        glob = sched.schedule_verification(conf, active, sps if sps_draft is None else
-                                           sps_draft, early_stop=False)
-        n_act = jnp.sum(active).astype(jnp.float32)
-        return (lengths, jnp.sum(glob.lengths).astype(jnp.int32),
-                (glob.expected_accepts - n_act).astype(jnp.float32))
-    raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
-
-
 # Markov-head samplers by name (explicit uniforms): "jax" is the model's own per-slot scan
 SAMPLERS = ("jax", "pallas")
 
 
 @functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget", "sampler"))
-def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Params,
+def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
                        stop_ids: jax.Array, conf_temps: jax.Array | None,
                        threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
                        sps_draft: jax.Array | None = None, *,
@@ -159,9 +122,9 @@ def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Param
     conf_logits = prop.get("confidence")
     if conf_logits is None:
         conf_logits = jnp.zeros(prop["tokens"].shape, jnp.float32)
-    conf = confidence_probs(conf_logits, conf_temps)
-    ell, cap_new, gain_new = schedule_lengths(mode, conf, p.active, g, threshold, sps,
-                                              capacity, sps_draft)
+    conf = sched.confidence_probs(conf_logits, conf_temps)
+    ell, cap_new, gain_new = sched.schedule_lengths(mode, conf, p.active, g, threshold, sps,
+                                                    capacity, sps_draft)
     if "length" in prop:      # Eagle3's chain stopped at a drafted stop token
         ell = jnp.minimum(ell, prop["length"])
     if cap_budget:   # drafts past the request's token budget can never be emitted
@@ -191,15 +154,12 @@ def flatten_plan(n_tok: jax.Array, K: int) -> tuple[jax.Array, jax.Array, jax.Ar
 
 
 # ------------------------------------------------------------------------------ 3. verify
-# verification rules by name, all taking explicit uniforms (same uniforms → same result)
-VERIFY_FNS: dict[str, Any] = {"jax": rejection_verify_with_uniforms,
-                              "pallas": pallas_verify_with_uniforms}
-
-
 def _verify(name: str, accept_u, sample_u, tp, dp, drafts, ell):
+    """The acceptance rule registered as `name` (`acceptance_rule.VERIFIERS`, explicit
+    uniforms: same uniforms → same result)."""
     if drafts.shape[1] == 0:   # scheduler "none": plain decoding, nothing to verify
         return rejection_verify_with_uniforms(accept_u, sample_u, tp, dp, drafts, ell)
-    return VERIFY_FNS[name](accept_u, sample_u, tp, dp, drafts, ell)
+    return VERIFIERS[name](accept_u, sample_u, tp, dp, drafts, ell)
 
 
 BUDGET_RULES = ("serving", "deepspec")
@@ -209,8 +169,9 @@ BUDGET_RULES = ("serving", "deepspec")
                                              "tap_layer_ids", "budget_rule"),
                    donate_argnames=("s",))
 def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
-                      s: EngineState, p: Params, drafts: jax.Array, draft_probs: jax.Array,
-                      ell: jax.Array, stop_ids: jax.Array, *, K: int, verifier: str,
+                      s: EngineState, p: SlotSettings, drafts: jax.Array,
+                      draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array, *, K: int,
+                      verifier: str,
                       tap_layer_ids: tuple[int, ...], budget_rule: str = "serving"
                       ) -> tuple[EngineState, dict[str, jax.Array]]:
     """Ragged verification of the admitted tokens in capacity K, then commit.
@@ -289,8 +250,8 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
 @functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "tap_layer_ids"),
                    donate_argnames=("s",))
 def prefill_chunk(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
-                  s: EngineState, p: Params, tok: jax.Array, slot: jax.Array, pos: jax.Array,
-                  valid: jax.Array, next_tok: jax.Array, final_k: jax.Array,
+                  s: EngineState, p: SlotSettings, tok: jax.Array, slot: jax.Array,
+                  pos: jax.Array, valid: jax.Array, next_tok: jax.Array, final_k: jax.Array,
                   first_k: jax.Array, count: jax.Array, start_pos: jax.Array, *,
                   tap_layer_ids: tuple[int, ...]) -> tuple[EngineState, jax.Array]:
     """Prefills a chunk of prompt tokens of one or more joining requests (flattened like a

@@ -1,5 +1,6 @@
-"""Speculative decoding is lossless: greedy equals autoregressive token for token for every
-drafter type; sampled output matches the target's distribution (and a broken rule fails)."""
+"""`speculative_generate` (the serving engine's speculative round) is lossless: greedy equals
+autoregressive token for token for every drafter type, also when each request verifies its own
+number of drafts; sampled output matches the target's distribution (and a broken rule fails)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.decoding import autoregressive_generate
 from dspark_jax.decoding import acceptance_rule as verify_mod
-from dspark_jax.decoding.speculative import (SpecSettings, full_verify_mask, spec_prefill,
-                                             spec_step, speculative_generate)
+from dspark_jax.decoding import autoregressive_generate
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.models.config import ConfigError
+from dspark_jax.serving import Engine, SpecSettings, speculative_generate
 from hf_tiny import save_tiny_hf
 
 BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,
@@ -97,31 +97,29 @@ def test_greedy_equals_autoregressive_trained_draft(target, kind):
     assert res.tau > 1.5, f"trained draft should get drafts accepted (τ={res.tau})"
 
 
-def test_verification_mask_prunes_slots(target, greedy_ref):
+def test_per_request_verification_lengths(target, greedy_ref):
+    """Requests verifying ℓ = 0, 1, 2 and 4 of their 4 drafts in the same rounds (the pruned
+    slots never reach the target) still decode exactly the greedy output, and every round
+    records exactly its request's ℓ as proposed."""
+    ells = [0, 1, 2, 4]
     draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
-    from dspark_jax.decoding.autoregressive import pad_prompts
-    from dspark_jax.decoding.stops import stop_array
+    eng = Engine(target, draft, max_requests=4, max_len=64, scheduler="fixed",
+                 stop_token_ids=[], capacity_buckets=[4 * 5], budget_rule="deepspec")
+    drafted = eng._draft
 
-    tokens, lens, cache_len = pad_prompts(PROMPTS, 97, None, 16 + 5)
-    settings = SpecSettings()
-    temp = jnp.asarray(0.0)
-    stops = stop_array([], ())
-    s = spec_prefill(target.graphdef, draft.graphdef, target.state, draft.state,
-                     jnp.asarray(tokens), jnp.asarray(lens), jax.random.key(0), temp, stops,
-                     cache_len=cache_len, max_new=16, max_rounds=16, settings=settings)
-    lengths = jnp.asarray([0, 1, 2, 4])
-    mask = jnp.arange(4)[None] < lengths[:, None]
-    while not bool(jnp.all(s.done)):
-        s = spec_step(target.graphdef, draft.graphdef, target.state, draft.state, s, mask, temp,
-                      stops, settings=settings)
-    prop = np.asarray(s.proposed)
-    acc = np.asarray(s.accepted)
-    for b, ell in enumerate([0, 1, 2, 4]):
-        rows = prop[:, b][prop[:, b] >= 0]
-        assert set(rows.tolist()) == {ell}
-        assert (acc[:, b][acc[:, b] >= 0] <= ell).all()
-    out, num = np.asarray(s.out), np.asarray(s.num_out)
-    assert [out[i, :num[i]].tolist() for i in range(4)] == greedy_ref
+    def fixed_lengths(s, p, capacity):     # the scheduling step's ℓ, replaced per request
+        d = dict(drafted(s, p, capacity))
+        d["lengths"] = jnp.where(p.active, jnp.asarray(ells, jnp.int32), 0)
+        d["n_tokens"] = jnp.sum(jnp.where(p.active, 1 + d["lengths"], 0))
+        return d
+
+    eng._draft = fixed_lengths
+    res = eng.generate(PROMPTS, max_new_tokens=16)
+    assert res.tokens == greedy_ref
+    for per, ell in zip(res.per_request, ells):
+        assert set(per["proposed"]) == {ell}
+        assert all(0 <= a <= ell for a in per["accepted"])
+    assert any(a > 0 for per in res.per_request for a in per["accepted"])
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -202,9 +200,7 @@ def test_sampled_output_matches_target_distribution(small_target, monkeypatch):
         stat, df = _chi2_stat(np.bincount(toks[:, i], minlength=V_SMALL), exact[i])
         assert stat < CHI2_Q9999[df], (i, stat, df)
     # the same statistic rejects a broken acceptance rule
-    from dspark_jax.serving import rounds as rounds_mod
-
-    monkeypatch.setitem(rounds_mod.VERIFY_FNS, "always_accept", _always_accept)
+    monkeypatch.setitem(verify_mod.VERIFIERS, "always_accept", _always_accept)
     bad, _ = _sample_positions(small_target, draft, "always_accept", prompt, n=4000)
     stats = [_chi2_stat(np.bincount(bad[:, i], minlength=V_SMALL), exact[i]) for i in range(1, 4)]
     assert any(s > 5 * CHI2_Q9999[df] for s, df in stats), stats
