@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: named target shapes, random-weight targets, timing.
+"""Shared benchmark plumbing: named target shapes, random-weight targets, host facts (the device
+calls are timed by `serving.cost_profile.time_call`, the package's one timer).
 
 Dense-model speed does not depend on weight values, so the GPU benchmarks use random bf16
 weights created directly on the device (PERFORMANCE.md).
@@ -11,7 +12,6 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -54,18 +54,6 @@ def build_target(name: str, dtype: str = "bfloat16", seed: int = 0) -> Target:
 
 def weight_bytes(target: Target) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(target.state))
-
-
-def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> list[float]:
-    """Wall seconds per call (after `block_until_ready`), warm-up calls excluded."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def median(xs: list[float]) -> float:

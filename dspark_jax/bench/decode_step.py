@@ -15,9 +15,10 @@ import argparse
 import jax.numpy as jnp
 
 from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
-                                     time_call, weight_bytes)
+                                     weight_bytes)
 from dspark_jax.decoding.autoregressive import ARState, ar_decode, row_key_data
 from dspark_jax.models.decoder import init_cache
+from dspark_jax.serving.cost_profile import time_call
 
 
 def make_state(target, batch: int, context: int, steps: int) -> ARState:

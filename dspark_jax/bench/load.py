@@ -191,14 +191,9 @@ def run_concurrency(target: Any, draft: Any, modes: list[str], c: int, a: argpar
 def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
     """The pure verification-step time per capacity bucket: the SPS profile the engine made at
     start (algorithm1 / adaptive), else profiled here the same way (cached per c)."""
-    from dspark_jax.serving import sps as sps_mod
-
     secs, took = eng.bucket_seconds, eng.profile_seconds
     if secs is None:
-        key = sps_mod.cache_key(eng.target.config, eng.target.dtype, eng.R, eng.max_len,
-                                eng.buckets)
-        secs, took, _ = sps_mod.load_or_profile(key, cache_dir, eng._dummy_step_fn(),
-                                                eng.buckets)
+        secs, took, _ = eng.profile_buckets(cache_dir)
     ms = [1e3 * secs[b] for b in sorted(secs)]
     return dict(step_ms_by_bucket={str(b): 1e3 * secs[b] for b in sorted(secs)},
                 sps_profile_s=took, grows_with_bucket=bool(all(np.diff(ms) > 0)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Mapping, Sequence
@@ -36,7 +37,7 @@ from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import init_cache
 from dspark_jax.models.draft_config import validate_against_target
 from dspark_jax.serving import policy
-from dspark_jax.serving import sps as sps_mod
+from dspark_jax.serving import cost_profile
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class Engine:
         self.sampler = sampler
         self.cap_to_budget = bool(cap_to_budget)
         self.budget_rule = budget_rule
-        self.buckets = sps_mod.capacity_buckets(self.R, self.gamma, capacity_buckets)
+        self.buckets = cost_profile.capacity_buckets(self.R, self.gamma, capacity_buckets)
         if self.buckets[-1] > self.max_len * self.R:
             raise ValueError("capacity_buckets exceed what max_len can hold")
         cfg = target.config
@@ -283,13 +284,14 @@ class Engine:
         extra = {f: getattr(dc, f, None) for f in (
             "model_type", "num_drafts", "num_draft_layers", "markov_rank", "markov_head_type",
             "target_layer_ids")}
-        key = sps_mod.cache_key(self.target.config, self.target.dtype, self.R, self.max_len,
-                                self.buckets, extra=dict(costs=extra, sampler=self.sampler,
-                                                         mode=self.mode))
-        K0 = self.buckets[0]
-        fns = {"draft": (self._draft_step_fn(), 0), "plain": (self._plain_step_fn(), K0)}
-        secs, took, _ = sps_mod.load_or_profile_named(key, self.sps_cache_dir, fns,
-                                                       repeats=self.profile_repeats)
+        key = cost_profile.cache_key(self.target.config, self.target.dtype, self.R,
+                                     self.max_len, self.buckets,
+                                     extra=dict(costs=extra, sampler=self.sampler,
+                                                mode=self.mode))
+        calls = {"draft": functools.partial(self._draft_step_fn(), 0),
+                 "plain": functools.partial(self._plain_step_fn(), self.buckets[0])}
+        secs, took, _ = cost_profile.load_or_profile(key, self.sps_cache_dir, calls,
+                                                     repeats=self.profile_repeats)
         self.cost_profile_seconds = took
         return secs
 
@@ -337,7 +339,7 @@ class Engine:
                 if missing:
                     raise ValueError(f"sps has no value for capacity buckets {missing}")
                 self.bucket_seconds = {b: secs[b] for b in self.buckets}
-                table = sps_mod.sps_table(self.buckets, self.bucket_seconds)
+                table = cost_profile.sps_table(self.buckets, self.bucket_seconds)
             else:
                 table = np.asarray(sps, np.float32)
                 if table.ndim != 1 or table.shape[0] < top + 1:
@@ -347,15 +349,26 @@ class Engine:
             return jnp.asarray(table)
         if self.mode not in ("algorithm1", "adaptive"):
             return jnp.ones((top + 1,), jnp.float32)
-        key = sps_mod.cache_key(self.target.config, self.target.dtype, self.R, self.max_len,
-                                self.buckets)
-        secs, took, cached = sps_mod.load_or_profile(key, cache_dir, self._dummy_step_fn(),
-                                                     self.buckets, repeats=repeats)
+        secs, took, cached = self.profile_buckets(cache_dir, repeats)
         self.bucket_seconds, self.profile_seconds = secs, took
         log.info("SPS over buckets %s: %s (%s)", self.buckets,
                  {b: f"{1 / s:.1f}/s" for b, s in secs.items()},
                  "from cache" if cached else f"profiled in {took:.2f} s")
-        return jnp.asarray(sps_mod.sps_table(self.buckets, secs))
+        return jnp.asarray(cost_profile.sps_table(self.buckets, secs))
+
+    def profile_buckets(self, cache_dir: str | None = None, repeats: int | None = None
+                        ) -> tuple[dict[int, float], float, bool]:
+        """Seconds of the verification step per capacity bucket (the SPS profile: SPS(B) =
+        1 / seconds of the smallest bucket ≥ B), from the disk cache or profiled there
+        (`cost_profile.load_or_profile`; `cache_dir` default: the engine's `sps_cache_dir`).
+        → (seconds by bucket, profiling s, from cache)."""
+        key = cost_profile.cache_key(self.target.config, self.target.dtype, self.R,
+                                     self.max_len, self.buckets)
+        step = self._dummy_step_fn()
+        calls = {K: functools.partial(step, K) for K in self.buckets}
+        return cost_profile.load_or_profile(
+            key, self.sps_cache_dir if cache_dir is None else cache_dir, calls,
+            repeats=self.profile_repeats if repeats is None else repeats)
 
     def warmup(self) -> None:
         """Compiles every program the engine can run (prefill, draft, each bucket)."""
@@ -567,7 +580,7 @@ class _Run:
             n_tokens, cap_new, gain_new, predicted = jax.device_get(
                 (d["n_tokens"], d["capacity_new"], d["gain_new"], d["predicted"]))
             n_tokens = int(n_tokens)
-        K = sps_mod.bucket_for(e.buckets, max(n_tokens, 1))
+        K = cost_profile.bucket_for(e.buckets, max(n_tokens, 1))
         s, o = e._verify(s, p, drafts, probs, ell, K)
         o = jax.device_get(o)
         if self.policy is not None:

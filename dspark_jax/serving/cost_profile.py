@@ -1,11 +1,14 @@
-"""SPS(B) of the verification step, profiled over the engine's capacity buckets (paper §3.2.2,
-§5.2; SPEC §8–9).
+"""The cost profile: what a verification step, a drafting call and a plain decoding step cost
+on this machine (paper §3.2.2, Algorithm 1's table SPS(B); §5.2; SPEC §8–9). The one profiler
+of the package: the engine, the benchmarks and the tests time device calls here.
 
 The scheduler's objective Θ = τ · SPS(B) needs the target's verification steps per second at
 B batch tokens. With ragged verification the program that runs for B tokens is the one of the
-smallest capacity bucket ≥ B, so SPS is a step function over the buckets: it is measured on
-exactly those compiled programs, once per engine, and cached on disk keyed by the device kind,
-the target's shapes and the buckets.
+smallest capacity bucket ≥ B, so SPS is a step function over the buckets (`sps_table`): it is
+measured on exactly those compiled programs, once per engine. The adaptive policy
+(`serving.policy`) also needs the drafter's seconds per round and the plain step's. Every
+profile is a set of named calls timed round-robin (`profile_calls`) and cached on disk
+(`load_or_profile`), keyed by the device kind, the target's shapes and the buckets (`cache_key`).
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ import json
 import os
 import pathlib
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence, TypeVar
 
 import jax
 import numpy as np
 
 ENV_CACHE_DIR = "DSPARK_JAX_CACHE_DIR"
+K = TypeVar("K", bound=Hashable)
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -84,39 +88,56 @@ def cache_key(target_cfg: Any, dtype: Any, num_slots: int, max_len: int,
     return hashlib.sha1(blob.encode()).hexdigest()[:20]
 
 
-def profile_buckets(step_fn: Callable[[int], Any], buckets: Sequence[int], *,
-                    repeats: int = 3) -> dict[int, float]:
-    """Median seconds of `step_fn(K)` per bucket. Every bucket is called once untimed first
-    (compilation), then the timed calls go round-robin over the buckets, `repeats` rounds, so
-    that the machine's drift hits every bucket alike instead of bending the profile."""
-    ks = [int(K) for K in buckets]
-    for K in ks:
-        jax.block_until_ready(step_fn(K))
-    times: dict[int, list[float]] = {K: [] for K in ks}
+def time_call(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
+              timer: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Wall seconds of each of `repeats` calls of `fn()`, blocked on its result, after `warmup`
+    untimed calls (compilation)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    out = []
+    for _ in range(max(int(repeats), 1)):
+        t0 = timer()
+        jax.block_until_ready(fn())
+        out.append(timer() - t0)
+    return out
+
+
+def profile_calls(calls: Mapping[K, Callable[[], Any]], *, repeats: int = 3, warmup: int = 1,
+                  timer: Callable[[], float] = time.perf_counter) -> dict[K, float]:
+    """Median seconds of each call (blocked on its result). Every call runs `warmup` times
+    untimed first (compilation), then the timed calls go round-robin over the calls, `repeats`
+    rounds, so that the machine's drift hits every call alike instead of bending the profile."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be ≥ 1, got {repeats}")
+    for fn in calls.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times: dict[K, list[float]] = {k: [] for k in calls}
     for _ in range(repeats):
-        for K in ks:
-            t0 = time.perf_counter()
-            jax.block_until_ready(step_fn(K))
-            times[K].append(time.perf_counter() - t0)
-    return {K: float(np.median(v)) for K, v in times.items()}
+        for k, fn in calls.items():
+            t0 = timer()
+            jax.block_until_ready(fn())
+            times[k].append(timer() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def load_or_profile(key: str, cache_dir: str | os.PathLike | None, step_fn: Callable[[int], Any],
-                    buckets: Sequence[int], *, repeats: int = 3
-                    ) -> tuple[dict[int, float], float, bool]:
-    """Bucket seconds from the disk cache, else profiled (and written there).
-    → (seconds per bucket, profiling wall seconds (0 if cached), from_cache)."""
+def load_or_profile(key: str, cache_dir: str | os.PathLike | None,
+                    calls: Mapping[K, Callable[[], Any]], *, repeats: int = 3
+                    ) -> tuple[dict[K, float], float, bool]:
+    """Seconds of each call (`profile_calls`: e.g. the verification step per capacity bucket,
+    or the drafter's round and the plain step) from the disk cache entry `key`, else profiled
+    and written there. → (seconds by call, profiling wall seconds (0 if cached), from_cache)."""
     path = pathlib.Path(cache_dir or default_cache_dir()) / f"{key}.json"
+    names = {str(k): k for k in calls}
     if path.is_file():
         try:
-            data = json.loads(path.read_text())
-            secs = {int(k): float(v) for k, v in data["seconds"].items()}
-            if set(secs) == {int(b) for b in buckets}:
-                return secs, 0.0, True
-        except (ValueError, KeyError, OSError):
+            saved = json.loads(path.read_text())["seconds"]
+            if set(saved) == set(names):
+                return {names[n]: float(v) for n, v in saved.items()}, 0.0, True
+        except (ValueError, KeyError, OSError, TypeError, AttributeError):
             pass   # a damaged cache entry is re-profiled
     t0 = time.perf_counter()
-    secs = profile_buckets(step_fn, buckets, repeats=repeats)
+    secs = profile_calls(calls, repeats=repeats)
     took = time.perf_counter() - t0
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,40 +145,4 @@ def load_or_profile(key: str, cache_dir: str | os.PathLike | None, step_fn: Call
                                     "profile_s": took, "device": str(jax.devices()[0])}))
     except OSError:
         pass   # a read-only cache dir only costs a re-profile next time
-    return secs, took, False
-
-
-def time_call(fn: Callable[[], Any], repeats: int = 3) -> float:
-    """Median seconds of `fn()` blocked on its result (one untimed call first: compilation)."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(max(int(repeats), 1)):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def load_or_profile_named(key: str, cache_dir: str | os.PathLike | None,
-                          fns: Mapping[str, tuple[Callable[[int], Any], int]], *,
-                          repeats: int = 3) -> tuple[dict[str, float], float, bool]:
-    """Seconds of named calls `fn(arg)` (e.g. the drafter's round, the plain step) from the
-    disk cache, else profiled and written there. → (seconds by name, profiling s, cached)."""
-    path = pathlib.Path(cache_dir or default_cache_dir()) / f"{key}.json"
-    if path.is_file():
-        try:
-            secs = {str(k): float(v) for k, v in json.loads(path.read_text())["seconds"].items()}
-            if set(secs) == set(fns):
-                return secs, 0.0, True
-        except (ValueError, KeyError, OSError):
-            pass   # a damaged cache entry is re-profiled
-    t0 = time.perf_counter()
-    secs = {name: time_call(lambda f=f, a=a: f(a), repeats) for name, (f, a) in fns.items()}
-    took = time.perf_counter() - t0
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"seconds": secs, "profile_s": took,
-                                    "device": str(jax.devices()[0])}))
-    except OSError:
-        pass
     return secs, took, False
