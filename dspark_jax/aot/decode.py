@@ -1,10 +1,10 @@
 """Ahead-of-time compilation of one serving round for a TPU topology (`python -m dspark_jax.aot
 --decode`, `aot/cli.py`; issue 9 item 1).
 
-A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9; `serving/rounds.py`) is two
-programs: the drafter's draft step (`draft_and_schedule`: γ proposals and the scheduler's
-lengths for every request slot) and the verification step (`verify_and_commit`: the target's
-ragged forward over a capacity bucket of K flattened tokens, `models.decoder.ragged_forward`,
+A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9;
+`decoding/speculative_round.py`) is two programs: the drafter's draft step
+(`draft_and_schedule`: γ proposals and the scheduler's lengths for every request slot) and the
+verification step (`verify_and_commit`: the target's ragged forward over a capacity bucket of K flattened tokens, `models.decoder.ragged_forward`,
 the lossless verification and the commit into both caches). Both are compiled here for R
 request slots, a context of `max_len` tokens per slot and one capacity bucket K, with the
 target, the drafter and the caches built abstractly and laid on the topology's mesh (weights
@@ -97,7 +97,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
     from dspark_jax.models.decoder import TargetDecoder, init_cache
     from dspark_jax.models.draft import create_draft_module
     from dspark_jax.models.target import resolve_dtype
-    from dspark_jax.serving import rounds as R_
+    from dspark_jax.decoding import speculative_round as R_
     from dspark_jax.sharding import abstract_on_mesh
 
     mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
@@ -132,7 +132,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
         return jax.ShapeDtypeStruct(shp, dt, sharding=_cache_sharding(x, mesh) if shp and
                                     shp[0] == R else NamedSharding(mesh, PartitionSpec()))
 
-    params = R_.Params(active=arr((R,), jnp.bool_), remaining=arr((R,), jnp.int32),
+    params = R_.SlotSettings(active=arr((R,), jnp.bool_), remaining=arr((R,), jnp.int32),
                        counter=arr((R,), jnp.int32), temperature=arr((R,), jnp.float32),
                        top_k=arr((R,), jnp.int32), top_p=arr((R,), jnp.float32),
                        key_data=arr((R, 2), jnp.uint32))
