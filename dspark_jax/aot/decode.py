@@ -4,8 +4,9 @@
 A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9;
 `decoding/speculative_round.py`) is two programs: the drafter's draft step
 (`draft_and_schedule`: γ proposals and the scheduler's lengths for every request slot) and the
-verification step (`verify_and_commit`: the target's ragged forward over a capacity bucket of K flattened tokens, `models.decoder.ragged_forward`,
-the lossless verification and the commit into both caches). Both are compiled here for R
+verification step (`verify_and_commit`: the target's ragged forward over a capacity bucket
+of K flattened tokens, `models.decoder.ragged_forward`, the lossless verification and the
+commit into both caches). Both are compiled here for R
 request slots, a context of `max_len` tokens per slot and one capacity bucket K, with the
 target, the drafter and the caches built abstractly and laid on the topology's mesh (weights
 over fsdp × tensor, request slots over data × fsdp, KV heads over tensor). The report has the
