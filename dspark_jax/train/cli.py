@@ -179,7 +179,7 @@ def entry() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if any(a in ("-h", "--help", "-help") for a in sys.argv[1:]):
         print(__doc__)
-        print("Config keys: see configs/common.py; experiments: configs/*.py")
+        print("Config keys: see dspark_jax/train/config_base.py; experiments: configs/*.py")
         return
     try:
         main(sys.argv)
