@@ -74,8 +74,8 @@ def test_greedy_every_mode_equals_autoregressive(target, draft, greedy_ref, mode
 
 @pytest.mark.slow
 def test_eagle3_greedy_and_chain_stops_at_drafted_stop(target):
-    dr = init_draft(target, dict(BASE, model_type="eagle3", draft_num_hidden_layers=1),
-                    seed=4)
+    dr = init_draft(target, dict(BASE, model_type="eagle3", draft_num_hidden_layers=1,
+                                 ttt_length=3), seed=4)   # γ = ttt_length (DeepSpec)
     stop = 9999 % 97
     ref = autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW,
                                   stop_token_ids=[stop])

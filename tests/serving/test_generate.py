@@ -25,10 +25,11 @@ DRAFTS = {
     "dspark_gated": dict(BASE, markov_head_type="gated"),
     "dspark_rnn": dict(BASE, markov_head_type="rnn"),
     "dflash": dict(BASE, model_type="dflash", markov_rank=0, enable_confidence_head=False),
-    "eagle3": dict(BASE, model_type="eagle3", draft_num_hidden_layers=1),
+    # Eagle3 drafts ttt_length tokens a round (DeepSpec): γ = 4 like the others
+    "eagle3": dict(BASE, model_type="eagle3", draft_num_hidden_layers=1, ttt_length=4),
     # a pruned draft vocabulary (every other id): proposals outside it never happen
     "dspark_pruned_vocab": dict(BASE, draft_vocab_size=48, draft_vocab=tuple(range(0, 96, 2))),
-    "eagle3_pruned_vocab": dict(BASE, model_type="eagle3", draft_num_hidden_layers=1,
+    "eagle3_pruned_vocab": dict(BASE, model_type="eagle3", draft_num_hidden_layers=1, ttt_length=4,
                                 draft_vocab_size=48, draft_vocab=tuple(range(0, 96, 2))),
 }
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23, 24]]
