@@ -161,7 +161,7 @@ def test_stop_token_among_accepted_drafts_follows_deepspec(target, draft):
     assert run.out[0] == greedy[:1]
     drafts = jnp.asarray([greedy[1:4]], jnp.int32)
     probs = jax.nn.one_hot(drafts, 97, dtype=jnp.float32)
-    s, o = eng._verify(s, eng._params(run.h), drafts, probs, jnp.asarray([3]), 4)
+    s, o = eng._verify(s, eng._slot_settings(run.h), drafts, probs, jnp.asarray([3]), 4)
     o = jax.device_get(o)
     assert int(o["accepted"][0]) == int(o["proposed"][0]) == 2
     assert int(o["tau_term"][0]) == 2 and int(o["n_emit"][0]) == 2 and bool(o["finished"][0])
