@@ -395,10 +395,7 @@ def compile_seconds() -> Iterator[list[float]]:
 
 def run_ours(target: Any, draft: Any, prompt: Sequence[int], max_new_tokens: int,
              stop_ids: Sequence[int], cache_len: int) -> dict[str, Any]:
-    try:
-        from dspark_jax.serving import speculative_generate
-    except ImportError:  # before speculative_generate moved to serving
-        from dspark_jax.decoding.speculative import speculative_generate
+    from dspark_jax.serving import speculative_generate
 
     with compile_seconds() as comp:
         t0 = time.perf_counter()
