@@ -37,7 +37,7 @@ fp32 (faster than bf16 on CPU), the block attention is dense and nothing is rema
 S = 256 chunking and recompute only cost time, `bench.train_step --features offline`).
 """
 
-from dspark_jax.models.draft_config import default_target_layer_ids
+from dspark_jax.models.drafters.config import default_target_layer_ids
 from dspark_jax.train.config_base import get_base_config
 
 SMOLLM2_LAYERS = 30

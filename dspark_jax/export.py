@@ -50,8 +50,8 @@ def write_export(draft: Any, out: str | os.PathLike, fmt: str, *,
                  progress: Callable[[str], None] | None = None) -> pathlib.Path:
     """Writes `draft` (a `Draft`) to `out` in `fmt`, atomically as a directory; the confidence
     calibration of `source_dir` (confidence_calibration.json) travels with it."""
-    from dspark_jax.models.deepspec_io import ExportError, write_deepspec_dir
-    from dspark_jax.models.speculators_io import write_speculators_dir
+    from dspark_jax.models.io.deepspec import ExportError, write_deepspec_dir
+    from dspark_jax.models.io.speculators import write_speculators_dir
 
     if fmt not in FORMATS:
         raise ExportError(f"format: {fmt!r} is not one of {FORMATS}")
@@ -109,9 +109,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> pathlib.Path:
     args = parse_args(argv)
     from dspark_jax.models.config import ConfigError
-    from dspark_jax.models.deepspec_io import ExportError
-    from dspark_jax.models.draft import load_draft
-    from dspark_jax.models.hf_io import CheckpointError
+    from dspark_jax.models.io.deepspec import ExportError
+    from dspark_jax.models.drafters.draft import load_draft
+    from dspark_jax.models.io.hf import CheckpointError
 
     try:
         if args.format not in FORMATS:

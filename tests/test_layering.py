@@ -7,9 +7,7 @@
     data, train, eval, bench, aot, the CLIs (evaluate, calibrate, generate, export)
                                         applications: anything below them
 
-and no two modules import each other, directly or through a circle. The few debts models/ still
-carries are listed by name (KNOWN_*): the test fails on any new one, and on a listed one that
-has been paid (so the list only shrinks).
+and no two modules import each other, directly or through a circle.
 """
 
 from __future__ import annotations
@@ -70,17 +68,6 @@ def _imports(mod: str, path: pathlib.Path) -> set[str]:
 
 GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
 
-# Known debts of models/, listed so that nothing new joins them: the models/ redesign (issue 25:
-# a family registry, models/gemma4/, models/drafters/, models/io/) removes them and this list.
-KNOWN_UPWARD = {("dspark_jax.models.draft", "dspark_jax.eval.calibration")}
-KNOWN_CIRCLES = [
-    {"dspark_jax.models.config", "dspark_jax.models.gemma4_config"},
-    {"dspark_jax.models.gemma4_io", "dspark_jax.models.hf_io"},
-    {"dspark_jax.models.draft_config", "dspark_jax.models.dspark", "dspark_jax.models.eagle3",
-     "dspark_jax.models.gemma4_draft", "dspark_jax.models.heads"},
-]
-
-
 def _layer(mod: str) -> int | None:
     parts = mod.split(".")
     if parts[0] == "pallas_kernels":
@@ -113,7 +100,7 @@ def test_no_module_imports_a_higher_layer(lower):
             if d.startswith("pallas_kernels"):
                 continue                    # kernels stand beside their oracles, below all
             ld = _layer(d)
-            if ld is not None and ld > _layer(m) and (m, d) not in KNOWN_UPWARD:
+            if ld is not None and ld > _layer(m):
                 bad.append(f"{m} imports {d}")
     assert not bad, "\n".join(sorted(bad))
 
@@ -143,7 +130,7 @@ def test_no_import_circles():
                 comp.append(w)
                 if w == v:
                     break
-            if len(comp) > 1 and set(comp) not in KNOWN_CIRCLES:
+            if len(comp) > 1:
                 sccs.append(sorted(comp))
 
     import sys
@@ -152,12 +139,3 @@ def test_no_import_circles():
         if v not in index:
             visit(v)
     assert not sccs, "import circles:\n" + "\n".join(" ↔ ".join(c) for c in sccs)
-
-
-def test_known_debts_are_still_owed():
-    """A listed exception that no longer exists must leave the list."""
-    for m, d in KNOWN_UPWARD:
-        assert d in GRAPH.get(m, set()), f"{m} no longer imports {d}: drop it from KNOWN_UPWARD"
-    for circle in KNOWN_CIRCLES:
-        for m in circle:
-            assert m in GRAPH, f"{m} is gone: update KNOWN_CIRCLES"

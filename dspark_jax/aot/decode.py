@@ -96,7 +96,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
 
     from dspark_jax.decoding.draft_adapters import adapter_for
     from dspark_jax.models.decoder import TargetDecoder, init_cache
-    from dspark_jax.models.draft import create_draft_module
+    from dspark_jax.models.drafters.draft import create_draft_module
     from dspark_jax.models.target import resolve_dtype
     from dspark_jax.decoding import speculative_round as R_
     from dspark_jax.sharding import abstract_on_mesh

@@ -30,7 +30,7 @@ KNOWN_TARGETS = {
 def target_hf_dict(c: Any) -> dict[str, Any]:
     """The target's config.json: from `config.target` (a Hugging Face directory or one of
     KNOWN_TARGETS), else the Qwen3 size named by the config (qwen3_8b_* → qwen3-8b)."""
-    from dspark_jax.models.hf_io import read_config_json
+    from dspark_jax.models.io.hf import read_config_json
 
     t = str(c.target)
     if t and pathlib.Path(t, "config.json").is_file():
@@ -47,7 +47,7 @@ def mesh_and_configs(c: Any, devices: Sequence[Any]) -> tuple[Any, Any, Any]:
     """The config's mesh over `devices`, the target's DecoderConfig (from its config.json or
     preset, no weights) and the DraftConfig — what every abstract program here starts from."""
     from dspark_jax.models.config import DecoderConfig
-    from dspark_jax.models.draft_config import DraftConfig
+    from dspark_jax.models.drafters.config import DraftConfig
     from dspark_jax.sharding import make_mesh
 
     try:

@@ -41,7 +41,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
     from jax.sharding import NamedSharding
 
     from dspark_jax.models.decoder import TargetDecoder
-    from dspark_jax.models.draft import create_draft_module
+    from dspark_jax.models.drafters.draft import create_draft_module
     from dspark_jax.models.target import resolve_dtype
     from dspark_jax.sharding import abstract_on_mesh
     from dspark_jax.train.job_config import attn_key_chunk

@@ -166,7 +166,7 @@ def write_target_hf(out: pathlib.Path) -> pathlib.Path:
     from safetensors.numpy import save_file
     from transformers import AutoTokenizer
 
-    from dspark_jax.models.gguf_io import locate_smollm2_gguf, read_gguf_checkpoint
+    from dspark_jax.models.io.gguf import locate_smollm2_gguf, read_gguf_checkpoint
 
     gguf = locate_smollm2_gguf()
     config, tensors = read_gguf_checkpoint(gguf)
@@ -559,8 +559,8 @@ def bench_drafter(lc: LlamaCpp, target: Any, target_gguf: pathlib.Path, draft_di
                   work: pathlib.Path, label: str, threads: int | None, timeout: float,
                   plain: bool) -> dict[str, Any]:
     from dspark_jax.models import load_draft
-    from dspark_jax.models.hf_io import read_config_json
-    from dspark_jax.models.speculators_io import is_speculators_config
+    from dspark_jax.models.io.hf import read_config_json
+    from dspark_jax.models.io.speculators import is_speculators_config
 
     tok = target.tokenizer
     draft = load_draft(draft_dir, target)

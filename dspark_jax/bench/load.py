@@ -108,7 +108,7 @@ def _load_draft(target: Any, spec: str, layers: int = 2, rank: int = 64) -> Any:
 
     if spec != "random":
         return load_draft(spec, target=target)
-    from dspark_jax.models.draft_config import default_target_layer_ids
+    from dspark_jax.models.drafters.config import default_target_layer_ids
 
     # the default job's drafter (configs/smollm2_dspark.py): DSpark, block 7, taps by DeepSpec's
     # rule on SmolLM2's 30 layers, mask token 16 — clipped to the target at hand

@@ -53,7 +53,7 @@ def run_transformers(convs, tok, *, batch: int, max_new_tokens: int, temperature
     import transformers
 
     from dspark_jax.data.chat import render_prompt
-    from dspark_jax.models.gguf_io import locate_smollm2_gguf
+    from dspark_jax.models.io.gguf import locate_smollm2_gguf
 
     path = locate_smollm2_gguf()
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -31,7 +31,7 @@ import numpy as np
 from dspark_jax.bench.common import build_target, device_name, median, print_table, save_json
 from dspark_jax.decoding.sampling import sample_probs
 from dspark_jax.models import init_draft
-from dspark_jax.models.draft_config import default_target_layer_ids
+from dspark_jax.models.drafters.config import default_target_layer_ids
 from dspark_jax.serving.cost_profile import time_call
 
 

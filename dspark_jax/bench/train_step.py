@@ -20,7 +20,7 @@ from flax import nnx
 
 from dspark_jax.bench.common import build_target, device_name, median, print_table, save_json
 from dspark_jax.models import init_draft
-from dspark_jax.models.draft_config import default_target_layer_ids
+from dspark_jax.models.drafters.config import default_target_layer_ids
 from dspark_jax.serving.cost_profile import time_call
 from dspark_jax.sharding import make_mesh
 from dspark_jax.train.step import (OptimConfig, build_train_step, init_train_state,

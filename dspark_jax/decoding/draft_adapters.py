@@ -25,7 +25,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.dspark import DraftCache, DSparkDraft
+from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
 
 
 class DSparkAdapter:

@@ -89,15 +89,15 @@ def absolute_cache_crop() -> Iterator[None]:
 
 def torch_target(name_or_path: str | os.PathLike) -> Any:
     """The target as a float32 transformers model with our exact weights: the embedded GGUF's
-    dequantized tensors (`gguf_io.read_gguf_checkpoint`, the same arrays our target loads) or a
-    Hugging Face directory."""
+    dequantized tensors (`models.io.gguf.read_gguf_checkpoint`, the same arrays our target
+    loads) or a Hugging Face directory."""
     import torch
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     from dspark_jax.models.target import EMBEDDED_TARGETS
 
     if str(name_or_path) in EMBEDDED_TARGETS:
-        from dspark_jax.models.gguf_io import locate_smollm2_gguf, read_gguf_checkpoint
+        from dspark_jax.models.io.gguf import locate_smollm2_gguf, read_gguf_checkpoint
 
         config, tensors = read_gguf_checkpoint(locate_smollm2_gguf())
         cfg = CONFIG_MAPPING[config["model_type"]](
@@ -129,7 +129,7 @@ def deepspec_evaluator(torch_target_model: Any, draft_dir: str | os.PathLike, *,
     import torch
     from deepspec.eval.dspark.evaluator import Gemma4DSparkEvaluator, Qwen3DSparkEvaluator
 
-    from dspark_jax.models.hf_io import CheckpointError, read_config_json
+    from dspark_jax.models.io.hf import CheckpointError, read_config_json
 
     arch = (read_config_json(draft_dir).get("architectures") or [""])[0]
     cls = {"Qwen3DSparkModel": Qwen3DSparkEvaluator,

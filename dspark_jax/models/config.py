@@ -1,11 +1,18 @@
 """Target decoder configuration (SPEC §2: the frozen target model Mt).
 
-One frozen dataclass covers the decoder family dspark_jax supports: Llama (SmolLM2, Llama 2/3),
+One frozen dataclass covers the decoder families dspark_jax supports: Llama (SmolLM2, Llama 2/3),
 Qwen3 (per-head q/k RMSNorm, head_dim independent of hidden/heads) and the dense Gemma4 text
 models (the paper's cross-family target, Gemma4-12B): per-layer sliding/full attention with
 per-type RoPE and head shapes, k=v attention, per-layer input embeddings, KV-shared layers and
 final-logit softcapping. It is read from and written to Hugging Face `config.json` dictionaries
 so checkpoints round-trip.
+
+This module is the bottom of models/: it knows no family. What differs per family (the
+`config.json` fields, the parameter count, the drafter's layers) is a `Family` record of
+models/families.py, which imports the family modules, which import this one. So the methods
+below that need their family look it up by name in the registry that families.py fills with
+`register_family` when `dspark_jax.models` is imported (models/__init__.py imports it, and
+Python runs that before any module of the package).
 """
 
 from __future__ import annotations
@@ -14,19 +21,33 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma4ForCausalLM": "gemma4",
-    "Gemma4ForConditionalGeneration": "gemma4",
-}
-FAMILIES = ("llama", "qwen3", "gemma4")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 
 
 class ConfigError(ValueError):
     """An invalid or unsupported model configuration (names the field and the source)."""
+
+
+# ----------------------------------------------------------------------------- family registry
+_FAMILIES: dict[str, Any] = {}   # name → models.families.Family, in registration order
+
+
+def register_family(family: Any) -> None:
+    """Makes `family` (a models.families.Family) known to the config classes by its name."""
+    _FAMILIES[family.name] = family
+
+
+def family_spec(name: str) -> Any:
+    """The registered models.families.Family called `name` (ConfigError naming the known ones)."""
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown model family {name!r}; known: {list(_FAMILIES)}") from None
+
+
+def registered_families() -> tuple[Any, ...]:
+    return tuple(_FAMILIES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +74,7 @@ class DecoderConfig:
     full-attention layers; `rope` is the full-attention RoPE and `sliding_rope` the sliding one.
     """
 
-    family: str  # "llama" | "qwen3" | "gemma4"
+    family: str  # a registered family: "llama" | "qwen3" | "gemma4" (models/families.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -85,11 +106,12 @@ class DecoderConfig:
     final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
-        if self.family == "gemma4" and not self.layer_types:
+        family = _FAMILIES.get(self.family)
+        if family is not None and family.typed_layers and not self.layer_types:
             object.__setattr__(self, "layer_types", ("full_attention",) * self.num_hidden_layers)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         checks = {
-            "family": self.family in FAMILIES,
+            "family": family is not None,
             "vocab_size": self.vocab_size > 0,
             "hidden_size": self.hidden_size > 0,
             "intermediate_size": self.intermediate_size > 0,
@@ -126,16 +148,13 @@ class DecoderConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     # ------------------------------------------------------------------ per-layer shapes
-    @property
-    def is_gemma4(self) -> bool:
-        return self.family == "gemma4"
-
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full_attention"
 
     def attn_shape(self, layer_type: str) -> tuple[int, int]:
-        """(kv heads, head dim) of a layer type (Gemma4 full layers use the global shape)."""
-        if layer_type == "full_attention" and self.is_gemma4:
+        """(kv heads, head dim) of a layer type: full-attention layers take the global shape
+        where one is set (Gemma4; None for the other families, whose layers share one shape)."""
+        if layer_type == "full_attention":
             kv = self.num_global_key_value_heads or self.num_key_value_heads
             return kv, self.global_head_dim or self.head_dim
         return self.num_key_value_heads, self.head_dim
@@ -181,104 +200,34 @@ class DecoderConfig:
         return dataclasses.replace(self, **kw)
 
     def num_params(self) -> int:
-        if self.is_gemma4:
-            return _gemma4_num_params(self)
-        d, f, h, kv, hd = (self.hidden_size, self.intermediate_size, self.num_attention_heads,
-                           self.num_key_value_heads, self.head_dim)
-        per_layer = d * hd * (2 * h + 2 * kv) + 3 * d * f + 2 * d + (2 * hd if self.qk_norm else 0)
-        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + emb + d
+        return family_spec(self.family).num_params(self)
 
     # ------------------------------------------------------------------ HF interop
     @classmethod
     def from_hf_dict(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "DecoderConfig":
-        """Builds a config from a Hugging Face `config.json` dict; errors name `source`."""
+        """Builds a config from a Hugging Face `config.json` dict; errors name `source`. The
+        family is the one whose architectures (else model_type) the dict names."""
         archs = cfg.get("architectures") or []
         model_type = cfg.get("model_type")
         family = None
         for a in archs:
-            family = SUPPORTED_ARCHITECTURES.get(a, family)
-        if family is None and model_type in ("llama", "qwen3"):
-            family = model_type
-        if family is None and str(model_type).startswith("gemma4"):
-            family = "gemma4"
-        if family == "gemma4":
-            from dspark_jax.models.gemma4_config import gemma4_from_hf
-
-            return gemma4_from_hf(cls, cfg, source)
+            family = next((f for f in _FAMILIES.values() if a in f.hf_architectures), family)
         if family is None:
+            family = next((f for f in _FAMILIES.values() if f.claims_model_type(model_type)), None)
+        if family is None:
+            supported = sorted(a for f in _FAMILIES.values() for a in f.hf_architectures)
             raise ConfigError(
                 f"{source}: unsupported architecture {archs or model_type!r}; supported: "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
-
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise ConfigError(f"{source}: missing required field {key!r}")
-            return cfg[key]
-
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        head_dim = cfg.get("head_dim") or hidden // heads
-        return cls(
-            family=family,
-            vocab_size=int(need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=rope_from_hf(cfg, source),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "llama")),
-            qk_norm=family == "qwen3",
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=(tuple(cfg["eos_token_id"]) if isinstance(cfg.get("eos_token_id"), list)
-                          else cfg.get("eos_token_id")),
-            pad_token_id=cfg.get("pad_token_id"),
-        )
+                f"{supported}")
+        return family.config_from_hf(cls, cfg, source)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        if self.is_gemma4:
-            from dspark_jax.models.gemma4_config import gemma4_to_hf
+        return family_spec(self.family).config_to_hf(self)
 
-            return gemma4_to_hf(self)
-        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.family]
-        rope_scaling = None
-        if self.rope.rope_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": self.rope.factor}
-        elif self.rope.rope_type == "llama3":
-            rope_scaling = {
-                "rope_type": "llama3", "factor": self.rope.factor,
-                "low_freq_factor": self.rope.low_freq_factor,
-                "high_freq_factor": self.rope.high_freq_factor,
-                "original_max_position_embeddings": self.rope.original_max_position_embeddings,
-            }
-        out = {
-            "architectures": [arch],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope.theta,
-            "rope_scaling": rope_scaling,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "torch_dtype": "float32",
-        }
-        return out
+    def draft_layer_config(self, num_layers: int, layer_family: str) -> "DecoderConfig":
+        """The config of `num_layers` drafter layers of `layer_family` for this target (SPEC §3:
+        the target's shapes; each family says which of its fields the draft layers keep)."""
+        return family_spec(layer_family).draft_layer_config(self, num_layers)
 
 
 def rope_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> RopeConfig:
@@ -331,22 +280,3 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> list[float]:
                 out.append((1 - smooth) * f / rope.factor + smooth * f)
         inv = out
     return inv
-
-
-def _gemma4_num_params(c: DecoderConfig) -> int:
-    d, h = c.hidden_size, c.num_attention_heads
-    total = c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d
-    p = c.hidden_size_per_layer_input
-    if p:
-        total += (c.vocab_size_per_layer_input or c.vocab_size) * c.num_hidden_layers * p
-        total += d * c.num_hidden_layers * p + p
-    for i in range(c.num_hidden_layers):
-        t = c.layer_type(i)
-        kv, hd = c.attn_shape(t)
-        n = d * hd * 2 * h + hd + 4 * d + 3 * d * c.mlp_size(i) + 1
-        if c.kv_producer(i) == i:
-            n += d * hd * kv * (2 if c.has_v_proj(t) else 1) + hd
-        if p:
-            n += 2 * d * p + d
-        total += n
-    return total

@@ -1,13 +1,15 @@
 """Transformer building blocks shared by the target decoder and the drafters (SPEC §2–3, §5).
 
-Pure functions over arrays (RMSNorm, RoPE, GQA attention, SwiGLU) plus `DecoderLayers`, an NNX
-module that holds the parameters of L pre-norm decoder layers stacked on a leading "layers"
-axis so the forward can `lax.scan` over them (one compiled layer body instead of L).
+Pure functions over arrays (RMSNorm, RoPE, GQA attention, SwiGLU, GeGLU) plus `DecoderLayers`,
+an NNX module that holds the parameters of L Llama/Qwen3 pre-norm decoder layers stacked on a
+leading "layers" axis so the forward can `lax.scan` over them (one compiled layer body instead
+of L), and `RaggedRows`, the cache addressing of the flattened verification pass.
 Parameter layouts are einsum-friendly: q_proj is [L, D, N, H] ('BTD,DNH->BTNH').
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -160,6 +162,17 @@ class DecoderLayers(nnx.Module):
         """The stacked parameters as a dict of arrays cast to the compute dtype."""
         return {n: getattr(self, n).get_value().astype(dtype)
                 for n in self.NAMES if hasattr(self, n)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedRows:
+    """Cache addressing of a ragged call (B = 1, T = K flattened tokens; paper §5.2–5.3):
+    token k reads cache row `read_k[k]` and writes row `write_k[k]` (out of range: dropped,
+    for padding); `valid_k` masks padding's queries."""
+
+    read_k: jax.Array
+    write_k: jax.Array
+    valid_k: jax.Array
 
 
 def project_q(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:

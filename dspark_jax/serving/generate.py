@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dspark_jax.decoding.autoregressive import pad_prompts
-from dspark_jax.models.draft_config import validate_against_target
+from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.serving.engine import Engine
 
 

@@ -34,6 +34,7 @@ from typing import Any, Mapping
 import jax
 import orbax.checkpoint as ocp
 
+from dspark_jax.models.io.errors import CheckpointError
 from dspark_jax.train.step import TrainState
 
 log = logging.getLogger(__name__)
@@ -41,10 +42,6 @@ log = logging.getLogger(__name__)
 COMMIT_MARKER = "commit_success.txt"
 META_FORMAT = 1
 ITEMS = ("state", "data", "meta")
-
-
-class CheckpointError(RuntimeError):
-    """Base class of checkpoint problems; the message names the directory."""
 
 
 class CheckpointMismatchError(CheckpointError):

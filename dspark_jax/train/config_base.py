@@ -25,7 +25,7 @@ import dataclasses
 
 import ml_collections
 
-from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.drafters.config import DraftConfig
 
 AUTO_MASK_TOKEN = -1
 

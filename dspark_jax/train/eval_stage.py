@@ -79,7 +79,7 @@ def heldout_eval(c, fns_mesh, draft_cfg, target, params, frozen, records: list) 
 def speculative_eval(c, target, export_dir: pathlib.Path, heldout_convs,
                      workdir: pathlib.Path) -> dict[str, Any]:
     """Speculative decoding with the exported drafter (read by every process once written)."""
-    from dspark_jax.models.draft import load_draft
+    from dspark_jax.models.drafters.draft import load_draft
 
     return speculative_hook(c, target, load_draft(export_dir, target), heldout_convs, workdir)
 
@@ -140,7 +140,7 @@ def export_draft(graphdef, params, frozen, out: pathlib.Path, verifier: str | No
     from flax import nnx
 
     from dspark_jax.export import write_export
-    from dspark_jax.models.draft import Draft
+    from dspark_jax.models.drafters.draft import Draft
 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -182,7 +182,7 @@ def deepspec_check(c, target, deepspec_dir: pathlib.Path, heldout_convs) -> dict
         return {"skipped": "runs on single-process jobs only"}
     from dspark_jax.data.chat import render_prompt
     from dspark_jax.serving import speculative_generate
-    from dspark_jax.models.draft import load_draft
+    from dspark_jax.models.drafters.draft import load_draft
 
     tok = target.tokenizer
     prompts = [render_prompt([next(m for m in conv.messages if m["role"] == "user")], tok)

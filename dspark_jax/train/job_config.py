@@ -196,7 +196,7 @@ def maybe_initialize_distributed(c: ml_collections.ConfigDict) -> None:
 def build_draft_config(c: ml_collections.ConfigDict, target: Any):
     """DraftConfig from `config.draft` (DraftConfig's ConfigError names a bad field)."""
     from dspark_jax.models.config import ConfigError
-    from dspark_jax.models.draft_config import DraftConfig, validate_against_target
+    from dspark_jax.models.drafters.config import DraftConfig, validate_against_target
 
     fields = dict(c.draft.to_dict())
     fields["target_layer_ids"] = tuple(int(i) for i in fields["target_layer_ids"])

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.train.anchors import (AnchorBlocks, build_blocks, position_weights, sample_anchors,
                                      sampler_stats)
 

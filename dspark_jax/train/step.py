@@ -27,8 +27,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.dspark import FrozenParam
+from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.drafters.dspark import FrozenParam
 from dspark_jax.sharding import (abstract_on_mesh, constrain, logical_to_spec, put_on_mesh,
                                  state_shardings, use_mesh)
 from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums

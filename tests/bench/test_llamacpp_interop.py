@@ -112,7 +112,7 @@ def _bigram_drafters(out: pathlib.Path, n_prompts: int, max_new: int) -> list[pa
     from dspark_jax.decoding.autoregressive import autoregressive_generate
     from dspark_jax.export import write_export
     from dspark_jax.models import load_target
-    from dspark_jax.models.draft import Draft, init_draft
+    from dspark_jax.models.drafters.draft import Draft, init_draft
 
     target = load_target(li.TARGET_NAME)
     prompts = li.bench_prompts(str(DATA), "mbpp", n_prompts, target.tokenizer)

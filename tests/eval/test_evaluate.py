@@ -51,7 +51,7 @@ def _build_env(base: pathlib.Path) -> dict[str, Any]:
     from dspark_jax.models import init_draft, load_target
     from dspark_jax.models.config import DecoderConfig
     from dspark_jax.models.decoder import create_target
-    from dspark_jax.models.hf_io import export_hf_target
+    from dspark_jax.models.io.hf import export_hf_target
     from dspark_jax.models.tokenizer import load_tokenizer
 
     cfg = DecoderConfig(family="llama", vocab_size=49152, hidden_size=32, intermediate_size=64,

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.models.block_attention import chunked_block_attend, dense_block_attend
+from dspark_jax.models.drafters.block_attention import chunked_block_attend, dense_block_attend
 
 B, A, T, N, K, H, S = 2, 5, 3, 4, 2, 8, 19
 

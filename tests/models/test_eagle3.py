@@ -15,8 +15,8 @@ from flax import nnx
 from dspark_jax.models import DraftConfig, Target, init_draft, load_draft
 from dspark_jax.models.config import DecoderConfig, RopeConfig, rope_inv_freq
 from dspark_jax.models.decoder import create_target
-from dspark_jax.models.dspark import FrozenParam
-from dspark_jax.models.eagle3 import (Eagle3Draft, base_positions, ttt_base_mask,
+from dspark_jax.models.drafters.dspark import FrozenParam
+from dspark_jax.models.drafters.eagle3 import (Eagle3Draft, base_positions, ttt_base_mask,
                                       ttt_dense_mask, ttt_diag_valid, ttt_positions)
 from dspark_jax.train.eagle3_loss import eagle3_loss
 
@@ -388,7 +388,7 @@ def test_deepspec_round_trip(target, tmp_path):
     d.save(tmp_path / "e3")
     raw = json.loads((tmp_path / "e3" / "config.json").read_text())
     assert raw["architectures"] == ["Qwen3Eagle3Model"] and raw["num_hidden_layers"] == 1
-    from dspark_jax.models.hf_io import read_safetensors_dir
+    from dspark_jax.models.io.hf import read_safetensors_dir
 
     tensors = read_safetensors_dir(tmp_path / "e3")
     assert tensors["layers.0.self_attn.q_proj.weight"].shape == (4 * 8, 2 * D)

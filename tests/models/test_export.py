@@ -12,8 +12,8 @@ import pytest
 
 from dspark_jax import export as export_cli
 from dspark_jax.models import init_draft, load_draft, load_target
-from dspark_jax.models.deepspec_io import ExportError, LegacyDrafterWarning
-from dspark_jax.models.hf_io import read_safetensors_dir, write_safetensors
+from dspark_jax.models.io.deepspec import ExportError, LegacyDrafterWarning
+from dspark_jax.models.io.hf import read_safetensors_dir, write_safetensors
 from hf_tiny import save_tiny_hf
 
 BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,

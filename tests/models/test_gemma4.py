@@ -20,7 +20,7 @@ from flax import nnx
 from dspark_jax.models import ConfigError, load_target
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.decoder import init_cache
-from dspark_jax.models.hf_io import (CheckpointError, export_hf_target, read_safetensors_dir,
+from dspark_jax.models.io.hf import (CheckpointError, export_hf_target, read_safetensors_dir,
                                      target_from_tensors)
 from hf_tiny import GEMMA4_VARIANTS, load_hf, save_tiny_gemma4, tiny_gemma4_config
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from flax import nnx
 
 from dspark_jax.models import init_draft, load_target
-from dspark_jax.models.hf_io import read_safetensors_dir
+from dspark_jax.models.io.hf import read_safetensors_dir
 from hf_tiny import save_tiny_gemma4
 
 # targets without per-layer inputs / KV sharing (DeepSpec's Gemma4 drafters refuse those)

@@ -16,7 +16,7 @@ from dspark_jax.decoding import autoregressive_generate
 from dspark_jax.serving import speculative_generate
 from dspark_jax.models import init_draft, load_draft, load_target
 from dspark_jax.models.config import ConfigError
-from dspark_jax.models.hf_io import read_safetensors_dir
+from dspark_jax.models.io.hf import read_safetensors_dir
 from hf_tiny import save_tiny_gemma4
 
 # DeepSpec's Gemma4 drafters refuse per-layer inputs: a target with every other feature
@@ -92,7 +92,7 @@ def test_gemma4_greedy_speculative_equals_autoregressive(target, kind):
 def test_gemma4_bad_drafter_checkpoints_name_file_and_field(target, tmp_path):
     """MoE / per-layer-input drafter configs, head shapes other than the target's and tensors
     whose shapes disagree with config.json fail naming the file and the field."""
-    from dspark_jax.models.hf_io import CheckpointError, write_safetensors
+    from dspark_jax.models.io.hf import CheckpointError, write_safetensors
 
     src = tmp_path / "d"
     init_draft(target, DRAFTS["dspark"], seed=1).save(src)
@@ -122,8 +122,8 @@ def test_gemma4_bad_drafter_checkpoints_name_file_and_field(target, tmp_path):
 def test_gemma4_drafter_config_writes_the_k_eq_v_head_count(target):
     """k=v targets whose full layers have as many K/V heads as the sliding ones still write an
     int `num_global_key_value_heads` (DeepSpec's drafters call int() on it)."""
-    from dspark_jax.models.draft_config import DraftConfig
-    from dspark_jax.models.gemma4_draft import deepspec_base_config
+    from dspark_jax.models.drafters.config import DraftConfig
+    from dspark_jax.models.gemma4.drafters import deepspec_base_config
 
     t = target.config.replace(num_global_key_value_heads=None)
     assert t.attention_k_eq_v and t.attn_shape("full_attention")[0] == t.num_key_value_heads

@@ -1,4 +1,4 @@
-"""Tests for dspark_jax.models.gguf_io (GGUF -> HF llama checkpoint) and
+"""Tests for dspark_jax.models.io.gguf (GGUF -> HF llama checkpoint) and
 dspark_jax.models.tokenizer (GGUF / Qwen3 / HF-dir tokenizers).
 
 Oracles: transformers' own GGUF loaders (``AutoTokenizer`` / ``AutoModelForCausalLM`` with
@@ -14,8 +14,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from dspark_jax.models import gguf_io
-from dspark_jax.models.gguf_io import (
+from dspark_jax.models.io import gguf as gguf_io
+from dspark_jax.models.io.gguf import (
     GGUFError,
     llama_cpp_permute_qk,
     locate_smollm2_gguf,

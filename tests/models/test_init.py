@@ -76,7 +76,7 @@ def test_backbone_from_target_starts_on_the_targets_own_context_kv(target):
     import jax.numpy as jnp
 
     from dspark_jax.models import layers as L
-    from dspark_jax.models.draft import copied_target_layers
+    from dspark_jax.models.drafters.draft import copied_target_layers
 
     model = create_target(target.config, seed=1)     # norms ≠ 1, so a wrong norm shows
     rng = np.random.default_rng(1)

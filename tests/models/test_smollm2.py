@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark_jax.models import load_target
-from dspark_jax.models.gguf_io import locate_smollm2_gguf
+from dspark_jax.models.io.gguf import locate_smollm2_gguf
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 
 from dspark_jax.models import ConfigError, load_target
 from dspark_jax.models.decoder import init_cache
-from dspark_jax.models.hf_io import CheckpointError, export_hf_target
+from dspark_jax.models.io.hf import CheckpointError, export_hf_target
 from hf_tiny import load_hf, save_tiny_hf
 
 VARIANTS = {

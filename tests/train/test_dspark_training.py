@@ -10,7 +10,7 @@ import pytest
 
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.models.config import ConfigError
-from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.sharding import make_mesh
 from dspark_jax.train.anchors import sample_anchors
 from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums

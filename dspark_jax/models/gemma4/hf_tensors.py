@@ -3,8 +3,9 @@
 Reads `Gemma4ForCausalLM` checkpoints (`model.layers.i.…`) and the text decoder of multimodal
 `Gemma4ForConditionalGeneration` ones (`model.language_model.layers.i.…`; vision/audio tensors
 are skipped with a log line). Per-layer tensors are regrouped into the period-slot stacks of
-models/gemma4.py; a tensor whose shape disagrees with config.json fails naming file, tensor and
-the config field that sets the expected shape. Writes back the `Gemma4ForCausalLM` layout.
+models/gemma4/decoder.py; a tensor whose shape disagrees with config.json fails naming file,
+tensor and the config field that sets the expected shape. Writes back the `Gemma4ForCausalLM`
+layout. The same per-layer names are DeepSpec's for the layers of its Gemma4 drafters.
 """
 
 from __future__ import annotations
@@ -15,17 +16,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from dspark_jax.models.config import DecoderConfig
-from dspark_jax.models.gemma4 import plan_segments
+from dspark_jax.models.gemma4.decoder import plan_segments
+from dspark_jax.models.io.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
 PREFIXES = ("model.language_model.", "model.")
-
-
-def _err(msg: str) -> Exception:
-    from dspark_jax.models.hf_io import CheckpointError
-
-    return CheckpointError(msg)
 
 
 def text_prefix(tensors: Mapping[str, np.ndarray], source: str) -> str:
@@ -39,8 +35,9 @@ def text_prefix(tensors: Mapping[str, np.ndarray], source: str) -> str:
                 log.info("%s: loading the text decoder only; ignoring %s", source,
                          ", ".join(other))
             return p
-    raise _err(f"{source}: missing tensor 'model.embed_tokens.weight' (or "
-               "'model.language_model.embed_tokens.weight' for a multimodal Gemma4 checkpoint)")
+    raise CheckpointError(f"{source}: missing tensor 'model.embed_tokens.weight' (or "
+                          "'model.language_model.embed_tokens.weight' for a multimodal Gemma4 "
+                          "checkpoint)")
 
 
 def _layer_tensors(cfg: DecoderConfig, i: int, attn_in_dim: int | None = None
@@ -122,11 +119,11 @@ def _to_hf(name: str, t: np.ndarray) -> np.ndarray:
 def _check(tensors: Mapping[str, np.ndarray], source: str):
     def get(key: str, shape: tuple[int, ...], field: str) -> np.ndarray:
         if key not in tensors:
-            raise _err(f"{source}: missing tensor {key!r}")
+            raise CheckpointError(f"{source}: missing tensor {key!r}")
         t = np.asarray(tensors[key])
         if t.shape != shape:
-            raise _err(f"{source}: tensor {key!r} has shape {t.shape}, but config.json field "
-                       f"{field!r} implies {shape}")
+            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, but "
+                                  f"config.json field {field!r} implies {shape}")
         return t
     return get
 
@@ -153,6 +150,19 @@ def export_layers(group: Mapping[str, Any], prefix: str, cfg: DecoderConfig,
             out[f"{prefix}{i}.{suffix}"] = np.ascontiguousarray(
                 _to_hf(name, np.asarray(group[name])[n]))
     return out
+
+
+def import_all_layers(tensors: Mapping[str, np.ndarray], prefix: str, cfg: DecoderConfig,
+                      source: str, attn_in_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Every layer of `cfg` as one stacked group (a drafter's layers, all the same type)."""
+    return import_layers(tensors, prefix, cfg, list(range(cfg.num_hidden_layers)), source,
+                         attn_in_dim)
+
+
+def export_all_layers(group: Mapping[str, Any], prefix: str, cfg: DecoderConfig
+                      ) -> dict[str, np.ndarray]:
+    """Inverse of `import_all_layers`."""
+    return export_layers(group, prefix, cfg, list(range(cfg.num_hidden_layers)))
 
 
 def gemma4_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
@@ -184,8 +194,8 @@ def gemma4_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
         pure["lm_head"] = get("lm_head.weight", (V, D), "tie_word_embeddings")
     extra = [k for k in tensors if k.startswith(f"{pre}layers.{Lh}.")]
     if extra:
-        raise _err(f"{source}: checkpoint has more layers than config.json field "
-                   f"'num_hidden_layers' ({Lh}) says; e.g. {extra[0]!r}")
+        raise CheckpointError(f"{source}: checkpoint has more layers than config.json field "
+                              f"'num_hidden_layers' ({Lh}) says; e.g. {extra[0]!r}")
     return pure
 
 

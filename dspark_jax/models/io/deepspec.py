@@ -13,6 +13,8 @@ Reading accepts what DeepSpec's evaluator (eval.py) maps: the architectures Qwen
 Qwen3Eagle3Model / Eagle3DraftModel (and our Llama variants), tensors with or without a
 `model.` prefix, and the Eagle3DraftModel (SpecForge) single-layer names `midlayer.*` with an
 identity `d2t`/`t2d` vocabulary map. A missing or unexpected tensor is an error naming the file.
+What depends on the draft layers' family (Gemma4's `Gemma4DSparkModel` keeps the target's
+Gemma4 config and its own layer tensors) is that family's record in models/families.py.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import ConfigError, DecoderConfig
-from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.hf_io import (CheckpointError, export_layer_stack, import_layer_stack,
-                                     read_config_json, read_safetensors_dir, write_safetensors)
+from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.families import FAMILIES, family, family_by_deepspec_prefix
+from dspark_jax.models.io.errors import CheckpointError, ExportError
+from dspark_jax.models.io.hf import read_config_json, read_safetensors_dir, write_safetensors
 
-_ARCH = re.compile(r"^(Qwen3|Llama|Gemma4)(DSpark|DFlash|Eagle3)(Model|ForCausalLM)?$")
-_FAMILY = {"Qwen3": "qwen3", "Llama": "llama", "Gemma4": "gemma4"}
+_ARCH = re.compile(r"^(" + "|".join(f.deepspec_prefix for f in FAMILIES.values())
+                   + r")(DSpark|DFlash|Eagle3)(Model|ForCausalLM)?$")
 EAGLE3_DRAFT_MODEL = "Eagle3DraftModel"   # eval.py maps it to the Qwen3 Eagle3 evaluator
 
 
@@ -59,8 +62,7 @@ def _arch_info(raw: Mapping[str, Any], source: str) -> tuple[str, str]:
             return ("llama" if raw.get("model_type") == "llama" else "qwen3"), "eagle3"
         m = _ARCH.match(a)
         if m:
-            family = _FAMILY[m.group(1)]
-            return family, m.group(2).lower()
+            return family_by_deepspec_prefix(m.group(1)).name, m.group(2).lower()
     raise ConfigError(f"{source}: not a DeepSpec drafter (architectures "
                       f"{raw.get('architectures')!r}; expected e.g. Qwen3DSparkModel, "
                       f"Qwen3Eagle3Model, {EAGLE3_DRAFT_MODEL})")
@@ -69,21 +71,14 @@ def _arch_info(raw: Mapping[str, Any], source: str) -> tuple[str, str]:
 def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.json",
                                target: DecoderConfig | None = None) -> DraftConfig:
     """DeepSpec config.json → DraftConfig (the target shape comes from `target` if given)."""
-    family, kind = _arch_info(raw, source)
+    family_name, kind = _arch_info(raw, source)
+    layers = family(family_name)
     ours = dict(raw.get("dspark_jax") or {})
     ours.pop("export", None)     # how the directory was written (write_deepspec_dir)
-    if family == "gemma4":
-        from dspark_jax.models import gemma4_draft
-
-        layer_shape = gemma4_draft.layer_shape_from_deepspec(raw, source)
-        if target is not None:
-            gemma4_draft.check_draft_shapes(layer_shape, target, source)
-    else:
-        shape = dict(raw)
-        shape["architectures"] = ["Qwen3ForCausalLM" if family == "qwen3" else "LlamaForCausalLM"]
-        shape["model_type"] = family
-        layer_shape = DecoderConfig.from_hf_dict(shape, source=source)
-    if family == "llama" and EAGLE3_DRAFT_MODEL not in (raw.get("architectures") or []):
+    layer_shape = layers.deepspec_layer_config(raw, source)
+    if target is not None:
+        layers.check_draft_shapes(layer_shape, target, source)
+    if layers.legacy_draft_layers and EAGLE3_DRAFT_MODEL not in (raw.get("architectures") or []):
         # exported before the draft layers became Qwen3's (issue 24): Llama layers, no q/k norm
         warnings.warn(f"{source}: a Llama-layer drafter ({raw.get('architectures')}, no q/k "
                       "norms) from an older dspark_jax; it loads as the drafter it is, but no "
@@ -102,10 +97,11 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
                     f"{getattr(layer_shape, field)}, but the target has {getattr(target, field)}")
     else:
         n_target = int(raw.get("num_target_layers") or max(ids) + 2)
-        target = layer_shape.replace(num_hidden_layers=n_target)
-        if family == "gemma4":
-            target = target.replace(layer_types=("full_attention",) * n_target)
-    fields: dict[str, Any] = dict(target_layer_ids=ids, layer_family=family)
+        # the target's own layers are not in the file: its shape, full attention throughout
+        target = layer_shape.replace(
+            num_hidden_layers=n_target,
+            layer_types=("full_attention",) * n_target if layer_shape.layer_types else ())
+    fields: dict[str, Any] = dict(target_layer_ids=ids, layer_family=family_name)
     if kind == "eagle3":
         ttt = int(raw.get("ttt_length", 7))
         fields.update(model_type="eagle3", ttt_length=ttt,
@@ -136,13 +132,9 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
 def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
     """config.json of a drafter: DeepSpec's fields top-level, ours under `dspark_jax`."""
     layer_cfg = cfg.layer_config()
-    if cfg.target.is_gemma4:
-        from dspark_jax.models.gemma4_draft import deepspec_base_config
-
-        hf = deepspec_base_config(cfg)
-    else:
-        hf = layer_cfg.to_hf_dict()
-    prefix = {"qwen3": "Qwen3", "llama": "Llama", "gemma4": "Gemma4"}[cfg.layer_family]
+    layers = family(cfg.layer_family)
+    hf = layers.deepspec_base_config(cfg)
+    prefix = layers.deepspec_prefix
     kind = {"dspark": "DSpark", "dflash": "DSpark", "eagle3": "Eagle3"}[cfg.model_type]
     n = layer_cfg.num_hidden_layers
     hf.setdefault("layer_types", ["full_attention"] * n)
@@ -174,20 +166,11 @@ def deepspec_tensor_names(cfg: DraftConfig) -> list[str]:
     embed_tokens, fc, layers with their hidden_norm, norm, lm_head)."""
     lc = cfg.layer_config()
     names = ["embed_tokens.weight", "lm_head.weight", "norm.weight", "fc.weight"]
-    if lc.is_gemma4:  # Gemma4 draft layers: sandwich norms, layer scalar, k=v variants
-        from dspark_jax.models.gemma4_io import layer_tensor_names
-
-        attn_in = 2 * lc.hidden_size if cfg.model_type == "eagle3" else None
-        for i in range(lc.num_hidden_layers):
-            names += [f"layers.{i}.{n}" for n in layer_tensor_names(lc, i, attn_in)]
-    else:
-        per_layer = ["input_layernorm.weight", "self_attn.q_proj.weight",
-                     "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                     "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-        if lc.qk_norm:
-            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        names += [f"layers.{i}.{n}" for i in range(lc.num_hidden_layers) for n in per_layer]
+    # the layers' own names (Gemma4: sandwich norms, layer scalar, k=v variants)
+    layer_names = family(cfg.layer_family).layer_tensor_names
+    attn_in = 2 * lc.hidden_size if cfg.model_type == "eagle3" else None
+    for i in range(lc.num_hidden_layers):
+        names += [f"layers.{i}.{n}" for n in layer_names(lc, i, attn_in)]
     if cfg.model_type == "eagle3":
         names += [f"layers.{i}.hidden_norm.weight" for i in range(lc.num_hidden_layers)]
     if cfg.model_type == "eagle3":
@@ -259,27 +242,14 @@ def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]
         "norm": g("norm.weight", (D,)),
         "fc": g("fc.weight", (D, n * D)).T,
     }
+    import_layers = family(cfg.layer_family).import_layers
     if cfg.model_type == "eagle3":
-        if lc.is_gemma4:
-            from dspark_jax.models.gemma4_io import import_layers
-
-            pure["layers"] = import_layers(tensors, "layers.", lc,
-                                           list(range(lc.num_hidden_layers)), source,
-                                           attn_in_dim=2 * D)
-        else:
-            pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc,
-                                                source, attn_in_dim=2 * D)
+        pure["layers"] = import_layers(tensors, "layers.", lc, source, attn_in_dim=2 * D)
         pure["hidden_norm"] = np.stack([g(f"layers.{i}.hidden_norm.weight", (D,))
                                         for i in range(lc.num_hidden_layers)])
         return pure
     pure["hidden_norm"] = g("hidden_norm.weight", (D,))
-    if lc.is_gemma4:
-        from dspark_jax.models.gemma4_io import import_layers
-
-        pure["layers"] = import_layers(tensors, "layers.", lc, list(range(lc.num_hidden_layers)),
-                                       source)
-    else:
-        pure["layers"] = import_layer_stack(tensors, "layers.", lc.num_hidden_layers, lc, source)
+    pure["layers"] = import_layers(tensors, "layers.", lc, source)
     if cfg.has_markov:
         r = cfg.markov_rank
         mk = {"w1": g("markov_head.markov_w1.weight", (V, r)),
@@ -301,13 +271,7 @@ def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]
 def deepspec_tensors_from_pure(cfg: DraftConfig, pure: Mapping[str, Any]) -> dict[str, np.ndarray]:
     to_np = lambda x: np.asarray(jax.device_get(x))
     layers = {k: to_np(v) for k, v in pure["layers"].items()}
-    if cfg.target.is_gemma4:
-        from dspark_jax.models.gemma4_io import export_layers
-
-        lc = cfg.layer_config()
-        layer_tensors = export_layers(layers, "layers.", lc, list(range(lc.num_hidden_layers)))
-    else:
-        layer_tensors = export_layer_stack(layers, "layers.")
+    layer_tensors = family(cfg.layer_family).export_layers(layers, "layers.", cfg.layer_config())
     out = {
         "embed_tokens.weight": to_np(pure["embed"]),
         "lm_head.weight": to_np(pure["lm_head"]),
@@ -346,10 +310,6 @@ def read_deepspec_dir(path: str | os.PathLike, target: DecoderConfig | None = No
     source = str(single if single.exists() else path)
     tensors = canonical_tensors(cfg, read_safetensors_dir(path), source)
     return cfg, draft_pure_from_deepspec(cfg, tensors, source)
-
-
-class ExportError(ValueError):
-    """A drafter that the requested export format cannot hold faithfully (names the field)."""
 
 
 FULL_VOCAB_FALLBACK_NOTE = (

@@ -2,8 +2,8 @@
 `Gemma4Eagle3Model` build them (SPEC §3, §5; the paper's cross-family Gemma4-12B result).
 
 The parallel block backbone, context injection, Markov and confidence heads are those of
-models/dspark.py; what changes is the draft layer, which follows Gemma4's full-attention layer:
-head dim `global_head_dim`, K/V heads `num_global_key_value_heads` when `attention_k_eq_v`
+models/drafters/dspark.py; what changes is the draft layer, which follows Gemma4's full-attention
+layer: head dim `global_head_dim`, K/V heads `num_global_key_value_heads` when `attention_k_eq_v`
 (then no v_proj: values are the v-normed k_proj output) else `num_key_value_heads`, q/k norms
 and the scale-free v norm on context and block K/V alike, attention scale 1, sandwich norms,
 GELU-tanh MLP, a per-layer scalar, the full-attention (proportional) RoPE, a √D-scaled token
@@ -20,13 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.models import gemma4 as G
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import ConfigError, DecoderConfig
-from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.dspark import DSparkDraft, frozen
-from dspark_jax.models.eagle3 import Eagle3Draft
-from dspark_jax.models.heads import ConfidenceHead, MarkovHead
+from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.drafters.dspark import DSparkDraft, frozen
+from dspark_jax.models.drafters.eagle3 import Eagle3Draft
+from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
+from dspark_jax.models.gemma4 import decoder as G
+from dspark_jax.models.gemma4.config import gemma4_from_hf, gemma4_to_hf
 
 
 def gemma4_draft_layer_config(target: DecoderConfig, n: int) -> DecoderConfig:
@@ -154,8 +155,6 @@ def deepspec_base_config(cfg: DraftConfig) -> dict[str, Any]:
     """The Gemma4 part of a DeepSpec drafter config.json: the target's text config with
     `num_hidden_layers` = draft layers, all full attention, untied (DeepSpec's
     `build_draft_config`), keeping `global_head_dim` / `num_global_key_value_heads`."""
-    from dspark_jax.models.gemma4_config import gemma4_to_hf
-
     t, n = cfg.target, cfg.layer_config().num_hidden_layers
     hf = gemma4_to_hf(t)
     kv, hd = t.attn_shape("full_attention")
@@ -173,8 +172,6 @@ def deepspec_base_config(cfg: DraftConfig) -> dict[str, Any]:
 
 def layer_shape_from_deepspec(raw: dict[str, Any], source: str) -> DecoderConfig:
     """A Gemma4 drafter config.json → DecoderConfig of its (full-attention) draft layers."""
-    from dspark_jax.models.gemma4_config import gemma4_from_hf
-
     shape = dict(raw)
     shape["architectures"] = ["Gemma4ForCausalLM"]
     shape.setdefault("model_type", "gemma4_text")

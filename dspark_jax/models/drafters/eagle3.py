@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.models import layers as L
-from dspark_jax.models.draft_config import DraftConfig
-from dspark_jax.models.dspark import (FrozenParam, draft_vocab_ids, frozen,
+from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.drafters.dspark import (FrozenParam, draft_vocab_ids, frozen,
                                       restrict_to_draft_vocab)
 from dspark_jax.sharding import constrain
 
@@ -176,7 +176,7 @@ class Eagle3Cache:
 
 # ----------------------------------------------------------------------------- the drafter
 class Eagle3Draft(nnx.Module):
-    """EAGLE-3 drafter with DeepSpec's parameter layout (mapped by deepspec_io.py)."""
+    """EAGLE-3 drafter with DeepSpec's parameter layout (mapped by models/io/deepspec.py)."""
 
     def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):

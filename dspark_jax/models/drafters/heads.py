@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.models.draft_config import DraftConfig
+from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.layers import param
 
 

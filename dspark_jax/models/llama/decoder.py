@@ -1,0 +1,142 @@
+"""The Llama / Qwen3 decoder layers inside the target decoder (SPEC §1–2; the paper's Qwen3
+targets). `TargetDecoder` (models/decoder.py) runs them through the "llama" / "qwen3" families.
+
+All layers share one shape, so their parameters are stacked on a leading "layers" axis
+(`layers.DecoderLayers`) and one `lax.scan` body runs them. The KV cache is one array per k/v,
+[L, B, S_max, K, H]; a token writes its K/V at its position and attends to every cached key at
+a position ≤ its own. `ragged_forward` is the verification pass of load-aware decoding (paper
+§5.2–5.3, SPEC §9): flattened tokens of many requests, each its own attention row over its
+request's cache row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models import layers as L
+from dspark_jax.models.config import DecoderConfig
+
+
+def make_stack(cfg: DecoderConfig, *, rngs: nnx.Rngs, param_dtype: Any) -> L.DecoderLayers:
+    return L.DecoderLayers(cfg, cfg.num_hidden_layers, rngs=rngs, param_dtype=param_dtype)
+
+
+def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any,
+            num_layers: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Zero K and V caches [L, B, S_max, K, H] (`num_layers` overrides L)."""
+    shape = (num_layers or cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads,
+             cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int
+               ) -> tuple[jax.Array, list[int]]:
+    """Tap buffer [max(n, 1), B, T, D] (embedding taps filled) and each layer's tap slot."""
+    slot_of_layer = [-1] * num_layers
+    for slot, lid in enumerate(tap_ids):
+        if lid >= 0:
+            slot_of_layer[lid] = slot
+    taps0 = jnp.zeros((max(len(tap_ids), 1),) + h.shape, h.dtype)
+    for slot, lid in enumerate(tap_ids):
+        if lid == -1:
+            taps0 = taps0.at[slot].set(h)
+    return taps0, slot_of_layer
+
+
+def forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
+            positions_bt: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
+            segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any
+            ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array] | None]:
+    """Runs every layer on the embedded tokens h [B, T, D].
+
+    Returns (h before the final norm, taps [n, B, T, D] or None, the updated (k, v) caches).
+    Without `cache_kv`: causal attention over the T tokens (restricted to equal non-zero
+    `segment_ids_bt`, for packed rows). With it: token t of row b writes its K/V at
+    `positions_bt[b, t]` and sees every cached key at a position ≤ its own.
+    """
+    B, T = tokens_bt.shape
+    n_taps = len(tap_ids)
+    taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
+    if cache_kv is None:
+        idx = jnp.arange(T)
+        mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
+        if segment_ids_bt is not None:
+            seg = segment_ids_bt
+            mask = mask & (seg[:, :, None] == seg[:, None, :])
+    else:
+        key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)
+        mask = key_pos[None, None, :] <= positions_bt[:, :, None]  # [B,T,S]
+
+    params = stack.stacked(dtype)
+    eps = cfg.rms_norm_eps
+    b_idx = jnp.arange(B)[:, None]
+
+    def body(carry, xs):
+        h, taps, kv = carry
+        lp, layer_idx, slot = xs
+        x = L.rms_norm(h, lp["input_norm"], eps)
+        q = L.apply_rope(L.project_q(lp, x, eps), positions_bt, cfg.rope)
+        k, v = L.project_kv(lp, x, eps)
+        k = L.apply_rope(k, positions_bt, cfg.rope)
+        if kv is None:
+            attn = L.attend(q, k, v, mask)
+        else:
+            kc, vc = kv
+            # scatter this step's K/V at per-row positions; out-of-range rows are dropped
+            kc = kc.at[layer_idx, b_idx, positions_bt].set(k, mode="drop")
+            vc = vc.at[layer_idx, b_idx, positions_bt].set(v, mode="drop")
+            kv = (kc, vc)
+            attn = L.attend(q, kc[layer_idx], vc[layer_idx], mask, one_query_reduce=True)
+        h = L.attn_out_and_mlp(lp, h, attn, eps)
+        if n_taps:
+            cur = taps[jnp.maximum(slot, 0)]
+            taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
+        return (h, taps, kv), None
+
+    xs = (params, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
+    (h, taps, kv), _ = jax.lax.scan(body, (h, taps0, cache_kv), xs)
+    return h, (taps if n_taps else None), kv
+
+
+def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Array,
+                   h: jax.Array, positions_1k: jax.Array,
+                   cache_kv: tuple[jax.Array, jax.Array], rows: L.RaggedRows,
+                   tap_ids: Sequence[int], dtype: Any
+                   ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array]]:
+    """`forward` for K flattened tokens (one row, B = 1): token k writes its K/V at
+    (`rows.write_k[k]`, position) and is its own attention row over cache row `rows.read_k[k]`
+    at positions ≤ its own, so every matmul runs over the K tokens only."""
+    S = cache_kv[0].shape[2]
+    position_k = positions_1k[0]
+    key_pos = jnp.arange(S, dtype=jnp.int32)
+    mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & rows.valid_k[:, None])[:, None, :]
+    n_taps = len(tap_ids)
+    taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
+    params = stack.stacked(dtype)
+    eps = cfg.rms_norm_eps
+
+    def body(carry, xs):
+        h, taps, kc, vc = carry
+        lp, layer_idx, tap_slot = xs
+        x = L.rms_norm(h, lp["input_norm"], eps)
+        q = L.apply_rope(L.project_q(lp, x, eps), positions_1k, cfg.rope)     # [1,K,N,H]
+        k, v = L.project_kv(lp, x, eps)
+        k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
+        kc = kc.at[layer_idx, rows.write_k, position_k].set(k[0], mode="drop")
+        vc = vc.at[layer_idx, rows.write_k, position_k].set(v[0], mode="drop")
+        # each token is its own attention row over its request's cache: [K, 1, ·] vs [K, S, ·]
+        k_tok, v_tok = kc[layer_idx][rows.read_k], vc[layer_idx][rows.read_k]  # [K,S,Kh,H]
+        attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]    # [1,K,N,H]
+        h = L.attn_out_and_mlp(lp, h, attn, eps)
+        if n_taps:
+            cur = taps[jnp.maximum(tap_slot, 0)]
+            taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h, cur))
+        return (h, taps, kc, vc), None
+
+    xs = (params, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
+    (h, taps, kc, vc), _ = jax.lax.scan(body, (h, taps0, cache_kv[0], cache_kv[1]), xs)
+    return h, (taps if n_taps else None), (kc, vc)
