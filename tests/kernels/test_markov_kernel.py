@@ -129,7 +129,7 @@ def test_sampled_draws_follow_the_markov_distribution():
     the exact joint p(x1)·p(x2 | x1) of the vanilla Markov head, as do the pure-JAX sampler's;
     a stateless head (x2 conditioned on the anchor instead of x1) is rejected."""
     from dspark_jax.decoding.markov_sampling import sequential_markov_sample
-    from tests.decoding.test_verify import chi2_crit, chi2_stat
+    from tests.decoding.test_acceptance_rule import chi2_crit, chi2_stat
 
     V, G, r, B, calls = 5, 2, 4, 64, 320
     rng = np.random.default_rng(7)
