@@ -5,9 +5,9 @@ The consumer check of an export: DeepSpec's `Qwen3DSparkEvaluator.generate_one_s
 `Gemma4DSparkModel` loaded from the export directory and verifies with a PyTorch copy of the
 target, so τ here is DeepSpec's τ of exactly what a DeepSpec user would run.
 
-DeepSpec is found, in order, as an installed `deepspec` package, under `$DEEPSPEC_SRC`, or as
-`../shared/reference/deepspec` beside the repository (its MIT source, kept out of this
-package). It needs PyTorch (`pip install -e '.[interop]'`). `locate_deepspec()` says why not
+DeepSpec is an installed `deepspec` package or a source directory the user names
+(`eval.deepspec_src`, `$DEEPSPEC_SRC`; its MIT source is never part of this package). It
+needs PyTorch (`pip install -e '.[interop]'`). `locate_deepspec()` says why not
 when either is missing, so callers can skip with that reason.
 
 Two adaptations, both of the environment, not of the loop: its evaluator's `__init__` starts
@@ -27,21 +27,12 @@ import sys
 from types import SimpleNamespace
 from typing import Any, Iterator, Sequence
 
-REFERENCE = pathlib.Path("shared") / "reference" / "deepspec"
+def locate_deepspec(source: str | os.PathLike | None = None) -> tuple[bool, str]:
+    """(True, where) when DeepSpec and PyTorch can be imported, else (False, why not).
 
-
-def _candidates() -> list[pathlib.Path]:
-    here = pathlib.Path(__file__).resolve()
-    out = []
-    if os.environ.get("DEEPSPEC_SRC"):
-        out.append(pathlib.Path(os.environ["DEEPSPEC_SRC"]))
-    for base in (here.parents[2], pathlib.Path.cwd()):
-        out.append(base.parent / REFERENCE)
-    return out
-
-
-def locate_deepspec() -> tuple[bool, str]:
-    """(True, where) when DeepSpec and PyTorch can be imported, else (False, why not)."""
+    DeepSpec is an installed `deepspec` package, or the source directory the user names
+    (`source`, else `$DEEPSPEC_SRC`): the directory that holds `deepspec/`. Nothing else is
+    searched."""
     try:
         importlib.import_module("torch")
     except ImportError:
@@ -51,18 +42,21 @@ def locate_deepspec() -> tuple[bool, str]:
         return True, str(pathlib.Path(mod.__file__).parent)
     except ImportError:
         pass
-    for c in _candidates():
-        if (c / "deepspec" / "__init__.py").exists():
-            sys.path.insert(0, str(c))
-            importlib.invalidate_caches()
-            try:
-                importlib.import_module("deepspec.eval.dspark.evaluator")
-            except ImportError as e:
-                sys.path.remove(str(c))
-                return False, f"DeepSpec at {c} does not import: {e}"
-            return True, str(c)
-    return False, ("DeepSpec is neither installed nor at " +
-                   " / ".join(str(c) for c in _candidates()))
+    src = source or os.environ.get("DEEPSPEC_SRC")
+    if not src:
+        return False, ("DeepSpec is not installed and no source directory was given "
+                       "(eval.deepspec_src or $DEEPSPEC_SRC)")
+    c = pathlib.Path(src).resolve()
+    if not (c / "deepspec" / "__init__.py").exists():
+        return False, f"{c}: no deepspec/ package there (eval.deepspec_src / $DEEPSPEC_SRC)"
+    sys.path.insert(0, str(c))
+    importlib.invalidate_caches()
+    try:
+        importlib.import_module("deepspec.eval.dspark.evaluator")
+    except ImportError as e:
+        sys.path.remove(str(c))
+        return False, f"DeepSpec at {c} does not import: {e}"
+    return True, str(c)
 
 
 @contextlib.contextmanager

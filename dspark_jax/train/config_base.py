@@ -185,9 +185,10 @@ def get_base_config() -> ml_collections.ConfigDict:
         speculative_batch_size=8,
         speculative_temperatures=(1.0,),  # one dspark_jax.evaluate run each (→ speculative/T<t>)
         # DeepSpec's own loop on the DeepSpec-format export vs our engine, T = 0 (needs torch
-        # and DeepSpec: installed or ../shared/reference/deepspec); 0 skips
+        # and DeepSpec: installed, or its source directory in deepspec_src); 0 skips
         deepspec_check_samples=4,
         deepspec_check_max_new_tokens=32,
+        deepspec_src="",           # a directory holding DeepSpec's deepspec/ package (optional)
     ))
 
     c.logging = ml_collections.ConfigDict(dict(progress=True, tensorboard=True, jsonl=True))

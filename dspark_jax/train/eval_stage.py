@@ -175,7 +175,7 @@ def deepspec_check(c, target, deepspec_dir: pathlib.Path, heldout_convs) -> dict
     n = int(c.eval.deepspec_check_samples)
     if n <= 0:
         return {"skipped": "eval.deepspec_check_samples = 0"}
-    ok, where = dl.locate_deepspec()
+    ok, where = dl.locate_deepspec(c.eval.deepspec_src or None)
     if not ok:
         return {"skipped": where}
     if jax.process_count() > 1:
