@@ -108,9 +108,7 @@ def speculators_config_dict(cfg: DraftConfig, verifier: str | None = None,
             "verifier": {"name_or_path": verifier, "architectures": [arch]},
         },
     }
-    ours = {k: v for k, v in cfg.to_dict().items() if k != "target"}
-    ours["target"] = cfg.target.to_hf_dict()
-    out["dspark_jax"] = ours
+    out["dspark_jax"] = cfg.to_dict()          # every field, the target's shape included
     return out
 
 
