@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dspark_jax.eval import runner
 from dspark_jax.eval.calibration import (CalibrationFileError, CalibrationReport,
                                          calibration_report, prefix_survival, prefix_labels,
                                          reliability_curve, save_temperatures,
@@ -47,7 +48,6 @@ __all__ = ["Rounds", "collect_rounds", "split_by_prompt", "calibrate", "metrics_
 DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_FIT_FRACTION = 0.5
-_CACHE_BUCKET = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +71,6 @@ class Rounds:
                                    accepted=self.accepted[keep], prompt=self.prompt[keep])
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def collect_rounds(target: Any, draft: Any, data_dir: str | os.PathLike, *,
                    datasets: Sequence[str] | None = None, max_samples: int | None = None,
                    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -85,18 +81,12 @@ def collect_rounds(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     `datasets`: names of `<data_dir>/<name>.jsonl` (default: all there); `max_samples`: at most
     that many prompts per dataset (seeded subsample; None = all). Prompts that do not fit the
     target's `max_position_embeddings` with `max_new_tokens` are skipped (listed in `skipped`);
-    fewer than `min_prompts` left is an error raised before anything is decoded.
+    fewer than `min_prompts` left is an error raised before anything is decoded. The prompts
+    of all datasets are decoded together, sorted by length (`eval.runner`).
     """
-    from dspark_jax.data.chat import render_prompt
-    from dspark_jax.data.prompts import list_eval_datasets, load_eval_dataset
-    from dspark_jax.serving import SpecSettings, speculative_generate
+    from dspark_jax.serving import SpecSettings
 
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    runner.check_settings(max_new_tokens, batch_size, temperature)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be ≥ 1 (or None for all), got {max_samples}")
     cfg = draft.config
@@ -106,50 +96,32 @@ def collect_rounds(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     tok = target.tokenizer
     if tok is None:
         raise ValueError("the target has no tokenizer (a directory without tokenizer.json?)")
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise FileNotFoundError(f"--data-dir {str(data_dir)!r} is not a directory")
-    available = list_eval_datasets(data_dir)
-    names = list(datasets) if datasets else available
-    missing = [n for n in names if n not in available]
-    if missing or not names:
-        raise FileNotFoundError(f"datasets {missing or names} not found in {str(data_dir)!r}; "
-                                f"available: {available}")
+    names = runner.resolve_datasets(data_dir, list(datasets) if datasets else None)
     gamma = int(cfg.num_drafts)
     limit = int(target.config.max_position_embeddings)
-    ids, prompts, skipped = [], [], []
-    for name in names:
-        for conv in load_eval_dataset(data_dir, name, max_samples, seed=seed):
-            p = render_prompt(conv.messages, tok).tolist()
-            if len(p) + max_new_tokens + gamma + 1 > limit:
-                skipped.append(conv.id)
-            else:
-                ids.append(conv.id)
-                prompts.append(p)
+    prepared = runner.prepare(data_dir, names, tok, max_samples=dict.fromkeys(names, max_samples),
+                              seed=seed, max_new_tokens=max_new_tokens, gamma=gamma, limit=limit)
+    ids = [p.convs[i].id for p in prepared.values() for i in p.keep]
+    prompts = [q for p in prepared.values() for q in p.prompts]
+    skipped = [c for p in prepared.values() for c in p.skipped_ids]
     if len(prompts) < max(min_prompts, 1):
         raise ValueError(f"need at least {max(min_prompts, 1)} prompts, got {len(prompts)} from "
                          f"{names} ({len(skipped)} skipped: prompt + max_new_tokens="
                          f"{max_new_tokens} exceed the cache limit {limit}); raise --max-samples "
                          "or add prompts")
-    cache_len = min(limit, _round_up(max(map(len, prompts)) + max_new_tokens + gamma + 2,
-                                     _CACHE_BUCKET))
-    settings = SpecSettings(record_confidence=True)
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
-    logits, prop, acc, owner = [], [], [], []
-    for b in range(0, len(order), batch_size):
-        batch = order[b:b + batch_size]
-        res = speculative_generate(target, draft, [prompts[i] for i in batch],
-                                   max_new_tokens=max_new_tokens, temperature=temperature,
-                                   seed=(int(seed) * 1_000_003 + b) % (2 ** 31),
-                                   max_cache_len=cache_len, settings=settings)
-        for j, i in enumerate(batch):
-            conf = np.asarray(res.confidence[j], np.float32).reshape(-1, gamma)
-            logits.append(conf)
-            prop += res.proposed[j]
-            acc += res.accepted[j]
-            owner += [i] * conf.shape[0]
-    return Rounds(logits=np.concatenate(logits, axis=0), proposed=np.asarray(prop, np.int64),
-                  accepted=np.asarray(acc, np.int64), prompt=np.asarray(owner, np.int64),
+    dec = runner.decode(target, draft, prompts, batch_size=batch_size,
+                        batch_seed=lambda b: (int(seed) * 1_000_003 + b * batch_size) % (2 ** 31),
+                        max_new_tokens=max_new_tokens, temperature=temperature,
+                        cache_len=runner.cache_length([len(p) for p in prompts], max_new_tokens,
+                                                      gamma, limit),
+                        settings=SpecSettings(record_confidence=True))
+    # rows in decoding order (length-sorted batches), as rounds.npz has always stored them
+    outs = [(i, dec.outputs[i]) for i in dec.order]
+    return Rounds(logits=np.concatenate([o.confidence for _, o in outs], axis=0),
+                  proposed=np.asarray([x for _, o in outs for x in o.proposed], np.int64),
+                  accepted=np.asarray([x for _, o in outs for x in o.accepted], np.int64),
+                  prompt=np.asarray([i for i, o in outs for _ in range(len(o.confidence))],
+                                    np.int64),
                   prompt_ids=tuple(ids), skipped=tuple(skipped))
 
 

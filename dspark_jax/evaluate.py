@@ -25,10 +25,10 @@ What this module implements:
 
 Prompts of a dataset are sorted by length and decoded in batches of `batch_size` with
 `serving.speculative_generate` — the serving engine (lossless rejection sampling,
-SPEC §1; any scheduler mode, `scheduler=`). One cache
-length is used for the whole run so the decoding loop compiles once per batch size. A prompt
-whose length + max_new_tokens + γ + 1 does not fit the cache limit (default: the target's
-`max_position_embeddings`) is skipped and counted, not decoded.
+SPEC §1; any scheduler mode, `scheduler=`) — by the evaluation driver `eval.runner`, which
+`calibrate` shares. One cache length is used for the whole run so the decoding loop compiles
+once per batch size. A prompt whose length + max_new_tokens + γ + 1 does not fit the cache
+limit (default: the target's `max_position_embeddings`) is skipped and counted, not decoded.
 
 Outputs written to `out_dir`:
 
@@ -52,7 +52,7 @@ CLI: `python -m dspark_jax.evaluate --target NAME_OR_DIR --draft CKPT_DIR --data
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import math
 import os
@@ -61,15 +61,17 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dspark_jax.data.prompts import (DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES, Conversation,
-                                     list_eval_datasets, load_eval_dataset)
+from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES
+from dspark_jax.eval import runner
 from dspark_jax.eval.acceptance import (PAPER_DATASETS, PAPER_TABLE1_TAU, AcceptanceStats,
                                         acceptance_stats, macro_mean)
 from dspark_jax.eval.calibration import CalibrationReport, calibration_report, verified_mask
+from dspark_jax.eval.results import RESULTS_FILE, pooled_rounds, write_rounds
+from dspark_jax.eval.runner import EvalDatasetError
 
 __all__ = ["evaluate", "main", "build_parser", "EvalDatasetError", "RESULTS_SCHEMA",
            "DEFAULT_DATASETS", "paper_reference_for", "render_markdown"]
@@ -81,24 +83,15 @@ DEFAULT_MAX_NEW_TOKENS = 2048
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_OUT_DIR = "eval_results"
-_CACHE_BUCKET = 64
 
 _PAPER_TARGET_NAMES = {"qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B", "qwen3_14b": "Qwen3-14B",
                        "gemma4_12b": "Gemma4-12B"}
 _PAPER_DRAFTER_NAMES = {"eagle3": "Eagle3", "dflash": "DFlash", "dspark": "DSpark"}
 
 
-class EvalDatasetError(ValueError):
-    """Requested datasets are not in the data directory (the message lists what is there)."""
-
-
 # ------------------------------------------------------------------------------------------
 # small helpers
 # ------------------------------------------------------------------------------------------
-
-def _round_up(x: int, m: int) -> int:
-    return ((x + m - 1) // m) * m
-
 
 def _jf(x: float | None) -> float | None:
     """JSON-safe float (NaN/inf → None)."""
@@ -119,32 +112,6 @@ def _nanmean(xs: Sequence[float | None]) -> float:
 
 def _batch_seed(seed: int, dataset: str, batch_index: int) -> int:
     return (int(seed) * 1_000_003 + zlib.crc32(dataset.encode()) + batch_index) % (2 ** 31)
-
-
-_COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration",
-                   "/jax/core/compile/jaxpr_trace_duration",
-                   "/jax/core/compile/jaxpr_to_mlir_module_duration")
-
-
-class _CompileTimer:
-    """Sums the tracing/lowering/XLA-compile durations JAX reports while active."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def _listener(self, event: str, duration: float, **_: Any) -> None:
-        if event in _COMPILE_EVENTS:
-            self.seconds += float(duration)
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator["_CompileTimer"]:
-        import jax.monitoring
-
-        jax.monitoring.register_event_duration_secs_listener(self._listener)
-        try:
-            yield self
-        finally:
-            jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
 def paper_reference_for(target_name: str, drafter: str = "dspark",
@@ -176,29 +143,6 @@ def paper_reference_for(target_name: str, drafter: str = "dspark",
     return target, drafter
 
 
-def _resolve_datasets(data_dir: Path, datasets: Sequence[str] | str | None) -> list[str]:
-    if not data_dir.is_dir():
-        raise EvalDatasetError(f"data directory {str(data_dir)!r} does not exist")
-    available = list_eval_datasets(data_dir)
-    if datasets is None:
-        chosen = [d for d in DEFAULT_DATASETS if d in available]
-        if not chosen:
-            raise EvalDatasetError(
-                f"none of the DeepSpec datasets {list(DEFAULT_DATASETS)} is in {str(data_dir)!r}; "
-                f"available: {available}; pass datasets=[...] (--datasets)")
-        return chosen
-    if isinstance(datasets, str):
-        datasets = [d for d in datasets.split(",") if d.strip()]
-    chosen = [str(d).strip() for d in datasets]
-    if not chosen:
-        raise EvalDatasetError(f"no datasets given; available in {str(data_dir)!r}: {available}")
-    missing = [d for d in chosen if d not in available]
-    if missing:
-        raise EvalDatasetError(f"datasets {missing} not found in {str(data_dir)!r}; "
-                               f"available: {available}")
-    return list(dict.fromkeys(chosen))
-
-
 def _max_samples_for(name: str, max_samples: Any) -> int | None:
     if isinstance(max_samples, Mapping):
         return max_samples.get(name, DEFAULT_EVAL_SAMPLES.get(name))
@@ -210,12 +154,6 @@ def _max_samples_for(name: str, max_samples: Any) -> int | None:
         raise ValueError(f"max_samples must be 'default', None/'all', an int ≥ 0 or a mapping; "
                          f"got {max_samples!r}")
     return int(max_samples)
-
-
-def _length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
-    """Indices grouped into batches of similar prompt length (sorted, stable)."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def _stats_dict(st: AcceptanceStats) -> dict[str, Any]:
@@ -258,19 +196,14 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     Raises `EvalDatasetError` for missing datasets, `ConfigError` for a drafter built for
     another target, `ValueError` for bad arguments.
     """
-    from dspark_jax.serving.generate import SpecSettings, check_compatible, speculative_generate
+    from dspark_jax.serving.generate import SpecSettings, check_compatible
     from dspark_jax.models import Draft, Target, load_draft, load_target
 
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+    runner.check_settings(max_new_tokens, batch_size, temperature)
     if verifier not in ("jax", "pallas"):
         raise ValueError(f"verifier must be 'jax' or 'pallas', got {verifier!r}")
     data_dir = Path(data_dir)
-    names = _resolve_datasets(data_dir, datasets)
+    names = runner.resolve_datasets(data_dir, datasets, DEFAULT_DATASETS)
     per_ds_max = {n: _max_samples_for(n, max_samples) for n in names}
 
     target_label = str(target) if not isinstance(target, Target) else (target.name or "target")
@@ -297,168 +230,103 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
         raise ValueError(f"max_cache_len must be ≥ 2, got {limit}")
 
     # ---------------------------------------------------------------- prompts
-    from dspark_jax.data.chat import render_prompt
-
-    prepared: dict[str, dict[str, Any]] = {}
-    for name in names:
-        convs: list[Conversation] = load_eval_dataset(data_dir, name, per_ds_max[name], seed=seed,
-                                                      first_turn_only=True)
-        ids = [render_prompt(c.messages, tok, system_prompt=system_prompt,
-                             enable_thinking=enable_thinking).tolist() for c in convs]
-        keep = [i for i, p in enumerate(ids) if len(p) + max_new_tokens + gamma + 1 <= limit]
-        kept = set(keep)
-        skipped = [i for i in range(len(ids)) if i not in kept]
-        prepared[name] = dict(convs=convs, ids=ids, keep=keep, skipped=skipped)
-    kept_lens = [len(p["ids"][i]) for p in prepared.values() for i in p["keep"]]
+    prepared = runner.prepare(data_dir, names, tok, max_samples=per_ds_max, seed=seed,
+                              max_new_tokens=max_new_tokens, gamma=gamma, limit=limit,
+                              system_prompt=system_prompt, enable_thinking=enable_thinking)
     # one cache length for the run: the decoding loop compiles once per batch size
-    cache_len = min(limit, _round_up(max(kept_lens, default=1) + max_new_tokens + gamma + 2,
-                                     _CACHE_BUCKET))
+    cache_len = runner.cache_length([len(q) for p in prepared.values() for q in p.prompts],
+                                    max_new_tokens, gamma, limit)
     settings = SpecSettings(verifier=verifier, record_confidence=has_conf)
+    run_kw = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                  cache_len=cache_len, stop_token_ids=stop_token_ids)
 
-    from tqdm.auto import tqdm
-
-    total = sum(len(p["keep"]) for p in prepared.values())
-    bar = tqdm(total=total, desc="speculative", unit="sample", disable=not progress,
-               dynamic_ncols=True)
-    timer = _CompileTimer()
+    total = sum(len(p.keep) for p in prepared.values())
+    bar = runner.Progress(total, "speculative", enabled=progress)
     t_run = time.perf_counter()
-    run_tokens, run_time = 0, 0.0
     per_ds: dict[str, dict[str, Any]] = {}
     records: dict[str, list[dict[str, Any]]] = {}
     conf_arrays: dict[str, np.ndarray] = {}
     stats_by_ds: dict[str, AcceptanceStats] = {}
-    calib_by_ds: dict[str, CalibrationReport] = {}
-
-    with timer.active():
-        for name in names:
-            p = prepared[name]
-            convs, ids, keep = p["convs"], p["ids"], p["keep"]
-            bar.set_description(f"speculative {name}")
-            outs: dict[int, dict[str, Any]] = {}
-            wall = compile_s = 0.0
-            ds_committed = ds_rounds = 0
-            for b, idx in enumerate(_length_batches([len(ids[i]) for i in keep], batch_size)):
-                batch = [keep[j] for j in idx]
-                c0, t0 = timer.seconds, time.perf_counter()
-                res = speculative_generate(
-                    target, draft, [ids[i] for i in batch], max_new_tokens=max_new_tokens,
-                    temperature=temperature, seed=_batch_seed(seed, name, b),
-                    stop_token_ids=stop_token_ids, max_cache_len=cache_len, settings=settings,
-                    scheduler=scheduler)
-                dt, dc = time.perf_counter() - t0, timer.seconds - c0
-                wall += dt
-                compile_s += dc
-                for j, i in enumerate(batch):
-                    conf_j = None
-                    if has_conf and res.confidence is not None:
-                        conf_j = np.asarray(res.confidence[j], np.float32).reshape(-1, gamma)
-                    alen = (res.acceptance[j] if res.acceptance is not None
-                            else [a + 1 for a in res.accepted[j]])
-                    outs[i] = dict(tokens=res.tokens[j], proposed=res.proposed[j],
-                                   accepted=res.accepted[j], acceptance=list(alen),
-                                   confidence=conf_j)
-                    ds_committed += sum(alen)
-                    ds_rounds += len(res.accepted[j])
-                n_tok = sum(len(t) for t in res.tokens)
-                run_tokens += n_tok
-                run_time += dt
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{run_tokens / max(run_time, 1e-9):.1f}",
-                                tau=f"{_safe_div(ds_committed, ds_rounds):.2f}")
-            # per-dataset aggregation, records in the subsampled order
-            recs, prop_all, acc_all, alen_all, conf_rows = [], [], [], [], []
-            for i in keep:
-                o = outs[i]
-                rec = {"dataset": name, "index": i, "id": convs[i].id,
-                       "prompt_tokens": len(ids[i]), "output_tokens": len(o["tokens"]),
-                       "proposed": o["proposed"], "accepted": o["accepted"],
-                       "acceptance": o["acceptance"]}
-                if save_outputs:
-                    rec["output_ids"] = o["tokens"]
-                    rec["text"] = tok.decode(o["tokens"])
-                recs.append(rec)
-                prop_all += o["proposed"]
-                acc_all += o["accepted"]
-                alen_all += o["acceptance"]
-                if o["confidence"] is not None:
-                    conf_rows.append(o["confidence"])
-            records[name] = recs
-            st = acceptance_stats(prop_all, acc_all, gamma=gamma, name=name,
-                                  acceptance=alen_all)
-            stats_by_ds[name] = st
-            n_tok = sum(r["output_tokens"] for r in recs)
-            entry: dict[str, Any] = {
-                "num_prompts": len(convs),
-                "num_evaluated": len(keep),
-                "num_skipped": len(p["skipped"]),
-                "skipped_ids": [convs[i].id for i in p["skipped"]],
-                **_stats_dict(st),
-                "num_output_tokens": n_tok,
-                "mean_output_tokens": _jf(_safe_div(n_tok, len(recs))),
-                "mean_prompt_tokens": _jf(_safe_div(sum(r["prompt_tokens"] for r in recs),
-                                                    len(recs))),
-                "wall_s": wall,
-                "compile_s": compile_s,
-                "tokens_per_s": _jf(_safe_div(n_tok, wall)),
-                "tokens_per_s_excl_compile": _jf(_safe_div(n_tok, max(wall - compile_s, 0.0))),
-                "calibration": None,
-                "baseline": None,
-            }
-            if has_conf:
-                logits = (np.concatenate(conf_rows, axis=0) if conf_rows
-                          else np.zeros((0, gamma), np.float32))
-                conf_arrays[name] = logits.astype(np.float32)
-                if logits.shape[0]:
-                    rep = calibration_report(logits, np.asarray(acc_all),
-                                             mask=verified_mask(np.asarray(prop_all), gamma))
-                    calib_by_ds[name] = rep
-                    entry["calibration"] = rep.to_dict()
-            per_ds[name] = entry
+    for name, p in prepared.items():
+        bar.dataset(name)
+        dec = runner.decode(target, draft, p.prompts,
+                            batch_seed=functools.partial(_batch_seed, seed, name),
+                            settings=settings, scheduler=scheduler, progress=bar, **run_kw)
+        # per-dataset aggregation, records in the subsampled order
+        recs, prop_all, acc_all, alen_all, conf_rows = [], [], [], [], []
+        for i, o in zip(p.keep, dec.outputs):
+            rec = {"dataset": name, "index": i, "id": p.convs[i].id,
+                   "prompt_tokens": len(p.ids[i]), "output_tokens": len(o.tokens),
+                   "proposed": o.proposed, "accepted": o.accepted, "acceptance": o.acceptance}
+            if save_outputs:
+                rec["output_ids"] = o.tokens
+                rec["text"] = tok.decode(o.tokens)
+            recs.append(rec)
+            prop_all += o.proposed
+            acc_all += o.accepted
+            alen_all += o.acceptance
+            if o.confidence is not None:
+                conf_rows.append(o.confidence)
+        records[name] = recs
+        st = acceptance_stats(prop_all, acc_all, gamma=gamma, name=name, acceptance=alen_all)
+        stats_by_ds[name] = st
+        n_tok = sum(r["output_tokens"] for r in recs)
+        wall, compile_s = dec.wall_s, dec.compile_s
+        entry: dict[str, Any] = {
+            "num_prompts": len(p.convs),
+            "num_evaluated": len(p.keep),
+            "num_skipped": len(p.skipped),
+            "skipped_ids": p.skipped_ids,
+            **_stats_dict(st),
+            "num_output_tokens": n_tok,
+            "mean_output_tokens": _jf(_safe_div(n_tok, len(recs))),
+            "mean_prompt_tokens": _jf(_safe_div(sum(r["prompt_tokens"] for r in recs),
+                                                len(recs))),
+            "wall_s": wall,
+            "compile_s": compile_s,
+            "tokens_per_s": _jf(_safe_div(n_tok, wall)),
+            "tokens_per_s_excl_compile": _jf(_safe_div(n_tok, max(wall - compile_s, 0.0))),
+            "calibration": None,
+            "baseline": None,
+        }
+        if has_conf:
+            logits = (np.concatenate(conf_rows, axis=0) if conf_rows
+                      else np.zeros((0, gamma), np.float32))
+            conf_arrays[name] = logits.astype(np.float32)
+            if logits.shape[0]:
+                rep = calibration_report(logits, np.asarray(acc_all),
+                                         mask=verified_mask(np.asarray(prop_all), gamma))
+                entry["calibration"] = rep.to_dict()
+        per_ds[name] = entry
     bar.close()
 
     # ---------------------------------------------------------------- baseline
     if baseline:
-        from dspark_jax.decoding.autoregressive import autoregressive_generate
-
-        bar = tqdm(total=total, desc="autoregressive", unit="sample", disable=not progress,
-                   dynamic_ncols=True)
-        with timer.active():
-            for name in names:
-                p = prepared[name]
-                ids, keep = p["ids"], p["keep"]
-                bar.set_description(f"autoregressive {name}")
-                wall = compile_s = 0.0
-                n_tok = 0
-                base_out: dict[int, list[int]] = {}
-                for b, idx in enumerate(_length_batches([len(ids[i]) for i in keep], batch_size)):
-                    batch = [keep[j] for j in idx]
-                    c0, t0 = timer.seconds, time.perf_counter()
-                    outs_ar = autoregressive_generate(
-                        target, [ids[i] for i in batch], max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=_batch_seed(seed, name, b),
-                        stop_token_ids=stop_token_ids, max_cache_len=cache_len)
-                    wall += time.perf_counter() - t0
-                    compile_s += timer.seconds - c0
-                    n_tok += sum(len(t) for t in outs_ar)
-                    base_out.update(zip(batch, outs_ar))
-                    bar.update(len(batch))
-                if save_outputs:
-                    for rec in records[name]:
-                        rec["baseline_output_ids"] = base_out[rec["index"]]
-                e = per_ds[name]
-                tps = _safe_div(n_tok, wall)
-                tps_x = _safe_div(n_tok, max(wall - compile_s, 0.0))
-                e["baseline"] = {
-                    "num_output_tokens": n_tok,
-                    "mean_output_tokens": _jf(_safe_div(n_tok, len(keep))),
-                    "wall_s": wall,
-                    "compile_s": compile_s,
-                    "tokens_per_s": _jf(tps),
-                    "tokens_per_s_excl_compile": _jf(tps_x),
-                    "speedup": _jf(_safe_div(e["tokens_per_s"] or math.nan, tps)),
-                    "speedup_excl_compile": _jf(_safe_div(
-                        e["tokens_per_s_excl_compile"] or math.nan, tps_x)),
-                }
+        bar = runner.Progress(total, "autoregressive", enabled=progress)
+        for name, p in prepared.items():
+            bar.dataset(name)
+            dec = runner.decode_autoregressive(
+                target, p.prompts, batch_seed=functools.partial(_batch_seed, seed, name),
+                progress=bar, **run_kw)
+            if save_outputs:
+                base_out = dict(zip(p.keep, dec.outputs))
+                for rec in records[name]:
+                    rec["baseline_output_ids"] = base_out[rec["index"]].tokens
+            e = per_ds[name]
+            n_tok, wall = sum(len(o.tokens) for o in dec.outputs), dec.wall_s
+            tps = _safe_div(n_tok, wall)
+            tps_x = _safe_div(n_tok, max(wall - dec.compile_s, 0.0))
+            e["baseline"] = {
+                "num_output_tokens": n_tok,
+                "mean_output_tokens": _jf(_safe_div(n_tok, len(p.keep))),
+                "wall_s": wall,
+                "compile_s": dec.compile_s,
+                "tokens_per_s": _jf(tps),
+                "tokens_per_s_excl_compile": _jf(tps_x),
+                "speedup": _jf(_safe_div(e["tokens_per_s"] or math.nan, tps)),
+                "speedup_excl_compile": _jf(_safe_div(
+                    e["tokens_per_s_excl_compile"] or math.nan, tps_x)),
+            }
         bar.close()
 
     # ---------------------------------------------------------------- aggregation
@@ -482,9 +350,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
             [per_ds[n]["baseline"]["speedup_excl_compile"] for n in evaluated]))
     pooled_calib: CalibrationReport | None = None
     if has_conf and any(a.shape[0] for a in conf_arrays.values()):
-        logits = np.concatenate([conf_arrays[n] for n in names], axis=0)
-        prop = np.asarray([x for n in names for r in records[n] for x in r["proposed"]])
-        acc = np.asarray([x for n in names for r in records[n] for x in r["accepted"]])
+        logits, prop, acc = pooled_rounds(records, names, conf_arrays)
         pooled_calib = calibration_report(logits, acc, mask=verified_mask(prop, gamma))
 
     ref_key = paper_reference_for(target_label, draft_type, paper_reference)
@@ -550,15 +416,8 @@ def _write_outputs(out: Path, results: dict[str, Any], records: Mapping[str, lis
                    conf_arrays: Mapping[str, np.ndarray], stats: Mapping[str, AcceptanceStats],
                    pooled_calib: CalibrationReport | None, *, plots: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    files: dict[str, Any] = {"results_json": "results.json", "results_md": "results.md",
-                             "records": "records.jsonl"}
-    with open(out / "records.jsonl", "w", encoding="utf-8") as fh:
-        for name in results["config"]["datasets"]:
-            for rec in records[name]:
-                fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    if conf_arrays:
-        np.savez(out / "confidence.npz", **{n: a for n, a in conf_arrays.items()})
-        files["confidence"] = "confidence.npz"
+    files: dict[str, Any] = {"results_json": RESULTS_FILE, "results_md": "results.md"}
+    files.update(write_rounds(out, results["config"]["datasets"], records, conf_arrays))
     if plots:
         from dspark_jax.eval.plots import plot_conditional_acceptance, plot_reliability, plot_tau
 
@@ -597,9 +456,9 @@ def _write_outputs(out: Path, results: dict[str, Any], records: Mapping[str, lis
         files["plots"] = pngs
     results["files"] = files
     (out / "results.md").write_text(render_markdown(results), encoding="utf-8")
-    tmp = out / "results.json.tmp"
+    tmp = out / (RESULTS_FILE + ".tmp")
     tmp.write_text(json.dumps(results, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, out / "results.json")
+    os.replace(tmp, out / RESULTS_FILE)
 
 
 def _fmt(x: Any, nd: int = 2) -> str:
