@@ -142,9 +142,10 @@ def summarize(mode: str, c: int, n_prompts: int, runs: list[Any], eng: Any) -> d
                 for r in runs for t, p in zip(r.tokens, r.per_request)]
     rounds = [x for r in runs for x in r.rounds]
     terms = [t for r in runs for q in r.per_request for t in q["acceptance"]]
-    by_bucket: dict[int, list[float]] = {}
+    by_bucket: dict[int, list[float]] = {}   # seconds per round (a plain call runs several)
     for x in rounds:
-        by_bucket.setdefault(x["capacity"], []).append(x["seconds"])
+        by_bucket.setdefault(x["capacity"], []).extend([x["seconds"] / x["steps"]] * x["steps"])
+    steps = sum(x["steps"] for x in rounds)
     return dict(
         mode=mode, concurrency=c, requests=n_prompts,
         output_tokens=sum(len(t) for t in runs[0].tokens), passes=len(runs),
@@ -152,9 +153,9 @@ def summarize(mode: str, c: int, n_prompts: int, runs: list[Any], eng: Any) -> d
         aggregate_tok_s=float(np.median(agg)), aggregate_tok_s_passes=[float(x) for x in agg],
         per_user_tok_s_median=float(np.median(per_user)),
         per_user_tok_s_p10=float(np.percentile(per_user, 10)),
-        verified_per_request_round=float(np.mean([x["verified_tokens"] / x["active"]
-                                                  for x in rounds])),
-        tau=float(sum(terms) / max(len(terms), 1)), rounds=len(rounds) // len(runs),
+        verified_per_request_round=float(sum(x["verified_tokens"] / x["active"]
+                                             for x in rounds) / max(steps, 1)),
+        tau=float(sum(terms) / max(len(terms), 1)), rounds=steps // len(runs),
         drafted_fraction=float(np.mean([x.get("drafted", mode != "none") for x in rounds])),
         draft_ms_per_round=1e3 * costs["draft"] if costs else 0.0,
         plain_step_ms=1e3 * costs["plain"] if costs else None,

@@ -7,12 +7,13 @@ generation prompt (`chat.render_prompt`), sample a reply from the target (T = 0.
 top-k 20 by default), append it as the assistant turn, continue with the next user turn. The
 original assistant turns are discarded; system turns are kept where they were.
 
-Batching (`engine`): "refill" (default) keeps `batch_size` rows busy with continuous batching
-(`data/continuous.py`): when a reply ends, its row is refilled from the queue (the conversation's
-next turn is queued at once), prompts are padded to 64-token buckets and the cache only grows,
-so steady state never recompiles. "static" is the reference: conversations planned into fixed
-groups of `batch_size` (sorted by number of user turns, then by first-prompt length), the k-th
-turns of a group generated together, waiting for the group's slowest row. Finished
+Batching (`engine`): "refill" (default) keeps `batch_size` slots busy on the serving engine's
+plain decoding (`serving.Engine.serve`, scheduler "none"): when a reply ends, its slot goes to
+the next queued request (the conversation's next turn is queued at once), several decode steps
+run per device call and the cache grows in 64-token buckets, so steady state never recompiles.
+"static" is the reference: conversations planned into fixed groups of `batch_size` (sorted by
+number of user turns, then by first-prompt length), the k-th turns of a group generated
+together by `decoding.autoregressive`, waiting for the group's slowest row. Finished
 conversations are appended to the JSONL output with one write + flush + `os.fsync` per device
 call that finished any (refill) or per group (static); both engines write the same records.
 
@@ -52,9 +53,9 @@ import numpy as np
 from dspark_jax.data.chat import render_prompt, with_system_prompt
 from dspark_jax.data.prompt_sources import PROMPT_SOURCES, load_named_prompts
 from dspark_jax.data.prompts import Conversation, Message, load_conversations, read_eval_file
-from dspark_jax.data.continuous import ContinuousBatcher
 from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts
 from dspark_jax.decoding.stops import stop_array
+from dspark_jax.serving import Engine, Request
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +368,7 @@ def regenerate(
                   top_k=top_k, top_p=top_p, stops=stops)
         if engine == "refill":
             _run_refill(target, [c for c in convs if c.id not in done], replay, finished.append,
-                        flush, **kw)
+                        flush, limit=limit, **kw)
         else:
             _run_static(target, convs, done, replay, finished.append, flush, **kw)
         flush()
@@ -389,36 +390,40 @@ def regenerate(
 
 def _run_refill(target: Any, todo: list[_Conv], replay: _Replay, finish: Callable[[_Conv], None],
                 flush: Callable[[], None], *, max_new_tokens: int, batch_size: int,
-                temperature: float, top_k: int, top_p: float, stops: list[int]) -> None:
-    """Continuous batching: a conversation's next turn is queued as soon as its reply ends."""
-    batcher = ContinuousBatcher(target, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                temperature=temperature, top_k=top_k, top_p=top_p,
-                                stop_token_ids=stops)
+                temperature: float, top_k: int, top_p: float, stops: list[int],
+                limit: int) -> None:
+    """Continuous batching on the serving engine's plain decoding (`Engine.serve`,
+    scheduler "none"): a conversation's next turn is queued as soon as its reply ends."""
+    engine = Engine(target, None, scheduler="none", max_requests=batch_size,
+                    max_len=limit + max_new_tokens + 1, stop_token_ids=stops,
+                    plain_steps_per_call=_STEPS_PER_CALL)
 
-    def submit(i: int, k: int) -> None:
+    def request(i: int, k: int) -> list[Request]:
         c = todo[i]
         ids = replay.prompt(c, k)
         if ids is None:
             finish(c)
-        else:
-            batcher.submit((i, k), ids, replay.key(c, k))
+            return []
+        return [Request(ids, replay.key(c, k), temperature, top_k, top_p, handle=(i, k))]
 
-    def on_reply(handle: tuple[int, int], reply: list[int]) -> None:
-        i, k = handle
+    def on_reply(req: Request, reply: list[int]) -> list[Request]:
+        i, k = req.handle
         if replay.reply(todo[i], k, reply):
-            submit(i, k + 1)
-        else:
-            finish(todo[i])
+            return request(i, k + 1)
+        finish(todo[i])
+        return []
 
     for c in todo:
         c.history, c.alive, c.skipped = [], True, False
-    for i in range(len(todo)):
-        submit(i, 0)
-    batcher.run(on_reply, on_chunk=flush)
+    first = [r for i in range(len(todo)) for r in request(i, 0)]
+    if not first:
+        return
+    res = engine.serve(first, on_reply, max_new_tokens=max_new_tokens, after_replies=flush)
     stats = replay.stats
-    stats.refill_s += batcher.device_seconds["refill"] + batcher.device_seconds["grow"]
-    stats.decode_s += batcher.device_seconds["decode"]
-    stats.decode_steps += batcher.decode_steps
+    decode_s = sum(r["seconds"] for r in res.rounds)
+    stats.decode_s += decode_s
+    stats.refill_s += max(res.wall_s - decode_s, 0.0)
+    stats.decode_steps += sum(r["steps"] for r in res.rounds)
 
 
 def _run_static(target: Any, convs: list[_Conv], done: set[str], replay: _Replay,

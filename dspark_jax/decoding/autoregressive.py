@@ -5,10 +5,9 @@ with per-request lengths, then an on-device `lax.while_loop` decodes one token p
 step until every request hit a stop token or `max_new_tokens`. `steps_per_call` bounds the
 steps per device call so a host loop can drive a progress bar with the same compiled program.
 
-Continuous batching (used by regeneration, `data/continuous.py`) reuses the same state: the
-decode loop can return as soon as enough rows are done (`min_done`), `ar_refill` prefills new
-prompts into the finished rows' slots, and `ar_grow` lengthens the cache when a longer prompt
-arrives, so a batch stays full instead of waiting for its slowest row.
+Continuous batching (regeneration, serving) is the serving engine's plain decoding
+(`decoding.plain_steps`); it samples with the same `sampling.sample_request_rows`, so a
+request's reply is the same on either path.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.sampling import sample_logits
+from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
 from dspark_jax.models.decoder import KVCache, init_cache
 
@@ -44,33 +43,11 @@ class ARState:
 
 def sample_rows(key_data: jax.Array, index: jax.Array, logits: jax.Array,
                 temperature: jax.Array, top_k: int, top_p: float) -> jax.Array:
-    """Token number `index[b]` of row b from row b's own key (fold_in), so a row's sample does
-    not depend on the batch it is decoded in (regeneration resumes reproducibly).
-
-    Same distribution as `sampling.sample_logits` (top-k, then the top-p nucleus of the
-    untempered top-k logits, then softmax(·/T)), but with top-k > 0 the draw is made among the k
-    candidates only: no sort and no noise over the whole vocabulary, which on CPU cost more than
-    the forward itself (≈ 0.7 s per step at batch 32, V 49152). T ≤ 0 skips sampling (greedy).
-    """
-    t = jnp.asarray(temperature, jnp.float32)
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-
-    def sampled() -> jax.Array:
-        keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
-        keys = jax.vmap(jax.random.fold_in)(keys, index)
-        if not top_k or top_k >= vocab:
-            return jax.vmap(lambda k, lg: sample_logits(k, lg, t, top_k, top_p))(keys, logits)
-        vals_bk, ids_bk = jax.lax.top_k(logits, top_k)  # sorted, largest first
-        if top_p < 1.0:
-            probs = jax.nn.softmax(vals_bk, axis=-1)
-            keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the crossing token is kept
-            vals_bk = jnp.where(keep, vals_bk, -jnp.inf)
-        choice = jax.vmap(jax.random.categorical)(keys, vals_bk / jnp.maximum(t, 1e-6))
-        return jnp.take_along_axis(ids_bk, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.lax.cond(t > 0, sampled, lambda: greedy)
+    """Token number `index[b]` of row b from row b's own key, one static top-k / top-p for the
+    batch: `sampling.sample_request_rows` (the one plain-decoding sampler) with its candidate
+    cap set from `top_k`."""
+    return sample_request_rows(key_data, index, logits, temperature, top_k, top_p,
+                               top_k_cap=top_k_cap_for(top_k, logits.shape[-1]))
 
 
 def row_key_data(seed: int, batch: int) -> jax.Array:
@@ -134,70 +111,20 @@ def ar_prefill(graphdef: Any, state: Any, tokens: jax.Array, lens: jax.Array,
                     active, cache_len=cache_len, max_new=max_new, top_k=top_k, top_p=top_p)
 
 
-def ar_empty(cfg: Any, batch: int, cache_len: int, max_new: int, dtype: Any) -> ARState:
-    """A state of `batch` free rows (all done): the start of continuous batching."""
-    return ARState(cache=init_cache(cfg, batch, cache_len, dtype),
-                   last_token=jnp.zeros((batch,), jnp.int32),
-                   out=jnp.full((batch, max_new), -1, jnp.int32),
-                   num_out=jnp.zeros((batch,), jnp.int32), done=jnp.ones((batch,), bool),
-                   key_data=jnp.zeros((batch, 2), jnp.uint32), steps=jnp.zeros((), jnp.int32))
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "top_p"),
-                   donate_argnames=("s",))
-def ar_refill(graphdef: Any, state: Any, s: ARState, tokens: jax.Array, lens: jax.Array,
-              slots: jax.Array, key_data: jax.Array, temperature: jax.Array,
-              stop_ids: jax.Array, *, top_k: int = 0, top_p: float = 1.0) -> ARState:
-    """Prefills R new prompts `tokens` [R, P] (right-padded, lengths `lens` [R]) into rows
-    `slots` [R] of `s`, samples their first tokens and restarts those rows. A slot ≥ B marks a
-    padding row: nothing is written for it. Other rows are untouched (their cache entries and
-    outputs stay); the prefill runs on an R × P cache, so its cost does not depend on `s`."""
-    model = nnx.merge(graphdef, state)
-    R, P = tokens.shape
-    max_new = s.out.shape[1]
-    new = _prefill(model, tokens, lens, key_data, temperature, stop_ids, None, cache_len=P,
-                   max_new=max_new, top_k=top_k, top_p=top_p)
-    rows = slots[:, None]  # [R, 1]
-    cache = s.cache.replace(
-        k=s.cache.k.at[:, rows, jnp.arange(P)[None]].set(new.cache.k, mode="drop"),
-        v=s.cache.v.at[:, rows, jnp.arange(P)[None]].set(new.cache.v, mode="drop"),
-        lengths=s.cache.lengths.at[slots].set(new.cache.lengths, mode="drop"))
-
-    def put(old: jax.Array, val: jax.Array) -> jax.Array:
-        return old.at[slots].set(val, mode="drop")
-
-    return s.replace(cache=cache, last_token=put(s.last_token, new.last_token),
-                     out=put(s.out, new.out), num_out=put(s.num_out, new.num_out),
-                     done=put(s.done, new.done), key_data=put(s.key_data, new.key_data))
-
-
-@functools.partial(jax.jit, static_argnames=("cache_len",))
-def ar_grow(s: ARState, *, cache_len: int) -> ARState:
-    """The same state with a KV cache of `cache_len` ≥ its current length (zero-padded)."""
-    extra = cache_len - s.cache.max_len
-    if extra < 0:
-        raise ValueError(f"cannot shrink the cache from {s.cache.max_len} to {cache_len}")
-    pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
-    return s.replace(cache=s.cache.replace(k=jnp.pad(s.cache.k, pad), v=jnp.pad(s.cache.v, pad)))
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "top_p"),
                    donate_argnames=("s",))
 def ar_decode(graphdef: Any, state: Any, s: ARState, temperature: jax.Array,
               stop_ids: jax.Array, *, num_steps: int | jax.Array, top_k: int = 0,
-              top_p: float = 1.0, min_done: int | jax.Array | None = None) -> ARState:
-    """Runs up to `num_steps` decode steps on device (stops early when all requests are done,
-    or, with `min_done`, as soon as at least that many rows are done: continuous batching
-    refills them). `num_steps` and `min_done` are traced: changing them does not recompile."""
+              top_p: float = 1.0) -> ARState:
+    """Runs up to `num_steps` decode steps on device (stops early when all requests are done).
+    `num_steps` is traced: changing it does not recompile."""
     model = nnx.merge(graphdef, state)
     max_new = s.out.shape[1]
     B = s.out.shape[0]
     start = s.steps
-    enough_done = B + 1 if min_done is None else min_done
 
     def cond(s: ARState):
-        return (jnp.any(~s.done) & (s.steps - start < num_steps)
-                & (jnp.sum(s.done.astype(jnp.int32)) < enough_done))
+        return jnp.any(~s.done) & (s.steps - start < num_steps)
 
     def body(s: ARState) -> ARState:
         out = model(s.last_token[:, None], cache=s.cache, advance=(~s.done).astype(jnp.int32))

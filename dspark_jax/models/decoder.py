@@ -51,6 +51,17 @@ class KVCache:
     def with_lengths(self, lengths: jax.Array) -> "KVCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
 
+    def grown(self, max_len: int) -> "KVCache":
+        """The same cache with room for `max_len` ≥ `self.max_len` positions (zero-padded)."""
+        extra = int(max_len) - self.max_len
+        if extra < 0:
+            raise ValueError(f"cannot shrink the cache from {self.max_len} to {max_len}")
+
+        def pad(x: jax.Array) -> jax.Array:   # [..., B, S, K, H]: S is axis 2
+            return jnp.pad(x, [(0, extra) if a == 2 else (0, 0) for a in range(x.ndim)])
+
+        return self.replace(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v))
+
 
 def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
                num_layers: int | None = None) -> KVCache:

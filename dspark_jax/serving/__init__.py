@@ -2,9 +2,9 @@
 continuous-batching engine (`engine`), its drafting policy (`policy`), the verification cost
 profile (`cost_profile`) and `speculative_generate` (`generate`)."""
 
-from dspark_jax.serving.engine import Engine, EngineResult
+from dspark_jax.serving.engine import Engine, EngineResult, Request
 from dspark_jax.serving.generate import (SpecResult, SpecSettings, check_compatible,
                                          speculative_generate)
 
-__all__ = ["Engine", "EngineResult", "SpecResult", "SpecSettings", "check_compatible",
+__all__ = ["Engine", "EngineResult", "Request", "SpecResult", "SpecSettings", "check_compatible",
            "speculative_generate"]

@@ -14,6 +14,12 @@ scheduler is profiled at start over the buckets (cached on disk) or passed in. U
 `adaptive` the engine also profiles the drafter's time per round and the plain step, and each
 round first chooses between plain decoding (drafter not run) and drafting, whichever is
 expected to emit more tokens per second (`serving.policy`: the rule, and why it is lossless).
+
+`scheduler="none"` is plain decoding on the same slots (`decoding.plain_steps`): several
+one-token steps per device call, back on the host only when a slot can be handed to a waiting
+request; its cache grows in `len_bucket` steps to what the admitted requests need. `serve`
+takes a stream of requests whose replies may queue follow-ups (regeneration's conversation
+turns run on it).
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding import speculative_round as round_
+from dspark_jax.decoding.plain_steps import plain_steps
+from dspark_jax.decoding.sampling import top_k_cap_for
 from dspark_jax.decoding.acceptance_rule import VERIFIERS
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES
@@ -96,7 +104,8 @@ class Engine:
                  cap_to_budget: bool | None = None, budget_rule: str = "serving",
                  draft_seconds: float | None = None, plain_seconds: float | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64,
-                 explore: float | None = 0.01):
+                 explore: float | None = 0.01, plain_steps_per_call: int = 16,
+                 len_bucket: int = 64):
         if scheduler not in MODES:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(MODES)}")
         if verifier not in VERIFIERS:
@@ -116,6 +125,9 @@ class Engine:
             raise ValueError(f"max_requests must be ≥ 1, got {max_requests}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be ≥ 1, got {prefill_chunk}")
+        if plain_steps_per_call < 1 or len_bucket < 1:
+            raise ValueError(f"plain_steps_per_call and len_bucket must be ≥ 1, got "
+                             f"{plain_steps_per_call} and {len_bucket}")
         if scheduler != "none" and draft is None:
             raise ValueError(f"scheduler={scheduler!r} needs a drafter (draft=None only works "
                              "with scheduler='none')")
@@ -153,6 +165,7 @@ class Engine:
                         "use sampler='jax'")
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.R, self.max_len = int(max_requests), int(max_len)
+        self.plain_steps_per_call, self.len_bucket = int(plain_steps_per_call), int(len_bucket)
         self.threshold = float(threshold)
         self.verifier, self.prefill_chunk = verifier, int(prefill_chunk)
         self.sampler = sampler
@@ -186,9 +199,11 @@ class Engine:
         self.reset_policy()
 
     # ------------------------------------------------------------------ state
-    def _fresh_state(self) -> round_.EngineState:
+    def _fresh_state(self, cache_len: int | None = None) -> round_.EngineState:
+        """Empty slots. `cache_len` (plain decoding only; default max_len): the target cache's
+        initial length, which `_Run` grows as longer requests join (`grow_cache`)."""
         t = self.target
-        cache = init_cache(t.config, self.R, self.max_len, t.dtype)
+        cache = init_cache(t.config, self.R, cache_len or self.max_len, t.dtype)
         dcache = None
         if self.draft is not None:
             dcache = adapter_for(self.draft.config.model_type).init_cache(
@@ -273,6 +288,23 @@ class Engine:
 
         return step
 
+    def _profile_key(self, **extra: Any) -> str:
+        """Disk-cache key of a profile: everything the timed calls depend on — device, target
+        shapes and dtype, slots, max_len, buckets, the verifier and the sampler, and the
+        drafter's shapes including its draft vocabulary (the verification step also feeds the
+        drafter's context) — plus `extra`."""
+        drafter = None
+        if self.draft is not None:
+            dc = self.draft.config
+            drafter = {f: getattr(dc, f, None) for f in (
+                "model_type", "num_drafts", "num_draft_layers", "markov_rank",
+                "markov_head_type", "target_layer_ids", "draft_vocab_size", "layer_family",
+                "hidden_size", "intermediate_size")}
+        return cost_profile.cache_key(self.target.config, self.target.dtype, self.R,
+                                      self.max_len, self.buckets,
+                                      extra=dict(drafter=drafter, verifier=self.verifier,
+                                                 sampler=self.sampler, **extra))
+
     def profile_costs(self) -> dict[str, float]:
         """The drafter's seconds per round (draft + schedule, all slots) and the plain step's
         seconds (anchors only, bucket R), profiled once like SPS and cached on disk next to it
@@ -280,14 +312,7 @@ class Engine:
         `cost_profile_seconds` (0 when cached)."""
         if self.draft is None:
             raise ValueError("profile_costs needs a drafter (scheduler='none' has none)")
-        dc = self.draft.config
-        extra = {f: getattr(dc, f, None) for f in (
-            "model_type", "num_drafts", "num_draft_layers", "markov_rank", "markov_head_type",
-            "target_layer_ids")}
-        key = cost_profile.cache_key(self.target.config, self.target.dtype, self.R,
-                                     self.max_len, self.buckets,
-                                     extra=dict(costs=extra, sampler=self.sampler,
-                                                mode=self.mode))
+        key = self._profile_key(costs=True, mode=self.mode)
         calls = {"draft": functools.partial(self._draft_step_fn(), 0),
                  "plain": functools.partial(self._plain_step_fn(), self.buckets[0])}
         secs, took, _ = cost_profile.load_or_profile(key, self.sps_cache_dir, calls,
@@ -362,8 +387,7 @@ class Engine:
         1 / seconds of the smallest bucket ≥ B), from the disk cache or profiled there
         (`cost_profile.load_or_profile`; `cache_dir` default: the engine's `sps_cache_dir`).
         → (seconds by bucket, profiling s, from cache)."""
-        key = cost_profile.cache_key(self.target.config, self.target.dtype, self.R,
-                                     self.max_len, self.buckets)
+        key = self._profile_key()
         step = self._dummy_step_fn()
         calls = {K: functools.partial(step, K) for K in self.buckets}
         return cost_profile.load_or_profile(
@@ -395,15 +419,16 @@ class Engine:
             raise ValueError(f"max_len={self.max_len} cannot hold the prompts + {rounds} rounds")
         kd = list(np.asarray(jax.random.key_data(jax.random.split(
             jax.random.key(int(seed), impl="threefry2x32"), n))))
-        run = _Run(self, prompts, budget, [float(temperature)] * n, [0] * n, [1.0] * n, kd,
-                   [0.0] * n, fresh_policy=True)
+        run = _Run(self, budget, fresh_policy=True)
+        for i in range(n):
+            run.add(Request(prompts[i], kd[i], float(temperature)))
         run.t0 = time.perf_counter()
-        s = run._prefill(self._fresh_state(), run._admit(0.0))
-        s = run._round(s)
+        s = run._prefill(run.start_state(), run._admit(0.0))
+        s = run._round(s, max_steps=1)
         out = []
-        for _ in range(int(rounds)):
+        for _ in range(int(rounds)):   # plain decoding: one step a round, as verification
             t0 = time.perf_counter()
-            s = run._round(s)
+            s = run._round(s, max_steps=1)
             out.append(time.perf_counter() - t0)
         if not run.h["active"].all():
             raise ValueError("a request finished during round_seconds (a stop token): build "
@@ -411,6 +436,18 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ generate
+    def _check_prompt(self, i: Any, prompt: Sequence[int], max_new_tokens: int) -> None:
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        arr = np.asarray(prompt)
+        if arr.min() < 0 or arr.max() >= self.V:
+            raise ValueError(f"prompt {i} has token ids outside [0, {self.V})")
+        need = len(prompt) + max_new_tokens + self.gamma + 1
+        if need > self.max_len:
+            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens "
+                             f"({max_new_tokens}) + γ+1 ({self.gamma + 1}) exceeds "
+                             f"max_len={self.max_len}")
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  temperature: Any = 0.0, seed: Any = 0, arrivals: Sequence[float] | None = None,
                  top_k: Any = 0, top_p: Any = 1.0, progress: bool = False) -> EngineResult:
@@ -422,25 +459,10 @@ class Engine:
             raise ValueError("no prompts given")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-        for i, pr in enumerate(prompts):
-            if len(pr) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            arr = np.asarray(pr)
-            if arr.min() < 0 or arr.max() >= self.V:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.V})")
-            need = len(pr) + max_new_tokens + self.gamma + 1
-            if need > self.max_len:
-                raise ValueError(f"prompt {i} ({len(pr)} tokens) + max_new_tokens "
-                                 f"({max_new_tokens}) + γ+1 ({self.gamma + 1}) exceeds "
-                                 f"max_len={self.max_len}")
         temps = _per_prompt(temperature, n, "temperature", float)
         tks = _per_prompt(top_k, n, "top_k", int)
         tps = _per_prompt(top_p, n, "top_p", float)
         seeds = _per_prompt(seed, n, "seed", int)
-        if any(t < 0 for t in temps):
-            raise ValueError("temperature must be ≥ 0")
-        if any(not 0.0 < p <= 1.0 for p in tps):
-            raise ValueError("top_p must be in (0, 1]")
         if isinstance(seed, (list, tuple, np.ndarray)):
             kd = [np.asarray(jax.random.key_data(jax.random.key(s_, impl="threefry2x32")))
                   for s_ in seeds]
@@ -450,29 +472,78 @@ class Engine:
         arr_t = [0.0] * n if arrivals is None else [float(a) for a in arrivals]
         if len(arr_t) != n:
             raise ValueError(f"arrivals: {len(arr_t)} values for {n} prompts")
-        run = _Run(self, prompts, max_new_tokens, temps, tks, tps, kd, arr_t, progress=progress)
+        reqs = [Request(prompts[i], kd[i], temps[i], tks[i], tps[i], arr_t[i], handle=i)
+                for i in range(n)]
+        run = _Run(self, max_new_tokens, progress=progress, total=n * max_new_tokens)
+        for i in sorted(range(n), key=lambda i: (arr_t[i], i)):
+            run.add(reqs[i], i)
+        return run.loop()
+
+    def serve(self, requests: Sequence["Request"],
+              on_reply: Callable[["Request", list[int]], Sequence["Request"]] | None = None, *,
+              max_new_tokens: int, after_replies: Callable[[], None] | None = None,
+              progress: bool = False) -> EngineResult:
+        """Serves a stream of requests: `requests` join in order (at their `arrival_s`); when a
+        request ends, `on_reply(request, reply_ids)` is called (the stop token, when hit, is
+        the reply's last id) and the requests it returns join the queue at once (e.g. the next
+        turn of a conversation); `after_replies()` runs after every device call that ended at
+        least one request (a point to write results). The result lists every request in the
+        order it was added (follow-ups after the requests given)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        run = _Run(self, max_new_tokens, progress=progress, on_reply=on_reply,
+                   after_replies=after_replies)
+        for req in requests:
+            run.add(req)
         return run.loop()
 
 
-class _Run:
-    """Host bookkeeping of one `Engine.generate` call."""
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request of `Engine.serve`: prompt ids, its sampling settings and its own key
+    (threefry key data, uint32 [2]: its sampled tokens depend on nothing else — not the slot,
+    not the neighbours; in plain decoding, requests sharing one top-k also draw the same
+    tokens in any batch). `handle`: anything the caller wants back in `on_reply`."""
 
-    def __init__(self, eng: Engine, prompts, max_new, temps, tks, tps, kd, arrivals,
-                 fresh_policy: bool = False, progress: bool = False):
-        self.e, self.prompts, self.max_new = eng, [list(map(int, p)) for p in prompts], max_new
-        self.temps, self.tks, self.tps, self.kd, self.arrivals = temps, tks, tps, kd, arrivals
-        n = len(prompts)
-        self.out: list[list[int]] = [[] for _ in range(n)]
-        self.per = [dict(accepted=[], proposed=[], acceptance=[], confidence=[],
-                         arrival_s=arrivals[i],
-                         join_s=None, prompt_tokens=len(prompts[i]), first_token_s=None,
-                         finish_s=None)
-                    for i in range(n)]
+    prompt: Sequence[int]
+    key_data: Any
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    arrival_s: float = 0.0
+    handle: Any = None
+
+
+@functools.partial(jax.jit, static_argnames=("cache_len",))
+def _grow(s: round_.EngineState, *, cache_len: int) -> round_.EngineState:
+    return s.replace(cache=s.cache.grown(cache_len))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-int(x) // m) * m
+
+
+class _Run:
+    """Host bookkeeping of one `Engine.generate` / `Engine.serve` call."""
+
+    def __init__(self, eng: Engine, max_new: int, *, fresh_policy: bool = False,
+                 progress: bool = False, total: int | None = None,
+                 on_reply: Callable[[Request, list[int]], Sequence[Request]] | None = None,
+                 after_replies: Callable[[], None] | None = None):
+        self.e, self.max_new = eng, int(max_new)
+        self.requests: list[Request] = []
+        self.prompts: list[list[int]] = []
+        self.out: list[list[int]] = []
+        self.per: list[dict[str, Any]] = []
+        self.on_reply, self.after_replies = on_reply, after_replies
+        self.ended = 0          # requests ended since `after_replies` last ran
         self.rounds: list[dict[str, Any]] = []
         self.h = eng._host_arrays()
         self.slot_req = [-1] * eng.R
         self.free = collections.deque(range(eng.R))
-        self.pending = collections.deque(sorted(range(n), key=lambda i: (arrivals[i], i)))
+        self.pending: collections.deque[int] = collections.deque()
+        self.plain = eng.mode == "none"
+        self.step_s = 0.0       # plain decoding: seconds per step (last call), for arrivals
         # adaptive: the engine's drafting policy (its state persists across calls)
         self.policy = eng.policy
         if fresh_policy and self.policy is not None:
@@ -483,27 +554,61 @@ class _Run:
         if progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=n * max_new, desc="speculative", unit="tok",
-                            dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc="speculative" if not self.plain else "decode",
+                            unit="tok", dynamic_ncols=True)
+
+    def add(self, req: Request, label: Any = None) -> int:
+        """Queues a request (validated); → its index in the result."""
+        i = len(self.requests)
+        self.e._check_prompt(i if label is None else label, req.prompt, self.max_new)
+        if req.temperature < 0:
+            raise ValueError("temperature must be ≥ 0")
+        if not 0.0 < req.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        self.requests.append(req)
+        self.prompts.append(list(map(int, req.prompt)))
+        self.out.append([])
+        self.per.append(dict(accepted=[], proposed=[], acceptance=[], confidence=[],
+                             arrival_s=float(req.arrival_s), join_s=None,
+                             prompt_tokens=len(req.prompt), first_token_s=None,
+                             finish_s=None))
+        self.pending.append(i)
+        return i
 
     # -------------------------------------------------------------- joins
     def _admit(self, now: float) -> list[int]:
         joined = []
-        while self.pending and self.free and self.arrivals[self.pending[0]] <= now:
+        while (self.pending and self.free
+               and self.requests[self.pending[0]].arrival_s <= now):
             i = self.pending.popleft()
             r = self.free.popleft()
             self.slot_req[r] = i
             self.per[i]["join_s"] = now
-            h = self.h
-            h["temperature"][r], h["top_k"][r], h["top_p"][r] = (self.temps[i], self.tks[i],
-                                                                  self.tps[i])
-            h["key_data"][r] = self.kd[i]
+            req, h = self.requests[i], self.h
+            h["temperature"][r], h["top_k"][r], h["top_p"][r] = (req.temperature, req.top_k,
+                                                                  req.top_p)
+            h["key_data"][r] = np.asarray(req.key_data, np.uint32)
             h["counter"][r], h["remaining"][r], h["active"][r] = 1, self.max_new, False
             joined.append(r)
         return joined
 
+    def _fit_cache(self, s, slots: list[int]):
+        """Plain decoding: grows the target cache (in `len_bucket` steps, up to max_len) to
+        hold the joining requests; the speculative state always has max_len."""
+        if not self.plain:
+            return s
+        need = max(len(self.prompts[self.slot_req[r]]) for r in slots) + self.max_new + 1
+        need = min(self.e.max_len, _round_up(need, self.e.len_bucket))
+        if need > s.cache.max_len:
+            s = _grow(s, cache_len=need)
+        return s
+
     def _prefill(self, s, slots: list[int]):
         e, Kp, R = self.e, self.e.prefill_chunk, self.e.R
+        s = self._fit_cache(s, slots)
+        cap = None
+        if self.plain:
+            cap = top_k_cap_for([int(self.h["top_k"][r]) for r in slots], e.V)
         todo = collections.deque((r, 0) for r in slots)
         while todo:
             tok = np.zeros(Kp, np.int32)
@@ -536,7 +641,8 @@ class _Run:
                 e._slot_settings(self.h),
                 jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(valid),
                 jnp.asarray(nxt), jnp.asarray(final_k), jnp.asarray(first_k),
-                jnp.asarray(count), jnp.asarray(start), tap_layer_ids=e.tap_ids)
+                jnp.asarray(count), jnp.asarray(start), tap_layer_ids=e.tap_ids,
+                plain_top_k_cap=cap)
             first = np.asarray(first)
             now = time.perf_counter() - self.t0
             stops = set(np.asarray(e.stop_ids).tolist()) - {-1}
@@ -555,19 +661,79 @@ class _Run:
         return s
 
     def _finish(self, r: int, now: float) -> None:
-        self.per[self.slot_req[r]]["finish_s"] = now
+        i = self.slot_req[r]
+        self.per[i]["finish_s"] = now
         self.h["active"][r] = False
         self.slot_req[r] = -1
         self.free.append(r)
+        self.ended += 1
+        if self.on_reply is not None:
+            for req in self.on_reply(self.requests[i], list(self.out[i])) or ():
+                self.add(dataclasses.replace(req, arrival_s=min(req.arrival_s, now)))
 
     # -------------------------------------------------------------- rounds
-    def _round(self, s):
+    def _record(self, r: int, tokens: Sequence[int], accepted: Sequence[int],
+                proposed: Sequence[int], acceptance: Sequence[int], rounds: int) -> None:
+        i = self.slot_req[r]
+        self.out[i].extend(int(x) for x in tokens)
+        pr = self.per[i]
+        pr["accepted"].extend(accepted)
+        pr["proposed"].extend(proposed)
+        pr["acceptance"].extend(acceptance)
+        self.h["remaining"][r] -= len(tokens)
+        self.h["counter"][r] += rounds
+
+    def _plain_round(self, s, max_steps: int | None = None):
+        """Plain decoding (scheduler "none"): up to `plain_steps_per_call` steps in one device
+        call (`decoding.plain_steps`), back on the host as soon as a slot can be handed to a
+        waiting request, or when the next one arrives."""
+        e, h = self.e, self.h
+        t_start = time.perf_counter()
+        n_active = int(h["active"].sum())
+        steps, min_done = e.plain_steps_per_call, e.R + 1
+        if max_steps is not None:
+            steps = min(steps, int(max_steps))
+        if self.pending:
+            if not self.free:
+                min_done = 1
+            else:   # a free slot awaits a later arrival: return in time for it
+                wait = (self.requests[self.pending[0]].arrival_s
+                        - (time.perf_counter() - self.t0))
+                if self.step_s > 0:
+                    steps = int(min(steps, max(1, wait // self.step_s + 1)))
+        cap = top_k_cap_for([int(k) for k in h["top_k"][h["active"]]], e.V)
+        s, o = plain_steps(e.target.graphdef, e.target.state, s, e._slot_settings(h), e.stop_ids,
+                           jnp.asarray(steps, jnp.int32), jnp.asarray(min_done, jnp.int32),
+                           max_steps=e.plain_steps_per_call, top_k_cap=cap,
+                           budget_rule=e.budget_rule)
+        o = jax.device_get(o)
+        now = time.perf_counter() - self.t0
+        emitted = 0
+        for r in np.nonzero(h["active"])[0]:
+            m, k = int(o["n_emit"][r]), int(o["steps"][r])
+            self._record(r, o["tokens"][r, :m], [0] * k, [0] * k, [1] * k, k)
+            emitted += m
+            if o["finished"][r]:
+                self._finish(r, now)
+        if self.bar is not None:
+            self.bar.update(emitted)
+        n_steps = int(o["steps"].max(initial=0))
+        seconds = time.perf_counter() - t_start
+        self.step_s = seconds / max(n_steps, 1)
+        self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=e.buckets[0],
+                                tokens=emitted, drafted=False, seconds=seconds, steps=n_steps,
+                                cache_len=int(s.cache.max_len)))
+        return s
+
+    def _round(self, s, max_steps: int | None = None):
+        if self.plain:
+            return self._plain_round(s, max_steps)
         e, h = self.e, self.h
         t_start = time.perf_counter()
         p = e._slot_settings(h)
         n_active = int(h["active"].sum())
         conf = None
-        drafted, capacity = e.mode != "none", 0
+        drafted, capacity = True, 0
         if self.policy is not None:
             drafted, capacity = self.policy.decide(n_active)
         if not drafted:   # plain decoding: ℓ = 0, the drafter not run
@@ -596,43 +762,42 @@ class _Run:
         now = time.perf_counter() - self.t0
         emitted = 0
         for r in np.nonzero(h["active"])[0]:
-            i = self.slot_req[r]
             m = int(o["n_emit"][r])
-            self.out[i].extend(int(x) for x in o["tokens"][r, :m])
-            emitted += m
-            pr = self.per[i]
-            pr["accepted"].append(int(o["accepted"][r]))
-            pr["proposed"].append(int(o["proposed"][r]))
-            pr["acceptance"].append(int(o["tau_term"][r]))
             if conf_h is not None:   # confidence logits of this round's proposals
-                pr["confidence"].append(conf_h[r])
-            h["remaining"][r] -= m
-            h["counter"][r] += 1
+                self.per[self.slot_req[r]]["confidence"].append(conf_h[r])
+            self._record(r, o["tokens"][r, :m], [int(o["accepted"][r])],
+                         [int(o["proposed"][r])], [int(o["tau_term"][r])], 1)
+            emitted += m
             if o["finished"][r]:
                 self._finish(r, now)
         if self.bar is not None:
             self.bar.update(emitted)
         self.rounds.append(dict(active=n_active, verified_tokens=int(ell_h.sum()), capacity=K,
-                                tokens=emitted, drafted=bool(drafted),
+                                tokens=emitted, drafted=bool(drafted), steps=1,
                                 seconds=time.perf_counter() - t_start))
         return s
 
+    def start_state(self):
+        return self.e._fresh_state(self.e.len_bucket if self.plain else None)
+
     def loop(self) -> EngineResult:
-        e = self.e
-        s = e._fresh_state()
+        s = self.start_state()
         self.t0 = time.perf_counter()
         while self.pending or self.h["active"].any():
             now = time.perf_counter() - self.t0
             joined = self._admit(now)
             if joined:
                 s = self._prefill(s, joined)
-            if not self.h["active"].any():
-                if self.pending and self.free:
-                    wait = self.arrivals[self.pending[0]] - (time.perf_counter() - self.t0)
-                    if wait > 0:
-                        time.sleep(wait)
-                continue
-            s = self._round(s)
+            if self.h["active"].any():
+                s = self._round(s)
+            elif self.pending and self.free:
+                wait = (self.requests[self.pending[0]].arrival_s
+                        - (time.perf_counter() - self.t0))
+                if wait > 0:
+                    time.sleep(wait)
+            if self.ended and self.after_replies is not None:
+                self.after_replies()
+            self.ended = 0
         self.final_state = s
         if self.bar is not None:
             self.bar.close()

@@ -98,5 +98,6 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     if settings.record_confidence:
         conf = [np.asarray(p["confidence"], np.float32).reshape(-1, g) for p in per]
     return SpecResult(tokens=res.tokens, proposed=[p["proposed"] for p in per],
-                      accepted=[p["accepted"] for p in per], rounds=len(res.rounds),
+                      accepted=[p["accepted"] for p in per],
+                      rounds=sum(r["steps"] for r in res.rounds),
                       confidence=conf, acceptance=[p["acceptance"] for p in per])

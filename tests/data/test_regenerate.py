@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -143,12 +144,16 @@ def test_a_reply_does_not_depend_on_its_batch(target):
     assert other[0] != alone[0]
 
 
-def test_refill_engine_equals_the_static_one_at_t0(target, prompts_file, tmp_path):
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_refill_engine_equals_the_static_one(target, prompts_file, tmp_path, temperature):
+    """The serving engine's plain decoding (refill) writes the records of the on-device loop
+    (static): same replies token for token, greedy and sampled (top-k 20, top-p 0.8)."""
     user = lambda s: {"role": "user", "content": s}  # noqa: E731
     convs = load_conversations(prompts_file) + [
         Conversation("too-long", [user("word " * 300)]),
         Conversation("long-second", [user("short"), user("word " * 300)])]
-    kw = SETTINGS | dict(temperature=0.0, batch_size=3, max_prompt_tokens=200, progress=False)
+    kw = SETTINGS | dict(temperature=temperature, batch_size=3, max_prompt_tokens=200,
+                         progress=False)
     static = R.regenerate(target, convs, tmp_path / "s.jsonl", engine="static", **kw)
     refill = R.regenerate(target, convs, tmp_path / "r.jsonl", engine="refill", **kw)
 
@@ -191,24 +196,21 @@ def test_skip_rules(target, tmp_path, monkeypatch, engine):
                 out.append(tok.encode("Sure.") + [tok.eos_token_id])
         return out
 
-    class FakeBatcher:  # the refill engine's seam: same scripted replies, batches of 4
-        def __init__(self, target, **kw):
-            self.queue = []
-            self.device_seconds = {"refill": 0.0, "decode": 0.0, "grow": 0.0}
-            self.decode_steps = 0
+    class FakeEngine:  # the refill engine's seam: same scripted replies, batches of 4
+        def __init__(self, target, draft, **kw):
+            pass
 
-        def submit(self, handle, ids, key):
-            self.queue.append((handle, ids))
-
-        def run(self, on_reply, on_chunk=None):
-            while self.queue:
-                batch, self.queue = self.queue[:4], self.queue[4:]
-                for (handle, _), reply in zip(batch, fake_generate(None, [i for _, i in batch], None)):
-                    on_reply(handle, reply)
-                on_chunk()
+        def serve(self, requests, on_reply, *, max_new_tokens, after_replies=None):
+            queue = list(requests)
+            while queue:
+                batch, queue = queue[:4], queue[4:]
+                for req, reply in zip(batch, fake_generate(None, [r.prompt for r in batch], None)):
+                    queue += on_reply(req, reply)
+                after_replies()
+            return SimpleNamespace(rounds=[], wall_s=0.0)
 
     monkeypatch.setattr(R, "generate_rows", fake_generate)
-    monkeypatch.setattr(R, "ContinuousBatcher", FakeBatcher)
+    monkeypatch.setattr(R, "Engine", FakeEngine)
     user = lambda s: {"role": "user", "content": s}  # noqa: E731
     convs = [
         Conversation("ok", [user("hello")]),

@@ -85,8 +85,8 @@ def test_eagle3_greedy_and_chain_stops_at_drafted_stop(target):
 
 
 def _prefilled(eng, prompt):
-    run = engine_mod._Run(eng, [prompt], 8, [0.0], [0], [1.0],
-                          [np.zeros(2, np.uint32)], [0.0])
+    run = engine_mod._Run(eng, 8)
+    run.add(engine_mod.Request(prompt, np.zeros(2, np.uint32)))
     run.t0 = 0.0
     s = run._prefill(eng._fresh_state(), run._admit(0.0))
     return run, s
@@ -108,8 +108,8 @@ def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref):
     assert all(r["verified_tokens"] == 0 for r in res.rounds if not r["drafted"])
 
     one = Engine(target, draft, **kw, **dict(ENGINE_KW, max_requests=1))
-    run = engine_mod._Run(one, [PROMPTS[1]], MAX_NEW, [0.0], [0], [1.0],
-                          [np.zeros(2, np.uint32)], [0.0])
+    run = engine_mod._Run(one, MAX_NEW)
+    run.add(engine_mod.Request(PROMPTS[1], np.zeros(2, np.uint32)))
     out = run.loop()
     assert not all(r["drafted"] for r in out.rounds)
     s = run.final_state

@@ -1,0 +1,80 @@
+"""Plain decoding of the serving engine's request slots: several one-token steps per device call
+(SPEC §1, the autoregressive baseline speculative decoding must equal; paper §5.2's "no
+drafting" point of the schedule, which the engine's `scheduler="none"` serves).
+
+The state is the engine's (`speculative_round.EngineState`: the target KV cache [L, R, S] with a
+committed length per slot and the anchor, the last committed token not yet in the cache), so
+requests join and leave between calls exactly as between speculative rounds. One call runs up
+to `num_steps` steps in a `lax.while_loop`: feed every live slot's anchor, sample its next
+token with `sampling.sample_request_rows` (the request's own key folded with its token index,
+so a reply does not depend on its slot, its neighbours or how many steps a call ran), commit
+it. The loop returns early once `min_done` slots have finished (a stop token or the token
+budget), so the host can hand their slots to waiting requests: continuous batching without a
+host round trip per token. Regeneration (`data/regenerate.py`) runs on it through the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.decoding.sampling import sample_request_rows
+from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
+from dspark_jax.decoding.stops import is_stop
+
+
+@functools.partial(jax.jit, static_argnames=("target_gd", "max_steps", "top_k_cap",
+                                             "budget_rule"),
+                   donate_argnames=("s",))
+def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
+                stop_ids: jax.Array, num_steps: jax.Array, min_done: jax.Array, *,
+                max_steps: int, top_k_cap: int = 0, budget_rule: str = "serving"
+                ) -> tuple[EngineState, dict[str, jax.Array]]:
+    """Up to `num_steps` (traced, ≤ `max_steps`) plain decoding steps of every active slot.
+
+    A slot's token number i (i = its `counter`, 1 after the prefill's token 0) is sampled with
+    `sample_request_rows(key_data, counter, …)`. `budget_rule` as in
+    `speculative_round.verify_and_commit` with no drafts ("serving": finished once `remaining`
+    tokens are emitted; "deepspec": one more step after that, which emits nothing). The loop
+    stops when no slot is live, after `num_steps` steps, or once `min_done` slots finished.
+    → (state, dict(tokens [R, max_steps] (−1 past n_emit), n_emit [R], steps [R] steps the
+    slot ran (its rounds), finished [R])).
+    """
+    if budget_rule not in BUDGET_RULES:
+        raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from {BUDGET_RULES}")
+    target = nnx.merge(target_gd, target_state)
+    R = s.anchor.shape[0]
+    zeros = jnp.zeros((R,), jnp.int32)
+    init = dict(cache=s.cache, anchor=s.anchor, counter=p.counter, remaining=p.remaining,
+                live=p.active, n_emit=zeros, steps=zeros, finished=jnp.zeros((R,), bool),
+                tokens=jnp.full((R, max_steps), -1, jnp.int32), i=jnp.zeros((), jnp.int32))
+
+    def cond(c: dict[str, jax.Array]) -> jax.Array:
+        return (jnp.any(c["live"]) & (c["i"] < jnp.minimum(num_steps, max_steps))
+                & (jnp.sum(c["finished"].astype(jnp.int32)) < min_done))
+
+    def body(c: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        live = c["live"]
+        out = target(c["anchor"][:, None], cache=c["cache"], advance=live.astype(jnp.int32))
+        nxt = sample_request_rows(p.key_data, c["counter"], target.logits(out.hidden[:, 0]),
+                                  p.temperature, p.top_k, p.top_p, top_k_cap=top_k_cap)
+        emit = live & (c["remaining"] > 0)
+        stop = is_stop(nxt, stop_ids)
+        if budget_rule == "serving":
+            done = live & (stop | (c["remaining"] <= 1))
+        else:   # DeepSpec's `while start < max_length`: a step that ends on the budget is
+            done = live & (stop | (c["remaining"] < 1))   # followed by one more
+        tokens = c["tokens"].at[:, c["i"]].set(jnp.where(emit, nxt, -1))
+        return dict(cache=out.cache, anchor=jnp.where(live, nxt, c["anchor"]),
+                    counter=c["counter"] + live, remaining=c["remaining"] - emit,
+                    live=live & ~done, n_emit=c["n_emit"] + emit, steps=c["steps"] + live,
+                    finished=c["finished"] | done, tokens=tokens, i=c["i"] + 1)
+
+    c = jax.lax.while_loop(cond, body, init)
+    new_s = s.replace(cache=c["cache"], anchor=c["anchor"])
+    return new_s, dict(tokens=c["tokens"], n_emit=c["n_emit"], steps=c["steps"],
+                       finished=c["finished"])
