@@ -1,9 +1,19 @@
-"""Lossless under scheduling, statistically (paper Appendix A; SPEC §1, §8): at T = 1 the engine's
-output under `algorithm1` / `adaptive` (and with top-k / top-p) is distributed as the target's
-(a broken acceptance rule fails the same test), and the Appendix A counterexample: the global
-search on current confidences is biased, the causal modes are not."""
+"""Lossless under scheduling, statistically (paper Appendix A; SPEC §1, §8).
+
+Default suite (seconds): in every scheduler mode, the engine's sampled output at T > 0 with
+top-k / top-p (two groups of per-request settings in one call) has the target's exact joint
+distribution over the first NEW tokens (computed by enumerating prefixes of a tiny vocabulary);
+the tokens after the first come from verification rounds. Control: the same test rejects a
+subtly broken acceptance rule (the correction drawn from p_t instead of the residual).
+Slow: per-position marginals at 20k samples per mode on a sharper target (also the Pallas
+sampler), with an accept-every-draft rule as the control. And the Appendix A counterexample:
+the global search on current confidences is biased, the causal modes are not."""
 
 from __future__ import annotations
+
+import itertools
+import math
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +21,10 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding import acceptance_rule, scheduler
-from dspark_jax.decoding.sampling import filter_logits
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.serving import Engine
 from hf_tiny import save_tiny_hf
+from tests.decoding.test_acceptance_rule import chi2_stat
 
 V = 8
 N = 20000
@@ -39,23 +49,42 @@ def small(tmp_path_factory):
     return t, type(d).from_model(dm)
 
 
-def _exact(target, n_pos, top_k=0, top_p=1.0):
-    """P(token at output position i) by enumerating all prefixes, under the same filter."""
-    dists, prefix = [], {(): 1.0}
-    for _ in range(n_pos):
-        keys = list(prefix)
-        logits = target.logits(np.asarray([PROMPT + list(k) for k in keys]))[:, -1]
-        logits = np.asarray(filter_logits(jnp.asarray(logits), top_k, top_p), np.float64)
+def _filter_np(logits, top_k, top_p):
+    """numpy oracle of a request's top-k / top-p on raw logits [..., V] (→ −inf outside): the k
+    largest (ties with the k-th kept), then the smallest prefix of the survivors, by
+    probability, whose mass reaches top_p (the token crossing it is kept)."""
+    lg = np.asarray(logits, np.float64)
+    if 0 < top_k < lg.shape[-1]:
+        lg = np.where(lg < np.sort(lg, -1)[..., -top_k:-top_k + 1], -np.inf, lg)
+    if top_p < 1.0:
+        desc = -np.sort(-lg, -1)
+        p = np.exp(desc - desc[..., :1])
+        p /= p.sum(-1, keepdims=True)
+        keep = np.cumsum(p, -1) - p < top_p
+        lg = np.where(lg < np.where(keep, desc, np.inf).min(-1, keepdims=True), -np.inf, lg)
+    return lg
+
+
+def _exact_joint(target, prompt, vocab, n_pos, temperature=1.0, top_k=0, top_p=1.0):
+    """P(t_0 … t_{n-1}) [V]·n after `prompt`, by enumerating every prefix (one causal forward
+    over all V^(n-1) continuations), under a request's temperature / top-k / top-p."""
+    rows = [prompt + list(k) for k in itertools.product(range(vocab), repeat=n_pos - 1)]
+    logits_all = target.logits(np.asarray(rows))                     # [V^(n-1), P+n-1, V]
+    joint = np.ones(())
+    for i in range(n_pos):
+        # the prefixes of length i: the rows ending in n-1-i zeros (causal: unseen)
+        logits = logits_all[np.arange(vocab ** i) * vocab ** (n_pos - 1 - i), len(prompt) - 1 + i]
+        logits = _filter_np(logits, top_k, top_p) / temperature
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
-        marg, nxt = np.zeros(V), {}
-        for k, row in zip(keys, p):
-            marg += prefix[k] * row
-            for v in range(V):
-                nxt[k + (v,)] = prefix[k] * row[v]
-        dists.append(marg)
-        prefix = nxt
-    return dists
+        joint = (joint.reshape(-1, 1) * p).reshape((vocab,) * (i + 1))
+    return joint
+
+
+def _exact(target, n_pos, top_k=0, top_p=1.0):
+    """P(token at output position i), i < n_pos, under the same filter."""
+    joint = _exact_joint(target, PROMPT, V, n_pos, 1.0, top_k, top_p)
+    return [joint.sum(axis=tuple(j for j in range(n_pos) if j != i)) for i in range(n_pos)]
 
 
 def _chi2(counts, probs):
@@ -69,28 +98,44 @@ def _chi2(counts, probs):
 SKIP_KW = dict(draft_seconds=1e3, probe_interval=2, max_probe_interval=2, explore=None)
 
 
-def _run(target, draft, mode, n, verifier="jax", top_k=0, top_p=1.0, sampler="jax"):
+def _engine(target, draft, mode, n, gamma, prompt_len, new, verifier="jax", sampler="jax"):
+    """One slot per request, one capacity bucket (every slot verifying γ drafts) and an SPS
+    that falls with the load, so that algorithm1 / adaptive prune some slots, not all."""
     kw = SKIP_KW if mode == "adaptive_skip" else {}
     mode = "adaptive" if mode == "adaptive_skip" else mode
-    R = n
-    top = R * (GAMMA + 1)
-    sps = (1.0 / (1.0 + 0.6 * np.arange(top + 1) / R)).astype(np.float32)  # prunes partly
-    eng = Engine(target, draft, max_requests=R, max_len=12, scheduler=mode, sps=sps,
-                 capacity_buckets=[top], prefill_chunk=R * len(PROMPT), verifier=verifier,
-                 sampler=sampler, stop_token_ids=[], **kw)
+    top = n * (gamma + 1)
+    sps = (1.0 / (1.0 + 0.6 * np.arange(top + 1) / n)).astype(np.float32)  # prunes partly
+    return Engine(target, draft, max_requests=n, max_len=prompt_len + new + gamma + 1,
+                  scheduler=mode, sps=sps, capacity_buckets=[top], prefill_chunk=n * prompt_len,
+                  verifier=verifier, sampler=sampler, stop_token_ids=[], **kw)
+
+
+def _run(target, draft, mode, n, verifier="jax", top_k=0, top_p=1.0, sampler="jax"):
+    eng = _engine(target, draft, mode, n, GAMMA, len(PROMPT), NEW, verifier, sampler)
     res = eng.generate([PROMPT] * n, max_new_tokens=NEW, temperature=1.0, seed=11,
                        top_k=top_k, top_p=top_p)
     return np.asarray(res.tokens), res
 
 
 def _always_accept(accept_u, sample_u, tp, dp, drafts, ell):
-    """A deliberately broken rule: accept every verified draft."""
+    """A deliberately broken rule: accept every verified draft (the drafts then follow the
+    drafter's distribution)."""
     B, g = drafts.shape
     n = ell.astype(jnp.int32)
-    from dspark_jax.decoding.acceptance_rule import VerifyResult, inverse_cdf_sample
+    bonus = acceptance_rule.inverse_cdf_sample(tp[jnp.arange(B), n], sample_u)
+    return acceptance_rule.VerifyResult(n, bonus, jnp.arange(g)[None] < n[:, None])
 
-    bonus = inverse_cdf_sample(tp[jnp.arange(B), n], sample_u)
-    return VerifyResult(n, bonus, jnp.arange(g)[None] < n[:, None])
+
+def _residual_is_target(accept_u, sample_u, tp, dp, drafts, ell):
+    """A subtly broken rule: after a rejection the correction is drawn from p_t instead of
+    norm(max(p_t − p_d, 0)) (accepts as the true rule)."""
+    res = acceptance_rule.rejection_verify_with_uniforms(accept_u, sample_u, tp, dp, drafts, ell)
+    n = res.num_accepted
+    redraw = acceptance_rule.inverse_cdf_sample(tp[jnp.arange(drafts.shape[0]), n], sample_u)
+    return res._replace(next_token=jnp.where(n < ell, redraw, res.next_token))
+
+
+BROKEN_RULES = {"always_accept": _always_accept, "residual_is_target": _residual_is_target}
 
 
 @pytest.mark.slow
@@ -122,6 +167,103 @@ def test_sampled_output_matches_target(small, monkeypatch, mode, top_k, top_p, s
     bad, _ = _run(target, draft, mode, N, verifier="always_accept")
     stats = [_chi2(np.bincount(bad[:, i], minlength=V), exact[i]) for i in range(1, NEW)]
     assert any(s > 3 * CHI2_Q9999[df] for s, df in stats), stats
+
+
+# ------------------------------------------------------------------ default suite: every mode
+FV = 6            # vocabulary: the joint of the first FNEW tokens is enumerated exactly
+FG = 2            # γ
+FNEW = 4          # t_0 comes from the prefill, t_1 … t_3 from verification rounds
+FN = 4096         # requests in one generate call, one slot each (one batch, compiled once)
+FPROMPT = [1, 4, 2]
+# per-request (temperature, top_k, top_p), alternating over the requests: top-k and top-p
+# together, and top-p alone at another temperature
+GROUPS = ((1.0, 3, 0.75), (0.7, 0, 0.6))
+FAST_MODES = (*scheduler.MODES, "adaptive_skip")
+ALPHA = 1e-4      # a true distribution fails one check with probability 1e-4
+# the control: the subtle broken rule (always_accept, gross, is the slow test's control; it
+# fails here by orders of magnitude too, but costs another compile of the verification)
+FAST_BROKEN = ("residual_is_target",)
+
+
+def chi2_isf(df: int, alpha: float = ALPHA) -> float:
+    """The (1 − alpha) quantile of χ²(df), Wilson–Hilferty: at 1e-4 it overshoots scipy's by
+    < 4 % (df 3) and < 1 % (df ≥ 12), so a check is if anything conservative; no scipy."""
+    z, h = statistics.NormalDist().inv_cdf(1 - alpha), 2.0 / (9 * df)
+    return df * (1 - h + z * math.sqrt(h)) ** 3
+
+
+def joint_chi2(toks: np.ndarray, joint: np.ndarray) -> tuple[float, int, int]:
+    """Pearson χ² of the rows of toks [N, n] against the joint distribution [V]·n: cells
+    expecting < 5 are pooled into one (itself merged into the likeliest cell when the pool
+    expects < 5). → (statistic, degrees of freedom, rows outside the support)."""
+    p = joint.ravel()
+    cell = np.ravel_multi_index(tuple(toks.T), joint.shape)
+    outside = int((p[cell] == 0).sum())
+    n = len(toks) - outside
+    big = np.nonzero(p * n >= 5)[0]
+    small = (p > 0) & (p * n < 5)
+    idx = np.full(p.size, -1)
+    idx[big] = np.arange(big.size)
+    idx[small] = big.size if p[small].sum() * n >= 5 else idx[np.argmax(p)]
+    probs = np.bincount(idx[p > 0], weights=p[p > 0])
+    mapped = idx[cell]
+    stat, df = chi2_stat(mapped[mapped >= 0], probs)
+    return stat, df, outside
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 1-layer target over 6 tokens whose p_t depends on the context (neither flat nor
+    one-hot) and a drafter whose p_d differs from it (both accepts and rejects)."""
+    t = load_target(save_tiny_hf(tmp_path_factory.mktemp("tiny"), "llama", vocab=FV, layers=1,
+                                 seed=5))
+    model = t.model
+    model.lm_head.set_value(model.lm_head.get_value() * 5.0)
+    t = type(t).from_model(model)
+    d = init_draft(t, dict(block_size=FG, num_draft_layers=1, target_layer_ids=(-1,),
+                           mask_token_id=FV - 1, markov_rank=4), seed=7)
+    dm = d.model   # init_draft copies the target's head: sharpen the drafter's own
+    dm.lm_head.set_value(dm.lm_head.get_value() * 3.0)
+    exact = [_exact_joint(t, FPROMPT, FV, FNEW, *g) for g in GROUPS]
+    return t, type(d).from_model(dm), exact
+
+
+def _sample_groups(target, draft, mode, verifier="jax"):
+    eng = _engine(target, draft, mode, FN, FG, len(FPROMPT), FNEW, verifier)
+    temps, ks, ps = zip(*(GROUPS[i % len(GROUPS)] for i in range(FN)))
+    res = eng.generate([FPROMPT] * FN, max_new_tokens=FNEW, temperature=list(temps),
+                       top_k=list(ks), top_p=list(ps), seed=11)
+    toks = np.asarray(res.tokens)
+    assert toks.shape == (FN, FNEW)
+    return [toks[g::len(GROUPS)] for g in range(len(GROUPS))], res
+
+
+@pytest.mark.parametrize("mode", FAST_MODES)
+def test_every_mode_samples_the_target_with_top_k_top_p(tiny, monkeypatch, mode):
+    """The joint of the first 4 tokens of 2048 requests per sampling group matches the exact
+    target distribution (χ² at α = 1e-4, nothing outside the top-k / top-p support); with a
+    broken acceptance rule the same check fails (every mode that drafts)."""
+    target, draft, exact = tiny
+    groups, res = _sample_groups(target, draft, mode)
+    ver = np.mean([v for r in res.per_request for v in r["proposed"]])
+    acc = np.mean([a for r in res.per_request for a in r["accepted"]])
+    if mode != "none":   # the tested tokens went through the rule: both accepts and rejects
+        assert 0 < acc < ver, (acc, ver)
+    if mode in ("algorithm1", "adaptive", "adaptive_skip"):
+        assert ver < FG, "the scheduler should prune some slots"
+    if mode == "adaptive_skip":
+        assert {r["drafted"] for r in res.rounds} == {True, False}, res.rounds
+    for toks, joint in zip(groups, exact):
+        stat, df, outside = joint_chi2(toks, joint)
+        assert outside == 0, f"{outside} requests emitted a token outside top-k / top-p"
+        assert stat < chi2_isf(df), (mode, stat, df, chi2_isf(df))
+    if mode == "none":   # nothing is drafted: no acceptance rule to break
+        return
+    for name in FAST_BROKEN:
+        monkeypatch.setitem(acceptance_rule.VERIFIERS, name, BROKEN_RULES[name])
+        bad, _ = _sample_groups(target, draft, mode, verifier=name)
+        checks = [joint_chi2(toks, joint) for toks, joint in zip(bad, exact)]
+        assert any(o > 0 or s > chi2_isf(df) for s, df, o in checks), (name, checks)
 
 
 def test_appendix_a_counterexample():
