@@ -1,0 +1,65 @@
+"""The disk-cache keys of the engine's profiles (`Engine._profile_key`): the SPS profile
+(`profile_buckets`) and the adaptive costs (`profile_costs`) are cached under a key that changes
+with what the timed calls depend on — the verifier, the sampler, the drafter's draft vocabulary
+— and stays the same for the same settings (a rebuilt engine, a drafter with other weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.serving import Engine
+from dspark_jax.serving import cost_profile
+from hf_tiny import save_tiny_hf
+
+BASE = dict(block_size=3, num_draft_layers=1, target_layer_ids=(-1, 0), mask_token_id=96,
+            markov_rank=8)
+R = 2
+SPS = np.ones(R * (BASE["block_size"] + 1) + 1, np.float32)   # passed in: nothing profiled
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16,
+                                    layers=2, seed=1))
+
+
+def _keys(monkeypatch, target, draft, **kw) -> tuple[str, str]:
+    """(SPS key, costs key) that `profile_buckets` / `profile_costs` look up, read by a stand-in
+    for `cost_profile.load_or_profile` (nothing is timed or written)."""
+    eng = Engine(target, draft, max_requests=R, max_len=32, scheduler="adaptive", sps=SPS,
+                 stop_token_ids=[], **kw)
+    seen = []
+
+    def lookup(key, cache_dir, calls, repeats=3):
+        seen.append(key)
+        return {name: 1e-3 for name in calls}, 0.0, True
+
+    monkeypatch.setattr(cost_profile, "load_or_profile", lookup)
+    eng.profile_buckets()
+    eng.profile_costs()
+    assert len(seen) == 2
+    return seen[0], seen[1]
+
+
+def test_profile_keys_name_verifier_sampler_and_draft_vocabulary(target, monkeypatch):
+    draft = init_draft(target, BASE, seed=3)
+    base = _keys(monkeypatch, target, draft)
+    assert base[0] != base[1], "the SPS profile and the costs share a key"
+    # identical settings: the same keys (a rebuilt engine; the drafter's weights do not count)
+    assert _keys(monkeypatch, target, draft) == base
+    assert _keys(monkeypatch, target, init_draft(target, BASE, seed=4)) == base
+    assert _keys(monkeypatch, target, draft, verifier="jax", sampler="jax") == base
+    variants = {
+        "verifier": _keys(monkeypatch, target, draft, verifier="pallas"),
+        "sampler": _keys(monkeypatch, target, draft, sampler="pallas"),
+        "draft_vocab_size": _keys(monkeypatch, target, init_draft(
+            target, dict(BASE, draft_vocab_size=48, draft_vocab=tuple(range(0, 96, 2))),
+            seed=3)),
+    }
+    for what, keys in variants.items():
+        assert keys[0] != base[0], f"SPS profile key ignores the {what}"
+        assert keys[1] != base[1], f"costs key ignores the {what}"
+    every = [k for keys in variants.values() for k in keys]
+    assert len(set(every)) == len(every), "two different settings share a key"
