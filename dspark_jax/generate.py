@@ -27,8 +27,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "decode speculatively")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens (0: all); plain and speculative")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest nucleus of mass ≥ top-p (1: all); plain and "
+                   "speculative")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-progress", action="store_true")
@@ -53,12 +56,13 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         prompts.append(render_prompt(messages, tok).tolist())
     t0 = time.perf_counter()
     if args.draft:
-        from dspark_jax.serving import speculative_generate
+        from dspark_jax.serving import SpecSettings, speculative_generate
 
         draft = load_draft(args.draft, target=target)
+        settings = SpecSettings(top_k=args.top_k, top_p=args.top_p, record_confidence=False)
         res = speculative_generate(target, draft, prompts, max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, seed=args.seed,
-                                   progress=not args.no_progress)
+                                   settings=settings, progress=not args.no_progress)
         outs, extra = res.tokens, f", τ = {res.tau:.2f} over {res.rounds} rounds"
     else:
         from dspark_jax.decoding import autoregressive_generate
