@@ -1,8 +1,10 @@
 """`python -m dspark_jax.calibrate` (SPEC §7): STS fitted on one prompt split of real speculative
 rounds and reported on the other, the drafter-side file, and `load_draft` picking it up.
 
-Reuses the tiny target/drafter of test_evaluate (random 3-layer target with the SmolLM2
-tokenizer, random 1-layer DSpark with a confidence head, γ = 4). At T = 1 both are close to
+Reuses the tiny target/drafter of test_evaluate (`tiny_models`: random 3-layer target with the
+SmolLM2 tokenizer, random 1-layer DSpark with a confidence head, γ = 4; no evaluation run).
+The command runs once (`done`, one batch of all 12 prompts: one compilation of the decoding
+loop); the tests read its files and its printed table. At T = 1 both are close to
 uniform, so most drafts are accepted; the copy calibrated here gets a confidence head that is
 deliberately under-confident (bias +1 on logits within ±0.05 of 0: σ ≈ 0.73 per slot), which
 STS must fix on the held-out split. The shared drafter directory stays uncalibrated.
@@ -10,6 +12,8 @@ STS must fix on the held-out split. The shared drafter directory stays uncalibra
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 
@@ -24,7 +28,7 @@ from dspark_jax.eval.calibration import (CALIBRATION_FILE, CALIBRATION_FORMAT,
                                          verified_mask)
 from dspark_jax.models import Draft, load_draft
 
-from tests.eval.test_evaluate import tiny_eval_env
+from tests.eval.test_evaluate import tiny_models
 
 PROMPTS = ["What is 2+2?", "Name a colour.", "Say hi.", "Count to three.", "Why is grass green?",
            "Tell me a joke.", "What is the capital of France?", "Spell 'cat'.", "Add 3 and 4.",
@@ -34,7 +38,7 @@ GAMMA = 4
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    env = tiny_eval_env(tmp_path_factory)
+    env = tiny_models(tmp_path_factory)
     base = tmp_path_factory.mktemp("calibrate")
     draft_dir = base / "draft"
     model = env["draft"].model
@@ -52,8 +56,10 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def done(run):
-    assert main(run["argv"]) == 0
-    return run
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert main(run["argv"]) == 0
+    return dict(run, stdout=stdout.getvalue())
 
 
 def test_writes_the_drafter_file_and_the_report(done, capsys):
@@ -102,9 +108,8 @@ def test_numbers_follow_from_the_saved_rounds(done):
     assert doc["temperatures"][0] < 1.0  # sharpened: slot 0 was under-confident
 
 
-def test_prints_the_per_slot_table(run, capsys):
-    assert main(run["argv"] + ["--no-plots", "--out-dir", str(run["out"] / "again")]) == 0
-    text = capsys.readouterr().out
+def test_prints_the_per_slot_table(done):
+    text = done["stdout"]
     assert "ECE before" in text and "AUROC after" in text
     assert sum(line.split()[0] in {"1", "2", "3", "4"} for line in text.splitlines()
                if line.strip()) == GAMMA
@@ -166,3 +171,30 @@ def test_drafter_without_confidence_head_is_refused(run):
     no_head = dataclasses.replace(d, config=d.config.replace(enable_confidence_head=False))
     with pytest.raises(ValueError, match="no confidence head"):
         collect_rounds(run["env"]["target"], no_head, run["data"])
+
+
+def test_rounds_follow_the_decoding_order_and_seed_rule(run, monkeypatch):
+    """collect_rounds decodes all datasets' prompts together, shortest first; batch k samples
+    with seed (seed·1000003 + k·batch_size) mod 2³¹ and the rows come in decoding order."""
+    import dspark_jax.serving.generate as spec_mod
+    from dspark_jax.calibrate import collect_rounds
+
+    seeds, lens = [], []
+
+    def fake_generate(target, draft, prompts, *, seed, **kw):
+        seeds.append(seed)
+        lens.extend(len(p) for p in prompts)
+        n = len(prompts)
+        return spec_mod.SpecResult(
+            tokens=[[5]] * n, proposed=[[GAMMA, GAMMA]] * n, accepted=[[1, 2]] * n, rounds=2,
+            confidence=[np.full((2, GAMMA), len(p), np.float32) for p in prompts])
+
+    monkeypatch.setattr(spec_mod, "speculative_generate", fake_generate)
+    r = collect_rounds(run["env"]["target"], run["env"]["draft"], run["data"], batch_size=5,
+                       seed=3, max_new_tokens=8)
+    assert seeds == [(3 * 1_000_003 + b) % 2 ** 31 for b in (0, 5, 10)]
+    assert lens == sorted(lens) and len(lens) == len(PROMPTS)
+    assert r.prompt_ids == tuple(f"held-{i}" for i in range(len(PROMPTS)))
+    np.testing.assert_array_equal(r.logits[::2, 0], lens)  # two rounds a prompt, shortest first
+    assert sorted(set(r.prompt.tolist())) == list(range(len(PROMPTS)))
+    assert r.proposed.tolist() == [GAMMA] * 2 * len(PROMPTS)

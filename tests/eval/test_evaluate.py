@@ -4,8 +4,8 @@ bad-input paths behave, and the CLI runs in-process.
 
 The tiny setup is a random 3-layer target with the SmolLM2 vocabulary (49152 ids) saved next to
 the SmolLM2 tokenizer files, so the real chat template renders the prompts; the drafter is a
-random 1-layer DSpark with a confidence head. `tiny_eval_env` builds it (and one evaluation run)
-once per process; `test_notebook.py` reuses it.
+random 1-layer DSpark with a confidence head. `tiny_models` builds them once per session and
+`tiny_eval_env` adds one evaluation run; `test_calibrate.py` and `test_notebook.py` reuse them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import pytest
 
 from dspark_jax.data.chat import render_prompt
 from dspark_jax.data.prompts import load_eval_dataset
+from dspark_jax.eval import runner
 from dspark_jax.eval.calibration import calibration_report, verified_mask
+from dspark_jax.eval.results import load_results
 from dspark_jax.evaluate import (EvalDatasetError, RESULTS_SCHEMA, build_parser, evaluate, main,
                                  paper_reference_for)
 from dspark_jax.models import Draft
@@ -36,6 +38,7 @@ DRAFT_CFG = dict(block_size=4, num_draft_layers=1, mask_token_id=0, markov_rank=
 MAX_NEW = 12
 RUN_KW = dict(max_new_tokens=MAX_NEW, batch_size=2, progress=False)
 
+_MODELS: dict[str, Any] = {}
 _ENV: dict[str, Any] = {}
 
 
@@ -47,7 +50,7 @@ def _write_datasets(root: pathlib.Path) -> pathlib.Path:
     return root
 
 
-def _build_env(base: pathlib.Path) -> dict[str, Any]:
+def _build_models(base: pathlib.Path) -> None:
     from dspark_jax.models import init_draft, load_target
     from dspark_jax.models.config import DecoderConfig
     from dspark_jax.models.decoder import create_target
@@ -58,46 +61,60 @@ def _build_env(base: pathlib.Path) -> dict[str, Any]:
                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, tie_word_embeddings=True, max_position_embeddings=256,
                         bos_token_id=1, eos_token_id=2)
-    tdir = base / "target"
-    export_hf_target(create_target(cfg, seed=0), tdir)
-    load_tokenizer("smollm2-135m-instruct").hf.save_pretrained(tdir)
-    target = load_target(tdir)
-    draft = init_draft(target, DRAFT_CFG, seed=1)
-    ddir = base / "draft"
-    draft.save(ddir)
-    data = _write_datasets(base / "data")
-    out = base / "run"
-    results = evaluate(target, draft, data, datasets=["alpha", "beta"], out_dir=out,
-                       baseline=True, save_outputs=True, **RUN_KW)
-    return dict(target=target, draft=draft, target_dir=tdir, draft_dir=ddir, data=data, out=out,
-                results=results)
+    export_hf_target(create_target(cfg, seed=0), base / "target")
+    load_tokenizer("smollm2-135m-instruct").hf.save_pretrained(base / "target")
+    target = load_target(base / "target")
+    init_draft(target, DRAFT_CFG, seed=1).save(base / "draft")
+    _write_datasets(base / "data")
+    (base / "models.done").touch()
 
 
-def tiny_eval_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The tiny target/draft/datasets and one finished evaluation.
-
-    Built once per test session: under pytest-xdist the first worker builds it in the session's
-    shared temp root (under a file lock) and the others load the saved target/draft/results.
-    """
-    if _ENV:
-        return _ENV
+def _shared(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, Any]:
+    """The session's shared directory and its lock (under pytest-xdist: one for all workers)."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
-    shared = root / "tiny_eval_shared"
-    with FileLock(str(root / "tiny_eval_shared.lock")):
-        if (shared / "run" / "results.json").is_file():
-            from dspark_jax.models import load_draft, load_target
+    return root / "tiny_eval_shared", FileLock(str(root / "tiny_eval_shared.lock"))
 
-            target = load_target(shared / "target")
-            _ENV.update(target=target, draft=load_draft(shared / "draft", target=target),
-                        target_dir=shared / "target", draft_dir=shared / "draft",
-                        data=shared / "data", out=shared / "run",
-                        results=json.loads((shared / "run" / "results.json").read_text()))
+
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny target and drafter (loaded, and their directories) and the prompt datasets.
+
+    Built once per test session: under pytest-xdist the first worker builds them in the
+    session's shared temp root (under a file lock) and the others load them.
+    """
+    if _MODELS:
+        return _MODELS
+    from dspark_jax.models import load_draft, load_target
+
+    shared, lock = _shared(tmp_path_factory)
+    with lock:
+        if not (shared / "models.done").is_file():
+            _build_models(shared)
+    target = load_target(shared / "target")
+    _MODELS.update(target=target, draft=load_draft(shared / "draft", target=target),
+                   target_dir=shared / "target", draft_dir=shared / "draft",
+                   data=shared / "data")
+    return _MODELS
+
+
+def tiny_eval_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """`tiny_models` and one finished evaluation of them (`out`, `results`), once per session
+    like the models."""
+    if _ENV:
+        return _ENV
+    m = tiny_models(tmp_path_factory)
+    shared, lock = _shared(tmp_path_factory)
+    out = shared / "run"
+    with lock:
+        if (out / "results.json").is_file():
+            results = json.loads((out / "results.json").read_text())
         else:
-            _ENV.update(_build_env(shared))
+            results = evaluate(m["target"], m["draft"], m["data"], datasets=["alpha", "beta"],
+                               out_dir=out, baseline=True, save_outputs=True, **RUN_KW)
+    _ENV.update(m, out=out, results=results)
     return _ENV
 
 
@@ -317,6 +334,104 @@ def test_greedy_speculative_equals_autoregressive_baseline(env, tmp_path):
         assert r["output_ids"] == r["baseline_output_ids"]
     assert res["mean"]["speedup"] > 0
     assert not (tmp_path / "tau.png").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# the driver (eval.runner) and reading a run back (eval.results)
+# ------------------------------------------------------------------------------------------
+
+def test_runner_prepares_prompts_and_batches(env, tmp_path):
+    data = env["data"]
+    assert runner.resolve_datasets(data, None) == ["alpha", "beta"]  # no default: all there
+    assert runner.resolve_datasets(data, "beta, alpha,beta") == ["beta", "alpha"]
+    with pytest.raises(EvalDatasetError) as e:
+        runner.resolve_datasets(data, ["gamma"])
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EvalDatasetError, match="no <name>.jsonl prompt files in .*empty"):
+        runner.resolve_datasets(tmp_path / "empty", None)
+    tok = env["target"].tokenizer
+    prep = runner.prepare(data, ["alpha", "beta"], tok, max_samples={"alpha": 2, "beta": None},
+                          seed=980406, max_new_tokens=MAX_NEW, gamma=4, limit=256)
+    a, b = prep["alpha"], prep["beta"]
+    assert [c.id for c in a.convs] == [c.id for c in load_eval_dataset(data, "alpha", 2)]
+    assert b.keep == [0, 2] and b.skipped == [1] and b.skipped_ids == ["beta-1"]
+    assert b.prompts == [b.ids[0], b.ids[2]]
+    assert all(runner.fits(len(q), MAX_NEW, 4, 256) for p in prep.values() for q in p.prompts)
+    assert not runner.fits(len(b.ids[1]), MAX_NEW, 4, 256)
+    # one cache length: longest prompt + output + γ + 2, up to a multiple of 64, capped
+    assert runner.cache_length([10, 50], 12, 4, 256) == 128
+    assert runner.cache_length([10, 46], 12, 4, 256) == 64
+    assert runner.cache_length([200], 100, 4, 256) == 256
+    assert runner.length_batches([5, 3, 5, 1, 3], 2) == [[3, 1], [4, 0], [2]]
+
+
+def test_runner_decode_keeps_prompt_order_and_seeds_batches(env, monkeypatch):
+    """Outputs come back in the prompts' order, batches run shortest first, batch b samples
+    with batch_seed(b), and DeepSpec's acceptance lengths / confidence rows are kept."""
+    import dspark_jax.serving.generate as spec_mod
+
+    calls = []
+
+    def fake_generate(target, draft, prompts, *, seed, max_cache_len, **kw):
+        calls.append((list(map(len, prompts)), seed, max_cache_len))
+        n = len(prompts)
+        return spec_mod.SpecResult(
+            tokens=[[len(p)] * 3 for p in prompts], proposed=[[4, 4]] * n,
+            accepted=[[1, 4]] * n, rounds=2, acceptance=[[2, 5]] * n,
+            confidence=[np.full(8, len(p), np.float32) for p in prompts])
+
+    monkeypatch.setattr(spec_mod, "speculative_generate", fake_generate)
+    prompts = [[1] * 5, [1] * 2, [1] * 7, [1] * 3]
+    dec = runner.decode(env["target"], env["draft"], prompts, batch_size=3,
+                        batch_seed=lambda b: 100 + b, max_new_tokens=4, temperature=1.0,
+                        cache_len=64)
+    assert calls == [([2, 3, 5], 100, 64), ([7], 101, 64)]
+    assert dec.order == [1, 3, 0, 2]
+    assert [o.tokens for o in dec.outputs] == [[5] * 3, [2] * 3, [7] * 3, [3] * 3]
+    o = dec.outputs[2]
+    assert (o.proposed, o.accepted, o.acceptance) == ([4, 4], [1, 4], [2, 5])
+    assert o.confidence.shape == (2, 4) and (o.confidence == 7).all()
+    assert dec.wall_s >= 0 and dec.compile_s >= 0
+
+
+def test_evaluate_seeds_each_dataset_batch(env, tmp_path, monkeypatch):
+    """evaluate's seed rule (`_batch_seed(seed, dataset, batch index)`), unchanged by the
+    shared driver."""
+    import zlib
+
+    import dspark_jax.serving.generate as spec_mod
+
+    seeds = []
+
+    def fake_generate(target, draft, prompts, *, seed, **kw):
+        seeds.append(seed)
+        n = len(prompts)
+        return spec_mod.SpecResult(tokens=[[5]] * n, proposed=[[4]] * n, accepted=[[0]] * n,
+                                   rounds=1, acceptance=[[1]] * n,
+                                   confidence=[np.zeros((1, 4), np.float32)] * n)
+
+    monkeypatch.setattr(spec_mod, "speculative_generate", fake_generate)
+    evaluate(env["target"], env["draft"], env["data"], datasets="alpha,beta", seed=7,
+             plots=False, **RUN_KW)
+    want = [(7 * 1_000_003 + zlib.crc32(n.encode()) + b) % 2 ** 31
+            for n, nb in (("alpha", 2), ("beta", 1)) for b in range(nb)]
+    assert seeds == want
+
+
+def test_load_results_reads_the_run_back(env):
+    run = load_results(env["out"])  # the directory or its results.json
+    assert run.path == env["out"] / "results.json"
+    assert run.results["datasets"]["alpha"]["tau"] == pytest.approx(
+        env["results"]["datasets"]["alpha"]["tau"])
+    assert run.evaluated == ["alpha", "beta"]
+    assert [r["id"] for r in run.records["beta"]] == ["beta-0", "beta-2"]
+    logits, prop, acc = run.pooled_rounds()
+    assert logits.shape == (len(prop), 4) and len(acc) == len(prop)
+    assert len(prop) == sum(run.results["datasets"][n]["rounds"] for n in ("alpha", "beta"))
+    np.testing.assert_array_equal(logits[:len(run.confidence["alpha"])], run.confidence["alpha"])
+    with pytest.raises(FileNotFoundError, match="python -m dspark_jax.evaluate"):
+        load_results(env["out"] / "nope" / "results.json")
 
 
 # ------------------------------------------------------------------------------------------
