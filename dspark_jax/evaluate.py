@@ -26,8 +26,8 @@ What this module implements:
 Prompts of a dataset are sorted by length and decoded in batches of `batch_size` with
 `serving.speculative_generate` — the serving engine (lossless rejection sampling,
 SPEC §1; any scheduler mode, `scheduler=`) — by the evaluation driver `eval.runner`, which
-`calibrate` shares. One cache length is used for the whole run so the decoding loop compiles
-once per batch size. A prompt whose length + max_new_tokens + γ + 1 does not fit the cache
+`calibrate` shares. One cache length is used for the whole run so the rounds compile once per
+batch size (the prefill once per batch's total prompt length). A prompt whose length + max_new_tokens + γ + 1 does not fit the cache
 limit (default: the target's `max_position_embeddings`) is skipped and counted, not decoded.
 
 Outputs written to `out_dir`:
@@ -233,7 +233,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     prepared = runner.prepare(data_dir, names, tok, max_samples=per_ds_max, seed=seed,
                               max_new_tokens=max_new_tokens, gamma=gamma, limit=limit,
                               system_prompt=system_prompt, enable_thinking=enable_thinking)
-    # one cache length for the run: the decoding loop compiles once per batch size
+    # one cache length for the run: the rounds compile once per batch size
     cache_len = runner.cache_length([len(q) for p in prepared.values() for q in p.prompts],
                                     max_new_tokens, gamma, limit)
     settings = SpecSettings(verifier=verifier, record_confidence=has_conf)

@@ -11,11 +11,13 @@ What it implements:
   one verification of γ + 1 under the cache limit is skipped and its id recorded, not decoded;
 * the decoding (:func:`decode`): prompts sorted by length, decoded in batches through the
   serving engine with one cache length for the whole run (:func:`cache_length`, rounded up to
-  a bucket of 64, so the decoding loop compiles once per batch size), a seed per batch from the
-  caller's rule, and per prompt the generated ids with DeepSpec's per-round proposal length,
-  accepted drafts and acceptance length, plus the confidence logits of every round; the wall
-  time and the XLA compilation time in it (`jax.monitoring`). :func:`decode_autoregressive`
-  runs the same batches with plain decoding (the baseline of the speedup).
+  a bucket of 64, so the rounds compile once per batch size; `speculative_generate` sizes the
+  prefill chunk by each batch's prompt total, so the prefill compiles once per distinct
+  total), a seed per batch from the caller's rule, and per prompt the generated ids with
+  DeepSpec's per-round proposal length, accepted drafts and acceptance length, plus the
+  confidence logits of every round; the wall time and the XLA compilation time in it
+  (`jax.monitoring`). :func:`decode_autoregressive` runs the same batches with plain
+  decoding (the baseline of the speedup).
 
 What the numbers mean is `eval.acceptance` and `eval.calibration`; the files an evaluation
 writes, and reading them back, are `eval.results`.
