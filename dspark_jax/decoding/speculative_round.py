@@ -35,7 +35,7 @@ from dspark_jax.decoding.acceptance_rule import (VERIFIERS, inverse_cdf_sample,
                                                  rejection_verify_with_uniforms)
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
-from dspark_jax.decoding.sampling import filtered_probs, sample_request_rows
+from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.stops import is_stop
 from dspark_jax.models.decoder import KVCache, ragged_forward
 
@@ -247,37 +247,28 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
 
 
 # ------------------------------------------------------------------------------ prefill
-@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "tap_layer_ids",
-                                             "plain_top_k_cap"),
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "tap_layer_ids"),
                    donate_argnames=("s",))
 def prefill_chunk(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                   s: EngineState, p: SlotSettings, tok: jax.Array, slot: jax.Array,
                   pos: jax.Array, valid: jax.Array, next_tok: jax.Array, final_k: jax.Array,
                   first_k: jax.Array, count: jax.Array, start_pos: jax.Array, *,
-                  tap_layer_ids: tuple[int, ...], plain_top_k_cap: int | None = None
-                  ) -> tuple[EngineState, jax.Array]:
+                  tap_layer_ids: tuple[int, ...]) -> tuple[EngineState, jax.Array]:
     """Prefills a chunk of prompt tokens of one or more joining requests (flattened like a
     verification step). tok/slot/pos/valid/next_tok [Kp] (next_tok −1 marks a request's last
     prompt token, whose next token is the sampled anchor); per slot: final_k (chunk index of
     its last prompt token, −1 if its prompt continues), first_k / count / start_pos (its run in
-    this chunk). `plain_top_k_cap` (plain decoding, `plain_steps`): the first token is token 0
-    of plain decoding's sampler (`sampling.sample_request_rows` with that candidate cap)
-    instead of an inverse-CDF draw. → (state, first sampled token [R])."""
+    this chunk). → (state, first sampled token [R])."""
     target = nnx.merge(target_gd, target_state)
     R = s.anchor.shape[0]
     out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids)
     fin = final_k >= 0
     h_last = out.hidden[jnp.clip(final_k, 0, tok.shape[0] - 1)]                # [R, D]
-    if plain_top_k_cap is not None:
-        first = sample_request_rows(p.key_data, jnp.zeros((R,), jnp.int32),
-                                    target.logits(h_last), p.temperature, p.top_k, p.top_p,
-                                    top_k_cap=plain_top_k_cap)
-    else:
-        probs = filtered_probs(target.logits(h_last), p.temperature, p.top_k, p.top_p)
-        u = _row_uniforms(jax.vmap(jax.random.fold_in)(
-            jax.random.wrap_key_data(p.key_data, impl="threefry2x32"),
-            jnp.full((R,), -1, jnp.int32).astype(jnp.uint32)), ())
-        first = inverse_cdf_sample(probs, u)
+    probs = filtered_probs(target.logits(h_last), p.temperature, p.top_k, p.top_p)
+    u = _row_uniforms(jax.vmap(jax.random.fold_in)(
+        jax.random.wrap_key_data(p.key_data, impl="threefry2x32"),
+        jnp.full((R,), -1, jnp.int32).astype(jnp.uint32)), ())
+    first = inverse_cdf_sample(probs, u)
     anchor = jnp.where(fin, first, s.anchor)
     # a slot in this chunk has committed its prompt prefix up to the chunk's end
     in_chunk = count > 0

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.decoding import speculative_round as round_
-from dspark_jax.decoding.plain_steps import plain_steps
+from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
 from dspark_jax.decoding.sampling import top_k_cap_for
 from dspark_jax.decoding.acceptance_rule import VERIFIERS
 from dspark_jax.decoding.draft_adapters import adapter_for
@@ -604,11 +604,9 @@ class _Run:
         return s
 
     def _prefill(self, s, slots: list[int]):
-        e, Kp, R = self.e, self.e.prefill_chunk, self.e.R
-        s = self._fit_cache(s, slots)
-        cap = None
         if self.plain:
-            cap = top_k_cap_for([int(self.h["top_k"][r]) for r in slots], e.V)
+            return self._plain_prefill(s, slots)
+        e, Kp, R = self.e, self.e.prefill_chunk, self.e.R
         todo = collections.deque((r, 0) for r in slots)
         while todo:
             tok = np.zeros(Kp, np.int32)
@@ -641,24 +639,54 @@ class _Run:
                 e._slot_settings(self.h),
                 jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(valid),
                 jnp.asarray(nxt), jnp.asarray(final_k), jnp.asarray(first_k),
-                jnp.asarray(count), jnp.asarray(start), tap_layer_ids=e.tap_ids,
-                plain_top_k_cap=cap)
+                jnp.asarray(count), jnp.asarray(start), tap_layer_ids=e.tap_ids)
             first = np.asarray(first)
-            now = time.perf_counter() - self.t0
-            stops = set(np.asarray(e.stop_ids).tolist()) - {-1}
-            for r in np.nonzero(final_k >= 0)[0]:
-                i = self.slot_req[r]
-                t = int(first[r])
-                self.out[i].append(t)
-                if self.bar is not None:
-                    self.bar.update(1)
-                self.per[i]["first_token_s"] = now
-                # DeepSpec's loop runs a round even with a budget of one token
-                if t in stops or (self.max_new <= 1 and e.budget_rule == "serving"):
-                    self._finish(r, now)
-                else:
-                    self.h["active"][r], self.h["remaining"][r] = True, self.max_new - 1
+            self._first_tokens([(r, int(first[r])) for r in np.nonzero(final_k >= 0)[0]])
         return s
+
+    def _plain_prefill(self, s, slots: list[int]):
+        """Plain decoding: the joining prompts prefilled together, densely
+        (`plain_steps.plain_prefill`), in groups padded to a power-of-two size (padding rows
+        write nothing) and a `len_bucket` multiple of tokens, so few shapes compile."""
+        e = self.e
+        s = self._fit_cache(s, slots)
+        cap = top_k_cap_for([int(self.h["top_k"][r]) for r in slots], e.V)
+        p = e._slot_settings(self.h)
+        order = sorted(slots, key=lambda r: len(self.prompts[self.slot_req[r]]))
+        while order:
+            group, order = order[:e.R], order[e.R:]
+            n = 1 << (len(group) - 1).bit_length()
+            P = min(_round_up(max(len(self.prompts[self.slot_req[r]]) for r in group),
+                              e.len_bucket), s.cache.max_len)
+            tokens = np.zeros((n, P), np.int32)
+            lens = np.ones((n,), np.int32)
+            rows = np.full((n,), e.R, np.int32)     # R: a padding row, dropped
+            for j, r in enumerate(group):
+                prompt = self.prompts[self.slot_req[r]]
+                tokens[j, :len(prompt)], lens[j], rows[j] = prompt, len(prompt), r
+            s, first = plain_prefill(e.target.graphdef, e.target.state, s, p,
+                                     jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows),
+                                     top_k_cap=cap)
+            first = np.asarray(first)
+            self._first_tokens([(r, int(first[j])) for j, r in enumerate(group)])
+        return s
+
+    def _first_tokens(self, firsts: list[tuple[int, int]]) -> None:
+        """Books each joined slot's first token (sampled by its prefill)."""
+        e = self.e
+        now = time.perf_counter() - self.t0
+        stops = set(np.asarray(e.stop_ids).tolist()) - {-1}
+        for r, t in firsts:
+            i = self.slot_req[r]
+            self.out[i].append(t)
+            if self.bar is not None:
+                self.bar.update(1)
+            self.per[i]["first_token_s"] = now
+            # DeepSpec's loop runs a round even with a budget of one token
+            if t in stops or (self.max_new <= 1 and e.budget_rule == "serving"):
+                self._finish(r, now)
+            else:
+                self.h["active"][r], self.h["remaining"][r] = True, self.max_new - 1
 
     def _finish(self, r: int, now: float) -> None:
         i = self.slot_req[r]

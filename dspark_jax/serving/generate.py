@@ -20,6 +20,9 @@ from dspark_jax.decoding.autoregressive import pad_prompts
 from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.serving.engine import Engine
 
+_PREFILL_BUCKET = 256
+_MAX_PREFILL_CHUNK = 8192
+
 
 @dataclasses.dataclass(frozen=True)
 class SpecSettings:
@@ -86,8 +89,10 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     R = len(prompts)
     # DeepSpec's protocol: every round verifies γ drafts, also near the token budget, and
     # rounds continue while DeepSpec's `while start < max_length` would
-    kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=int(min(sum(lens), 8192)),
-              budget_rule="deepspec")
+    # one prefill chunk holds every prompt, its size rounded up to 256 tokens so batches of
+    # similar prompts share one compiled prefill (padding tokens are masked)
+    chunk = min(-(-int(sum(lens)) // _PREFILL_BUCKET) * _PREFILL_BUCKET, _MAX_PREFILL_CHUNK)
+    kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=chunk, budget_rule="deepspec")
     kw.update(engine_kw)
     eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,
                  verifier=settings.verifier, stop_token_ids=stop_token_ids, **kw)
