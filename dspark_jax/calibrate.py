@@ -268,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True,
                    help="embedded target name (smollm2-135m-instruct) or a Hugging Face directory")
     p.add_argument("--draft", required=True,
-                   help="drafter directory (DeepSpec format); the temperatures are written here")
+                   help="drafter directory (DeepSpec or speculators format); the temperatures are "
+                        "written here")
     p.add_argument("--data-dir", required=True, help="directory of <name>.jsonl prompt files")
     p.add_argument("--datasets", default=None,
                    help="comma-separated dataset names (default: every .jsonl in --data-dir)")

@@ -578,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "SPEC §6/§7): τ, acceptance by position, throughput, calibration.")
     p.add_argument("--target", required=True,
                    help="embedded target name (smollm2-135m-instruct) or a Hugging Face directory")
-    p.add_argument("--draft", required=True, help="drafter checkpoint directory (DeepSpec format)")
+    p.add_argument("--draft", required=True, help="drafter checkpoint directory (DeepSpec or speculators format)")
     p.add_argument("--data-dir", required=True,
                    help="directory of <name>.jsonl prompt files ({'turns': [...]} per line)")
     p.add_argument("--datasets", default=None,

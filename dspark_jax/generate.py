@@ -23,7 +23,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", required=True,
                    help="user message (repeat for a batch)")
     p.add_argument("--system", default=None, help="optional system prompt")
-    p.add_argument("--draft", default=None, help="drafter checkpoint (DeepSpec format) to "
+    p.add_argument("--draft", default=None, help="drafter checkpoint (DeepSpec or speculators format) to "
                    "decode speculatively")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -10,11 +10,15 @@ DeepSpec's end-to-end drafter recipe (SPEC §4) as one resumable command:
   (d) the jitted sharded train step on a (data, fsdp, tensor) mesh with micro-batches, the Orbax
       checkpointer (automatic resume from `<workdir>/checkpoints`, grain iterator included) and
       tqdm / TensorBoard / JSONL logging;
-  (e) export of the drafter in DeepSpec's format to `<workdir>/export/` and a held-out
+  (e) export of the drafter to `<workdir>/export/` — speculators format when it has a draft
+      vocabulary (which DeepSpec's format cannot hold; a full-vocabulary DeepSpec fallback goes
+      to `<workdir>/export-deepspec-fullvocab/`), DeepSpec's format otherwise — and a held-out
       teacher-forced acceptance summary (accept_rate@k, tau_probabilistic) in
       `<workdir>/summary.json`. `config.eval.speculative=True` additionally measures τ with
-      speculative decoding (`dspark_jax.evaluate.evaluate`, when that module exists) on the
-      held-out prompts (or `eval.speculative_data_dir`), into `<workdir>/speculative/`.
+      speculative decoding (`dspark_jax.evaluate.evaluate`) on the held-out prompts (or
+      `eval.speculative_data_dir`), into `<workdir>/speculative/`, and, when DeepSpec is
+      installed or `eval.deepspec_src` / `$DEEPSPEC_SRC` names its source, runs DeepSpec's own
+      evaluation loop on the DeepSpec-format export against our engine (`eval/deepspec_loop.py`).
 
 The stages live in their own modules, this one only wires them: job_config.py (config file,
 overrides, checks), data_stage.py (a)–(c), train_stage.py (d), eval_stage.py (e).
