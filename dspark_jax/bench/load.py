@@ -2,12 +2,15 @@
 
 Closed loop: for each concurrency c, an engine with c request slots decodes `--requests-per-slot`
 × c prompts (a finished request's slot is refilled at once, so c requests stay in flight), for
-each scheduler mode (default: none, fixed, threshold, algorithm1, adaptive). Every mode's engine
-is built, compiled and run once over c prompts first (a served engine is warm: `adaptive` keeps
-what its policy learned there, `serving.policy`); then `--repeats` measured passes run with the
-modes interleaved, the order rotating each pass, so the machine's drift hits every mode alike.
-Per (mode, c): aggregate output tok/s (median pass, each pass listed), per-user tok/s (median and p10 of tokens / (finish − join)), mean
-verified draft tokens per request per round, τ, the fraction of rounds that ran the drafter
+each scheduler mode (default: every mode of `decoding.scheduler.MODES`, side by side: none,
+fixed, threshold, algorithm1, production — the paper's §5.2 schedule alone — and adaptive, that
+schedule plus our switch to plain decoding). Every mode's engine is built, compiled and run once
+over c prompts first (a served engine is warm: `adaptive` keeps what its policy learned there,
+`serving.policy`); then `--repeats` measured passes run with the modes interleaved, the order
+rotating each pass, so the machine's drift hits every mode alike.
+Per (mode, c): aggregate output tok/s (median pass, each pass listed) and its ratio to `none`
+at the same c, per-user tok/s (median and p10 of tokens / (finish − join)), mean verified
+(admitted) draft tokens per request per round, τ, the fraction of rounds that ran the drafter
 (`adaptive` skips it when plain decoding is expected to be faster), the drafter's time per
 round and the seconds the engine spent profiling at start (SPS + drafter/plain-step costs; 0
 when they came from the cache), and the mean WHOLE-round time per capacity bucket (draft +
@@ -58,7 +61,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="DeepSpec-format drafter directory, or 'random' (random-init DSpark)")
     p.add_argument("--draft-layers", type=int, default=2, help="layers of a 'random' drafter")
     p.add_argument("--rank", type=int, default=64, help="Markov rank of a 'random' drafter")
-    p.add_argument("--modes", default="none,fixed,threshold,algorithm1,adaptive")
+    from dspark_jax.decoding.scheduler import MODES
+
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated scheduler modes, run side by side (default: all)")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -186,12 +192,16 @@ def run_concurrency(target: Any, draft: Any, modes: list[str], c: int, a: argpar
         point = summarize(m, c, len(prompts), runs[m], engines[m])
         point["build_s"] = built[m]
         out.append((point, engines[m]))
+    none = {p["mode"]: p for p, _ in out}.get("none")
+    for p, _ in out:   # aggregate tok/s over plain decoding's at this c (None without it)
+        p["over_none"] = (p["aggregate_tok_s"] / none["aggregate_tok_s"]
+                          if none and none["aggregate_tok_s"] > 0 else None)
     return out
 
 
 def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
     """The pure verification-step time per capacity bucket: the SPS profile the engine made at
-    start (algorithm1 / adaptive), else profiled here the same way (cached per c)."""
+    start (algorithm1 / production / adaptive), else profiled here the same way (cached per c)."""
     secs, took = eng.bucket_seconds, eng.profile_seconds
     if secs is None:
         secs, took, _ = eng.profile_buckets(cache_dir)
@@ -201,26 +211,30 @@ def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
 
 
 def headline(points: list[dict[str, Any]]) -> dict[str, float]:
-    """Aggregate tok/s per (mode, c) as flat keys `<mode>@c<c>`, and `adaptive_over_none@c<c>`
-    where both ran (the one-line summary the benchmark suite prints)."""
+    """Aggregate tok/s per (mode, c) as flat keys `<mode>@c<c>`, and `<mode>_over_none@c<c>`
+    for every other mode where `none` ran too (the one-line summary the benchmark suite
+    prints)."""
     out = {f"{p['mode']}@c{p['concurrency']}": p["aggregate_tok_s"] for p in points}
     for p in points:
         none = out.get(f"none@c{p['concurrency']}")
-        if p["mode"] == "adaptive" and none:
-            out[f"adaptive_over_none@c{p['concurrency']}"] = p["aggregate_tok_s"] / none
+        if p["mode"] != "none" and none:
+            out[f"{p['mode']}_over_none@c{p['concurrency']}"] = p["aggregate_tok_s"] / none
     return out
 
 
 def markdown(result: dict[str, Any]) -> str:
     """The load table and the per-bucket verification times as markdown (for BENCHMARKS.md)."""
-    rows = ["| c | mode | agg tok/s (passes) | per-user tok/s median (p10) | verified/req/round | τ | "
-            "drafted rounds | draft ms/round | engine profiling s | rounds | "
-            "whole-round ms by bucket K |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| c | mode | agg tok/s (passes) | × none | per-user tok/s median (p10) | "
+            "verified/req/round | τ | drafted rounds | draft ms/round | engine profiling s | "
+            "rounds | whole-round ms by bucket K |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["points"]:
         rb = ", ".join(f"{k}: {v:.0f}" for k, v in p["round_ms_by_bucket"].items())
         passes = "/".join(f"{x:.1f}" for x in p.get("aggregate_tok_s_passes", []))
+        ratio = p.get("over_none")
         rows.append(f"| {p['concurrency']} | {p['mode']} | {p['aggregate_tok_s']:.1f}"
                     f"{f' ({passes})' if passes else ''} | "
+                    f"{'–' if ratio is None else f'{ratio:.2f}'} | "
                     f"{p['per_user_tok_s_median']:.1f} ({p['per_user_tok_s_p10']:.1f}) | "
                     f"{p['verified_per_request_round']:.2f} | {p['tau']:.2f} | "
                     f"{100 * p['drafted_fraction']:.0f}% | {p['draft_ms_per_round']:.1f} | "
@@ -300,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             m = point["mode"]
             points.append(point)
             spread = "/".join(f"{x:.1f}" for x in point["aggregate_tok_s_passes"])
+            ratio = point["over_none"]
             print(f"c={c:3d} {m:10s} agg {point['aggregate_tok_s']:8.1f} tok/s ({spread})  "
+                  f"x none {'-' if ratio is None else f'{ratio:.2f}'}  "
                   f"per-user {point['per_user_tok_s_median']:7.1f} "
                   f"(p10 {point['per_user_tok_s_p10']:.1f})"
                   f"  verified/req/round {point['verified_per_request_round']:.2f}  "

@@ -35,12 +35,14 @@ Production variant (§5.2): the batch capacity ``K`` (number of draft tokens) is
 old, and the current step admits the top ``K`` current candidates.  Because ``K`` only depends on
 stale information, the admission of a current token cannot depend on its own realisation.  See
 :func:`global_capacity`, :func:`topk_admission` and :func:`production_schedule`.  The serving
-engine's ``adaptive`` mode adds the drafter's cost to this objective and may skip drafting for a
-round altogether (``dspark_jax.serving.policy``).
+engine runs it in two modes: ``production`` is exactly this (objective ``tau * SPS(B)``, every
+round drafts; the paper's algorithm measured by itself), and ``adaptive`` adds the drafter's cost
+to the objective and may skip drafting for a round altogether (``dspark_jax.serving.policy``).
 
 :func:`schedule_lengths` is the scheduling step of the speculative round
 (``decoding.speculative_round``): one of :data:`MODES`, from plain decoding and DeepSpec's fixed
-γ or static confidence cut (``--confidence-threshold``) to Algorithm 1 and the §5.2 variant.
+γ or static confidence cut (``--confidence-threshold``) to Algorithm 1 and the §5.2 variant
+(``production``, and ``adaptive`` with our drafting choice).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ __all__ = [
     "production_schedule",
     "MODES",
     "CONFIDENCE_MODES",
+    "STALE_CAPACITY_MODES",
     "confidence_probs",
     "schedule_lengths",
 ]
@@ -247,10 +250,15 @@ def production_schedule(
 # --------------------------------------------------------------------------------------------
 
 # "none": plain decoding; "fixed": all γ drafts (DeepSpec's evaluator); "threshold": DeepSpec's
-# static confidence cut; "algorithm1": the causal scheduler above; "adaptive": §5.2 (stale K,
-# top-K admission) with the drafting choice of `dspark_jax.serving.policy`
-MODES = ("none", "fixed", "threshold", "algorithm1", "adaptive")
-CONFIDENCE_MODES = ("threshold", "algorithm1", "adaptive")
+# static confidence cut; "algorithm1": the causal scheduler above; "production": the paper's
+# §5.2 schedule alone — K from the global search of Θ = τ·SPS(B) on the confidences of two
+# rounds before, top-K admission of the current candidates, and every round drafts;
+# "adaptive": the same §5.2 schedule with the drafter's cost in the search's objective and the
+# drafting choice of `dspark_jax.serving.policy` (a round may decode plainly instead)
+MODES = ("none", "fixed", "threshold", "algorithm1", "production", "adaptive")
+CONFIDENCE_MODES = ("threshold", "algorithm1", "production", "adaptive")
+# the modes whose K comes from confidences two rounds old (the host carries it, `capacity`)
+STALE_CAPACITY_MODES = ("production", "adaptive")
 
 
 def confidence_probs(conf_logits: jax.Array, temperatures: jax.Array | None) -> jax.Array:
@@ -266,10 +274,12 @@ def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
                      sps_draft: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The scheduling step of the speculative round (`speculative_round.draft_and_schedule`):
-    ℓ [R] for the mode (SPEC §8; see `MODES`), and for "adaptive" the §5.2 capacity K computed
-    from these confidences (used two rounds later) with G, the expected accepted drafts among
-    those K (0 for the other modes). `sps_draft` [B] (default `sps`): rounds/s of a drafting round,
-    1 / (t_d + t_v(B)), the objective of the adaptive global search (`serving.policy`)."""
+    ℓ [R] for the mode (SPEC §8; see `MODES`), and for "production" / "adaptive" (ℓ: the top
+    `capacity` current candidates) the §5.2 capacity K computed from these confidences (used two
+    rounds later) with G, the expected accepted drafts among those K (0 for the other modes).
+    The global search maximises τ · SPS(B) under "production" (the paper's objective) and
+    τ · `sps_draft`(B) under "adaptive", where `sps_draft` [B] (default `sps`) is the rounds/s
+    of a drafting round, 1 / (t_d + t_v(B)) (`serving.policy`)."""
     R = active.shape[0]
     zero = jnp.zeros((), jnp.int32)
     fzero = jnp.zeros((), jnp.float32)
@@ -283,10 +293,10 @@ def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
     if mode == "algorithm1":  # causal early stop (Appendix A)
         return (schedule_verification(conf, active, sps, early_stop=True).lengths, zero,
                 fzero)
-    if mode == "adaptive":    # K from two rounds ago; top-K of the current candidates
+    if mode in STALE_CAPACITY_MODES:   # K from two rounds ago; top-K of the current candidates
         lengths = topk_admission(conf, active, capacity, sps).lengths
-        glob = schedule_verification(conf, active, sps if sps_draft is None else sps_draft,
-                                     early_stop=False)
+        objective = sps if mode == "production" or sps_draft is None else sps_draft
+        glob = schedule_verification(conf, active, objective, early_stop=False)
         n_act = jnp.sum(active).astype(jnp.float32)
         return (lengths, jnp.sum(glob.lengths).astype(jnp.int32),
                 (glob.expected_accepts - n_act).astype(jnp.float32))

@@ -5,14 +5,17 @@ A fixed number of request slots share one static target KV cache [R, max_len] an
 context cache. Requests join between rounds (their prompts are prefilled in chunks, several
 requests per chunk) and leave at a stop token or at max_new_tokens; a freed slot is reused by
 the next request without recompiling. Every round: draft all slots → schedule on the current
-confidences (`scheduler`: none / fixed / threshold / algorithm1 / adaptive) → ragged
+confidences (`scheduler`: none / fixed / threshold / algorithm1 / production / adaptive) → ragged
 verification of exactly the admitted tokens in the smallest capacity bucket that holds them →
 commit. Each request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
 `verifier="pallas"` run the Markov-head sampling / verification Pallas kernels (compiled on GPU
 and TPU, interpreted on CPU) in place of their pure-JAX oracles. SPS(B) for the
-scheduler is profiled at start over the buckets (cached on disk) or passed in. Under
-`adaptive` the engine also profiles the drafter's time per round and the plain step, and each
-round first chooses between plain decoding (drafter not run) and drafting, whichever is
+scheduler is profiled at start over the buckets (cached on disk) or passed in. `production` is
+the paper's §5.2 schedule alone: every round drafts and admits the top K of its current
+candidates, K the argmax of τ · SPS(B) found on the confidences of two rounds before
+(`serving.policy.CapacityQueue`). `adaptive` is that schedule plus our switch: the engine also
+profiles the drafter's time per round and the plain step, the search prices the drafter, and
+each round first chooses between plain decoding (drafter not run) and drafting, whichever is
 expected to emit more tokens per second (`serving.policy`: the rule, and why it is lossless).
 
 `scheduler="none"` is plain decoding on the same slots (`decoding.plain_steps`): several
@@ -83,7 +86,9 @@ class Engine:
     rule: always draft). `probe_interval` / `max_probe_interval`: the least rounds between
     probes while plain decoding wins (doubling at each probe); `explore`: the fraction of plain
     decoding time that probes may cost (None: no limit). The adaptive policy's learned state
-    persists across `generate` calls; `reset_policy()` forgets it.
+    persists across `generate` calls; `reset_policy()` forgets it. `production` (the paper's
+    §5.2 schedule without that choice) profiles SPS only, never reads these costs and always
+    drafts; its two-rounds-old capacity queue starts over with every `generate` call.
 
     Token budget: `budget_rule="serving"` (default) ends a request as soon as it has emitted
     `max_new_tokens`, and `cap_to_budget` (default True) never verifies drafts past that budget.
@@ -322,7 +327,9 @@ class Engine:
 
     def _init_costs(self, sps: Any, draft_seconds: float | None,
                     plain_seconds: float | None) -> None:
-        """t_v, t_d, t_plain and the drafting-round objective of `serving.policy`."""
+        """t_v, t_d, t_plain and the drafting-round objective of `serving.policy` (profiled
+        for `adaptive` only: `production`, the paper's schedule, prices the drafter nowhere and
+        its global search maximises τ · SPS(B) itself)."""
         t_v = 1.0 / np.maximum(np.asarray(self.sps, np.float64), 1e-12)    # [top + 1]
         self.cost_profile_seconds = 0.0
         self.sps_draft = self.sps   # until t_d is known (the profiled draft call reads it)
@@ -343,8 +350,14 @@ class Engine:
                                    if plain_seconds is not None else t_v[:top_plain + 1])
         self.sps_draft = jnp.asarray(policy.drafting_sps_table(t_v, self.draft_seconds))
 
-    def new_policy(self) -> policy.DraftPolicy:
-        """A fresh state of the adaptive drafting choice (`serving.policy`)."""
+    def new_policy(self) -> policy.DraftPolicy | policy.CapacityQueue | None:
+        """A fresh per-round scheduling state (`serving.policy`): the adaptive drafting choice,
+        `production`'s capacity queue (K₀ = R·γ: every candidate until a K exists), or None
+        (the other modes decide nothing across rounds)."""
+        if self.mode == "production":
+            return policy.CapacityQueue(self.R * self.gamma)
+        if self.mode != "adaptive":
+            return None
         return policy.DraftPolicy(self.verify_step_seconds, self.draft_seconds,
                                   self.plain_step_seconds, self.gamma, self.R * self.gamma,
                                   self.probe_interval, self.max_probe_interval,
@@ -352,8 +365,9 @@ class Engine:
 
     def reset_policy(self) -> None:
         """Forgets what the adaptive policy learned (ρ, estimates, probe budget): the next
-        `generate` starts as a new engine does. Other modes have no policy (None)."""
-        self.policy = self.new_policy() if self.mode == "adaptive" else None
+        `generate` starts as a new engine does. `production`'s queue starts over with every
+        run anyway; the other modes have no policy (None)."""
+        self.policy = self.new_policy()
 
     def _init_sps(self, sps: Any, cache_dir: str | None, repeats: int) -> jax.Array:
         top = self.buckets[-1]
@@ -372,7 +386,7 @@ class Engine:
                                      f"for B = 0..{top}), got shape {table.shape}")
                 table = table[:top + 1]
             return jnp.asarray(table)
-        if self.mode not in ("algorithm1", "adaptive"):
+        if self.mode not in ("algorithm1", "production", "adaptive"):
             return jnp.ones((top + 1,), jnp.float32)
         secs, took, cached = self.profile_buckets(cache_dir, repeats)
         self.bucket_seconds, self.profile_seconds = secs, took
@@ -544,9 +558,10 @@ class _Run:
         self.pending: collections.deque[int] = collections.deque()
         self.plain = eng.mode == "none"
         self.step_s = 0.0       # plain decoding: seconds per step (last call), for arrivals
-        # adaptive: the engine's drafting policy (its state persists across calls)
+        # adaptive: the engine's drafting policy (its state persists across calls);
+        # production: a fresh capacity queue for this run
         self.policy = eng.policy
-        if fresh_policy and self.policy is not None:
+        if self.policy is not None and (fresh_policy or not self.policy.persists):
             self.policy = eng.new_policy()
         self.no_drafts = (jnp.zeros((eng.R, 0), jnp.int32),
                           jnp.zeros((eng.R, 0, eng.V), jnp.float32))
@@ -762,7 +777,7 @@ class _Run:
         n_active = int(h["active"].sum())
         conf = None
         drafted, capacity = True, 0
-        if self.policy is not None:
+        if self.policy is not None:   # production: always drafts, K of two rounds before
             drafted, capacity = self.policy.decide(n_active)
         if not drafted:   # plain decoding: ℓ = 0, the drafter not run
             drafts, probs = self.no_drafts

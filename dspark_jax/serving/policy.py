@@ -1,4 +1,8 @@
-"""Cost-aware drafting decision of the `adaptive` scheduler (paper §5.2, extended; SPEC §8).
+"""The host's per-round scheduling state of the §5.2 modes (paper §5.2; SPEC §8): the
+`production` mode's capacity queue (`CapacityQueue`: the paper's schedule alone) and the
+cost-aware drafting decision of the `adaptive` mode (`DraftPolicy`: the paper's schedule plus
+our switch to plain decoding). Both answer `decide(n_active)` → (draft?, K) before a round and
+take `update(...)` after it; `production` always drafts.
 
 What the paper does (§5.2): the verification capacity K of round t is the global search's
 argmax of Θ = τ · SPS(B) on the confidences of round t − 2, and round t admits the top-K of its
@@ -40,9 +44,16 @@ between probes (doubling at each probe up to `max_probe_interval`; a won decisio
 when nothing is known, probes for free (unless even a drafter whose every draft is accepted,
 K = G = n·γ, could not pay: then the first probe waits for the budget too).
 
-The state persists across `Engine.generate` calls (one policy per engine, like a server that
-learns its drafter's acceptance once): ρ, the latest estimate (scaled to the current load) and
-the budget carry over; `Engine.reset_policy()` forgets them.
+`production` (`CapacityQueue`) is the paper's rule taken literally: every round drafts and
+admits the top K_{t−2} of its candidates, K_{t−2} the argmax of τ · SPS(B) over the global
+admission path of round t − 2's confidences (the drafter's time priced nowhere, no ρ, no
+probes). Its first two rounds, with no K yet, admit every candidate with a > 0 (K₀ = R·γ).
+The queue starts over with every `Engine.generate` / `serve` call (two rounds old means two
+rounds of the same run).
+
+The adaptive state persists across `Engine.generate` calls (one policy per engine, like a
+server that learns its drafter's acceptance once): ρ, the latest estimate (scaled to the
+current load) and the budget carry over; `Engine.reset_policy()` forgets them.
 
 Lossless: the choice uses only what earlier rounds produced (their confidences, acceptances and
 the active set), never the current round's drafts, so each round's verification lengths are
@@ -96,10 +107,39 @@ def plain_or_draft(n_active: int, est: Estimate, verify_seconds: np.ndarray,
     return bool(theta_draft >= theta_plain), float(theta_plain), float(theta_draft)
 
 
+class CapacityQueue:
+    """The `production` mode's state (see the module docstring): the §5.2 capacities of the
+    last two drafting rounds. `decide(n)` → (True, K_{t−2}); `update(...)` after the round
+    (the same interface as `DraftPolicy`). `persists = False`: the engine makes a fresh queue
+    for every run."""
+
+    persists = False
+
+    def __init__(self, initial_capacity: int):
+        if int(initial_capacity) < 0:
+            raise ValueError(f"initial_capacity must be ≥ 0, got {initial_capacity}")
+        self.initial_capacity = int(initial_capacity)
+        self.queue = [self.initial_capacity] * 2   # K of rounds t−2, t−1
+
+    def decide(self, n_active: int) -> tuple[bool, int]:
+        """Always drafts; admits the top K of round t − 2 (top-K admission caps it at the
+        candidates there are)."""
+        return True, self.queue[0]
+
+    def update(self, drafted: bool, est: Estimate | None = None, predicted: float = 0.0,
+               realised: float = 0.0) -> None:
+        """After a round: its new capacity `est.capacity` enters the queue (every round
+        drafts; a round without an estimate keeps the latest K)."""
+        k = self.queue[1] if est is None else int(est.capacity)
+        self.queue = [self.queue[1], k]
+
+
 class DraftPolicy:
     """State of the choice (see the module docstring): the two-round estimate queue, the probe
     spacing and budget, and the calibration ratio ρ. `decide(n)` → (draft?, capacity to admit);
-    `update(...)` after the round."""
+    `update(...)` after the round. `persists = True`: one policy per engine, across runs."""
+
+    persists = True
 
     def __init__(self, verify_seconds: np.ndarray, draft_seconds: float,
                  plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int,

@@ -259,3 +259,42 @@ def test_production_admission_is_independent_of_current_continuation() -> None:
             lengths[x1] = int(sched.lengths[0])
         assert (lengths[0] >= 1) == (lengths[1] >= 1)
         assert _output_distribution(lambda x1: lengths[x1]) == pytest.approx(P_T)
+
+
+def test_production_mode_is_the_paper_schedule_alone() -> None:
+    """`schedule_lengths("production")`: ℓ = the top-K current candidates (K given, stale),
+    the new K = the global search of τ·SPS(B) (the paper's objective: a drafting-cost table
+    `sps_draft` is ignored, where "adaptive" searches on it), G = its expected accepted drafts;
+    both stale-capacity modes admit the same ℓ."""
+    from dspark_jax.decoding.scheduler import (CONFIDENCE_MODES, MODES, STALE_CAPACITY_MODES,
+                                               schedule_lengths)
+
+    assert "production" in MODES and "production" in CONFIDENCE_MODES
+    assert set(STALE_CAPACITY_MODES) == {"production", "adaptive"}
+    rng = np.random.default_rng(21)
+    R, G = 5, 4
+    sps = _random_sps(rng, R * (G + 1) + 1, dyadic=False)
+    # a drafting round's rate with a fixed drafter cost: 1 / (t_d + t_v(B)), t_d = 3 t_v(R)
+    t_v = 1.0 / np.maximum(sps, 1e-12)
+    sps_draft = (1.0 / (t_v + 3.0 * t_v[R])).astype(np.float32)
+    differs = 0
+    for _ in range(20):
+        conf = _random_conf(rng, R, G, dyadic=False)
+        active = rng.random(R) < 0.8
+        k = int(rng.integers(0, R * G + 1))
+        ell, k_new, gain = schedule_lengths("production", jnp.asarray(conf), jnp.asarray(active),
+                                            G, 0.5, jnp.asarray(sps), jnp.asarray(k, jnp.int32),
+                                            jnp.asarray(sps_draft))
+        ref_len, _ = topk_admission_reference(conf, active, k, dtype=np.float32)
+        assert np.array_equal(np.asarray(ell), ref_len)
+        glob = schedule_verification(conf, active, sps, early_stop=False)
+        assert int(k_new) == int(global_capacity(conf, active, sps))
+        assert float(gain) == pytest.approx(float(glob.expected_accepts) - active.sum(),
+                                            abs=1e-5)
+        ell_a, k_a, _ = schedule_lengths("adaptive", jnp.asarray(conf), jnp.asarray(active),
+                                         G, 0.5, jnp.asarray(sps), jnp.asarray(k, jnp.int32),
+                                         jnp.asarray(sps_draft))
+        assert np.array_equal(np.asarray(ell_a), np.asarray(ell))
+        assert int(k_a) == int(global_capacity(conf, active, sps_draft))
+        differs += int(k_a) != int(k_new)
+    assert differs > 0   # the drafter's cost in adaptive's objective changes K somewhere

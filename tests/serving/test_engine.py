@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding import autoregressive_generate
+from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.serving import Engine
 from dspark_jax.serving import engine as engine_mod
@@ -42,11 +43,11 @@ def greedy_ref(target):
     return autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
 
 
-# a steep SPS so that algorithm1 / adaptive actually prune (top bucket = 2·(γ+1) = 8)
+# a steep SPS so that algorithm1 / production / adaptive actually prune (top bucket = 2·(γ+1) = 8)
 SPS = np.asarray([1.0, 1.0, 1.0, 0.8, 0.7, 0.5, 0.45, 0.4, 0.35], np.float32)
 
 
-@pytest.mark.parametrize("mode", ["none", "fixed", "threshold", "algorithm1", "adaptive"])
+@pytest.mark.parametrize("mode", MODES)
 def test_greedy_every_mode_equals_autoregressive(target, draft, greedy_ref, mode):
     eng = Engine(target, draft, scheduler=mode, threshold=0.5, sps=SPS, **ENGINE_KW)
     res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
@@ -67,7 +68,7 @@ def test_greedy_every_mode_equals_autoregressive(target, draft, greedy_ref, mode
     if mode == "fixed":   # γ, or fewer where the token budget cannot use them
         assert all(p == min(3, MAX_NEW - 2 - sum(a + 1 for a in pr["accepted"][:i]))
                    for pr in res.per_request for i, p in enumerate(pr["proposed"]))
-    if mode in ("algorithm1", "adaptive"):   # the scheduler prunes with this SPS
+    if mode in ("algorithm1", "production", "adaptive"):   # the scheduler prunes (this SPS)
         assert sum(r["verified_tokens"] for r in res.rounds) < 3 * sum(
             r["active"] for r in res.rounds)
 
@@ -146,6 +147,48 @@ def test_adaptive_policy_persists_across_generate_calls(target, draft, greedy_re
     assert third.rounds[0]["drafted"]
     eng.warmup()
     assert not eng.policy.started
+
+
+def test_production_always_drafts_with_the_capacity_of_two_rounds_before(target, draft,
+                                                                         greedy_ref):
+    """`production` (the paper's §5.2 schedule alone): with the costs under which `adaptive`
+    skips drafting, every round drafts; output equals autoregressive decoding; round t admits
+    at most the K of round t − 2 (R·γ in rounds 1–2); its queue starts over with each run."""
+    kw = dict(sps=SPS, draft_seconds=100.0, probe_interval=2, max_probe_interval=2,
+              explore=None)
+    adaptive = Engine(target, draft, scheduler="adaptive", **kw, **ENGINE_KW)
+    skipped = adaptive.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert not all(r["drafted"] for r in skipped.rounds)
+    eng = Engine(target, draft, scheduler="production", **kw, **ENGINE_KW)
+    assert isinstance(eng.policy, engine_mod.policy.CapacityQueue)
+    log = []
+
+    class Spy(engine_mod.policy.CapacityQueue):
+        def decide(self, n):
+            out = super().decide(n)
+            log.append(("decide", out[1]))
+            return out
+
+        def update(self, drafted, est=None, predicted=0.0, realised=0.0):
+            log.append(("update", est.capacity))
+            super().update(drafted, est, predicted, realised)
+
+    eng.new_policy = lambda: Spy(eng.R * eng.gamma)
+    for _ in range(2):   # the second run starts from K₀ again
+        log.clear()
+        res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+        assert res.tokens == greedy_ref
+        assert all(r["drafted"] for r in res.rounds)
+        used = [k for what, k in log if what == "decide"]
+        made = [k for what, k in log if what == "update"]
+        assert len(used) == len(made) == len(res.rounds)
+        assert used == [eng.R * eng.gamma] * 2 + made[:-2]
+        assert all(r["verified_tokens"] <= k for r, k in zip(res.rounds, used))
+        assert min(made) < eng.R * eng.gamma   # the steep SPS prunes
+    with pytest.raises(ValueError, match="confidence head"):
+        Engine(target, init_draft(target, dict(BASE, model_type="dflash", markov_rank=0,
+                                               enable_confidence_head=False), seed=0),
+               scheduler="production", sps=SPS)
 
 
 def test_stop_token_among_accepted_drafts_follows_deepspec(target, draft):

@@ -146,3 +146,42 @@ def test_ratio_tracks_realised_acceptance():
         policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, probe_interval=0)
     with pytest.raises(ValueError, match="explore"):
         policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, explore=1.5)
+
+
+def test_production_queue_uses_the_capacity_of_two_rounds_before():
+    """`production`'s state: every round drafts; rounds 1–2 admit K₀, round t the K that round
+    t − 2 computed (an update without an estimate keeps the latest K)."""
+    q = policy.CapacityQueue(R * G)
+    assert not q.persists and policy.DraftPolicy.persists
+    ks = [5, 0, 7, 2, 9]
+    used = []
+    for k in ks:
+        d, cap = q.decide(R)
+        assert d
+        used.append(cap)
+        q.update(True, policy.Estimate(k, 0.5 * k, R), predicted=1.0, realised=0.0)
+    assert used == [R * G, R * G, *ks[:3]]
+    q.update(True, None)
+    assert q.queue == [ks[-1], ks[-1]]
+    with pytest.raises(ValueError, match="initial_capacity"):
+        policy.CapacityQueue(-1)
+
+
+def test_production_never_decodes_plainly_where_adaptive_does():
+    """Fed the same rounds — a drafter that costs more than it could ever gain, whose drafts are
+    never accepted — `adaptive` decodes plainly in most rounds and `production` (the paper's
+    schedule alone) drafts in every one, with the stale global-search K."""
+    bad = _estimate(0.95, draft_s=0.0)   # τ·SPS(B) wants drafts (the paper's objective)
+    assert bad.capacity > 0
+    adaptive = policy.DraftPolicy(T_V, 100.0, 1.0, G, R * G, probe_interval=2,
+                                  max_probe_interval=2, explore=None)
+    production = policy.CapacityQueue(R * G)
+    flags = {"adaptive": [], "production": []}
+    for _ in range(12):
+        for name, pol in (("adaptive", adaptive), ("production", production)):
+            d, cap = pol.decide(R)
+            flags[name].append(d)
+            pol.update(d, bad if d else None, predicted=bad.gain, realised=0.0)
+    assert flags["adaptive"].count(False) >= 6
+    assert all(flags["production"])
+    assert production.decide(R) == (True, bad.capacity)
