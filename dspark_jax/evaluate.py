@@ -66,6 +66,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES
+from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.eval import runner
 from dspark_jax.eval.acceptance import (PAPER_DATASETS, PAPER_TABLE1_TAU, AcceptanceStats,
                                         acceptance_stats, macro_mean)
@@ -599,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run plain autoregressive decoding and report the speedup")
     p.add_argument("--verifier", choices=("jax", "pallas"), default="jax")
     p.add_argument("--scheduler", default="fixed",
-                   choices=("none", "fixed", "threshold", "algorithm1", "adaptive"),
+                   choices=MODES,
                    help="verification scheduler of the serving engine (default: DeepSpec's "
                         "fixed γ)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

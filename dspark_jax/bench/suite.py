@@ -35,7 +35,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                        "--anchor-chunk", "64", "--gamma", "7", "--rank", "256",
                        "--repeats", "3", "--peak-tflops", "989"],
         "load": ["--target", "qwen3-8b", "--dtype", "bfloat16", "--draft", "random",
-                 "--draft-layers", "5", "--rank", "256", "--modes", "none,fixed,adaptive",
+                 "--draft-layers", "5", "--rank", "256", "--modes", "none,fixed,production,adaptive",
                  "--concurrency", "1,8,32", "--max-new-tokens", "32", "--requests-per-slot", "1",
                  "--repeats", "1", "--max-len", "1024", "--out", "{out}/load"],
     },
