@@ -1,28 +1,54 @@
-"""Speculative round vs plain decode step (issue: speculative engine §7; PERFORMANCE.md bars).
+"""Speculative round vs plain decode step, part by part (issue 26: the round's anatomy;
+PERFORMANCE.md bars).
 
-Reports, from one run on one device:
-  * the serving engine's round (`dspark_jax.serving.Engine`, the host-stepped path users run:
-    draft block + sequential sampling + scheduling + ragged verification of γ+1 tokens per
-    request + commit + host bookkeeping; median over `--rounds` rounds with `--batch` requests
-    of `--context` tokens in flight) under `fixed` (ℓ = γ) against the same engine's plain
-    decode step (`none`), and their ratio (bar ≤ 1.15 at γ = 7); rows with
-    `sampler="pallas"` / `verifier="pallas"` (on CPU the kernels are interpreted: those rows
-    are labelled and are not kernel timings);
-  * the sequential (Markov) stage's share of the round (bar ≤ 2%);
-  * recompilations of the engine's round in steady state (bar: zero);
-  * the Pallas kernels (pallas_kernels/markov_sample, pallas_kernels/verify) against the pure-JAX
-    paths they replace (decoding/markov_sampling.py, decoding/acceptance_rule.py), at the round's B, γ, V and r. Kernels are timed only
-    on GPU (Triton) and TPU (Mosaic): on CPU they could only run in interpret mode, which says
-    nothing about speed, so the table shows the pure-JAX time and marks the kernel "n/a".
+For each number of requests R in `--requests` (default 1, 4, 16), with R requests of `--context`
+prompt tokens in flight in the serving engine (`dspark_jax.serving.Engine`, the host-stepped path
+users run), one table gives, in ms and as a ratio to the plain step:
+  * the plain decode step: the engine under scheduler `none`, one step per round
+    (`Engine.round_seconds`; `generate` runs up to `plain_steps_per_call` steps per device
+    call, and that amortised per-step time is an extra row; another is the plain step's device
+    call alone, on the speculative engine's cache length, next to verification's);
+  * verification at K = 1, 2, 4, … , γ+1 tokens per request (R·K tokens: the engine's
+    verification step `_dummy_step_fn()(R·K)`, every slot with K − 1 drafts; it also feeds the
+    drafter's context, as in a round);
+  * the draft call (draft block + Markov sampling + scheduling, `_draft_step_fn`);
+  * the whole round under `fixed` (ℓ = γ, so K = γ+1: draft → verify → commit → host);
+  * host overhead per round = whole round − (draft + verify at K = γ+1);
+  * the sequential (Markov) stage's share of the round and the steady-state recompilations of
+    the round (compilations during the timed rounds);
+  * rows with `sampler="pallas"` / `verifier="pallas"` (on CPU the kernels are interpreted:
+    those rows are labelled and are not kernel timings; `--no-pallas-rows` skips them);
+and flags each bar (PERFORMANCE.md; on CPU issue 26's: verify at K = γ+1 ≤ 1.5×, draft ≤ 0.2×
+with a draft vocabulary / ≤ 0.3× with the full one, whole round ≤ 1.6×; on GPU / TPU the round
+≤ 1.15×; everywhere the sequential stage ≤ 2% and zero recompiles). The bars are stated for
+R = 1; the other columns carry the same flags for comparison. The parts are timed in
+`--repeats` interleaved passes (each: `--rounds` plain rounds, one plain `generate`, each device
+call once, `--rounds` speculative rounds), so that a shared machine's drift hits every part
+alike; the figures are medians over the passes.
+
+The drafter: `--draft DIR` (a trained export, `dspark_jax.models.load_draft`), `--draft random`
+(random weights of `--gamma` / `--draft-layers` / `--rank` / `--head`), or by default the main
+job's export `runs/smollm2_dspark/export` when it exists and fits the target, else a random one
+(passing any random-drafter shape option also picks a random drafter).
+
+Then the Pallas kernels (pallas_kernels/markov_sample, pallas_kernels/verify) against the pure-JAX
+paths they replace (decoding/markov_sampling.py, decoding/acceptance_rule.py), at the first R's
+B, γ, V and r. Kernels are timed only on GPU (Triton) and TPU (Mosaic): on CPU they could only
+run in interpret mode, which says nothing about speed, so the table shows the pure-JAX time and
+marks the kernel "n/a".
 Example:
-  python -m dspark_jax.bench.spec_round --target qwen3-4b --context 1024 --gamma 7
-  python -m dspark_jax.bench.spec_round --target smollm2-135m-instruct --dtype float32
+  python -m dspark_jax.bench.spec_round --target smollm2-135m-instruct --dtype float32 \\
+      --draft /path/to/export --requests 1,4,16 --context 128 --temperature 0
+  python -m dspark_jax.bench.spec_round --target qwen3-4b --context 1024 --batch 1 --gamma 7
   python -m dspark_jax.bench.spec_round --target qwen3-4b --kernels-only --batch 16
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -30,21 +56,30 @@ import numpy as np
 
 from dspark_jax.bench.common import build_target, device_name, median, print_table, save_json
 from dspark_jax.decoding.sampling import sample_probs
-from dspark_jax.models import init_draft
+from dspark_jax.models import init_draft, load_draft
 from dspark_jax.models.drafters.config import default_target_layer_ids
-from dspark_jax.serving.cost_profile import time_call
+from dspark_jax.serving.cost_profile import profile_calls, time_call
+
+DEFAULT_DRAFT = os.path.join("runs", "smollm2_dspark", "export")
+RANDOM_DEFAULTS = dict(gamma=7, draft_layers=5, rank=256, head="vanilla")
 
 
 class CompileCounter:
-    """Counts XLA backend compilations through jax.monitoring."""
+    """Counts XLA backend compilations through jax.monitoring, with the wall time
+    (time.perf_counter) at which each one was reported."""
 
     def __init__(self):
         self.n = 0
+        self.times: list[float] = []
         jax.monitoring.register_event_duration_secs_listener(self._on)
 
     def _on(self, event: str, *_a, **_k) -> None:
         if "backend_compile" in event:
             self.n += 1
+            self.times.append(time.perf_counter())
+
+    def between(self, t0: float, t1: float) -> int:
+        return sum(t0 <= t <= t1 for t in self.times)
 
 
 def kernel_timings(batch: int, gamma: int, vocab: int, rank: int, dtype: str,
@@ -112,65 +147,73 @@ def kernel_rows(k: dict) -> list[tuple[str, str]]:
 ENGINE_ROWS = (("jax", "jax"), ("pallas", "jax"), ("jax", "pallas"))
 
 
-def engine_rounds(target, draft, B: int, C: int, a: argparse.Namespace,
-                  counter: CompileCounter) -> dict:
-    """Round times of `dspark_jax.serving.Engine` (the path users run) with B requests of C
-    prompt tokens in flight: `none` (plain decoding through the engine) and `fixed` (ℓ = γ
-    for every request) with the pure-JAX and the Pallas sampler / verifier. On CPU the
-    Pallas rows run the kernels in interpret mode: their time is not a kernel timing."""
-    from dspark_jax.serving import Engine
-
-    g = draft.config.num_drafts
-    rng = np.random.RandomState(0)
-    prompts = [list(rng.randint(0, target.config.vocab_size - 1, C)) for _ in range(B)]
-    max_len = C + (a.rounds + 2) * (g + 1) + 2 * g + 8
-    kw = dict(max_requests=B, max_len=max_len, prefill_chunk=min(C * B, 512),
-              stop_token_ids=[])
-    interpreted = jax.default_backend() not in ("gpu", "tpu")
-
-    def timed(eng, n):
-        return median(eng.round_seconds(prompts, n, temperature=a.temperature))
-
-    plain = timed(Engine(target, None, scheduler="none", **kw), a.rounds)
-    rows, recompiles = [], 0
-    for sampler, verifier in ENGINE_ROWS:
-        if "pallas" in (sampler, verifier) and a.no_pallas_rows:
-            continue
-        pallas = "pallas" in (sampler, verifier)
-        n = min(a.rounds, 3) if pallas and interpreted else a.rounds
-        eng = Engine(target, draft, scheduler="fixed", sampler=sampler, verifier=verifier,
-                     **kw)
-        eng.round_seconds(prompts, 1, temperature=a.temperature)   # compile every program
-        before = counter.n
-        sec = timed(eng, n)
-        if (sampler, verifier) == ("jax", "jax"):
-            recompiles = counter.n - before
-        rows.append(dict(sampler=sampler, verifier=verifier, round_ms=1e3 * sec, rounds=n,
-                         interpreted=bool(pallas and interpreted)))
-    return dict(plain_ms=1e3 * plain, rows=rows, recompiles=recompiles)
+def build_drafter(target, a: argparse.Namespace):
+    """→ (drafter, description dict). See the module docstring for the choice."""
+    shape_given = any(getattr(a, k) is not None for k in RANDOM_DEFAULTS)
+    spec, note = a.draft, None
+    if spec is None:
+        spec = "random"
+        if shape_given:
+            note = "random-drafter shape options given"
+        elif not os.path.isdir(DEFAULT_DRAFT):
+            note = f"no {DEFAULT_DRAFT}"
+        else:
+            try:
+                d = load_draft(DEFAULT_DRAFT, target=target, dtype=a.dtype, param_dtype=a.dtype)
+                return d, describe_drafter(d, f"trained: {DEFAULT_DRAFT}", target)
+            except Exception as e:  # a partial export or another target's drafter
+                note = f"{DEFAULT_DRAFT} not loadable for this target ({type(e).__name__}: {e})"
+    if spec == "random":
+        o = {k: (getattr(a, k) if getattr(a, k) is not None else v)
+             for k, v in RANDOM_DEFAULTS.items()}
+        cfg = target.config
+        d = init_draft(target, dict(
+            block_size=o["gamma"], num_draft_layers=o["draft_layers"],
+            target_layer_ids=default_target_layer_ids(cfg.num_hidden_layers),
+            mask_token_id=cfg.vocab_size - 1, markov_rank=o["rank"],
+            markov_head_type=o["head"]), seed=0, dtype=a.dtype, param_dtype=a.dtype)
+        desc = describe_drafter(d, "random weights", target)
+        if note:
+            desc["note"] = note
+        return d, desc
+    d = load_draft(spec, target=target, dtype=a.dtype, param_dtype=a.dtype)
+    return d, describe_drafter(d, f"trained: {spec}", target)
 
 
-def run(a: argparse.Namespace) -> dict:
-    counter = CompileCounter()
-    target = build_target(a.target, a.dtype)
-    cfg = target.config
-    draft = init_draft(target, dict(
-        block_size=a.gamma, num_draft_layers=a.draft_layers,
-        target_layer_ids=default_target_layer_ids(cfg.num_hidden_layers),
-        mask_token_id=cfg.vocab_size - 1, markov_rank=a.rank, markov_head_type=a.head),
-        seed=0, dtype=a.dtype, param_dtype=a.dtype)
-    B, C, N, g = a.batch, a.context, a.rounds, a.gamma
-    temp = jnp.asarray(a.temperature, jnp.float32)
-    er = engine_rounds(target, draft, B, C, a, counter)
-    base = next(r for r in er["rows"] if (r["sampler"], r["verifier"]) == ("jax", "jax"))
-    round_s, step_s = base["round_ms"] / 1e3, er["plain_ms"] / 1e3
+def describe_drafter(d, source: str, target) -> dict:
+    c = d.config
+    V = int(target.config.vocab_size)
+    dv = int(getattr(c, "draft_vocab_size", 0) or 0)
+    n_layers = (c.draft_num_hidden_layers if c.model_type == "eagle3" else c.num_draft_layers)
+    return dict(source=source, model_type=c.model_type, gamma=int(c.num_drafts),
+                block_size=int(c.block_size), layers=int(n_layers),
+                markov_rank=int(getattr(c, "markov_rank", 0) or 0),
+                head=getattr(c, "markov_head_type", None),
+                draft_vocab=dv if 0 < dv < V else V, pruned_vocab=0 < dv < V)
 
-    # the sequential stage alone: sample_block over γ slots from fixed backbone outputs
+
+def per_request_ks(gamma: int, ks: list[int] | None = None) -> list[int]:
+    """Tokens per request verified: `ks` (default 1, 2, 4, … below γ+1) and γ+1 (the round's
+    K), those in 1..γ+1."""
+    if ks is None:
+        ks, k = [], 1
+        while k < gamma + 1:
+            ks.append(k)
+            k *= 2
+    return sorted({int(k) for k in ks if 1 <= k <= gamma + 1} | {gamma + 1})
+
+
+def sequential_stage_calls(draft, B: int, N: int, temperature: float) -> dict:
+    """Two device calls, each N rounds inside a `fori_loop`: "seq" = `sample_block` over the γ
+    slots from fixed backbone outputs, "head" = the base logits alone (the LM head on the γ
+    slots, part of the backbone). The sequential (Markov) stage per round is (seq − head) / N."""
     from flax import nnx
 
-    D = cfg.hidden_size
+    g = draft.config.num_drafts
+    D = int(draft.config.target.hidden_size)
     h = jax.random.normal(jax.random.key(1), (B, g, D)).astype(draft.model.dtype)
     dgd = draft.graphdef
+    temp = jnp.asarray(temperature, jnp.float32)
 
     @jax.jit
     def seq_stage(state, h):
@@ -184,8 +227,6 @@ def run(a: argparse.Namespace) -> dict:
             return acc + out["tokens"] % 2
         return jax.lax.fori_loop(0, N, body, jnp.zeros((B, g), jnp.int32))
 
-    # the base logits (the LM head on γ slots) are part of the backbone, not the sequential
-    # stage: time them on their own and subtract
     @jax.jit
     def head_only(state, h):
         model = nnx.merge(dgd, state)
@@ -195,46 +236,246 @@ def run(a: argparse.Namespace) -> dict:
             return acc + jnp.argmax(logits, -1) % 2
         return jax.lax.fori_loop(0, N, body, jnp.zeros((B, g), jnp.int32))
 
-    seq_s = median(time_call(lambda: seq_stage(draft.state, h), repeats=a.repeats)) / N
-    head_s = median(time_call(lambda: head_only(draft.state, h), repeats=a.repeats)) / N
-    seq_only = max(seq_s - head_s, 0.0)
-    return {"target": a.target, "device": device_name(), "dtype": a.dtype, "batch": B,
-            "vocab": cfg.vocab_size,
-            "context": C, "gamma": g, "draft_layers": a.draft_layers, "markov_rank": a.rank,
-            "head": a.head, "plain_step_ms": step_s * 1e3,
-            "round_ms": round_s * 1e3, "round_over_step": round_s / step_s,
-            "engine_rounds": er["rows"],
-            "sequential_stage_ms": seq_only * 1e3, "sequential_share": seq_only / round_s,
-            "steady_state_recompiles": er["recompiles"]}
+    return {"seq": lambda: seq_stage(draft.state, h), "head": lambda: head_only(draft.state, h)}
 
 
-def engine_rows(r: dict) -> list[tuple[str, str]]:
-    out = []
-    for row in r["engine_rounds"]:
-        note = (" (Pallas interpreted on CPU: not a kernel timing)" if row["interpreted"]
-                else "")
-        out.append((f"engine round, fixed ℓ=γ, sampler={row['sampler']} "
-                    f"verifier={row['verifier']}",
-                    f"{row['round_ms']:.3f} ms over {row['rounds']} rounds{note}"))
+def plain_device_step_fn(eng):
+    """One plain decoding step of every slot as the `none` engine's device call
+    (`decoding.plain_steps` with num_steps = 1, the program `round_seconds` runs), without the
+    engine's host work, on a cache of max_len (the speculative engine's), rewound after each
+    call. (The engine has no such step_fn; this mirrors `Engine._dummy_step_fn`.)"""
+    from dspark_jax.decoding.plain_steps import plain_steps
+    from dspark_jax.decoding.sampling import top_k_cap_for
+
+    R = eng.R
+    p = eng._all_slots_active()
+    holder = {"s": eng._fresh_state(eng.max_len)}
+    one, none_done = jnp.asarray(1, jnp.int32), jnp.asarray(R + 1, jnp.int32)
+
+    def step():
+        holder["s"], out = plain_steps(eng.target.graphdef, eng.target.state, holder["s"], p,
+                                       eng.stop_ids, one, none_done,
+                                       max_steps=eng.plain_steps_per_call,
+                                       top_k_cap=top_k_cap_for([0] * R, eng.V),
+                                       budget_rule=eng.budget_rule)
+        holder["s"] = holder["s"].replace(
+            cache=holder["s"].cache.with_lengths(jnp.zeros((R,), jnp.int32)))
+        return out["n_emit"]
+
+    return step
+
+
+def plain_steps_in_generate(eng, prompts, temperature: float) -> list[float]:
+    """Seconds per step of plain decoding as `generate` runs it (`plain_steps_per_call` steps
+    per device call, host work included): each full call after the first of one `generate`
+    (2n + 1 new tokens: the prefill's and two calls of n). [] when max_len cannot hold them."""
+    n = eng.plain_steps_per_call
+    max_new = 2 * n + 1
+    if max(len(p) for p in prompts) + max_new > eng.max_len:
+        return []
+    res = eng.generate(prompts, max_new_tokens=max_new, temperature=temperature)
+    return [r["seconds"] / r["steps"] for r in res.rounds[1:] if r["steps"] == n]
+
+
+def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileCounter) -> dict:
+    """The parts of a speculative round with R requests of `a.context` tokens in flight (see
+    the module docstring); times in ms (medians).
+
+    The parts are timed in `a.repeats` interleaved passes, so that a shared machine's drift
+    hits every part alike: each pass runs `a.rounds` plain engine rounds, one `generate` of
+    plain decoding, each device call once (verify at each K, draft, sequential stage;
+    round-robin), then `a.rounds` rounds of the `fixed` engine. Each pass's `round_seconds`
+    prefills its requests again (untimed)."""
+    from dspark_jax.serving import Engine
+
+    g, C = int(draft.config.num_drafts), int(a.context)
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(0, target.config.vocab_size - 1, C)) for _ in range(R)]
+    max_len = C + (a.rounds + 2) * (g + 1) + 2 * g + 8
+    kw = dict(max_requests=R, max_len=max_len, prefill_chunk=min(C * R, 512),
+              stop_token_ids=[])
+    interpreted = jax.default_backend() not in ("gpu", "tpu")
+    T = a.temperature
+
+    plain = Engine(target, None, scheduler="none", **kw)
+    eng = Engine(target, draft, scheduler="fixed", **kw)
+    ks = per_request_ks(g, a.verify_ks)
+    verify, drafting = eng._dummy_step_fn(), eng._draft_step_fn()
+    calls = {"plain_device": plain_device_step_fn(plain)}
+    calls.update({f"verify_{k}": functools.partial(verify, R * k) for k in ks})
+    calls["draft"] = functools.partial(drafting, 0)
+    calls.update(sequential_stage_calls(draft, R, a.rounds, T))
+    samples: dict[str, list[float]] = {k: [] for k in ("plain", "plain_gen", "round", *calls)}
+    recompiles = 0
+    for rep in range(max(int(a.repeats), 1)):
+        samples["plain"] += plain.round_seconds(prompts, a.rounds, temperature=T)
+        samples["plain_gen"] += plain_steps_in_generate(plain, prompts, T)
+        for k, v in profile_calls(calls, repeats=1, warmup=int(rep == 0)).items():
+            samples[k].append(v)
+        # compilations during the timed rounds (after round_seconds' untimed first round)
+        times = eng.round_seconds(prompts, a.rounds, temperature=T)
+        t_end = time.perf_counter()
+        recompiles += counter.between(t_end - sum(times), t_end)
+        samples["round"] += times
+    med = {k: (median(v) if v else None) for k, v in samples.items()}
+    seq_s = max(med["seq"] - med["head"], 0.0) / a.rounds
+    round_s = med["round"]
+
+    rows = [dict(sampler="jax", verifier="jax", round_ms=1e3 * round_s,
+                 rounds=len(samples["round"]), interpreted=False)]
+    if not a.no_pallas_rows:
+        for sampler, verifier in ENGINE_ROWS[1:]:
+            n = min(a.rounds, 3) if interpreted else a.rounds
+            e2 = Engine(target, draft, scheduler="fixed", sampler=sampler, verifier=verifier,
+                        **kw)
+            rows.append(dict(sampler=sampler, verifier=verifier, rounds=n,
+                             round_ms=1e3 * median(e2.round_seconds(prompts, n, temperature=T)),
+                             interpreted=interpreted))
+    verify_ms = {k: 1e3 * med[f"verify_{k}"] for k in ks}
+    draft_ms = 1e3 * med["draft"]
+    return dict(requests=R, context=C, max_len=max_len, gamma=g, round_k=g + 1,
+                plain_step_ms=1e3 * med["plain"],
+                plain_step_in_generate_ms=(None if med["plain_gen"] is None
+                                           else 1e3 * med["plain_gen"]),
+                plain_steps_per_call=int(plain.plain_steps_per_call),
+                plain_device_step_ms=1e3 * med["plain_device"],
+                verify_ms=verify_ms, draft_ms=draft_ms, round_ms=1e3 * round_s,
+                host_ms=1e3 * round_s - draft_ms - verify_ms[g + 1],
+                sequential_stage_ms=1e3 * seq_s, sequential_share=seq_s / round_s,
+                steady_state_recompiles=recompiles, engine_rounds=rows,
+                samples_ms={k: [round(1e3 * x, 3) for x in v] for k, v in samples.items()})
+
+
+def bars(backend: str, pruned_vocab: bool) -> dict:
+    """Upper bars as ratios to the plain step (None: no bar on this backend)."""
+    if backend in ("gpu", "tpu"):
+        return dict(verify=None, draft=None, round=1.15)
+    return dict(verify=1.5, draft=0.2 if pruned_vocab else 0.3, round=1.6)
+
+
+def flag(x: float, bar: float | None) -> str:
+    return "" if bar is None else (" pass" if x <= bar else " FAIL")
+
+
+def anatomy_table(res: dict) -> str:
+    """The markdown table: one row per part, ms and × plain step for each R, and the bar."""
+    an, dr = res["anatomy"], res["drafter"]
+    b = bars(res["backend"], dr["pruned_vocab"])
+    head = "| part of a round | " + " | ".join(f"R={x['requests']} ms | × plain" for x in an)
+    head += " | bar |"
+    lines = [head, "|---|" + "---:|---:|" * len(an) + "---|"]
+
+    def row(label: str, vals: list[float | None], bar: float | None = None, ratio=True,
+            bar_text: str | None = None) -> None:
+        cells = []
+        for x, v in zip(an, vals):
+            if v is None:
+                cells += ["–", "–"]
+                continue
+            r = v / x["plain_step_ms"]
+            cells += [f"{v:.1f}", (f"{r:.2f}{flag(r, bar)}" if ratio else "")]
+        txt = bar_text if bar_text is not None else ("" if bar is None else f"≤ {bar}×")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {txt} |")
+
+    g, K = an[0]["gamma"], an[0]["round_k"]
+    row("plain decode step (1 token a request, engine `none`, one step a call)",
+        [x["plain_step_ms"] for x in an])
+    row(f"plain step inside `generate` ({an[0]['plain_steps_per_call']} steps a call), per "
+        "step", [x["plain_step_in_generate_ms"] for x in an])
+    row(f"plain step, device call alone (cache {an[0]['max_len']}, as verify's)",
+        [x.get("plain_device_step_ms") for x in an])
+    for k in an[0]["verify_ms"]:
+        row(f"verify K = {k} token{'s' * (k > 1)} a request (R·{k})",
+            [x["verify_ms"][k] for x in an], b["verify"] if k == K else None)
+    vocab = (f"draft vocab {dr['draft_vocab']}" if dr["pruned_vocab"] else "full vocab")
+    row(f"draft ({dr['layers']}-layer drafter, block {dr['block_size']}, γ = {g}, {vocab})",
+        [x["draft_ms"] for x in an], b["draft"])
+    row(f"host overhead per round (whole − draft − verify K = {K})", [x["host_ms"] for x in an])
+    row(f"whole round at K = {K} (engine `fixed`, ℓ = γ)", [x["round_ms"] for x in an],
+        b["round"])
+    cells = []
+    for x in an:
+        s = x["sequential_share"]
+        cells += [f"{x['sequential_stage_ms']:.2f}", f"{100 * s:.2f}% of round"
+                  + flag(s, 0.02)]
+    lines.append("| sequential (Markov) stage | " + " | ".join(cells) + " | ≤ 2% of round |")
+    cells = []
+    for x in an:
+        n = x["steady_state_recompiles"]
+        cells += [str(n), "pass" if n == 0 else "FAIL"]
+    lines.append("| steady-state recompiles (timed rounds) | " + " | ".join(cells) + " | 0 |")
+    for sampler, verifier in ENGINE_ROWS[1:]:
+        vals = []
+        for x in an:
+            m = [r for r in x["engine_rounds"] if (r["sampler"], r["verifier"])
+                 == (sampler, verifier)]
+            vals.append(m[0]["round_ms"] if m else None)
+        if any(v is not None for v in vals):
+            interp = any(r["interpreted"] for x in an for r in x["engine_rounds"])
+            row(f"engine round, sampler={sampler} verifier={verifier}"
+                + (" (Pallas interpreted on CPU: not a kernel timing)" if interp else ""),
+                vals)
+    return "\n".join(lines)
+
+
+def run(a: argparse.Namespace) -> dict:
+    counter = CompileCounter()
+    target = build_target(a.target, a.dtype)
+    draft, desc = build_drafter(target, a)
+    an = [anatomy(target, draft, R, a, counter) for R in a.requests]
+    first = an[0]
+    return {"target": a.target, "device": device_name(), "backend": jax.default_backend(),
+            "dtype": a.dtype, "vocab": int(target.config.vocab_size), "drafter": desc,
+            "temperature": a.temperature, "rounds": a.rounds, "repeats": a.repeats,
+            "anatomy": an,
+            # the first R's figures, under the keys the suite (bench.suite) reads
+            "batch": first["requests"], "context": first["context"], "gamma": first["gamma"],
+            "draft_layers": desc["layers"], "markov_rank": desc["markov_rank"],
+            "head": desc["head"], "plain_step_ms": first["plain_step_ms"],
+            "round_ms": first["round_ms"],
+            "round_over_step": first["round_ms"] / first["plain_step_ms"],
+            "engine_rounds": first["engine_rounds"],
+            "sequential_stage_ms": first["sequential_stage_ms"],
+            "sequential_share": first["sequential_share"],
+            "steady_state_recompiles": first["steady_state_recompiles"]}
+
+
+def int_list(s: str) -> list[int]:
+    out = [int(x) for x in s.split(",") if x.strip()]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
     return out
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--target", default="smollm2-135m-instruct",
+                   help="a named random shape (qwen3-4b, qwen3-8b), the embedded "
+                        "smollm2-135m-instruct, or a Hugging Face directory")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--draft", default=None,
+                   help=f"a drafter export directory, or 'random' (default: {DEFAULT_DRAFT} "
+                        "when it exists and fits the target, else random)")
+    p.add_argument("--requests", type=int_list, default=None,
+                   help="comma-separated numbers of requests in flight (default 1,4,16)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="one number of requests (same as --requests N); the kernel section's B")
     p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--gamma", type=int, default=7)
-    p.add_argument("--draft-layers", type=int, default=5)
-    p.add_argument("--rank", type=int, default=256)
-    p.add_argument("--head", default="vanilla")
+    p.add_argument("--gamma", type=int, default=None, help="random drafter: block size (7)")
+    p.add_argument("--draft-layers", type=int, default=None, help="random drafter: layers (5)")
+    p.add_argument("--rank", type=int, default=None, help="random drafter: Markov rank (256)")
+    p.add_argument("--head", default=None, help="random drafter: Markov head type (vanilla)")
+    p.add_argument("--verify-ks", type=int_list, default=None,
+                   help="tokens per request to time verification at (default 1,2,4,… below "
+                        "γ+1); γ+1 is always timed")
     p.add_argument("--no-pallas-rows", action="store_true",
                    help="skip the engine rows with sampler/verifier='pallas'")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--rounds", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=32,
+                   help="engine rounds timed per pass (plain and speculative)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved passes over the parts (and the kernel section's repeats)")
     p.add_argument("--json", default=None)
     p.add_argument("--no-kernels", action="store_true", help="skip the kernel section")
     p.add_argument("--kernels-only", action="store_true",
@@ -243,29 +484,34 @@ def main(argv=None) -> dict:
                    help="kernel section vocabulary (default: the target's; 151936 with "
                         "--kernels-only)")
     a = p.parse_args(argv)
+    if a.requests is None:
+        a.requests = [a.batch] if a.batch is not None else [1, 4, 16]
     if a.kernels_only:
-        k = kernel_timings(a.batch, a.gamma, a.vocab or 151_936, a.rank, a.dtype, a.temperature,
-                           a.repeats)
+        k = kernel_timings(a.batch or a.requests[0], a.gamma or RANDOM_DEFAULTS["gamma"],
+                           a.vocab or 151_936, a.rank or RANDOM_DEFAULTS["rank"], a.dtype,
+                           a.temperature, a.repeats)
         save_json({"kernels": k}, a.json)
         print_table(kernel_rows(k), "Pallas kernels vs pure JAX")
         return {"kernels": k}
     r = run(a)
     if not a.no_kernels:
-        r["kernels"] = kernel_timings(a.batch, a.gamma, a.vocab or r["vocab"], a.rank, a.dtype,
+        r["kernels"] = kernel_timings(a.batch or a.requests[0], r["gamma"],
+                                      a.vocab or r["vocab"], r["markov_rank"] or 256, a.dtype,
                                       a.temperature, a.repeats)
     save_json(r, a.json)
+    dr, an = r["drafter"], r["anatomy"]
     print_table([
         ("target / dtype / device", f"{r['target']} / {r['dtype']} / {r['device']}"),
-        ("batch × context, γ", f"{r['batch']} × {r['context']}, γ={r['gamma']}"),
-        ("draft", f"{r['draft_layers']} layers, {r['head']} head rank {r['markov_rank']}"),
-        ("plain decode step (engine, scheduler=none)", f"{r['plain_step_ms']:.3f} ms"),
-        ("speculative round (engine, fixed ℓ=γ)", f"{r['round_ms']:.3f} ms"),
-        ("round / step", f"{r['round_over_step']:.3f} (bar ≤ 1.15)"),
-        *engine_rows(r),
-        ("sequential stage", f"{r['sequential_stage_ms']:.3f} ms = "
-                             f"{100 * r['sequential_share']:.2f}% of a round (bar ≤ 2%)"),
-        ("steady-state recompiles", f"{r['steady_state_recompiles']} (bar: 0)"),
-    ], "speculative round benchmark")
+        ("drafter", f"{dr['source']}: {dr['model_type']}, {dr['layers']} layers, γ = "
+                    f"{dr['gamma']}, {dr['head']} Markov head rank {dr['markov_rank']}, "
+                    f"vocab {dr['draft_vocab']}" + (f" ({dr['note']})" if "note" in dr else "")),
+        ("requests × context, cache", ", ".join(f"{x['requests']} × {x['context']}"
+                                                for x in an)
+         + f"; speculative cache {an[0]['max_len']} (plain: grown to fit)"),
+        ("temperature, timed rounds, repeats", f"{r['temperature']}, {r['rounds']}, "
+                                               f"{r['repeats']}"),
+    ], "speculative round anatomy")
+    print("\n" + anatomy_table(r))
     if "kernels" in r:
         print_table(kernel_rows(r["kernels"]), "Pallas kernels vs pure JAX")
     return r
