@@ -230,6 +230,31 @@ class DecoderConfig:
         return family_spec(layer_family).draft_layer_config(self, num_layers)
 
 
+def hf_shape_fields(c: DecoderConfig) -> dict[str, Any]:
+    """The `config.json` fields every family writes for its base shapes (in that order)."""
+    return {
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+    }
+
+
+def hf_token_fields(c: DecoderConfig) -> dict[str, Any]:
+    """The `config.json` fields every family ends with: special token ids (a tuple of EOS ids
+    as a JSON list) and `torch_dtype` (float32; the exporter overwrites it for bf16 weights)."""
+    return {
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": (list(c.eos_token_id) if isinstance(c.eos_token_id, tuple)
+                         else c.eos_token_id),
+        "pad_token_id": c.pad_token_id,
+        "torch_dtype": "float32",
+    }
+
+
 def rope_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> RopeConfig:
     """Reads RoPE from `rope_theta`/`rope_scaling` (transformers < 5) or `rope_parameters` (≥ 5)."""
     params = dict(cfg.get("rope_parameters") or {})

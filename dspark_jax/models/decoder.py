@@ -101,12 +101,8 @@ class TargetDecoder(nnx.Module):
 
     # ------------------------------------------------------------------ pieces
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
-        table = self.embed.get_value()
-        emb = jnp.take(table, tokens_bt, axis=0)
-        if family_of(self.cfg).scale_embeddings:
-            # scaled by √D rounded to the storage dtype, as Hugging Face (Gemma)
-            emb = emb * jnp.asarray(self.cfg.hidden_size ** 0.5, table.dtype)
-        emb = emb.astype(self.dtype)
+        emb = L.embed(self.embed.get_value(), tokens_bt,
+                      scaled=family_of(self.cfg).scale_embeddings).astype(self.dtype)
         return constrain(emb, ("batch", "seq", "act_embed"))
 
     def lm_head_weight(self) -> jax.Array:

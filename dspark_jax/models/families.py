@@ -9,7 +9,8 @@ drafter's layers). Code that depends on the family asks its record here — `fam
   these by name through `register_family`, since the family modules import it);
 - the target decoder's layers: their parameters, forward, ragged verification forward and KV
   cache (models/decoder.py);
-- a target's Hugging Face tensors ⇄ its parameters (models/io/hf.py);
+- a target's Hugging Face layer tensors ⇄ its layer parameters (models/io/hf.py, which maps
+  the embeddings, final norm and LM head, named alike by every family, itself);
 - the drafters for its targets: which layer families they may use, the draft layers' config,
   the NNX drafter classes (models/drafters/draft.py);
 - DeepSpec's drafter checkpoints: the architecture prefix (`Qwen3DSparkModel`), the base of
@@ -55,9 +56,11 @@ class Family:
     init_kv: Callable[..., Any]                  # (cfg, batch, max_len, dtype, num_layers) → k, v
     forward: Callable[..., Any]                  # the layers over a [B, T] batch
     ragged_forward: Callable[..., Any]           # the layers over K flattened tokens
-    # ---- a target's Hugging Face tensors (models/io/hf.py)
-    target_from_hf: Callable[[Mapping[str, Any], DecoderConfig, str], dict[str, Any]]
-    target_to_hf: Callable[[Mapping[str, Any], DecoderConfig], dict[str, Any]]
+    # ---- a target's Hugging Face tensors (models/io/hf.py maps the embeddings, final norm and
+    #      LM head, which every family names alike; the family its layers)
+    target_prefix: Callable[[Mapping[str, Any], str], str]  # (tensors, source) → "model."
+    target_from_hf: Callable[..., dict[str, Any]]  # (tensors, prefix, cfg, source) → layers
+    target_to_hf: Callable[..., dict[str, Any]]    # (layers, cfg) → "model.layers.…" tensors
     # ---- drafters (SPEC §3, §5)
     draft_layer_families: tuple[str, ...]        # layer families its targets' drafters may use
     draft_layer_config: Callable[[DecoderConfig, int], DecoderConfig]  # (target, n) → layers
@@ -89,8 +92,9 @@ def _llama_like(name: str, architecture: str, deepspec_prefix: str, legacy_draft
         init_kv=llama_decoder.init_kv,
         forward=llama_decoder.forward,
         ragged_forward=llama_decoder.ragged_forward,
-        target_from_hf=llama_tensors.target_pure_dict,
-        target_to_hf=llama_tensors.target_export_tensors,
+        target_prefix=llama_tensors.target_prefix,
+        target_from_hf=llama_tensors.target_layers_from_hf,
+        target_to_hf=llama_tensors.target_layers_to_hf,
         draft_layer_families=("qwen3", "llama"),
         draft_layer_config=functools.partial(llama_config.draft_layer_config, family=name),
         drafter_classes={"dspark": DSparkDraft, "dflash": DSparkDraft, "eagle3": Eagle3Draft},
@@ -122,8 +126,9 @@ GEMMA4 = Family(
     init_kv=gemma4_decoder.init_kv,
     forward=gemma4_decoder.forward,
     ragged_forward=gemma4_decoder.ragged_forward,
-    target_from_hf=gemma4_tensors.gemma4_pure_dict,
-    target_to_hf=gemma4_tensors.gemma4_export_tensors,
+    target_prefix=gemma4_tensors.text_prefix,
+    target_from_hf=gemma4_tensors.target_layers_from_hf,
+    target_to_hf=gemma4_tensors.target_layers_to_hf,
     draft_layer_families=("gemma4",),
     draft_layer_config=gemma4_drafters.gemma4_draft_layer_config,
     drafter_classes={"dspark": gemma4_drafters.Gemma4DSparkDraft,

@@ -36,6 +36,15 @@ def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None
     return nnx.Param(value, axes=tuple(axes))
 
 
+def embed(table_vd: jax.Array, tokens: jax.Array, scaled: bool = False) -> jax.Array:
+    """Token embeddings table[tokens] [..., D] in the table's dtype; `scaled`: × √D rounded to
+    that dtype, as Hugging Face's Gemma (the Gemma4 target and its drafters)."""
+    emb = jnp.take(table_vd, tokens, axis=0)
+    if scaled:
+        emb = emb * jnp.asarray(table_vd.shape[-1] ** 0.5, table_vd.dtype)
+    return emb
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in fp32, cast back to the input dtype before the scale (as Hugging Face)."""
     xf = x.astype(jnp.float32)

@@ -71,6 +71,10 @@ class DraftCache:
 class DSparkDraft(nnx.Module):
     """DSpark (markov_rank > 0) or DFlash (markov_rank = 0, no confidence head)."""
 
+    # (layer config, n, rngs=, param_dtype=, attn_in_dim=) → the draft layers' parameters; a
+    # family's drafter (gemma4/drafters.py) swaps in its own layers
+    make_layers = staticmethod(L.DecoderLayers)
+
     def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
         t = cfg.target
@@ -81,8 +85,8 @@ class DSparkDraft(nnx.Module):
         self.lm_head = frozen((V, D), ("vocab", "embed"), param_dtype)
         self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)
         self.hidden_norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
-        self.layers = L.DecoderLayers(cfg.layer_config(), cfg.num_draft_layers, rngs=rngs,
-                                      param_dtype=param_dtype)
+        self.layers = self.make_layers(cfg.layer_config(), cfg.num_draft_layers, rngs=rngs,
+                                       param_dtype=param_dtype)
         self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
         if cfg.has_markov:
             self.markov = MarkovHead(cfg, rngs=rngs, param_dtype=param_dtype)

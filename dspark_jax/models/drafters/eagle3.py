@@ -178,6 +178,8 @@ class Eagle3Cache:
 class Eagle3Draft(nnx.Module):
     """EAGLE-3 drafter with DeepSpec's parameter layout (mapped by models/io/deepspec.py)."""
 
+    make_layers = staticmethod(L.DecoderLayers)   # as DSparkDraft.make_layers
+
     def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
         t = cfg.target
@@ -189,8 +191,8 @@ class Eagle3Draft(nnx.Module):
         self.lm_head: FrozenParam = frozen((V, D), ("vocab", "embed"), param_dtype)
         self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)   # [in, out]
         self.hidden_norm = L.param(None, (Ld, D), ("layers", "norm"), param_dtype, "ones")
-        self.layers = L.DecoderLayers(cfg.layer_config(), Ld, rngs=rngs,
-                                      param_dtype=param_dtype, attn_in_dim=2 * D)
+        self.layers = self.make_layers(cfg.layer_config(), Ld, rngs=rngs,
+                                       param_dtype=param_dtype, attn_in_dim=2 * D)
         self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
 
     # ------------------------------------------------------------------ pieces

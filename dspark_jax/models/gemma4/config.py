@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from dspark_jax.models.config import LAYER_TYPES, ConfigError, DecoderConfig, rope_from_hf
+from dspark_jax.models.config import (LAYER_TYPES, ConfigError, DecoderConfig, hf_shape_fields,
+                                      hf_token_fields, rope_from_hf)
 
 log = logging.getLogger(__name__)
 
@@ -199,13 +200,7 @@ def gemma4_to_hf(c: DecoderConfig) -> dict[str, Any]:
     return {
         "architectures": ["Gemma4ForCausalLM"],
         "model_type": "gemma4_text",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
+        **hf_shape_fields(c),
         "global_head_dim": hd,
         # k=v full layers: always an int (DeepSpec's drafters read int(...) of it)
         "num_global_key_value_heads": kv if c.attention_k_eq_v else c.num_global_key_value_heads,
@@ -225,11 +220,7 @@ def gemma4_to_hf(c: DecoderConfig) -> dict[str, Any]:
         "tie_word_embeddings": c.tie_word_embeddings,
         "attention_bias": False,
         "max_position_embeddings": c.max_position_embeddings,
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": list(c.eos_token_id) if isinstance(c.eos_token_id, tuple)
-        else c.eos_token_id,
-        "pad_token_id": c.pad_token_id,
-        "torch_dtype": "float32",
+        **hf_token_fields(c),
     }
 
 

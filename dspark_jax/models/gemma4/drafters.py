@@ -23,9 +23,8 @@ from flax import nnx
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
-from dspark_jax.models.drafters.dspark import DSparkDraft, frozen
+from dspark_jax.models.drafters.dspark import DSparkDraft
 from dspark_jax.models.drafters.eagle3 import Eagle3Draft
-from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
 from dspark_jax.models.gemma4 import decoder as G
 from dspark_jax.models.gemma4.config import gemma4_from_hf, gemma4_to_hf
 
@@ -48,27 +47,27 @@ def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
+def qkv(lp: Any, x: jax.Array, pos: jax.Array, lc: DecoderConfig
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gemma4 q/k/v of a draft layer's input x (q/k norms, scale-free v norm, its RoPE). The
+    shared attention helpers (block_attend, L.attend, ttt_attend) scale scores by H^-½ while
+    Gemma4 attends with scale 1 (its q/k norms set the scale): q is pre-multiplied by H^½."""
+    q = G.project_q(lp, x, pos, lc.rope, lc.rms_norm_eps) * lc.head_dim ** 0.5
+    k, v = G.project_kv(lp, x, pos, lc.rope, lc.rms_norm_eps)
+    return q, k, v
+
+
+def draft_layers(lc: DecoderConfig, n: int, *, rngs: nnx.Rngs, param_dtype: Any,
+                 attn_in_dim: int | None = None) -> G.Gemma4Group:
+    """The n full-attention draft layers (each computes its own K/V) of both drafters."""
+    return G.Gemma4Group(lc, list(range(n)), True, rngs=rngs, param_dtype=param_dtype,
+                         attn_in_dim=attn_in_dim)
+
+
 class Gemma4DSparkDraft(DSparkDraft):
     """DSpark (Markov + confidence heads) or DFlash drafter with Gemma4 draft layers."""
 
-    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
-                 param_dtype: Any = jnp.float32):
-        t = cfg.target
-        lc = cfg.layer_config()
-        V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
-        self.cfg = cfg
-        self.dtype = dtype
-        self.embed = frozen((V, D), ("vocab", "embed"), param_dtype)
-        self.lm_head = frozen((V, D), ("vocab", "embed"), param_dtype)
-        self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)
-        self.hidden_norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
-        self.layers = G.Gemma4Group(lc, list(range(cfg.num_draft_layers)), True, rngs=rngs,
-                                    param_dtype=param_dtype)
-        self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
-        if cfg.has_markov:
-            self.markov = MarkovHead(cfg, rngs=rngs, param_dtype=param_dtype)
-        if cfg.has_confidence:
-            self.confidence = ConfidenceHead(cfg, rngs=rngs, param_dtype=param_dtype)
+    make_layers = staticmethod(draft_layers)
 
     def context_kv(self, feats_bsf: jax.Array, positions_bs: jax.Array
                    ) -> tuple[jax.Array, jax.Array]:
@@ -82,20 +81,12 @@ class Gemma4DSparkDraft(DSparkDraft):
     # the block backbone is DSparkDraft.backbone; Gemma4 changes the three layer pieces
     def embed_block(self, toks: jax.Array) -> jax.Array:
         """Gemma4 scales the embeddings by √D."""
-        table = self.embed.get_value()
-        return (jnp.take(table, toks, axis=0)
-                * jnp.asarray(self.cfg.layer_config().hidden_size ** 0.5, table.dtype)
-                ).astype(self.dtype)
+        return L.embed(self.embed.get_value(), toks, scaled=True).astype(self.dtype)
 
     def block_qkv(self, lp: Any, x: jax.Array, pos: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Gemma4 q/k/v (q/k norms, scale-free v norm, its RoPE). block_attend scales scores by
-        H^-½ while Gemma4 attends with scale 1 (its q/k norms set the scale): q is
-        pre-multiplied by H^½."""
-        lc = self.cfg.layer_config()
-        q = G.project_q(lp, x, pos, lc.rope, lc.rms_norm_eps) * lc.head_dim ** 0.5
-        k, v = G.project_kv(lp, x, pos, lc.rope, lc.rms_norm_eps)
-        return q, k, v
+        """Gemma4 q/k/v, q pre-scaled for block_attend (`qkv`)."""
+        return qkv(lp, x, pos, self.cfg.layer_config())
 
     def attn_out_and_mlp(self, lp: Any, h: jax.Array, attn: jax.Array) -> jax.Array:
         """Gemma4's sandwich norms, GELU-tanh MLP and layer scalar."""
@@ -109,26 +100,10 @@ class Gemma4DSparkDraft(DSparkDraft):
 class Gemma4Eagle3Draft(Eagle3Draft):
     """EAGLE-3 drafter with Gemma4 fused draft layers (DeepSpec's `Gemma4Eagle3Model`)."""
 
-    def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
-                 param_dtype: Any = jnp.float32):
-        t = cfg.target
-        V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
-        Ld = cfg.draft_num_hidden_layers
-        self.cfg = cfg
-        self.dtype = dtype
-        self.embed = frozen((V, D), ("vocab", "embed"), param_dtype)
-        self.lm_head = frozen((V, D), ("vocab", "embed"), param_dtype)
-        self.fc = L.param(rngs, (n * D, D), ("features", "embed"), param_dtype)
-        self.hidden_norm = L.param(None, (Ld, D), ("layers", "norm"), param_dtype, "ones")
-        self.layers = G.Gemma4Group(cfg.layer_config(), list(range(Ld)), True, rngs=rngs,
-                                    param_dtype=param_dtype, attn_in_dim=2 * D)
-        self.norm = L.param(None, (D,), ("norm",), param_dtype, "ones")
+    make_layers = staticmethod(draft_layers)
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
-        table = self.embed.get_value()
-        emb = jnp.take(table, tokens_bt, axis=0)
-        return (emb * jnp.asarray(self.cfg.target.hidden_size ** 0.5, table.dtype)
-                ).astype(self.dtype)
+        return L.embed(self.embed.get_value(), tokens_bt, scaled=True).astype(self.dtype)
 
     def lm_logits(self, h_btd: jax.Array) -> jax.Array:
         return softcap(super().lm_logits(h_btd), self.cfg.target.final_logit_softcapping)
@@ -140,10 +115,7 @@ class Gemma4Eagle3Draft(Eagle3Draft):
         eps = lc.rms_norm_eps
         x = jnp.concatenate([L.rms_norm(emb_btd, lp["input_norm"], eps),
                              L.rms_norm(h_btd, hn_d, eps)], axis=-1)     # [B,T,2D]
-        # the shared attention helpers scale scores by H^-½; Gemma4's scale is 1
-        q = G.project_q(lp, x, positions_bt, lc.rope, eps) * (lc.head_dim ** 0.5)
-        k, v = G.project_kv(lp, x, positions_bt, lc.rope, eps)
-        return q, k, v
+        return qkv(lp, x, positions_bt, lc)
 
     def _layer_out(self, lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array
                    ) -> jax.Array:

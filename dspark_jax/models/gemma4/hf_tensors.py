@@ -1,4 +1,5 @@
-"""Gemma4 Hugging Face tensors ⇄ the TargetDecoder's Gemma4 parameters (SPEC §2).
+"""Gemma4 Hugging Face tensors ⇄ the TargetDecoder's Gemma4 layers (SPEC §2; models/io/hf.py
+maps the embeddings, final norm and LM head, named as every family's).
 
 Reads `Gemma4ForCausalLM` checkpoints (`model.layers.i.…`) and the text decoder of multimodal
 `Gemma4ForConditionalGeneration` ones (`model.language_model.layers.i.…`; vision/audio tensors
@@ -17,7 +18,7 @@ import numpy as np
 
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.gemma4.decoder import plan_segments
-from dspark_jax.models.io.errors import CheckpointError
+from dspark_jax.models.io.errors import CheckpointError, checked_tensor
 
 log = logging.getLogger(__name__)
 
@@ -116,27 +117,14 @@ def _to_hf(name: str, t: np.ndarray) -> np.ndarray:
     return t
 
 
-def _check(tensors: Mapping[str, np.ndarray], source: str):
-    def get(key: str, shape: tuple[int, ...], field: str) -> np.ndarray:
-        if key not in tensors:
-            raise CheckpointError(f"{source}: missing tensor {key!r}")
-        t = np.asarray(tensors[key])
-        if t.shape != shape:
-            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, but "
-                                  f"config.json field {field!r} implies {shape}")
-        return t
-    return get
-
-
 def import_layers(tensors: Mapping[str, np.ndarray], prefix: str, cfg: DecoderConfig,
                   layer_ids: list[int], source: str, attn_in_dim: int | None = None
                   ) -> dict[str, np.ndarray]:
     """HF per-layer tensors `{prefix}{i}.…` for `layer_ids` → one stacked Gemma4Group dict."""
-    get = _check(tensors, source)
     per: dict[str, list[np.ndarray]] = {}
     for i in layer_ids:
         for name, (suffix, shape, field) in _layer_tensors(cfg, i, attn_in_dim).items():
-            t = get(f"{prefix}{i}.{suffix}", shape, field)
+            t = checked_tensor(tensors, f"{prefix}{i}.{suffix}", shape, source, field)
             per.setdefault(name, []).append(_to_ours(name, t, cfg, i))
     return {k: np.stack(v) for k, v in per.items()}
 
@@ -165,55 +153,38 @@ def export_all_layers(group: Mapping[str, Any], prefix: str, cfg: DecoderConfig
     return export_layers(group, prefix, cfg, list(range(cfg.num_hidden_layers)))
 
 
-def gemma4_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
-                     source: str) -> dict[str, Any]:
-    """HF Gemma4 tensors → nested dict matching a Gemma4 TargetDecoder."""
-    pre = text_prefix(tensors, source)
-    V, D, Lh = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+def _groups(cfg: DecoderConfig) -> list[list[int]]:
+    """The layer ids of each period-slot group, in TargetDecoder's `groups` order."""
+    return [seg.layer_ids(j) for seg in plan_segments(cfg) for j in range(seg.period)]
 
-    get = _check(tensors, source)
-    groups = {g: import_layers(tensors, f"{pre}layers.", cfg, ids, source)
-              for g, ids in enumerate(seg.layer_ids(j) for seg in plan_segments(cfg)
-                                      for j in range(seg.period))}
-    layers: dict[str, Any] = {"groups": groups}
-    P = cfg.hidden_size_per_layer_input
+
+def target_layers_from_hf(tensors: Mapping[str, np.ndarray], prefix: str, cfg: DecoderConfig,
+                          source: str) -> dict[str, Any]:
+    """A Gemma4 checkpoint's layers and per-layer input embeddings under `prefix`
+    (`text_prefix`) → a Gemma4 TargetDecoder's `layers` (models/io/hf.py reads the
+    embeddings, final norm and LM head)."""
+    layers: dict[str, Any] = {
+        "groups": {g: import_layers(tensors, f"{prefix}layers.", cfg, ids, source)
+                   for g, ids in enumerate(_groups(cfg))}}
+    P, Lh = cfg.hidden_size_per_layer_input, cfg.num_hidden_layers
     if P:
-        Vp = cfg.vocab_size_per_layer_input or V
-        layers["ple_embed"] = get(pre + "embed_tokens_per_layer.weight", (Vp, Lh * P),
-                                  "hidden_size_per_layer_input")
-        layers["ple_model_proj"] = get(pre + "per_layer_model_projection.weight", (Lh * P, D),
-                                       "hidden_size_per_layer_input").T
-        layers["ple_proj_norm"] = get(pre + "per_layer_projection_norm.weight", (P,),
-                                      "hidden_size_per_layer_input")
-    pure: dict[str, Any] = {
-        "embed": get(pre + "embed_tokens.weight", (V, D), "vocab_size"),
-        "final_norm": get(pre + "norm.weight", (D,), "hidden_size"),
-        "layers": layers,
-    }
-    if not cfg.tie_word_embeddings:
-        pure["lm_head"] = get("lm_head.weight", (V, D), "tie_word_embeddings")
-    extra = [k for k in tensors if k.startswith(f"{pre}layers.{Lh}.")]
-    if extra:
-        raise CheckpointError(f"{source}: checkpoint has more layers than config.json field "
-                              f"'num_hidden_layers' ({Lh}) says; e.g. {extra[0]!r}")
-    return pure
+        Vp = cfg.vocab_size_per_layer_input or cfg.vocab_size
+        get = lambda key, shape: checked_tensor(tensors, prefix + key, shape, source,
+                                                "hidden_size_per_layer_input")
+        layers["ple_embed"] = get("embed_tokens_per_layer.weight", (Vp, Lh * P))
+        layers["ple_model_proj"] = get("per_layer_model_projection.weight",
+                                       (Lh * P, cfg.hidden_size)).T
+        layers["ple_proj_norm"] = get("per_layer_projection_norm.weight", (P,))
+    return layers
 
 
-def gemma4_export_tensors(pure: Mapping[str, Any], cfg: DecoderConfig) -> dict[str, np.ndarray]:
-    """Inverse of `gemma4_pure_dict`, in the Gemma4ForCausalLM layout."""
-    to_np = lambda x: np.asarray(x)
-    out: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": to_np(pure["embed"]),
-        "model.norm.weight": to_np(pure["final_norm"]),
-    }
-    layers = pure["layers"]
-    all_ids = [seg.layer_ids(j) for seg in plan_segments(cfg) for j in range(seg.period)]
-    for g, ids in enumerate(all_ids):
+def target_layers_to_hf(layers: Mapping[str, Any], cfg: DecoderConfig) -> dict[str, np.ndarray]:
+    """Inverse of `target_layers_from_hf`, in the Gemma4ForCausalLM layout."""
+    out: dict[str, np.ndarray] = {}
+    for g, ids in enumerate(_groups(cfg)):
         out.update(export_layers(layers["groups"][g], "model.layers.", cfg, ids))
     if cfg.hidden_size_per_layer_input:
-        out["model.embed_tokens_per_layer.weight"] = to_np(layers["ple_embed"])
-        out["model.per_layer_model_projection.weight"] = to_np(layers["ple_model_proj"]).T
-        out["model.per_layer_projection_norm.weight"] = to_np(layers["ple_proj_norm"])
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = to_np(pure["lm_head"])
+        out["model.embed_tokens_per_layer.weight"] = np.asarray(layers["ple_embed"])
+        out["model.per_layer_model_projection.weight"] = np.asarray(layers["ple_model_proj"]).T
+        out["model.per_layer_projection_norm.weight"] = np.asarray(layers["ple_proj_norm"])
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

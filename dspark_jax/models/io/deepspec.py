@@ -33,7 +33,7 @@ from flax import nnx
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.families import FAMILIES, family, family_by_deepspec_prefix
-from dspark_jax.models.io.errors import CheckpointError, ExportError
+from dspark_jax.models.io.errors import CheckpointError, ExportError, checked_tensor
 from dspark_jax.models.io.hf import read_config_json, read_safetensors_dir, write_safetensors
 
 _ARCH = re.compile(r"^(" + "|".join(f.deepspec_prefix for f in FAMILIES.values())
@@ -219,23 +219,13 @@ def canonical_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], sourc
     return t
 
 
-def _get(tensors: Mapping[str, np.ndarray], key: str, shape: tuple[int, ...], source: str
-         ) -> np.ndarray:
-    if key not in tensors:
-        raise CheckpointError(f"{source}: missing tensor {key!r}")
-    t = np.asarray(tensors[key])
-    if t.shape != tuple(shape):
-        raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, expected {shape}")
-    return t
-
-
 def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], source: str
                              ) -> dict[str, Any]:
     """DeepSpec tensor names → nested dict matching DSparkDraft / Eagle3Draft."""
     t = cfg.target
     V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
     lc = cfg.layer_config()
-    g = lambda k, s: _get(tensors, k, s, source)
+    g = lambda k, s: checked_tensor(tensors, k, s, source)
     pure: dict[str, Any] = {
         "embed": g("embed_tokens.weight", (V, D)),
         "lm_head": g("lm_head.weight", (V, D)),

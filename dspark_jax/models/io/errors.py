@@ -8,6 +8,10 @@ that names the file and the tensor or field. It is a ValueError: a bad checkpoin
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
+import numpy as np
+
 
 class CheckpointError(ValueError):
     """A missing, inconsistent or mismatched checkpoint file (names the file and tensor)."""
@@ -17,4 +21,18 @@ class ExportError(CheckpointError):
     """A drafter that the requested export format cannot hold faithfully (names the field)."""
 
 
-__all__ = ["CheckpointError", "ExportError"]
+def checked_tensor(tensors: Mapping[str, Any], key: str, shape: tuple[int, ...], source: str,
+                   field: str | None = None) -> np.ndarray:
+    """tensors[key] as an array of `shape`; else a CheckpointError naming `source` and the
+    tensor (and, where given, the config.json `field` that sets the expected shape)."""
+    if key not in tensors:
+        raise CheckpointError(f"{source}: missing tensor {key!r}")
+    t = np.asarray(tensors[key])
+    if t.shape != tuple(shape):
+        expected = (f"expected {shape}" if field is None
+                    else f"but config.json field {field!r} implies {shape}")
+        raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, {expected}")
+    return t
+
+
+__all__ = ["CheckpointError", "ExportError", "checked_tensor"]

@@ -1,10 +1,11 @@
 """Hugging Face checkpoint interop for target decoders (SPEC §2: loading the target Mt).
 
 Reads `config.json` + `model.safetensors` (or a sharded `model.safetensors.index.json`) for
-Llama, Qwen3 and Gemma4 — each family maps its own tensor names and torch `Linear` layouts
-([out, in]) into our einsum layouts (models/llama/hf_tensors.py, models/gemma4/hf_tensors.py)
-— and writes params back as a directory that `transformers.AutoModelForCausalLM.from_pretrained`
-loads. The safetensors and config.json readers here serve every checkpoint format of io/.
+Llama, Qwen3 and Gemma4 — each family maps its layers' tensor names and torch `Linear` layouts
+([out, in]) into our einsum layouts (models/llama/hf_tensors.py, models/gemma4/hf_tensors.py);
+the embeddings, final norm and LM head, which all name alike, are mapped here — and writes
+params back as a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+The safetensors and config.json readers here serve every checkpoint format of io/.
 Never unpickles: only safetensors are read.
 """
 
@@ -23,7 +24,7 @@ from flax import nnx
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.decoder import TargetDecoder, abstract_target
 from dspark_jax.models.families import family_of
-from dspark_jax.models.io.errors import CheckpointError
+from dspark_jax.models.io.errors import CheckpointError, checked_tensor
 from dspark_jax.sharding import state_shardings
 
 
@@ -87,9 +88,38 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- target
 def target_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
                      source: str) -> dict[str, Any]:
-    """HF Llama / Qwen3 / Gemma4 tensors → nested dict matching TargetDecoder (the family's
-    tensor layout)."""
-    return family_of(cfg).target_from_hf(tensors, cfg, source)
+    """HF Llama / Qwen3 / Gemma4 tensors → nested dict matching TargetDecoder: the embeddings,
+    final norm and LM head (every family's `*ForCausalLM` names), the layers in the family's
+    layout; a checkpoint with more layers than config.json is refused."""
+    fam = family_of(cfg)
+    pre = fam.target_prefix(tensors, source)
+    V, D, n = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+    pure: dict[str, Any] = {
+        "embed": checked_tensor(tensors, f"{pre}embed_tokens.weight", (V, D), source,
+                                "vocab_size"),
+        "final_norm": checked_tensor(tensors, f"{pre}norm.weight", (D,), source, "hidden_size"),
+        "layers": fam.target_from_hf(tensors, pre, cfg, source),
+    }
+    if not cfg.tie_word_embeddings:
+        pure["lm_head"] = checked_tensor(tensors, "lm_head.weight", (V, D), source,
+                                         "tie_word_embeddings")
+    extra = [k for k in tensors if k.startswith(f"{pre}layers.{n}.")]
+    if extra:
+        raise CheckpointError(f"{source}: checkpoint has more layers than config.json field "
+                              f"'num_hidden_layers' ({n}) says; e.g. {extra[0]!r}")
+    return pure
+
+
+def target_tensors(pure: Mapping[str, Any], cfg: DecoderConfig) -> dict[str, np.ndarray]:
+    """Inverse of `target_pure_dict` (numpy arrays in), in the `*ForCausalLM` layout."""
+    tensors = {
+        "model.embed_tokens.weight": pure["embed"],
+        "model.norm.weight": pure["final_norm"],
+        **family_of(cfg).target_to_hf(pure["layers"], cfg),
+    }
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = pure["lm_head"]
+    return {k: np.ascontiguousarray(v) for k, v in tensors.items()}
 
 
 def build_from_pure(abstract: nnx.Module, pure: Mapping[str, Any], dtype_of: Callable[[Any], Any],
@@ -175,7 +205,7 @@ def export_hf_target(model: TargetDecoder, path: str | os.PathLike) -> pathlib.P
     cfg = model.cfg
     pure = nnx.to_pure_dict(nnx.state(model))
     to_np = lambda x: np.asarray(jax.device_get(x))
-    tensors = family_of(cfg).target_to_hf(jax.tree.map(to_np, pure), cfg)
+    tensors = target_tensors(jax.tree.map(to_np, pure), cfg)
     dtype_name = "bfloat16" if tensors["model.norm.weight"].dtype.name == "bfloat16" else "float32"
     hf = cfg.to_hf_dict()
     hf["torch_dtype"] = dtype_name

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dspark_jax.models.config import ConfigError, DecoderConfig, rope_from_hf
+from dspark_jax.models.config import (ConfigError, DecoderConfig, hf_shape_fields,
+                                      hf_token_fields, rope_from_hf)
 from dspark_jax.models.drafters.config import DraftConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -62,13 +63,7 @@ def config_to_hf(c: DecoderConfig) -> dict[str, Any]:
     return {
         "architectures": [ARCHITECTURES[c.family]],
         "model_type": c.family,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers,
-        "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads,
-        "head_dim": c.head_dim,
+        **hf_shape_fields(c),
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope.theta,
         "rope_scaling": rope_scaling,
@@ -76,11 +71,7 @@ def config_to_hf(c: DecoderConfig) -> dict[str, Any]:
         "attention_bias": c.attention_bias,
         "max_position_embeddings": c.max_position_embeddings,
         "hidden_act": "silu",
-        "bos_token_id": c.bos_token_id,
-        "eos_token_id": list(c.eos_token_id) if isinstance(c.eos_token_id, tuple)
-        else c.eos_token_id,
-        "pad_token_id": c.pad_token_id,
-        "torch_dtype": "float32",
+        **hf_token_fields(c),
     }
 
 

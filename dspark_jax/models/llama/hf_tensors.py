@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dspark_jax.models.config import DecoderConfig
-from dspark_jax.models.io.errors import CheckpointError
+from dspark_jax.models.io.errors import checked_tensor
 
 LAYER_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                  "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -41,14 +41,7 @@ def import_layer_stack(tensors: Mapping[str, np.ndarray], prefix: str, num_layer
     A = attn_in_dim or D
 
     def get(i: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        key = f"{prefix}{i}.{name}"
-        if key not in tensors:
-            raise CheckpointError(f"{source}: missing tensor {key!r}")
-        t = np.asarray(tensors[key])
-        if t.shape != shape:
-            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, "
-                                  f"expected {shape} for this config")
-        return t
+        return checked_tensor(tensors, f"{prefix}{i}.{name}", shape, source)
 
     F = cfg.intermediate_size
     per: dict[str, list[np.ndarray]] = {n: [] for n in
@@ -107,41 +100,18 @@ def export_all_layers(stack: Mapping[str, np.ndarray], prefix: str, cfg: Decoder
     return export_layer_stack(stack, prefix)
 
 
-def target_pure_dict(tensors: Mapping[str, np.ndarray], cfg: DecoderConfig,
-                     source: str) -> dict[str, Any]:
-    """HF LlamaForCausalLM / Qwen3ForCausalLM tensors → nested dict matching TargetDecoder."""
-    V, D = cfg.vocab_size, cfg.hidden_size
-
-    def get(key: str, shape: tuple[int, ...]) -> np.ndarray:
-        if key not in tensors:
-            raise CheckpointError(f"{source}: missing tensor {key!r}")
-        t = np.asarray(tensors[key])
-        if t.shape != shape:
-            raise CheckpointError(f"{source}: tensor {key!r} has shape {t.shape}, expected {shape}")
-        return t
-
-    pure: dict[str, Any] = {
-        "embed": get("model.embed_tokens.weight", (V, D)),
-        "final_norm": get("model.norm.weight", (D,)),
-        "layers": import_layer_stack(tensors, "model.layers.", cfg.num_hidden_layers, cfg, source),
-    }
-    if not cfg.tie_word_embeddings:
-        pure["lm_head"] = get("lm_head.weight", (V, D))
-    extra = [k for k in tensors if k.startswith(f"model.layers.{cfg.num_hidden_layers}.")]
-    if extra:
-        raise CheckpointError(f"{source}: checkpoint has more layers than config.json says "
-                              f"({cfg.num_hidden_layers}); e.g. {extra[0]!r}")
-    return pure
+def target_prefix(tensors: Mapping[str, np.ndarray], source: str) -> str:
+    """The checkpoint's decoder prefix: always `model.` (no multimodal Llama / Qwen3)."""
+    return "model."
 
 
-def target_export_tensors(pure: Mapping[str, Any], cfg: DecoderConfig) -> dict[str, np.ndarray]:
-    """Inverse of `target_pure_dict` (numpy arrays in, the LlamaForCausalLM layout out)."""
-    to_np = np.asarray
-    tensors = {
-        "model.embed_tokens.weight": to_np(pure["embed"]),
-        "model.norm.weight": to_np(pure["final_norm"]),
-        **export_layer_stack({k: to_np(v) for k, v in pure["layers"].items()}, "model.layers."),
-    }
-    if not cfg.tie_word_embeddings:
-        tensors["lm_head.weight"] = to_np(pure["lm_head"])
-    return tensors
+def target_layers_from_hf(tensors: Mapping[str, np.ndarray], prefix: str, cfg: DecoderConfig,
+                          source: str) -> dict[str, np.ndarray]:
+    """A LlamaForCausalLM / Qwen3ForCausalLM checkpoint's layers → TargetDecoder's `layers`
+    (models/io/hf.py reads the embeddings, final norm and LM head)."""
+    return import_layer_stack(tensors, f"{prefix}layers.", cfg.num_hidden_layers, cfg, source)
+
+
+def target_layers_to_hf(layers: Mapping[str, Any], cfg: DecoderConfig) -> dict[str, np.ndarray]:
+    """Inverse of `target_layers_from_hf` (numpy arrays in, the LlamaForCausalLM layout out)."""
+    return export_layer_stack({k: np.asarray(v) for k, v in layers.items()}, "model.layers.")
