@@ -25,7 +25,7 @@ from flax import nnx
 from dspark_jax.decoding.sampling import sample_request_rows
 from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
 from dspark_jax.decoding.stops import is_stop
-from dspark_jax.models.decoder import init_cache
+from dspark_jax.models.decoder import init_cache, ragged_forward
 
 
 @functools.partial(jax.jit, static_argnames=("target_gd", "max_steps", "top_k_cap",
@@ -60,8 +60,13 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
 
     def body(c: dict[str, jax.Array]) -> dict[str, jax.Array]:
         live = c["live"]
-        out = target(c["anchor"][:, None], cache=c["cache"], advance=live.astype(jnp.int32))
-        nxt = sample_request_rows(p.key_data, c["counter"], target.logits(out.hidden[:, 0]),
+        # one token a slot through the ragged forward (K = R): on XLA:CPU it runs a step in
+        # about half the time of the dense one-query cached forward (bench.spec_round)
+        cache = c["cache"]
+        out = ragged_forward(target, c["anchor"], jnp.arange(R, dtype=jnp.int32),
+                             cache.lengths, live, cache)
+        out_cache = out.cache.with_lengths(cache.lengths + live.astype(jnp.int32))
+        nxt = sample_request_rows(p.key_data, c["counter"], target.logits(out.hidden),
                                   p.temperature, p.top_k, p.top_p, top_k_cap=top_k_cap)
         emit = live & (c["remaining"] > 0)
         stop = is_stop(nxt, stop_ids)
@@ -70,7 +75,7 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
         else:   # DeepSpec's `while start < max_length`: a step that ends on the budget is
             done = live & (stop | (c["remaining"] < 1))   # followed by one more
         tokens = c["tokens"].at[:, c["i"]].set(jnp.where(emit, nxt, -1))
-        return dict(cache=out.cache, anchor=jnp.where(live, nxt, c["anchor"]),
+        return dict(cache=out_cache, anchor=jnp.where(live, nxt, c["anchor"]),
                     counter=c["counter"] + live, remaining=c["remaining"] - emit,
                     live=live & ~done, n_emit=c["n_emit"] + emit, steps=c["steps"] + live,
                     finished=c["finished"] | done, tokens=tokens, i=c["i"] + 1)
