@@ -42,6 +42,7 @@ from dspark_jax.decoding import speculative_round as round_
 from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
 from dspark_jax.decoding.sampling import top_k_cap_for
 from dspark_jax.decoding.acceptance_rule import VERIFIERS
+from dspark_jax.decoding.autoregressive import round_up
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES
 from dspark_jax.decoding.stops import stop_array
@@ -533,10 +534,6 @@ def _grow(s: round_.EngineState, *, cache_len: int) -> round_.EngineState:
     return s.replace(cache=s.cache.grown(cache_len))
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-int(x) // m) * m
-
-
 class _Run:
     """Host bookkeeping of one `Engine.generate` / `Engine.serve` call."""
 
@@ -613,7 +610,7 @@ class _Run:
         if not self.plain:
             return s
         need = max(len(self.prompts[self.slot_req[r]]) for r in slots) + self.max_new + 1
-        need = min(self.e.max_len, _round_up(need, self.e.len_bucket))
+        need = min(self.e.max_len, round_up(need, self.e.len_bucket))
         if need > s.cache.max_len:
             s = _grow(s, cache_len=need)
         return s
@@ -671,7 +668,7 @@ class _Run:
         while order:
             group, order = order[:e.R], order[e.R:]
             n = 1 << (len(group) - 1).bit_length()
-            P = min(_round_up(max(len(self.prompts[self.slot_req[r]]) for r in group),
+            P = min(round_up(max(len(self.prompts[self.slot_req[r]]) for r in group),
                               e.len_bucket), s.cache.max_len)
             tokens = np.zeros((n, P), np.int32)
             lens = np.ones((n,), np.int32)
