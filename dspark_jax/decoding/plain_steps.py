@@ -5,8 +5,9 @@ drafting" point of the schedule, which the engine's `scheduler="none"` serves).
 The state is the engine's (`speculative_round.EngineState`: the target KV cache [L, R, S] with a
 committed length per slot and the anchor, the last committed token not yet in the cache), so
 requests join and leave between calls exactly as between speculative rounds. One call runs up
-to `num_steps` steps in a `lax.while_loop`: feed every live slot's anchor, sample its next
-token with `sampling.sample_request_rows` (the request's own key folded with its token index,
+to `num_steps` steps in a `lax.while_loop`: feed every live slot's anchor (one token a slot
+through `models.decoder.ragged_forward` with K = R, on XLA:CPU about twice as fast as the dense
+one-query cached forward), sample its next token with `sampling.sample_request_rows` (the request's own key folded with its token index,
 so a reply does not depend on its slot, its neighbours or how many steps a call ran), commit
 it. The loop returns early once `min_done` slots have finished (a stop token or the token
 budget), so the host can hand their slots to waiting requests: continuous batching without a
