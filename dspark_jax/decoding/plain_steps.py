@@ -7,9 +7,9 @@ committed length per slot and the anchor, the last committed token not yet in th
 requests join and leave between calls exactly as between speculative rounds. One call runs up
 to `num_steps` steps in a `lax.while_loop`: feed every live slot's anchor (one token a slot
 through `models.decoder.ragged_forward` with K = R, on XLA:CPU about twice as fast as the dense
-one-query cached forward), sample its next token with `sampling.sample_request_rows` (the request's own key folded with its token index,
-so a reply does not depend on its slot, its neighbours or how many steps a call ran), commit
-it. The loop returns early once `min_done` slots have finished (a stop token or the token
+one-query cached forward), sample its next token with `sampling.sample_request_rows` (the
+request's own key folded with its token index, so a reply does not depend on its slot, its
+neighbours or how many steps a call ran), commit it. The loop returns early once `min_done` slots have finished (a stop token or the token
 budget), so the host can hand their slots to waiting requests: continuous batching without a
 host round trip per token. Regeneration (`data/regenerate.py`) runs on it through the engine.
 """
