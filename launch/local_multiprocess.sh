@@ -4,7 +4,8 @@
 # Each process gets LOCAL_DEVICES (default 2) fake CPU devices and joins the others through
 # jax.distributed (coordinator on localhost, CPU collectives over gloo), exactly as hosts of a
 # pod would. Logs: $LOG_DIR/process_<i>.log (default: a temp dir, printed). The script fails
-# (and stops the others) as soon as any process fails.
+# (and stops the others) as soon as any process fails. EXTRA_XLA_FLAGS are appended to each
+# process's XLA_FLAGS.
 set -uo pipefail
 NUM=${1:?usage: $0 NUM_PROCESSES configs/NAME.py [--config.key=value ...]}
 CONFIG=${2:?usage: $0 NUM_PROCESSES configs/NAME.py [--config.key=value ...]}
@@ -19,7 +20,7 @@ echo "local_multiprocess: $NUM processes x $LOCAL_DEVICES CPU devices, coordinat
 
 pids=()
 for ((i = 0; i < NUM; i++)); do
-  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$LOCAL_DEVICES" \
+  JAX_PLATFORMS=cpu XLA_FLAGS="--xla_force_host_platform_device_count=$LOCAL_DEVICES ${EXTRA_XLA_FLAGS:-}" \
   DSPARK_DISTRIBUTED=1 JAX_COORDINATOR_ADDRESS="localhost:$PORT" \
   JAX_NUM_PROCESSES="$NUM" JAX_PROCESS_ID="$i" \
     $PY -m dspark_jax.train --config "$CONFIG" "$@" > "$LOG_DIR/process_$i.log" 2>&1 &

@@ -25,6 +25,7 @@ from dspark_jax.train.metrics_log import read_jsonl
 from dspark_jax.train.step import OptimConfig, init_train_state, make_optimizer, split_draft
 from hf_tiny import save_tiny_hf
 from tiny_job import REPO, TINY_CONFIG, make_tiny_target, write_regenerated
+from xla_flags import cpu_flags
 
 DRAFT = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,
              markov_rank=8, num_anchors=6)
@@ -177,7 +178,7 @@ def test_corrupted_checkpoint_is_a_clear_error(target, tmp_path, damage):
 
 def _env(cache: pathlib.Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=cpu_flags(1),
                JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))

@@ -17,6 +17,7 @@ from dspark_jax.data.features import FeatureCache
 from dspark_jax.train.metrics_log import read_jsonl
 from tiny_job import (REPO, TINY_CONFIG, make_tiny_target, write_prompt_files,
                       write_regenerated)
+from xla_flags import FAST_COMPILE
 
 pytestmark = pytest.mark.slow
 LAUNCH = REPO / "launch" / "local_multiprocess.sh"
@@ -35,6 +36,7 @@ def launch(job, name: str, num: int, local_devices: int, *extra: str, check: boo
     env = dict(os.environ, PYTHON=sys.executable, LOCAL_DEVICES=str(local_devices),
                LOG_DIR=str(root / f"logs_{name}"))
     env.pop("XLA_FLAGS", None)
+    env["EXTRA_XLA_FLAGS"] = FAST_COMPILE
     data = [f"--config.data.regenerated={regen}"] if regenerated else []
     args = [f"--config.target={target}", f"--config.workdir={root / name}",
             *data, "--config.mesh.num_devices=-1",
