@@ -64,8 +64,9 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
         # one token a slot through the ragged forward (K = R): on XLA:CPU it runs a step in
         # about half the time of the dense one-query cached forward (bench.spec_round)
         cache = c["cache"]
-        out = ragged_forward(target, c["anchor"], jnp.arange(R, dtype=jnp.int32),
-                             cache.lengths, live, cache)
+        rows = jnp.arange(R, dtype=jnp.int32)
+        out = ragged_forward(target, c["anchor"], rows, cache.lengths, live, cache,
+                             grid=(rows[:, None], rows))
         out_cache = out.cache.with_lengths(cache.lengths + live.astype(jnp.int32))
         nxt = sample_request_rows(p.key_data, c["counter"], target.logits(out.hidden),
                                   p.temperature, p.top_k, p.top_p, top_k_cap=top_k_cap)

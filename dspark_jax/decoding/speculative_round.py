@@ -78,8 +78,7 @@ def _row_uniforms(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 SAMPLERS = ("jax", "pallas")
 
 
-@functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget", "sampler"))
-def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
+def _draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
                        stop_ids: jax.Array, conf_temps: jax.Array | None,
                        threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
                        sps_draft: jax.Array | None = None, *,
@@ -139,6 +138,10 @@ def draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotS
                 gain_new=gain_new, predicted=predicted.astype(jnp.float32))
 
 
+draft_and_schedule = jax.jit(_draft_and_schedule,
+                             static_argnames=("draft_gd", "mode", "cap_budget", "sampler"))
+
+
 # ------------------------------------------------------------------------------ flattening
 def flatten_plan(n_tok: jax.Array, K: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Flattened layout of n_tok[r] tokens per request in K slots, request-major.
@@ -165,10 +168,7 @@ def _verify(name: str, accept_u, sample_u, tp, dp, drafts, ell):
 BUDGET_RULES = ("serving", "deepspec")
 
 
-@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "verifier",
-                                             "tap_layer_ids", "budget_rule"),
-                   donate_argnames=("s",))
-def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                       s: EngineState, p: SlotSettings, drafts: jax.Array,
                       draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array, *, K: int,
                       verifier: str,
@@ -192,10 +192,14 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
     drafts_pad = jnp.concatenate([s.anchor[:, None], drafts], axis=1)         # [R, γ+1]
     tok = drafts_pad[slot, jnp.clip(j, 0, g)]
     pos = s.cache.lengths[slot] + j
-    out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids)
+    jj = jnp.arange(g + 1, dtype=jnp.int32)
+    # the same tokens per request ([R, γ+1] cells): attention reads each cache row once
+    grid_rq = jnp.where(jj[None] < n_tok[:, None], start[:, None] + jj[None], K)
+    cell_k = slot * (g + 1) + jnp.clip(j, 0, g)
+    out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids,
+                         grid=(grid_rq, cell_k))
     logits = target.logits(out.hidden)                                          # [K, V]
     probs_k = filtered_probs(logits, p.temperature[slot], p.top_k[slot], p.top_p[slot])
-    jj = jnp.arange(g + 1, dtype=jnp.int32)
     dense_idx = jnp.clip(start[:, None] + jj[None], 0, K - 1)                   # [R, γ+1]
     tp = probs_k[dense_idx]                                                     # [R, γ+1, V]
 
@@ -244,6 +248,103 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
                         anchor=jnp.where(p.active, res.next_token, s.anchor))
     return new_s, dict(tokens=cand, n_emit=n_emit, finished=finished, accepted=acc_rec,
                        proposed=prop_rec, tau_term=tau_term)
+
+
+verify_and_commit = jax.jit(_verify_and_commit,
+                            static_argnames=("target_gd", "draft_gd", "K", "verifier",
+                                             "tap_layer_ids", "budget_rule"),
+                            donate_argnames=("s",))
+
+
+# ------------------------------------------------------------------------------ 1–3 fused
+ROUND_OUTPUTS = ("tokens", "n_emit", "finished", "accepted", "proposed", "tau_term")
+
+
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "buckets", "max_rounds",
+                                             "mode", "cap_budget", "sampler", "verifier",
+                                             "tap_layer_ids", "budget_rule"),
+                   donate_argnames=("s",))
+def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+                       s: EngineState, p: SlotSettings, stop_ids: jax.Array,
+                       conf_temps: jax.Array | None, threshold: jax.Array, sps: jax.Array,
+                       sps_draft: jax.Array | None, queue: jax.Array, num_rounds: jax.Array,
+                       min_done: jax.Array, *, buckets: tuple[int, ...], max_rounds: int,
+                       mode: str, cap_budget: bool, sampler: str, verifier: str,
+                       tap_layer_ids: tuple[int, ...], budget_rule: str
+                       ) -> tuple[EngineState, dict[str, jax.Array]]:
+    """Up to `num_rounds` (traced, ≤ `max_rounds`) whole rounds in one device call: each
+    drafts and schedules (`draft_and_schedule`), picks the smallest capacity bucket K ≥
+    Σ(1 + ℓ_r) ON DEVICE (`lax.switch` over the verification programs of every bucket: only the
+    chosen one runs) and verifies and commits (`verify_and_commit`), with no host round trip in
+    between. A slot's budget, round counter and liveness advance on device exactly as the host
+    advances them between single rounds, so every token and record equals the host-stepped
+    path. The loop stops when no slot is live, after `num_rounds` rounds, or once `min_done`
+    slots have finished (the host can then hand their slots to waiting requests).
+
+    `queue` [2] int32: the capacities of rounds t−2, t−1 (`production`, paper §5.2: round t
+    admits the top K_{t−2}; the round's new K enters the queue); the other modes read
+    queue[0] as `draft_and_schedule`'s `capacity`. → (state, per round i < rounds (leading axis
+    `max_rounds`): `live` [R] (slots that ran it), `admitted` (queue[0] as the round read
+    it), the draft's `lengths` [R] and confidence
+    logits [R, γ], `capacity` (the bucket), `n_tokens`, `capacity_new`, `gain_new`,
+    `predicted`, and `verify_and_commit`'s per-slot outputs; `rounds` (how many ran), `queue`).
+    """
+    R = s.anchor.shape[0]
+    g = nnx.merge(draft_gd, draft_state).cfg.num_drafts
+    bucket_arr = jnp.asarray(buckets, jnp.int32)
+    n = max_rounds
+
+    def slots(shape, dtype, fill=0):
+        return jnp.full((n, *shape), fill, dtype)
+
+    out0 = dict(live=slots((R,), bool, False), admitted=slots((), jnp.int32),
+                lengths=slots((R,), jnp.int32),
+                confidence=slots((R, g), jnp.float32), capacity=slots((), jnp.int32),
+                n_tokens=slots((), jnp.int32), capacity_new=slots((), jnp.int32),
+                gain_new=slots((), jnp.float32), predicted=slots((), jnp.float32),
+                tokens=slots((R, g + 1), jnp.int32, -1), n_emit=slots((R,), jnp.int32),
+                finished=slots((R,), bool, False), accepted=slots((R,), jnp.int32),
+                proposed=slots((R,), jnp.int32), tau_term=slots((R,), jnp.int32))
+    init = dict(s=s, live=p.active, remaining=p.remaining, counter=p.counter,
+                done=jnp.zeros((R,), bool), queue=queue.astype(jnp.int32),
+                i=jnp.zeros((), jnp.int32), out=out0)
+
+    def cond(c: dict[str, Any]) -> jax.Array:
+        return (jnp.any(c["live"]) & (c["i"] < jnp.minimum(num_rounds, n))
+                & (jnp.sum(c["done"].astype(jnp.int32)) < min_done))
+
+    def body(c: dict[str, Any]) -> dict[str, Any]:
+        pr = p._replace(active=c["live"], remaining=c["remaining"], counter=c["counter"])
+        d = _draft_and_schedule(draft_gd, draft_state, c["s"], pr, stop_ids, conf_temps,
+                                threshold, sps, c["queue"][0], sps_draft, mode=mode,
+                                cap_budget=cap_budget, sampler=sampler)
+        b = jnp.searchsorted(bucket_arr, jnp.maximum(d["n_tokens"], 1), side="left")
+
+        def verify_in(K: int):
+            def run(st: EngineState):
+                return _verify_and_commit(target_gd, draft_gd, target_state, draft_state, st,
+                                          pr, d["tokens"], d["probs"], d["lengths"], stop_ids,
+                                          K=K, verifier=verifier, tap_layer_ids=tap_layer_ids,
+                                          budget_rule=budget_rule)
+            return run
+
+        new_s, o = jax.lax.switch(b, [verify_in(K) for K in buckets], c["s"])
+        row = dict(live=c["live"], admitted=c["queue"][0], lengths=d["lengths"],
+                   confidence=d["confidence"],
+                   capacity=bucket_arr[b], n_tokens=d["n_tokens"],
+                   capacity_new=d["capacity_new"].astype(jnp.int32),
+                   gain_new=d["gain_new"].astype(jnp.float32), predicted=d["predicted"],
+                   **{k: o[k] for k in ROUND_OUTPUTS})
+        out = {k: c["out"][k].at[c["i"]].set(row[k].astype(c["out"][k].dtype)) for k in row}
+        return dict(s=new_s, live=c["live"] & ~o["finished"],
+                    remaining=c["remaining"] - o["n_emit"],
+                    counter=c["counter"] + c["live"].astype(jnp.int32),
+                    done=c["done"] | o["finished"],
+                    queue=jnp.stack([c["queue"][1], row["capacity_new"]]),
+                    i=c["i"] + 1, out=out)
+
+    c = jax.lax.while_loop(cond, body, init)
+    return c["s"], dict(c["out"], rounds=c["i"], queue=c["queue"])
 
 
 # ------------------------------------------------------------------------------ prefill

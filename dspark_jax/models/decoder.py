@@ -175,7 +175,8 @@ class RaggedOutput:
 
 def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
                    position_k: jax.Array, valid_k: jax.Array, cache: KVCache,
-                   tap_layer_ids: Sequence[int] = ()) -> RaggedOutput:
+                   tap_layer_ids: Sequence[int] = (),
+                   grid: tuple[jax.Array, jax.Array] | None = None) -> RaggedOutput:
     """The verification forward of load-aware decoding (paper §5.2–5.3; SPEC §9).
 
     The admitted tokens of all requests are flattened along one token axis of static capacity
@@ -186,13 +187,19 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     tokens, which are written first. Every matmul runs over the K tokens only, so the cost of a
     step scales with the tokens admitted, not with R·(γ+1). Lengths are not advanced (the
     caller commits by moving them). The family runs the addressing through its own layers.
+
+    `grid` = (grid_rq [R, Q], cell_k [K]) lays the same tokens out per request (`RaggedRows`):
+    the Llama family then attends request by request, reading each cache row once instead of
+    once per token (verification: Q = γ + 1; plain steps: Q = 1). Gemma4 gathers per token.
     """
     cfg = model.cfg
     K = tokens_k.shape[0]
     R = cache.k[0].shape[1] if isinstance(cache.k, tuple) else cache.k.shape[1]
     slot_r = jnp.clip(slot_k.astype(jnp.int32), 0, R - 1)                     # read index
     rows = L.RaggedRows(read_k=slot_r, write_k=jnp.where(valid_k, slot_r, R),  # R = drop
-                        valid_k=valid_k.astype(bool))
+                        valid_k=valid_k.astype(bool),
+                        grid_rq=None if grid is None else grid[0].astype(jnp.int32),
+                        cell_k=None if grid is None else grid[1].astype(jnp.int32))
     tokens_1k = tokens_k.astype(jnp.int32)[None]
     h = model.embed_tokens(tokens_1k)                                         # [1,K,D]
     tap_ids = model.tap_slots(tap_layer_ids)

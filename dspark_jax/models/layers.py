@@ -177,11 +177,19 @@ class DecoderLayers(nnx.Module):
 class RaggedRows:
     """Cache addressing of a ragged call (B = 1, T = K flattened tokens; paper §5.2–5.3):
     token k reads cache row `read_k[k]` and writes row `write_k[k]` (out of range: dropped,
-    for padding); `valid_k` masks padding's queries."""
+    for padding); `valid_k` masks padding's queries.
+
+    `grid_rq` / `cell_k` (optional, both or neither): the same tokens laid out per request, Q
+    cells a request. `grid_rq[r, q]` is the token in cell q of request r (≥ K: an empty cell)
+    and `cell_k[k] = r·Q + q` the cell of token k. With them the Llama family attends request by
+    request ([R, Q] queries against the [R, S] cache, each cache row read once) instead of
+    gathering an [S] row for every token; the result is the same."""
 
     read_k: jax.Array
     write_k: jax.Array
     valid_k: jax.Array
+    grid_rq: jax.Array | None = None
+    cell_k: jax.Array | None = None
 
 
 def project_q(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:

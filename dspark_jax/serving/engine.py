@@ -111,7 +111,7 @@ class Engine:
                  draft_seconds: float | None = None, plain_seconds: float | None = None,
                  probe_interval: int = 4, max_probe_interval: int = 64,
                  explore: float | None = 0.01, plain_steps_per_call: int = 16,
-                 len_bucket: int = 64):
+                 rounds_per_call: int = 8, len_bucket: int = 64):
         if scheduler not in MODES:
             raise ValueError(f"unknown scheduler {scheduler!r}; choose from {list(MODES)}")
         if verifier not in VERIFIERS:
@@ -131,9 +131,10 @@ class Engine:
             raise ValueError(f"max_requests must be ≥ 1, got {max_requests}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be ≥ 1, got {prefill_chunk}")
-        if plain_steps_per_call < 1 or len_bucket < 1:
-            raise ValueError(f"plain_steps_per_call and len_bucket must be ≥ 1, got "
-                             f"{plain_steps_per_call} and {len_bucket}")
+        if min(plain_steps_per_call, rounds_per_call, len_bucket) < 1:
+            raise ValueError(f"plain_steps_per_call, rounds_per_call and len_bucket must be "
+                             f"≥ 1, got {plain_steps_per_call}, {rounds_per_call} and "
+                             f"{len_bucket}")
         if scheduler != "none" and draft is None:
             raise ValueError(f"scheduler={scheduler!r} needs a drafter (draft=None only works "
                              "with scheduler='none')")
@@ -172,6 +173,7 @@ class Engine:
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.R, self.max_len = int(max_requests), int(max_len)
         self.plain_steps_per_call, self.len_bucket = int(plain_steps_per_call), int(len_bucket)
+        self.rounds_per_call = int(rounds_per_call)
         self.threshold = float(threshold)
         self.verifier, self.prefill_chunk = verifier, int(prefill_chunk)
         self.sampler = sampler
@@ -283,6 +285,17 @@ class Engine:
                                          jnp.asarray(capacity, jnp.int32), self.sps_draft,
                                          mode=self.mode, cap_budget=self.cap_to_budget,
                                          sampler=self.sampler)
+
+    def _rounds(self, s, p, queue: Sequence[int], rounds: int, min_done: int):
+        """Up to `rounds` whole rounds in one device call (`speculative_rounds`)."""
+        return round_.speculative_rounds(
+            self.target.graphdef, self._dgd, self.target.state, self._dstate, s, p,
+            self.stop_ids, self.conf_temps, jnp.asarray(self.threshold, jnp.float32), self.sps,
+            self.sps_draft, jnp.asarray(queue, jnp.int32), jnp.asarray(rounds, jnp.int32),
+            jnp.asarray(min_done, jnp.int32), buckets=self.buckets,
+            max_rounds=1 if self.mode == "adaptive" else self.rounds_per_call, mode=self.mode,
+            cap_budget=self.cap_to_budget, sampler=self.sampler, verifier=self.verifier,
+            tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
 
     def _draft_step_fn(self):
         """step_fn(_): one drafting + scheduling call, synchronised on what the host reads."""
@@ -554,7 +567,7 @@ class _Run:
         self.free = collections.deque(range(eng.R))
         self.pending: collections.deque[int] = collections.deque()
         self.plain = eng.mode == "none"
-        self.step_s = 0.0       # plain decoding: seconds per step (last call), for arrivals
+        self.step_s = 0.0       # seconds per step / round (last call), for arrivals
         # adaptive: the engine's drafting policy (its state persists across calls);
         # production: a fresh capacity queue for this run
         self.policy = eng.policy
@@ -730,17 +743,7 @@ class _Run:
         e, h = self.e, self.h
         t_start = time.perf_counter()
         n_active = int(h["active"].sum())
-        steps, min_done = e.plain_steps_per_call, e.R + 1
-        if max_steps is not None:
-            steps = min(steps, int(max_steps))
-        if self.pending:
-            if not self.free:
-                min_done = 1
-            else:   # a free slot awaits a later arrival: return in time for it
-                wait = (self.requests[self.pending[0]].arrival_s
-                        - (time.perf_counter() - self.t0))
-                if self.step_s > 0:
-                    steps = int(min(steps, max(1, wait // self.step_s + 1)))
+        steps, min_done = self._call_budget(max_steps, e.plain_steps_per_call)
         cap = top_k_cap_for([int(k) for k in h["top_k"][h["active"]]], e.V)
         s, o = plain_steps(e.target.graphdef, e.target.state, s, e._slot_settings(h), e.stop_ids,
                            jnp.asarray(steps, jnp.int32), jnp.asarray(min_done, jnp.int32),
@@ -765,46 +768,87 @@ class _Run:
                                 cache_len=int(s.cache.max_len)))
         return s
 
+    def _call_budget(self, max_steps: int | None, per_call: int) -> tuple[int, int]:
+        """(steps or rounds for this device call, min_done): back on the host as soon as a
+        slot can be handed to a waiting request, or in time for the next arrival."""
+        steps, min_done = per_call, self.e.R + 1
+        if max_steps is not None:
+            steps = min(steps, int(max_steps))
+        if self.pending:
+            if not self.free:
+                min_done = 1
+            else:   # a free slot awaits a later arrival: return in time for it
+                wait = (self.requests[self.pending[0]].arrival_s
+                        - (time.perf_counter() - self.t0))
+                if self.step_s > 0:
+                    steps = int(min(steps, max(1, wait // self.step_s + 1)))
+        return steps, min_done
+
     def _round(self, s, max_steps: int | None = None):
+        """Speculative rounds: up to `rounds_per_call` whole rounds in one device call
+        (`speculative_round.speculative_rounds`); `adaptive` decides each round on the host (one
+        round a call), and a round it does not draft verifies the anchors alone."""
         if self.plain:
             return self._plain_round(s, max_steps)
         e, h = self.e, self.h
         t_start = time.perf_counter()
-        p = e._slot_settings(h)
         n_active = int(h["active"].sum())
-        conf = None
         drafted, capacity = True, 0
         if self.policy is not None:   # production: always drafts, K of two rounds before
             drafted, capacity = self.policy.decide(n_active)
         if not drafted:   # plain decoding: ℓ = 0, the drafter not run
-            drafts, probs = self.no_drafts
-            ell = jnp.zeros((e.R,), jnp.int32)
-            n_tokens = n_active
-        else:
-            d = e._draft(s, p, capacity)
-            drafts, probs, ell, conf = d["tokens"], d["probs"], d["lengths"], d["confidence"]
-            n_tokens, cap_new, gain_new, predicted = jax.device_get(
-                (d["n_tokens"], d["capacity_new"], d["gain_new"], d["predicted"]))
-            n_tokens = int(n_tokens)
-        K = cost_profile.bucket_for(e.buckets, max(n_tokens, 1))
-        s, o = e._verify(s, p, drafts, probs, ell, K)
+            return self._anchor_round(s, n_active, t_start)
+        rounds, min_done = self._call_budget(
+            1 if e.mode == "adaptive" else max_steps, e.rounds_per_call)
+        queue = (self.policy.queue if isinstance(self.policy, policy.CapacityQueue)
+                 else [capacity, capacity])
+        s, o = e._rounds(s, e._slot_settings(h), queue, rounds, min_done)
         o = jax.device_get(o)
-        if self.policy is not None:
-            act = h["active"]
-            if drafted:
-                self.policy.update(True, policy.Estimate(int(cap_new), float(gain_new),
-                                                         n_active),
-                                   float(predicted), float(np.sum(o["accepted"][act])))
-            else:
-                self.policy.update(False)
-        ell_h = np.asarray(ell)
-        conf_h = None if conf is None else np.asarray(conf, np.float32)
+        now = time.perf_counter() - self.t0
+        n_run = int(o["rounds"])
+        seconds = (time.perf_counter() - t_start) / max(n_run, 1)
+        self.step_s = seconds
+        for i in range(n_run):
+            live = o["live"][i]
+            if self.policy is not None:
+                self.policy.update(True, policy.Estimate(int(o["capacity_new"][i]),
+                                                         float(o["gain_new"][i]),
+                                                         int(live.sum())),
+                                   float(o["predicted"][i]),
+                                   float(np.sum(o["accepted"][i][live])))
+            emitted = 0
+            for r in np.nonzero(live)[0]:
+                m = int(o["n_emit"][i, r])
+                self.per[self.slot_req[r]]["confidence"].append(
+                    np.asarray(o["confidence"][i, r], np.float32))
+                self._record(r, o["tokens"][i, r, :m], [int(o["accepted"][i, r])],
+                             [int(o["proposed"][i, r])], [int(o["tau_term"][i, r])], 1)
+                emitted += m
+                if o["finished"][i, r]:
+                    self._finish(r, now)
+            if self.bar is not None:
+                self.bar.update(emitted)
+            self.rounds.append(dict(active=int(live.sum()),
+                                    verified_tokens=int(o["lengths"][i][live].sum()),
+                                    capacity=int(o["capacity"][i]), tokens=emitted,
+                                    drafted=True, steps=1, seconds=seconds,
+                                    admitted_capacity=int(o["admitted"][i])))
+        return s
+
+    def _anchor_round(self, s, n_active: int, t_start: float):
+        """A round that skips drafting (`adaptive`): the anchors alone are verified (drafts of
+        width 0) in the smallest bucket, and the drafter's context is still fed."""
+        e, h = self.e, self.h
+        drafts, probs = self.no_drafts
+        K = cost_profile.bucket_for(e.buckets, max(n_active, 1))
+        s, o = e._verify(s, e._slot_settings(h), drafts, probs,
+                         jnp.zeros((e.R,), jnp.int32), K)
+        o = jax.device_get(o)
+        self.policy.update(False)
         now = time.perf_counter() - self.t0
         emitted = 0
         for r in np.nonzero(h["active"])[0]:
             m = int(o["n_emit"][r])
-            if conf_h is not None:   # confidence logits of this round's proposals
-                self.per[self.slot_req[r]]["confidence"].append(conf_h[r])
             self._record(r, o["tokens"][r, :m], [int(o["accepted"][r])],
                          [int(o["proposed"][r])], [int(o["tau_term"][r])], 1)
             emitted += m
@@ -812,9 +856,8 @@ class _Run:
                 self._finish(r, now)
         if self.bar is not None:
             self.bar.update(emitted)
-        self.rounds.append(dict(active=n_active, verified_tokens=int(ell_h.sum()), capacity=K,
-                                tokens=emitted, drafted=bool(drafted), steps=1,
-                                seconds=time.perf_counter() - t_start))
+        self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=K, tokens=emitted,
+                                drafted=False, steps=1, seconds=time.perf_counter() - t_start))
         return s
 
     def start_state(self):

@@ -109,11 +109,22 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
                    ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array]]:
     """`forward` for K flattened tokens (one row, B = 1): token k writes its K/V at
     (`rows.write_k[k]`, position) and is its own attention row over cache row `rows.read_k[k]`
-    at positions ≤ its own, so every matmul runs over the K tokens only."""
+    at positions ≤ its own, so every matmul runs over the K tokens only. With `rows.grid_rq`
+    the attention runs request by request (each cache row read once, not once a token)."""
     S = cache_kv[0].shape[2]
+    K = tokens_1k.shape[1]
     position_k = positions_1k[0]
     key_pos = jnp.arange(S, dtype=jnp.int32)
-    mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & rows.valid_k[:, None])[:, None, :]
+    by_request = rows.grid_rq is not None
+    if by_request:   # queries per request [R, Q]; an empty cell sees nothing (zeros)
+        R, Q = rows.grid_rq.shape
+        cell_ok = rows.grid_rq < K
+        grid = jnp.clip(rows.grid_rq, 0, K - 1)
+        pos_rq = jnp.where(cell_ok, position_k[grid], -1)
+        mask_rqs = key_pos[None, None, :] <= pos_rq[:, :, None]
+        cell_k = jnp.clip(rows.cell_k, 0, R * Q - 1)
+    else:
+        mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & rows.valid_k[:, None])[:, None, :]
     n_taps = len(tap_ids)
     taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
     params = stack.stacked(dtype)
@@ -128,9 +139,12 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
         k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
         kc = kc.at[layer_idx, rows.write_k, position_k].set(k[0], mode="drop")
         vc = vc.at[layer_idx, rows.write_k, position_k].set(v[0], mode="drop")
-        # each token is its own attention row over its request's cache: [K, 1, ·] vs [K, S, ·]
-        k_tok, v_tok = kc[layer_idx][rows.read_k], vc[layer_idx][rows.read_k]  # [K,S,Kh,H]
-        attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]    # [1,K,N,H]
+        if by_request:   # each request's tokens against its cache row: [R, Q, ·] vs [R, S, ·]
+            attn = L.attend(q[0][grid], kc[layer_idx], vc[layer_idx], mask_rqs)  # [R,Q,N,H]
+            attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]             # [1,K,N,H]
+        else:   # each token its own attention row over its request's cache: [K, 1, ·]
+            k_tok, v_tok = kc[layer_idx][rows.read_k], vc[layer_idx][rows.read_k]  # [K,S,Kh,H]
+            attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]    # [1,K,N,H]
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             cur = taps[jnp.maximum(tap_slot, 0)]
