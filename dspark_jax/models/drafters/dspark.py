@@ -213,11 +213,21 @@ class DSparkDraft(nnx.Module):
                      ) -> dict[str, jax.Array]:
         """Sequential sampling over the γ slots (each slot conditioned on the sampled previous
         token). h [B, γ, D] → tokens [B, γ], probs [B, γ, V], confidence logits [B, γ].
-        `probs_fn(logits [B, V]) → probs` replaces softmax(·/T) (e.g. per-request top-k/top-p)."""
+        `probs_fn(logits [B, n]) → probs` replaces softmax(·/T) (e.g. per-request top-k/top-p).
+
+        With a pruned draft vocabulary of K ids, the LM head, the Markov bias and the sampling
+        run over those K columns only (lm_head[ids]: K·D weights read, not V·D); the sampled
+        index maps back to its id, and the probabilities are scattered into [V] for the
+        verifier (zero elsewhere, as the −1e9 mask of `base_logits` gives). The ids are sorted,
+        so the inverse-CDF draw picks the same token as over the masked full vocabulary."""
         from pallas_kernels.common import probs_from_logits
 
         B, g, _ = h_btd.shape
-        base = self.base_logits(h_btd)                                      # [B,γ,V]
+        ids = self.vocab_ids()
+        if ids is None:
+            base = self.base_logits(h_btd)                                  # [B,γ,V]
+        else:
+            base = self.lm_logits(h_btd, jnp.take(self.lm_head.get_value(), ids, axis=0))
         keys = jax.random.split(key, g)
         has_markov, has_conf = self.cfg.has_markov, self.cfg.has_confidence
         state0 = (self.markov.init_state((B,), h_btd.dtype) if has_markov
@@ -229,15 +239,20 @@ class DSparkDraft(nnx.Module):
             logits = u
             emb = None
             if has_markov:
-                bias, state = self.markov.step(h, prev, state)
+                bias, state = self.markov.step(h, prev, state, rows=ids)
                 logits = logits + bias
                 emb = self.markov.embed_prev(prev, h.dtype)
             conf = self.confidence(h, emb) if has_conf else jnp.zeros((B,), jnp.float32)
             p = (probs_fn(logits) if probs_fn is not None
                  else probs_from_logits(logits, temperature))
             tok = sample_fn(k, p)
+            if ids is not None:
+                tok = ids[tok]
             return (tok, state), (tok, p, conf)
 
         xs = (jnp.moveaxis(h_btd, 1, 0), jnp.moveaxis(base, 1, 0), keys)
         _, (toks, probs, conf) = jax.lax.scan(slot, (anchor_b.astype(jnp.int32), state0), xs)
+        if ids is not None:   # [γ, B, K] → [γ, B, V]
+            probs = jnp.zeros(probs.shape[:2] + (self.cfg.target.vocab_size,),
+                              probs.dtype).at[..., ids].set(probs)
         return {"tokens": toks.T, "probs": jnp.moveaxis(probs, 0, 1), "confidence": conf.T}
