@@ -3,18 +3,23 @@
 budget rule as `budget_rule="deepspec"`). The one implementation of a round: the serving engine
 (`dspark_jax.serving.Engine`), `speculative_generate`, evaluation and calibration all run it.
 
-A round is host-stepped because the capacity bucket of the verification forward must be known
-on the host before that program is launched:
+A round has three parts:
   1. `draft_and_schedule` — every slot's drafter proposes γ tokens; the scheduler picks ℓ_r
      from the CURRENT round's confidences σ(c_k / T_k); returns ℓ and Σ(1 + ℓ_r);
-  2. the host picks the smallest capacity bucket K ≥ Σ(1 + ℓ_r);
+  2. the smallest capacity bucket K ≥ Σ(1 + ℓ_r) is picked;
   3. `verify_and_commit` (compiled once per bucket) — the admitted tokens of all requests are
-     flattened into K slots (`models.decoder.ragged_forward`), verified with the lossless rule
-     at every verified position under each request's own temperature / top-k / top-p, and
-     committed by moving lengths; only the committed tokens' features reach the drafter.
+     flattened into K slots (`models.decoder.ragged_forward`, attention laid out per request so
+     each cache row is read once), verified with the lossless rule at every verified position
+     under each request's own temperature / top-k / top-p, and committed by moving lengths;
+     only the committed tokens' features reach the drafter.
+`speculative_rounds` runs whole rounds in one device call: step 2 happens on device (a
+`lax.switch` over the buckets' verification programs), and several rounds run in a
+`lax.while_loop` until a slot finishes, so no host round trip separates draft, schedule and
+verify, nor one round from the next. The separate jitted parts serve profiling (SPS per
+bucket, the drafter's cost) and the `adaptive` rounds that skip drafting.
 `prefill_chunk` runs joins (chunks of prompts of several requests, also flattened).
-Under "adaptive" the host may skip step 1 for a round (`serving.policy`): step 3 then verifies
-the anchors alone (drafts of width 0) and still commits their features to the drafter.
+Under "adaptive" the host decides each round (`serving.policy`): a round it does not draft
+verifies the anchors alone (drafts of width 0) and still commits their features to the drafter.
 
 Randomness is per request (`key_data[r]`, folded with the request's round counter), so a
 request's output does not depend on the slot it sits in or on the other requests.

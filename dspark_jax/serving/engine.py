@@ -2,12 +2,14 @@
 verification (paper §3.2.2 Algorithm 1, §5.2–5.4; SPEC §1, §8, §9).
 
 A fixed number of request slots share one static target KV cache [R, max_len] and one drafter
-context cache. Requests join between rounds (their prompts are prefilled in chunks, several
-requests per chunk) and leave at a stop token or at max_new_tokens; a freed slot is reused by
-the next request without recompiling. Every round: draft all slots → schedule on the current
-confidences (`scheduler`: none / fixed / threshold / algorithm1 / production / adaptive) → ragged
-verification of exactly the admitted tokens in the smallest capacity bucket that holds them →
-commit. Each request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
+context cache. Requests join between device calls (their prompts are prefilled in chunks,
+several requests per chunk) and leave at a stop token or at max_new_tokens; a freed slot is
+reused by the next request without recompiling. Every round: draft all slots → schedule on the
+current confidences (`scheduler`: none / fixed / threshold / algorithm1 / production / adaptive)
+→ ragged verification of exactly the admitted tokens in the smallest capacity bucket that holds
+them → commit, all in one device call; up to `rounds_per_call` rounds run per call
+(`decoding.speculative_round.speculative_rounds`), back on the host when a slot can go to a
+waiting request (`adaptive` decides on the host, one round a call). Each request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
 `verifier="pallas"` run the Markov-head sampling / verification Pallas kernels (compiled on GPU
 and TPU, interpreted on CPU) in place of their pure-JAX oracles. SPS(B) for the
 scheduler is profiled at start over the buckets (cached on disk) or passed in. `production` is

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding import acceptance_rule as verify_mod
+from dspark_jax.decoding import speculative_round as round_mod
 from dspark_jax.decoding import autoregressive_generate
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.models.config import ConfigError
@@ -98,7 +99,7 @@ def test_greedy_equals_autoregressive_trained_draft(target, kind):
     assert res.tau > 1.5, f"trained draft should get drafts accepted (τ={res.tau})"
 
 
-def test_per_request_verification_lengths(target, greedy_ref):
+def test_per_request_verification_lengths(target, greedy_ref, monkeypatch):
     """Requests verifying ℓ = 0, 1, 2 and 4 of their 4 drafts in the same rounds (the pruned
     slots never reach the target) still decode exactly the greedy output, and every round
     records exactly its request's ℓ as proposed."""
@@ -106,16 +107,21 @@ def test_per_request_verification_lengths(target, greedy_ref):
     draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
     eng = Engine(target, draft, max_requests=4, max_len=64, scheduler="fixed",
                  stop_token_ids=[], capacity_buckets=[4 * 5], budget_rule="deepspec")
-    drafted = eng._draft
+    drafted = round_mod._draft_and_schedule
 
-    def fixed_lengths(s, p, capacity):     # the scheduling step's ℓ, replaced per request
-        d = dict(drafted(s, p, capacity))
+    def fixed_lengths(draft_gd, draft_state, s, p, *args, **kw):   # ℓ replaced per request
+        d = dict(drafted(draft_gd, draft_state, s, p, *args, **kw))
         d["lengths"] = jnp.where(p.active, jnp.asarray(ells, jnp.int32), 0)
-        d["n_tokens"] = jnp.sum(jnp.where(p.active, 1 + d["lengths"], 0))
+        d["n_tokens"] = jnp.sum(jnp.where(p.active, 1 + d["lengths"], 0)).astype(jnp.int32)
         return d
 
-    eng._draft = fixed_lengths
-    res = eng.generate(PROMPTS, max_new_tokens=16)
+    # the engine's fused rounds trace the scheduling step: patched, then traced afresh
+    monkeypatch.setattr(round_mod, "_draft_and_schedule", fixed_lengths)
+    round_mod.speculative_rounds.clear_cache()
+    try:
+        res = eng.generate(PROMPTS, max_new_tokens=16)
+    finally:
+        round_mod.speculative_rounds.clear_cache()
     assert res.tokens == greedy_ref
     for per, ell in zip(res.per_request, ells):
         assert set(per["proposed"]) == {ell}
