@@ -206,7 +206,8 @@ def per_request_ks(gamma: int, ks: list[int] | None = None) -> list[int]:
 def sequential_stage_calls(draft, B: int, N: int, temperature: float) -> dict:
     """Two device calls, each N rounds inside a `fori_loop`: "seq" = `sample_block` over the γ
     slots from fixed backbone outputs, "head" = the base logits alone (the LM head on the γ
-    slots, part of the backbone). The sequential (Markov) stage per round is (seq − head) / N."""
+    slots over the draft vocabulary, as `sample_block` computes them). The sequential (Markov)
+    stage per round is (seq − head) / N."""
     from flax import nnx
 
     g = draft.config.num_drafts
@@ -214,29 +215,32 @@ def sequential_stage_calls(draft, B: int, N: int, temperature: float) -> dict:
     h = jax.random.normal(jax.random.key(1), (B, g, D)).astype(draft.model.dtype)
     dgd = draft.graphdef
     temp = jnp.asarray(temperature, jnp.float32)
+    # the draft vocabulary's rows, gathered once as the engine does
+    vw = jax.jit(lambda st: nnx.merge(dgd, st).draft_vocab_weights())(draft.state)
 
     @jax.jit
-    def seq_stage(state, h):
+    def seq_stage(state, h, vw):
         model = nnx.merge(dgd, state)
 
         def body(i, acc):
             # (+ acc·0 keeps each iteration data-dependent so XLA cannot hoist it)
             out = model.sample_block(h + acc[:, :, None].astype(h.dtype) * 0,
                                      jnp.ones((B,), jnp.int32), jax.random.key(i), temp,
-                                     sample_probs)
+                                     sample_probs, vocab_weights=vw)
             return acc + out["tokens"] % 2
         return jax.lax.fori_loop(0, N, body, jnp.zeros((B, g), jnp.int32))
 
     @jax.jit
-    def head_only(state, h):
+    def head_only(state, h, vw):
         model = nnx.merge(dgd, state)
 
         def body(i, acc):
-            logits = model.base_logits(h + acc[:, :, None].astype(h.dtype) * 0)
+            logits = model.draft_vocab_logits(h + acc[:, :, None].astype(h.dtype) * 0, vw)
             return acc + jnp.argmax(logits, -1) % 2
         return jax.lax.fori_loop(0, N, body, jnp.zeros((B, g), jnp.int32))
 
-    return {"seq": lambda: seq_stage(draft.state, h), "head": lambda: head_only(draft.state, h)}
+    return {"seq": lambda: seq_stage(draft.state, h, vw),
+            "head": lambda: head_only(draft.state, h, vw)}
 
 
 def plain_device_step_fn(eng):

@@ -68,7 +68,9 @@ class DSparkAdapter:
     def propose(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
                 anchor_pos: jax.Array, key: jax.Array, temperature: jax.Array,
                 sample_fn: Callable, probs_fn: Callable | None = None,
-                stop_ids: jax.Array | None = None) -> dict[str, jax.Array]:
+                stop_ids: jax.Array | None = None, vocab_weights: Any = None
+                ) -> dict[str, jax.Array]:
+        """`vocab_weights`: `vocab_weights(model)`, gathered once per engine."""
         del stop_ids  # a parallel block has no chain to stop
         S = cache.k.shape[2]
         B = anchor.shape[0]
@@ -76,7 +78,13 @@ class DSparkAdapter:
         h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
                            jnp.ones((B, 1), bool))[:, 0]                     # [B,γ,D]
         h = model.draft_slots(h)
-        return model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn)
+        return model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn,
+                                  vocab_weights=vocab_weights)
+
+    @staticmethod
+    def vocab_weights(model: DSparkDraft) -> Any:
+        """The draft vocabulary's weight rows (`DSparkDraft.draft_vocab_weights`) or None."""
+        return model.draft_vocab_weights()
 
     @staticmethod
     def supports_markov_kernel(model: DSparkDraft) -> bool:
@@ -115,6 +123,11 @@ class Eagle3Adapter:
     """Eagle3: a chain of γ autoregressive draft steps over its own KV cache."""
 
     @staticmethod
+    def vocab_weights(model: Any) -> None:
+        """Nothing gathered ahead (its chain steps use the model's own head)."""
+        return None
+
+    @staticmethod
     def init_cache(model: Any, batch: int, max_len: int) -> Any:
         return model.init_cache(batch, max_len)
 
@@ -138,9 +151,9 @@ class Eagle3Adapter:
     @staticmethod
     def propose(model: Any, cache: Any, anchor: jax.Array, anchor_pos: jax.Array,
                 key: jax.Array, temperature: jax.Array, sample_fn: Callable,
-                probs_fn: Callable | None = None, stop_ids: jax.Array | None = None
-                ) -> dict[str, jax.Array]:
-        del anchor, anchor_pos  # the last committed pair already ends with the anchor
+                probs_fn: Callable | None = None, stop_ids: jax.Array | None = None,
+                vocab_weights: Any = None) -> dict[str, jax.Array]:
+        del anchor, anchor_pos, vocab_weights  # the last committed pair ends with the anchor
         out = model.propose(cache, key, temperature, model.cfg.num_drafts, sample_fn,
                             probs_fn=probs_fn, stop_ids=stop_ids)
         B, g = out["tokens"].shape

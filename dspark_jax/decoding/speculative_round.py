@@ -86,7 +86,7 @@ SAMPLERS = ("jax", "pallas")
 def _draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
                        stop_ids: jax.Array, conf_temps: jax.Array | None,
                        threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
-                       sps_draft: jax.Array | None = None, *,
+                       sps_draft: jax.Array | None = None, vocab_weights: Any = None, *,
                        mode: str, cap_budget: bool = True, sampler: str = "jax"
                        ) -> dict[str, jax.Array]:
     """Drafts γ tokens for every slot and schedules them. → tokens, probs, confidence logits,
@@ -96,7 +96,9 @@ def _draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Slot
     verify drafts past a request's token budget (off = DeepSpec's protocol, always γ).
     `sampler="pallas"`: the vanilla Markov head is sampled by the batched Pallas kernel with
     the same per-request uniforms as the "jax" path (same tokens, barring f32 rounding at a CDF
-    step); the draft then ignores top-k/top-p (lossless: verification uses the p_d it reports)."""
+    step); the draft then ignores top-k/top-p (lossless: verification uses the p_d it reports).
+    `vocab_weights`: the adapter's `vocab_weights(draft)` (the draft vocabulary's weight rows,
+    gathered once by the engine; None gathers them here)."""
     draft = nnx.merge(draft_gd, draft_state)
     adapter = adapter_for(draft.cfg.model_type)
     g = draft.cfg.num_drafts
@@ -122,7 +124,7 @@ def _draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Slot
     else:
         prop = adapter.propose(draft, s.draft_cache, s.anchor, s.cache.lengths, salt_key,
                                p.temperature[:, None], sample_fn, probs_fn=probs_fn,
-                               stop_ids=stop_ids)
+                               stop_ids=stop_ids, vocab_weights=vocab_weights)
     conf_logits = prop.get("confidence")
     if conf_logits is None:
         conf_logits = jnp.zeros(prop["tokens"].shape, jnp.float32)
@@ -272,8 +274,9 @@ ROUND_OUTPUTS = ("tokens", "n_emit", "finished", "accepted", "proposed", "tau_te
 def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                        s: EngineState, p: SlotSettings, stop_ids: jax.Array,
                        conf_temps: jax.Array | None, threshold: jax.Array, sps: jax.Array,
-                       sps_draft: jax.Array | None, queue: jax.Array, num_rounds: jax.Array,
-                       min_done: jax.Array, *, buckets: tuple[int, ...], max_rounds: int,
+                       sps_draft: jax.Array | None, vocab_weights: Any, queue: jax.Array,
+                       num_rounds: jax.Array, min_done: jax.Array, *,
+                       buckets: tuple[int, ...], max_rounds: int,
                        mode: str, cap_budget: bool, sampler: str, verifier: str,
                        tap_layer_ids: tuple[int, ...], budget_rule: str
                        ) -> tuple[EngineState, dict[str, jax.Array]]:
@@ -321,8 +324,8 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
     def body(c: dict[str, Any]) -> dict[str, Any]:
         pr = p._replace(active=c["live"], remaining=c["remaining"], counter=c["counter"])
         d = _draft_and_schedule(draft_gd, draft_state, c["s"], pr, stop_ids, conf_temps,
-                                threshold, sps, c["queue"][0], sps_draft, mode=mode,
-                                cap_budget=cap_budget, sampler=sampler)
+                                threshold, sps, c["queue"][0], sps_draft, vocab_weights,
+                                mode=mode, cap_budget=cap_budget, sampler=sampler)
         b = jnp.searchsorted(bucket_arr, jnp.maximum(d["n_tokens"], 1), side="left")
 
         def verify_in(K: int):

@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from dspark_jax.decoding import speculative_round as round_
 from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
@@ -201,6 +202,12 @@ class Engine:
         self.conf_temps = None if temps is None else jnp.asarray(temps, jnp.float32)
         self._dgd = self.draft.graphdef if self.draft is not None else None
         self._dstate = self.draft.state if self.draft is not None else None
+        # the draft vocabulary's weight rows, gathered once (not in every drafting call)
+        self._vocab_weights = None
+        if self.draft is not None:
+            ad = adapter_for(self.draft.config.model_type)
+            self._vocab_weights = jax.jit(
+                lambda st: ad.vocab_weights(nnx.merge(self._dgd, st)))(self._dstate)
         self.bucket_seconds: dict[int, float] | None = None
         self.profile_seconds = 0.0
         self.sps_cache_dir, self.profile_repeats = sps_cache_dir, int(profile_repeats)
@@ -285,6 +292,7 @@ class Engine:
                                          self.conf_temps,
                                          jnp.asarray(self.threshold, jnp.float32), self.sps,
                                          jnp.asarray(capacity, jnp.int32), self.sps_draft,
+                                         self._vocab_weights,
                                          mode=self.mode, cap_budget=self.cap_to_budget,
                                          sampler=self.sampler)
 
@@ -293,7 +301,8 @@ class Engine:
         return round_.speculative_rounds(
             self.target.graphdef, self._dgd, self.target.state, self._dstate, s, p,
             self.stop_ids, self.conf_temps, jnp.asarray(self.threshold, jnp.float32), self.sps,
-            self.sps_draft, jnp.asarray(queue, jnp.int32), jnp.asarray(rounds, jnp.int32),
+            self.sps_draft, self._vocab_weights, jnp.asarray(queue, jnp.int32),
+            jnp.asarray(rounds, jnp.int32),
             jnp.asarray(min_done, jnp.int32), buckets=self.buckets,
             max_rounds=1 if self.mode == "adaptive" else self.rounds_per_call, mode=self.mode,
             cap_budget=self.cap_to_budget, sampler=self.sampler, verifier=self.verifier,

@@ -187,6 +187,29 @@ class DSparkDraft(nnx.Module):
         """U_k = lm_head(h_k) [..., V] (f32), tokens outside a pruned draft vocabulary at −1e9."""
         return restrict_to_draft_vocab(self.cfg, self.lm_logits(h))
 
+    def draft_vocab_weights(self) -> dict[str, jax.Array] | None:
+        """The rows of a pruned draft vocabulary (`vocab_ids()` order) of the LM head and of
+        the Markov head's output matrix, gathered once: a decoder passes them to every
+        `sample_block` call (on XLA:CPU a gather of lm_head rows inside the drafting program
+        cost more than the rest of the draft). None for the full vocabulary."""
+        ids = self.vocab_ids()
+        if ids is None:
+            return None
+        out = {"lm_head": jnp.take(self.lm_head.get_value(), ids, axis=0)}
+        if self.cfg.has_markov:
+            out["markov_w2"] = jnp.take(self.markov.w2.get_value(), ids, axis=0)
+        return out
+
+    def draft_vocab_logits(self, h: jax.Array,
+                           vocab_weights: dict[str, jax.Array] | None = None) -> jax.Array:
+        """U_k over the draft vocabulary (f32): [..., K] for a pruned vocabulary of K ids
+        (`vocab_ids()` order; only lm_head[ids] is read, from `vocab_weights` when given),
+        else [..., V]."""
+        if self.vocab_ids() is None:
+            return self.base_logits(h)
+        w = vocab_weights or self.draft_vocab_weights()
+        return self.lm_logits(h, w["lm_head"])
+
     # ------------------------------------------------------------------ heads
     def heads_teacher_forced(self, h: jax.Array, prev_tokens: jax.Array,
                              lm_head_rows: jax.Array | None = None
@@ -209,11 +232,13 @@ class DSparkDraft(nnx.Module):
         return logits, conf
 
     def sample_block(self, h_btd: jax.Array, anchor_b: jax.Array, key: jax.Array,
-                     temperature: jax.Array, sample_fn: Any, probs_fn: Any = None
+                     temperature: jax.Array, sample_fn: Any, probs_fn: Any = None,
+                     vocab_weights: dict[str, jax.Array] | None = None
                      ) -> dict[str, jax.Array]:
         """Sequential sampling over the γ slots (each slot conditioned on the sampled previous
         token). h [B, γ, D] → tokens [B, γ], probs [B, γ, V], confidence logits [B, γ].
         `probs_fn(logits [B, n]) → probs` replaces softmax(·/T) (e.g. per-request top-k/top-p).
+        `vocab_weights`: `draft_vocab_weights()`, gathered once by the caller.
 
         With a pruned draft vocabulary of K ids, the LM head, the Markov bias and the sampling
         run over those K columns only (lm_head[ids]: K·D weights read, not V·D); the sampled
@@ -224,10 +249,10 @@ class DSparkDraft(nnx.Module):
 
         B, g, _ = h_btd.shape
         ids = self.vocab_ids()
-        if ids is None:
-            base = self.base_logits(h_btd)                                  # [B,γ,V]
-        else:
-            base = self.lm_logits(h_btd, jnp.take(self.lm_head.get_value(), ids, axis=0))
+        if ids is not None and vocab_weights is None:
+            vocab_weights = self.draft_vocab_weights()
+        base = self.draft_vocab_logits(h_btd, vocab_weights)                # [B,γ,K or V]
+        w2 = None if vocab_weights is None else vocab_weights.get("markov_w2")
         keys = jax.random.split(key, g)
         has_markov, has_conf = self.cfg.has_markov, self.cfg.has_confidence
         state0 = (self.markov.init_state((B,), h_btd.dtype) if has_markov
@@ -239,7 +264,7 @@ class DSparkDraft(nnx.Module):
             logits = u
             emb = None
             if has_markov:
-                bias, state = self.markov.step(h, prev, state, rows=ids)
+                bias, state = self.markov.step(h, prev, state, rows=ids, w2_rows=w2)
                 logits = logits + bias
                 emb = self.markov.embed_prev(prev, h.dtype)
             conf = self.confidence(h, emb) if has_conf else jnp.zeros((B,), jnp.float32)

@@ -44,9 +44,11 @@ class MarkovHead(nnx.Module):
         return jnp.take(self.w1.get_value(), prev_tokens, axis=0).astype(dtype)
 
     def step(self, h_d: jax.Array, prev_tok: jax.Array, state_r: jax.Array,
-             rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+             rows: jax.Array | None = None, w2_rows: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
         """One slot: h [..., D], x_{k−1} [...], s_{k−1} [..., r] → (bias [..., V] f32, s_k);
-        `rows` [K] (a pruned draft vocabulary): the bias of those tokens only, [..., K]."""
+        `rows` [K] (a pruned draft vocabulary): the bias of those tokens only, [..., K], from
+        `w2_rows` = w2[rows] when the caller gathered them already."""
         dtype = h_d.dtype
         e = self.embed_prev(prev_tok, dtype)                               # [..., r]
         if self.kind == "vanilla":
@@ -66,7 +68,9 @@ class MarkovHead(nnx.Module):
             state_r = sg * state_r + (1.0 - sg) * jnp.tanh(cand)
             z = jnp.tanh(out)
         w2 = self.w2.get_value()
-        if rows is not None:
+        if w2_rows is not None:
+            w2 = w2_rows
+        elif rows is not None:
             w2 = jnp.take(w2, rows, axis=0)
         bias = jnp.einsum("...R,VR->...V", z, w2.astype(dtype),
                           preferred_element_type=jnp.float32)
