@@ -42,7 +42,7 @@ from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.stops import is_stop
-from dspark_jax.models.decoder import KVCache, ragged_forward
+from dspark_jax.models.decoder import KVCache, ragged_forward, write_ragged
 
 
 @flax.struct.dataclass
@@ -164,7 +164,7 @@ def flatten_plan(n_tok: jax.Array, K: int) -> tuple[jax.Array, jax.Array, jax.Ar
 
 
 # ------------------------------------------------------------------------------ 3. verify
-def _verify(name: str, accept_u, sample_u, tp, dp, drafts, ell):
+def _accept(name: str, accept_u, sample_u, tp, dp, drafts, ell):
     """The acceptance rule registered as `name` (`acceptance_rule.VERIFIERS`, explicit
     uniforms: same uniforms → same result)."""
     if drafts.shape[1] == 0:   # scheduler "none": plain decoding, nothing to verify
@@ -175,13 +175,15 @@ def _verify(name: str, accept_u, sample_u, tp, dp, drafts, ell):
 BUDGET_RULES = ("serving", "deepspec")
 
 
-def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
-                      s: EngineState, p: SlotSettings, drafts: jax.Array,
-                      draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array, *, K: int,
-                      verifier: str,
-                      tap_layer_ids: tuple[int, ...], budget_rule: str = "serving"
-                      ) -> tuple[EngineState, dict[str, jax.Array]]:
-    """Ragged verification of the admitted tokens in capacity K, then commit.
+def _verify(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
+            drafts: jax.Array, draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array, *,
+            K: int, verifier: str, tap_layer_ids: tuple[int, ...], budget_rule: str = "serving",
+            pad_to: int | None = None) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+    """Ragged verification of the admitted tokens in capacity K, without touching the state:
+    → (per-slot outputs, the writes `_commit` applies). The writes' token axis is padded to
+    `pad_to` (≥ K; padding writes nothing), so every bucket of a `lax.switch` returns the same
+    shapes; with a family that defers its cache writes (`ragged_forward(defer_writes=True)`)
+    the caches are only read here, and XLA copies neither of them.
 
     drafts [R, γ], draft_probs [R, γ, V], ell [R] (0 for inactive slots). Returns the new state
     and per slot: emitted tokens [R, γ+1] with their count, and DeepSpec's bookkeeping (SPEC §1
@@ -204,7 +206,7 @@ def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
     grid_rq = jnp.where(jj[None] < n_tok[:, None], start[:, None] + jj[None], K)
     cell_k = slot * (g + 1) + jnp.clip(j, 0, g)
     out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids,
-                         grid=(grid_rq, cell_k))
+                         grid=(grid_rq, cell_k), defer_writes=True)
     logits = target.logits(out.hidden)                                          # [K, V]
     probs_k = filtered_probs(logits, p.temperature[slot], p.top_k[slot], p.top_p[slot])
     dense_idx = jnp.clip(start[:, None] + jj[None], 0, K - 1)                   # [R, γ+1]
@@ -215,7 +217,7 @@ def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
     accept_u = _row_uniforms(ku[:, 0], (g,))
     sample_u = _row_uniforms(ku[:, 1], ())
     dp = draft_probs if g > 0 else jnp.zeros((R, 0, V), jnp.float32)
-    res = _verify(verifier, accept_u, sample_u, tp, dp, drafts, ell)
+    res = _accept(verifier, accept_u, sample_u, tp, dp, drafts, ell)
     n_acc = res.num_accepted
 
     # emitted: accepted drafts then the correction/bonus; cut after a stop token / at budget
@@ -238,23 +240,69 @@ def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
     prop_rec = jnp.where(stop_in_drafts, first_stop + 1, ell)
     tau_term = jnp.where(stop_in_drafts, first_stop + 1, n_acc + 1)
 
-    # commit: anchor + accepted drafts enter the cache (lengths move); the drafter gets the
-    # features of exactly those tokens
     n_commit = jnp.where(p.active, n_acc + 1, 0)
-    new_lengths = s.cache.lengths + n_commit
+    next_tokens = jnp.where(jj[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
+                            res.next_token[:, None])
+    P = K if pad_to is None else int(pad_to)
+
+    def pad(x: jax.Array, fill: Any = 0, axis: int = 0) -> jax.Array:
+        width = [(0, 0)] * x.ndim
+        width[axis] = (0, P - K)
+        return jnp.pad(x, width, constant_values=fill)
+
+    R_drop = s.anchor.shape[0]
+    writes = dict(slot=pad(slot), pos=pad(pos), write_k=pad(jnp.where(valid, slot, R_drop),
+                                                            R_drop),
+                  commit_valid=pad(valid & (j <= n_acc[slot]) & p.active[slot], False),
+                  dense_idx=dense_idx, n_commit=n_commit, next_tokens=next_tokens,
+                  next_token=res.next_token,
+                  taps=None if out.taps is None else pad(out.taps))
+    if out.new_kv is None:   # the family wrote its cache itself
+        writes["cache"] = out.cache
+    else:
+        writes["new_kv"] = jax.tree.map(lambda a: pad(a, axis=1), out.new_kv)
+    return dict(tokens=cand, n_emit=n_emit, finished=finished, accepted=acc_rec,
+                proposed=prop_rec, tau_term=tau_term), writes
+
+
+def _commit(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
+            w: dict[str, Any]) -> EngineState:
+    """Applies `_verify`'s writes: the anchor and accepted drafts enter the target cache
+    (lengths move), and the drafter's context gets the features of exactly those tokens (also
+    in rounds that skip drafting, g = 0: its context must hold every committed token)."""
+    cache = w["cache"] if "cache" in w else write_ragged(s.cache, w["new_kv"], w["write_k"],
+                                                         w["pos"])
     dcache = s.draft_cache
-    if draft_gd is not None:   # also in rounds that skip drafting (g = 0): the drafter's
-        draft = nnx.merge(draft_gd, draft_state)   # context must hold every committed token
+    if draft_gd is not None:
+        draft = nnx.merge(draft_gd, draft_state)
         adapter = adapter_for(draft.cfg.model_type)
-        commit_valid = valid & (j <= n_acc[slot]) & p.active[slot]
-        next_tokens = jnp.where(jj[None] < n_acc[:, None], jnp.pad(drafts, ((0, 0), (0, 1))),
-                                res.next_token[:, None])
-        dcache = adapter.commit_ragged(draft, dcache, out.taps, slot, pos, commit_valid,
-                                       s.cache.lengths, dense_idx, n_commit, next_tokens)
-    new_s = EngineState(cache=out.cache.with_lengths(new_lengths), draft_cache=dcache,
-                        anchor=jnp.where(p.active, res.next_token, s.anchor))
-    return new_s, dict(tokens=cand, n_emit=n_emit, finished=finished, accepted=acc_rec,
-                       proposed=prop_rec, tau_term=tau_term)
+        dcache = adapter.commit_ragged(draft, dcache, w["taps"], w["slot"], w["pos"],
+                                       w["commit_valid"], s.cache.lengths, w["dense_idx"],
+                                       w["n_commit"], w["next_tokens"])
+    return EngineState(cache=cache.with_lengths(s.cache.lengths + w["n_commit"]),
+                       draft_cache=dcache,
+                       anchor=jnp.where(p.active, w["next_token"], s.anchor))
+
+
+def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+                       s: EngineState, p: SlotSettings, drafts: jax.Array,
+                       draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array, *, K: int,
+                       verifier: str, tap_layer_ids: tuple[int, ...],
+                       budget_rule: str = "serving"
+                       ) -> tuple[EngineState, dict[str, jax.Array]]:
+    """Ragged verification of the admitted tokens in capacity K, then commit.
+
+    drafts [R, γ], draft_probs [R, γ, V], ell [R] (0 for inactive slots). Returns the new state
+    and per slot: emitted tokens [R, γ+1] with their count, and DeepSpec's bookkeeping (SPEC §1
+    step 6): a stop token among the accepted drafts at index e records e+1 as both accepted and
+    proposed, and adds e+1 (no bonus) to τ. `budget_rule` "serving": a request finishes once
+    it has emitted its budget (`remaining` tokens); "deepspec": DeepSpec's `while start <
+    max_length` — it finishes only when this round's tokens (before the cut at the budget)
+    exceed `remaining`, so a round that ends exactly on the budget is followed by one more.
+    """
+    o, w = _verify(target_gd, target_state, s, p, drafts, draft_probs, ell, stop_ids, K=K,
+                   verifier=verifier, tap_layer_ids=tap_layer_ids, budget_rule=budget_rule)
+    return _commit(draft_gd, draft_state, s, p, w), o
 
 
 verify_and_commit = jax.jit(_verify_and_commit,
@@ -330,13 +378,15 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
 
         def verify_in(K: int):
             def run(st: EngineState):
-                return _verify_and_commit(target_gd, draft_gd, target_state, draft_state, st,
-                                          pr, d["tokens"], d["probs"], d["lengths"], stop_ids,
-                                          K=K, verifier=verifier, tap_layer_ids=tap_layer_ids,
-                                          budget_rule=budget_rule)
+                return _verify(target_gd, target_state, st, pr, d["tokens"], d["probs"],
+                               d["lengths"], stop_ids, K=K, verifier=verifier,
+                               tap_layer_ids=tap_layer_ids, budget_rule=budget_rule,
+                               pad_to=buckets[-1])
             return run
 
-        new_s, o = jax.lax.switch(b, [verify_in(K) for K in buckets], c["s"])
+        # the bucket's verification reads the state; the writes happen once, outside
+        o, w = jax.lax.switch(b, [verify_in(K) for K in buckets], c["s"])
+        new_s = _commit(draft_gd, draft_state, c["s"], pr, w)
         row = dict(live=c["live"], admitted=c["queue"][0], lengths=d["lengths"],
                    confidence=d["confidence"],
                    capacity=bucket_arr[b], n_tokens=d["n_tokens"],

@@ -171,12 +171,14 @@ class RaggedOutput:
     hidden: jax.Array          # [K, D] final-normed hidden state per flattened token
     taps: jax.Array | None     # [K, n·D] layer outputs for tap_layer_ids, concatenated
     cache: KVCache             # K/V of the valid tokens written; lengths unchanged
+    new_kv: Any = None         # defer_writes: (k, v) [L, K, Kh, H] still to write, else None
 
 
 def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
                    position_k: jax.Array, valid_k: jax.Array, cache: KVCache,
                    tap_layer_ids: Sequence[int] = (),
-                   grid: tuple[jax.Array, jax.Array] | None = None) -> RaggedOutput:
+                   grid: tuple[jax.Array, jax.Array] | None = None,
+                   defer_writes: bool = False) -> RaggedOutput:
     """The verification forward of load-aware decoding (paper §5.2–5.3; SPEC §9).
 
     The admitted tokens of all requests are flattened along one token axis of static capacity
@@ -191,6 +193,10 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     `grid` = (grid_rq [R, Q], cell_k [K]) lays the same tokens out per request (`RaggedRows`):
     the Llama family then attends request by request, reading each cache row once instead of
     once per token (verification: Q = γ + 1; plain steps: Q = 1). Gemma4 gathers per token.
+
+    `defer_writes` (with `grid`, where the family supports it: `Family.ragged_defers_writes`):
+    the cache is only read and `new_kv` holds the K/V rows to write (`write_ragged`); the
+    returned cache is the input's. Elsewhere the call writes as usual and `new_kv` is None.
     """
     cfg = model.cfg
     K = tokens_k.shape[0]
@@ -204,15 +210,33 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     h = model.embed_tokens(tokens_1k)                                         # [1,K,D]
     tap_ids = model.tap_slots(tap_layer_ids)
     kv = _cast((cache.k, cache.v), model.dtype)
-    h, taps, kv = family_of(cfg).ragged_forward(model.layers, cfg, tokens_1k, h,
-                                                position_k.astype(jnp.int32)[None], kv, rows,
-                                                tap_ids, model.dtype)
+    family = family_of(cfg)
+    defer = bool(defer_writes and grid is not None and family.ragged_defers_writes)
+    extra = dict(defer_writes=True) if defer else {}
+    h, taps, kv = family.ragged_forward(model.layers, cfg, tokens_1k, h,
+                                        position_k.astype(jnp.int32)[None], kv, rows,
+                                        tap_ids, model.dtype, **extra)
     hidden = L.rms_norm(h, model.final_norm.get_value(), cfg.rms_norm_eps)[0]
     taps_out = None
     if taps is not None:
         taps_out = jnp.transpose(taps[:, 0], (1, 0, 2)).reshape(K, len(tap_ids) * cfg.hidden_size)
+    if defer:
+        return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache, new_kv=kv)
     k, v = _cast_like(kv, (cache.k, cache.v))
     return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache.replace(k=k, v=v))
+
+
+def write_ragged(cache: KVCache, new_kv: Any, write_k: jax.Array,
+                 position_k: jax.Array) -> KVCache:
+    """Writes a deferred ragged call's K/V rows ([L, K, Kh, H] each) at (`write_k`,
+    `position_k`) of the cache [L, R, S, Kh, H]; a row ≥ R (padding) is dropped. No-op for
+    `new_kv=None` (the call wrote them itself)."""
+    if new_kv is None:
+        return cache
+    k_new, v_new = new_kv
+    return cache.replace(
+        k=cache.k.at[:, write_k, position_k].set(k_new.astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[:, write_k, position_k].set(v_new.astype(cache.v.dtype), mode="drop"))
 
 
 def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,
@@ -227,4 +251,4 @@ def abstract_target(cfg: DecoderConfig, dtype: Any = jnp.float32,
 
 
 __all__ = ["KVCache", "init_cache", "DecoderOutput", "TargetDecoder", "create_target",
-           "abstract_target", "RaggedOutput", "ragged_forward"]
+           "abstract_target", "RaggedOutput", "ragged_forward", "write_ragged"]

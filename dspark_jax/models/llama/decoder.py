@@ -105,12 +105,18 @@ def forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_bt: jax.Array, h:
 def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Array,
                    h: jax.Array, positions_1k: jax.Array,
                    cache_kv: tuple[jax.Array, jax.Array], rows: L.RaggedRows,
-                   tap_ids: Sequence[int], dtype: Any
+                   tap_ids: Sequence[int], dtype: Any, defer_writes: bool = False
                    ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array]]:
     """`forward` for K flattened tokens (one row, B = 1): token k writes its K/V at
     (`rows.write_k[k]`, position) and is its own attention row over cache row `rows.read_k[k]`
     at positions ≤ its own, so every matmul runs over the K tokens only. With `rows.grid_rq`
-    the attention runs request by request (each cache row read once, not once a token)."""
+    the attention runs request by request (each cache row read once, not once a token).
+
+    `defer_writes` (with `rows.grid_rq`): the cache stays read-only — each request's tokens
+    attend to its committed prefix (positions below its cell 0) in the cache and to its own
+    tokens (cells ≤ theirs) from this call's K/V — and the new K/V come back as
+    ([L, K, Kh, H], [L, K, Kh, H]) for the caller to write (`models.decoder.write_ragged`).
+    Inside a `lax.switch` over capacity buckets this keeps XLA from copying the whole cache."""
     S = cache_kv[0].shape[2]
     K = tokens_1k.shape[1]
     position_k = positions_1k[0]
@@ -123,6 +129,15 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
         pos_rq = jnp.where(cell_ok, position_k[grid], -1)
         mask_rqs = key_pos[None, None, :] <= pos_rq[:, :, None]
         cell_k = jnp.clip(rows.cell_k, 0, R * Q - 1)
+        if defer_writes:   # committed prefix from the cache ⊕ the request's own new tokens
+            start_r = jnp.where(cell_ok[:, 0], pos_rq[:, 0], 0)
+            own = ((jnp.arange(Q)[None, :, None] >= jnp.arange(Q)[None, None, :])
+                   & cell_ok[:, None, :] & cell_ok[:, :, None])                 # [R,Q,Q]
+            mask_rqs = jnp.concatenate(
+                [(key_pos[None, None, :] < start_r[:, None, None]) & cell_ok[:, :, None],
+                 own], axis=-1)                                                 # [R,Q,S+Q]
+    elif defer_writes:
+        raise ValueError("ragged_forward: defer_writes needs the per-request grid")
     else:
         mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & rows.valid_k[:, None])[:, None, :]
     n_taps = len(tap_ids)
@@ -137,6 +152,16 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
         q = L.apply_rope(L.project_q(lp, x, eps), positions_1k, cfg.rope)     # [1,K,N,H]
         k, v = L.project_kv(lp, x, eps)
         k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
+        if defer_writes:   # the cache is read, never written: [R, S] ⊕ own [R, Q]
+            keys = jnp.concatenate([cache_kv[0][layer_idx], k[0][grid]], axis=1)
+            vals = jnp.concatenate([cache_kv[1][layer_idx], v[0][grid]], axis=1)
+            attn = L.attend(q[0][grid], keys, vals, mask_rqs)                  # [R,Q,N,H]
+            attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]
+            h = L.attn_out_and_mlp(lp, h, attn, eps)
+            if n_taps:
+                cur = taps[jnp.maximum(tap_slot, 0)]
+                taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h, cur))
+            return (h, taps, kc, vc), (k[0], v[0])
         kc = kc.at[layer_idx, rows.write_k, position_k].set(k[0], mode="drop")
         vc = vc.at[layer_idx, rows.write_k, position_k].set(v[0], mode="drop")
         if by_request:   # each request's tokens against its cache row: [R, Q, ·] vs [R, S, ·]
@@ -152,5 +177,8 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
         return (h, taps, kc, vc), None
 
     xs = (params, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
+    if defer_writes:   # no cache in the carry: the new K/V rows are the scan's outputs
+        (h, taps, _, _), new_kv = jax.lax.scan(body, (h, taps0, None, None), xs)
+        return h, (taps if n_taps else None), new_kv
     (h, taps, kc, vc), _ = jax.lax.scan(body, (h, taps0, cache_kv[0], cache_kv[1]), xs)
     return h, (taps if n_taps else None), (kc, vc)
