@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.models import load_target
-from dspark_jax.models.decoder import init_cache, ragged_forward
+from dspark_jax.models.decoder import init_cache, ragged_forward, write_ragged
 from hf_tiny import save_tiny_hf
 
 TAPS = (-1, 0, 2)
@@ -46,7 +46,23 @@ def _flatten(seq, lens, ell, K):
     return tuple(jnp.asarray(a) for a in (tok, slot, pos)) + (jnp.asarray(valid, bool),), k
 
 
-def test_ragged_equals_dense(model):
+def _grid(ell, K, Q):
+    """The per-request layout of `_flatten`'s tokens: grid [R, Q] (K = empty) and cell [K]."""
+    grid = np.full((len(ell), Q), K, np.int32)
+    cell = np.zeros(K, np.int32)
+    k = 0
+    for r, l in enumerate(ell):
+        for j in range(l + 1):
+            grid[r, j], cell[k] = k, r * Q + j
+            k += 1
+    return jnp.asarray(grid), jnp.asarray(cell)
+
+
+@pytest.mark.parametrize("layout", ["per_token", "per_request", "per_request_deferred"])
+def test_ragged_equals_dense(model, layout):
+    """Every attention layout of the ragged forward: a cache row gathered per token, the
+    per-request grid, and the grid with the cache left read-only and the K/V rows written
+    afterwards (`write_ragged`, what the fused round's bucket switch runs)."""
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21, 22, 23, 24]]
     cache = _prefilled(model, prompts)
     lens = np.asarray(cache.lengths)
@@ -56,8 +72,19 @@ def test_ragged_equals_dense(model):
     d_logits = np.asarray(model.logits(dense.hidden))
     ell = [0, 2, 4, 1]
     (tok, slot, pos, valid), n = _flatten(seq, lens, ell, K=16)
-    rag = jax.jit(lambda *a: ragged_forward(model, *a, tap_layer_ids=TAPS))(
-        tok, slot, pos, valid, cache)
+    grid = None if layout == "per_token" else _grid(ell, 16, seq.shape[1])
+    defer = layout == "per_request_deferred"
+
+    def run(*a):
+        out = ragged_forward(model, *a, tap_layer_ids=TAPS, grid=grid, defer_writes=defer)
+        assert (out.new_kv is not None) == defer
+        if defer:   # the call left the cache alone; the caller writes the rows
+            assert out.cache is a[-1]
+            written = write_ragged(out.cache, out.new_kv, jnp.where(valid, slot, 4), pos)
+            out = out.replace(cache=written, new_kv=None)
+        return out
+
+    rag = jax.jit(run)(tok, slot, pos, valid, cache)
     r_logits = np.asarray(model.logits(rag.hidden))
     k = 0
     for r, l in enumerate(ell):
