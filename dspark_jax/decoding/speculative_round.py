@@ -290,16 +290,8 @@ def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
                        verifier: str, tap_layer_ids: tuple[int, ...],
                        budget_rule: str = "serving"
                        ) -> tuple[EngineState, dict[str, jax.Array]]:
-    """Ragged verification of the admitted tokens in capacity K, then commit.
-
-    drafts [R, γ], draft_probs [R, γ, V], ell [R] (0 for inactive slots). Returns the new state
-    and per slot: emitted tokens [R, γ+1] with their count, and DeepSpec's bookkeeping (SPEC §1
-    step 6): a stop token among the accepted drafts at index e records e+1 as both accepted and
-    proposed, and adds e+1 (no bonus) to τ. `budget_rule` "serving": a request finishes once
-    it has emitted its budget (`remaining` tokens); "deepspec": DeepSpec's `while start <
-    max_length` — it finishes only when this round's tokens (before the cut at the budget)
-    exceed `remaining`, so a round that ends exactly on the budget is followed by one more.
-    """
+    """Ragged verification of the admitted tokens in capacity K (`_verify`: its inputs, the
+    per-slot outputs and the budget rules), then commit (`_commit`). → (new state, outputs)."""
     o, w = _verify(target_gd, target_state, s, p, drafts, draft_probs, ell, stop_ids, K=K,
                    verifier=verifier, tap_layer_ids=tap_layer_ids, budget_rule=budget_rule)
     return _commit(draft_gd, draft_state, s, p, w), o
