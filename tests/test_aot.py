@@ -88,8 +88,9 @@ def test_compile_time_oom_becomes_a_shortfall():
 @pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
 def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
-    """--decode: the draft step and the ragged verification step of the tiny DSpark config for
-    4 request slots × 64 tokens at the top capacity bucket R·(γ+1), on the serving mesh."""
+    """--decode: the draft step, the ragged verification step and the fused round call the
+    engine runs (`speculative_rounds`) of the tiny DSpark config for 4 request slots × 64
+    tokens at the top capacity bucket R·(γ+1), on the serving mesh."""
     target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2)
     hf = json.loads((target / "config.json").read_text())
     out = tmp_path / "decode.json"
@@ -104,7 +105,7 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     # tensor parallel over the 2 KV heads, fsdp over the other 2 chips
     assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
     d, v = r["draft_step"], r["verify_step"]
-    for p in (d, v):
+    for p in (d, v, r["round_call"]):
         assert 0 < p["argument_bytes_per_chip"] <= p["peak_bytes_per_chip"] <= r[
             "peak_bytes_per_chip"]
         assert p["compile_error"] == ""
@@ -120,7 +121,8 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     assert r["flops_per_step"] == d["flops_per_step"] + v["flops_per_step"]
     assert r["step_time_lower_bound_s"] == pytest.approx(
         d["step_time_lower_bound_s"] + v["step_time_lower_bound_s"])
-    assert "verify_step" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "verify_step" in printed and "round_call" in printed
     # a capacity below one anchor per slot is a usage error naming the flag
     rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--requests", "4", "--capacity", "3", f"--config.target={target}"])

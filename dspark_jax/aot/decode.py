@@ -2,16 +2,17 @@
 --decode`, `aot/cli.py`; issue 9 item 1).
 
 A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9;
-`decoding/speculative_round.py`) is two programs: the drafter's draft step
-(`draft_and_schedule`: γ proposals and the scheduler's lengths for every request slot) and the
-verification step (`verify_and_commit`: the target's ragged forward over a capacity bucket
-of K flattened tokens, `models.decoder.ragged_forward`, the lossless verification and the
-commit into both caches). Both are compiled here for R
-request slots, a context of `max_len` tokens per slot and one capacity bucket K, with the
-target, the drafter and the caches built abstractly and laid on the topology's mesh (weights
-over fsdp × tensor, request slots over data × fsdp, KV heads over tensor). The report has the
-training report's keys, per program and for the round (the larger peak of the two; they run
-one after the other on the same resident weights and caches).
+`decoding/speculative_round.py`) is compiled as the engine runs it — `speculative_rounds`, whole
+rounds in one call (`round_call`, at the one capacity bucket K) — and as its two parts: the
+drafter's draft step (`draft_and_schedule`: γ proposals and the scheduler's lengths for every
+request slot) and the verification step (`verify_and_commit`: the target's ragged forward over
+a capacity bucket of K flattened tokens, `models.decoder.ragged_forward`, the lossless
+verification and the commit into both caches). All three are compiled here for R request
+slots, a context of `max_len` tokens per slot and one capacity bucket K, with the target, the
+drafter and the caches built abstractly and laid on the topology's mesh (weights over fsdp ×
+tensor, request slots over data × fsdp, KV heads over tensor). The report has the training
+report's keys, per program and for the round (the largest peak of the three; they run on the
+same resident weights and caches; the FLOPs and time bounds are the two parts').
 
 Bounds: the FLOPs bound is matmul FLOPs / (chips × bf16 peak); decoding is usually
 memory-bound, so the report also gives the HBM-traffic bound (every argument byte, i.e. the
@@ -82,6 +83,9 @@ class AbstractRound:
     verify_fn: Any
     verify_lower: Any
     verify_args: tuple
+    round_fn: Any            # the fused call the engine runs (`speculative_rounds`, bucket K)
+    round_lower: Any
+    round_args: tuple
     mesh: Any
     scheduler: str
     gamma: int
@@ -151,9 +155,23 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
     verify_lower = functools.partial(R_.verify_and_commit.lower, t_gd, d_gd, **verify_static)
     verify_args = (t_abs, d_abs, state, params, arr((R, gamma), jnp.int32),
                    arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32), stop_ids)
+    # the engine's fused call: whole rounds (draft → schedule → verify → commit) in one program
+    replicated = NamedSharding(mesh, PartitionSpec())
+    vocab_w = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+        jax.eval_shape(lambda st: adapter.vocab_weights(nnx.merge(d_gd, st)), d_abs))
+    sps = arr((R * (gamma + 1) + 1,), jnp.float32)
+    round_static = dict(buckets=(K,), max_rounds=1 if mode == "adaptive" else 8, mode=mode,
+                        cap_budget=True, sampler="jax", verifier="jax",
+                        tap_layer_ids=tuple(d_cfg.target_layer_ids), budget_rule="serving")
+    round_fn = functools.partial(R_.speculative_rounds, t_gd, d_gd, **round_static)
+    round_lower = functools.partial(R_.speculative_rounds.lower, t_gd, d_gd, **round_static)
+    round_args = (t_abs, d_abs, state, params, stop_ids, conf_temps, arr((), jnp.float32), sps,
+                  sps, vocab_w, arr((2,), jnp.int32), arr((), jnp.int32), arr((), jnp.int32))
     return AbstractRound(draft_fn=draft_fn, draft_lower=draft_lower, draft_args=draft_args,
                          verify_fn=verify_fn, verify_lower=verify_lower,
-                         verify_args=verify_args, mesh=mesh, scheduler=mode, gamma=gamma,
+                         verify_args=verify_args, round_fn=round_fn, round_lower=round_lower,
+                         round_args=round_args, mesh=mesh, scheduler=mode, gamma=gamma,
                          shape=shape)
 
 
@@ -198,7 +216,9 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
     draft = _program_report(rnd.draft_fn, rnd.draft_lower, rnd.draft_args, rnd.mesh, n, chip)
     verify = _program_report(rnd.verify_fn, rnd.verify_lower, rnd.verify_args, rnd.mesh, n,
                              chip)
-    peak = max(draft["peak_bytes_per_chip"], verify["peak_bytes_per_chip"])
+    fused = _program_report(rnd.round_fn, rnd.round_lower, rnd.round_args, rnd.mesh, n, chip)
+    peak = max(draft["peak_bytes_per_chip"], verify["peak_bytes_per_chip"],
+               fused["peak_bytes_per_chip"])
     bound = draft["step_time_lower_bound_s"] + verify["step_time_lower_bound_s"]
     return {
         "mode": "decode", "config": c.name, "topology": topology, "num_slices": num_slices,
@@ -211,8 +231,9 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         "flops_per_step": draft["flops_per_step"] + verify["flops_per_step"],
         "peak_flops_per_chip": chip.peak_bf16_flops, "step_time_lower_bound_s": bound,
         "tokens_per_s_upper_bound": shape.capacity / bound if bound else 0.0,
-        "draft_step": draft, "verify_step": verify,
-        "compile_error": draft["compile_error"] or verify["compile_error"],
+        "draft_step": draft, "verify_step": verify, "round_call": fused,
+        "compile_error": (draft["compile_error"] or verify["compile_error"]
+                          or fused["compile_error"]),
         "jax": jax.__version__, "libtpu": libtpu_version(),
     }
 
@@ -225,7 +246,7 @@ def format_decode_report(r: dict[str, Any]) -> str:
              f"capacity bucket {r['capacity']}, scheduler {r['scheduler']}",
              f"  {'per chip':14s}{'argument':>12s}{'temp':>12s}{'peak':>12s}  "
              f"{'GFLOPs':>10s}  FLOPs-bound   HBM-bound"]
-    for name in ("draft_step", "verify_step"):
+    for name in ("draft_step", "verify_step", "round_call"):
         p = r[name]
         lines.append(f"  {name:14s}{g(p['argument_bytes_per_chip'])}{g(p['temp_bytes_per_chip'])}"
                      f"{g(p['peak_bytes_per_chip'])}  {p['flops_per_step'] / 1e9:10.1f}  "
