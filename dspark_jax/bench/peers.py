@@ -205,21 +205,13 @@ def ensure_hf_target(path: pathlib.Path) -> None:
 def run_ours(target: Any, batches: dict[int, list[list[int]]], max_new: int, repeats: int,
              steps_per_call: int) -> list[SystemRun]:
     """The engine (`scheduler="none"`) and `autoregressive_generate` on the same prompts, each
-    warmed up once and timed by `bench.plain_decode`'s timer (median of `repeats`)."""
-    from dspark_jax.bench.plain_decode import _timed
-    from dspark_jax.decoding.autoregressive import autoregressive_generate
-    from dspark_jax.serving import Engine
+    warmed up once and timed by `bench.plain_decode.time_both` (median of `repeats`)."""
+    from dspark_jax.bench.plain_decode import time_both
 
     runs = []
     for b, prompts in batches.items():
-        longest = max(map(len, prompts))
-        ar_s, ar_tokens = _timed(lambda: autoregressive_generate(
-            target, prompts, max_new_tokens=max_new, stop_token_ids=[]), repeats)
-        engine = Engine(target, None, scheduler="none", max_requests=b,
-                        max_len=-(-(longest + max_new + 2) // 64) * 64, stop_token_ids=[],
-                        plain_steps_per_call=steps_per_call, prefill_chunk=max(128, longest))
-        eng_s, eng_res = _timed(lambda: engine.generate(prompts, max_new_tokens=max_new),
-                                repeats)
+        ar_s, ar_tokens, eng_s, eng_res = time_both(target, prompts, max_new, repeats,
+                                                    steps_per_call)
         runs += [SystemRun(ENGINE, b, seconds=eng_s, tokens=[list(map(int, t)) for t in
                                                              eng_res.tokens],
                            detail=f"{len(eng_res.rounds)} engine calls"),

@@ -40,16 +40,25 @@ def _timed(fn, repeats: int) -> tuple[float, Any]:
     return median(secs), out
 
 
+def time_both(target: Any, prompts: list[list[int]], max_new: int, repeats: int,
+              steps_per_call: int) -> tuple[float, Any, float, Any]:
+    """`autoregressive_generate` and the `none` engine on the same prompts (no stop tokens,
+    exactly `max_new` tokens each), each warmed up once, median of `repeats` timed runs.
+    → (loop s, loop tokens, engine s, engine result)."""
+    longest = max(map(len, prompts))
+    ar_s, ar_out = _timed(lambda: autoregressive_generate(
+        target, prompts, max_new_tokens=max_new, stop_token_ids=[]), repeats)
+    eng = Engine(target, None, scheduler="none", max_requests=len(prompts),
+                 max_len=-(-(longest + max_new + 2) // 64) * 64, stop_token_ids=[],
+                 plain_steps_per_call=steps_per_call, prefill_chunk=max(128, longest))
+    eng_s, eng_res = _timed(lambda: eng.generate(prompts, max_new_tokens=max_new), repeats)
+    return ar_s, ar_out, eng_s, eng_res
+
+
 def measure(target: Any, batch: int, prompt_len: int, max_new: int, repeats: int,
             steps_per_call: int) -> dict[str, Any]:
     prompts = _prompts(target.config.vocab_size, batch, prompt_len)
-    max_len = -(-(prompt_len + max_new + 2) // 64) * 64
-    ar_s, ar_out = _timed(lambda: autoregressive_generate(
-        target, prompts, max_new_tokens=max_new, stop_token_ids=[]), repeats)
-    eng = Engine(target, None, scheduler="none", max_requests=batch, max_len=max_len,
-                 stop_token_ids=[], plain_steps_per_call=steps_per_call,
-                 prefill_chunk=max(128, prompt_len))
-    eng_s, eng_res = _timed(lambda: eng.generate(prompts, max_new_tokens=max_new), repeats)
+    ar_s, ar_out, eng_s, eng_res = time_both(target, prompts, max_new, repeats, steps_per_call)
     tokens = batch * max_new
     return dict(batch=batch, prompt_tokens=prompt_len, max_new_tokens=max_new,
                 autoregressive_s=ar_s, engine_s=eng_s,

@@ -827,24 +827,34 @@ class _Run:
                                                          int(live.sum())),
                                    float(o["predicted"][i]),
                                    float(np.sum(o["accepted"][i][live])))
-            emitted = 0
-            for r in np.nonzero(live)[0]:
-                m = int(o["n_emit"][i, r])
-                self.per[self.slot_req[r]]["confidence"].append(
-                    np.asarray(o["confidence"][i, r], np.float32))
-                self._record(r, o["tokens"][i, r, :m], [int(o["accepted"][i, r])],
-                             [int(o["proposed"][i, r])], [int(o["tau_term"][i, r])], 1)
-                emitted += m
-                if o["finished"][i, r]:
-                    self._finish(r, now)
-            if self.bar is not None:
-                self.bar.update(emitted)
+            emitted = self._book_round({k: o[k][i] for k in round_.ROUND_OUTPUTS}, live, now,
+                                       confidence=o["confidence"][i])
             self.rounds.append(dict(active=int(live.sum()),
                                     verified_tokens=int(o["lengths"][i][live].sum()),
                                     capacity=int(o["capacity"][i]), tokens=emitted,
                                     drafted=True, steps=1, seconds=seconds,
                                     admitted_capacity=int(o["admitted"][i])))
         return s
+
+    def _book_round(self, o: Mapping[str, np.ndarray], live: np.ndarray, now: float,
+                    confidence: np.ndarray | None = None) -> int:
+        """Books one round's per-slot outputs (`verify_and_commit`'s, [R, …]) for the slots
+        in `live`: tokens, acceptance records, confidence logits, finished requests. → tokens
+        emitted."""
+        emitted = 0
+        for r in np.nonzero(live)[0]:
+            m = int(o["n_emit"][r])
+            if confidence is not None:   # confidence logits of this round's proposals
+                self.per[self.slot_req[r]]["confidence"].append(
+                    np.asarray(confidence[r], np.float32))
+            self._record(r, o["tokens"][r, :m], [int(o["accepted"][r])],
+                         [int(o["proposed"][r])], [int(o["tau_term"][r])], 1)
+            emitted += m
+            if o["finished"][r]:
+                self._finish(r, now)
+        if self.bar is not None:
+            self.bar.update(emitted)
+        return emitted
 
     def _anchor_round(self, s, n_active: int, t_start: float):
         """A round that skips drafting (`adaptive`): the anchors alone are verified (drafts of
@@ -856,17 +866,7 @@ class _Run:
                          jnp.zeros((e.R,), jnp.int32), K)
         o = jax.device_get(o)
         self.policy.update(False)
-        now = time.perf_counter() - self.t0
-        emitted = 0
-        for r in np.nonzero(h["active"])[0]:
-            m = int(o["n_emit"][r])
-            self._record(r, o["tokens"][r, :m], [int(o["accepted"][r])],
-                         [int(o["proposed"][r])], [int(o["tau_term"][r])], 1)
-            emitted += m
-            if o["finished"][r]:
-                self._finish(r, now)
-        if self.bar is not None:
-            self.bar.update(emitted)
+        emitted = self._book_round(o, h["active"], time.perf_counter() - self.t0)
         self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=K, tokens=emitted,
                                 drafted=False, steps=1, seconds=time.perf_counter() - t_start))
         return s

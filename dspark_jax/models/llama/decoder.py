@@ -155,26 +155,21 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
         if defer_writes:   # the cache is read, never written: [R, S] ⊕ own [R, Q]
             keys = jnp.concatenate([cache_kv[0][layer_idx], k[0][grid]], axis=1)
             vals = jnp.concatenate([cache_kv[1][layer_idx], v[0][grid]], axis=1)
-            attn = L.attend(q[0][grid], keys, vals, mask_rqs)                  # [R,Q,N,H]
-            attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]
-            h = L.attn_out_and_mlp(lp, h, attn, eps)
-            if n_taps:
-                cur = taps[jnp.maximum(tap_slot, 0)]
-                taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h, cur))
-            return (h, taps, kc, vc), (k[0], v[0])
-        kc = kc.at[layer_idx, rows.write_k, position_k].set(k[0], mode="drop")
-        vc = vc.at[layer_idx, rows.write_k, position_k].set(v[0], mode="drop")
+        else:
+            kc = kc.at[layer_idx, rows.write_k, position_k].set(k[0], mode="drop")
+            vc = vc.at[layer_idx, rows.write_k, position_k].set(v[0], mode="drop")
+            keys, vals = kc[layer_idx], vc[layer_idx]
         if by_request:   # each request's tokens against its cache row: [R, Q, ·] vs [R, S, ·]
-            attn = L.attend(q[0][grid], kc[layer_idx], vc[layer_idx], mask_rqs)  # [R,Q,N,H]
+            attn = L.attend(q[0][grid], keys, vals, mask_rqs)                   # [R,Q,N,H]
             attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]             # [1,K,N,H]
         else:   # each token its own attention row over its request's cache: [K, 1, ·]
-            k_tok, v_tok = kc[layer_idx][rows.read_k], vc[layer_idx][rows.read_k]  # [K,S,Kh,H]
+            k_tok, v_tok = keys[rows.read_k], vals[rows.read_k]                 # [K,S,Kh,H]
             attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]    # [1,K,N,H]
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             cur = taps[jnp.maximum(tap_slot, 0)]
             taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h, cur))
-        return (h, taps, kc, vc), None
+        return (h, taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
 
     xs = (params, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
     if defer_writes:   # no cache in the carry: the new K/V rows are the scan's outputs
