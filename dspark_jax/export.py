@@ -5,9 +5,14 @@ SRC is a drafter directory (either format; what `load_draft` reads) or a trainin
 `export/`). Formats:
 
   deepspec     DeepSpec's `Qwen3DSparkModel` / `Qwen3Eagle3Model` / `Gemma4…` checkpoint: what
-               DeepSpec's eval.py, SGLang and llama.cpp's converter read. It has no draft
-               vocabulary: a drafter trained with one is refused unless `--full-vocab-fallback`
-               (the same weights proposing from every id; DeepSpec's loop then measures another τ).
+               DeepSpec's eval.py, SGLang and llama.cpp's converter read. An Eagle3 drafter with
+               a draft vocabulary is written in EAGLE-3's own layout (its released checkpoints',
+               SpecForge's; vLLM's and SGLang's Eagle3 loaders read it): a `draft_vocab_size`-row
+               `lm_head`, `d2t` (target_id = draft_id + d2t[draft_id]) and `t2d`, and
+               `draft_vocab_size` in config.json. DeepSpec's DSpark format has no draft
+               vocabulary: a DSpark / DFlash drafter trained with one is refused unless
+               `--full-vocab-fallback` (the same weights proposing from every id; DeepSpec's loop
+               then measures another τ).
   speculators  vLLM's checkpoint format (`speculators_model_type: "dspark"`): the draft vocabulary
                travels as `d2t`/`t2d` with a `draft_vocab_size`-row `lm_head`; read by vLLM,
                `speculators` and llama.cpp's converter. DSpark/DFlash drafters with the vanilla
@@ -97,8 +102,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--format", required=True, help=" | ".join(FORMATS))
     p.add_argument("--out", required=True, help="output directory (replaced atomically)")
     p.add_argument("--full-vocab-fallback", action="store_true",
-                   help="deepspec: write a draft-vocabulary drafter as the full-vocabulary "
-                   "drafter DeepSpec can hold (warns; recorded in config.json)")
+                   help="deepspec: write a draft-vocabulary DSpark / DFlash drafter as the "
+                   "full-vocabulary drafter DeepSpec can hold (warns; recorded in config.json); "
+                   "a draft-vocabulary Eagle3 needs none (EAGLE-3's layout)")
     p.add_argument("--verifier", default=None,
                    help="speculators: the target's Hugging Face name or directory "
                    "(speculators_config.verifier.name_or_path)")

@@ -15,7 +15,9 @@ stopped (an interrupted drafter continues from its Orbax checkpoint):
      keeping only prompts of at most --max-prompt-tokens);
   3. per drafter (configs/smollm2_table1_<drafter>.py, workdir DIR/<drafter>): training with the
      held-out teacher-forced evaluation every --eval-every steps (the learning curve), export in
-     DeepSpec's format (DIR/<drafter>/export), speculative decoding at each temperature on the
+     the format that holds the drafter exactly (DIR/<drafter>/export; with a draft vocabulary
+     speculators' for DSpark / DFlash, EAGLE-3's layout for Eagle3: the τ measured is the
+     trained drafter's), speculative decoding at each temperature on the
      evaluation prompts (`dspark_jax.evaluate`, DIR/<drafter>/table1_eval/T<t>), and for a drafter
      with a confidence head Sequential Temperature Scaling on the held-out prompts
      (`dspark_jax.calibrate` → DIR/<drafter>/export/confidence_calibration.json);

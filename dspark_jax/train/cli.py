@@ -10,9 +10,10 @@ DeepSpec's end-to-end drafter recipe (SPEC §4) as one resumable command:
   (d) the jitted sharded train step on a (data, fsdp, tensor) mesh with micro-batches, the Orbax
       checkpointer (automatic resume from `<workdir>/checkpoints`, grain iterator included) and
       tqdm / TensorBoard / JSONL logging;
-  (e) export of the drafter to `<workdir>/export/` — speculators format when it has a draft
-      vocabulary (which DeepSpec's format cannot hold; a full-vocabulary DeepSpec fallback goes
-      to `<workdir>/export-deepspec-fullvocab/`), DeepSpec's format otherwise — and a held-out
+  (e) export of the drafter to `<workdir>/export/` — for a DSpark / DFlash drafter with a draft
+      vocabulary speculators format (which DeepSpec's format cannot hold; a full-vocabulary
+      DeepSpec fallback goes to `<workdir>/export-deepspec-fullvocab/`), for an Eagle3 one
+      EAGLE-3's layout (d2t / t2d), DeepSpec's format otherwise — and a held-out
       teacher-forced acceptance summary (accept_rate@k, tau_probabilistic) in
       `<workdir>/summary.json`. `config.eval.speculative=True` additionally measures τ with
       speculative decoding (`dspark_jax.evaluate.evaluate`) on the held-out prompts (or
@@ -108,7 +109,7 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
         "timings_s": timings,
         "outputs": {"workdir": str(workdir), "export": str(export_dir),
                     "export_format": exports["format"],
-                    "export_deepspec": str(exports["deepspec"]),
+                    "export_deepspec": exports["deepspec"] and str(exports["deepspec"]),
                     "checkpoints": str(tr.ckpt_dir), "metrics": str(workdir / "metrics.jsonl"),
                     "tensorboard": str(workdir / "tensorboard"),
                     "regenerated": data.info.get("regenerated", {}).get("path"),

@@ -1,4 +1,4 @@
-"""Stage 3 of the training job: export of the trained drafter in DeepSpec's format, the
+"""Stage 3 of the training job: export of the trained drafter (`export_draft`), the
 held-out teacher-forced acceptance (accept_rate@k, tau_probabilistic; SPEC §6 metrics), and
 optionally speculative decoding on the held-out prompts (measured τ, `dspark_jax.evaluate`).
 Only process 0 writes files; every process takes part in the collectives.
@@ -130,17 +130,20 @@ def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> 
 
 
 def export_draft(graphdef, params, frozen, out: pathlib.Path, verifier: str | None = None
-                 ) -> dict[str, pathlib.Path]:
+                 ) -> dict[str, Any]:
     """The trained drafter, written by process 0 in the consumer format that holds it
-    faithfully: DeepSpec's for a full-vocabulary drafter; speculators' (vLLM, llama.cpp) for a
-    draft-vocabulary one, plus DeepSpec's full-vocabulary fallback beside it
-    (`<out>-deepspec-fullvocab`, for DeepSpec / SGLang users, with the export's warning).
-    Returns {"primary": dir, "format": name, "deepspec": dir}."""
+    faithfully (`faithful_format`): DeepSpec's for a full-vocabulary drafter; EAGLE-3's layout
+    for a draft-vocabulary Eagle3 (`--format deepspec` writes it; vLLM, SGLang, SpecForge);
+    speculators' (vLLM, llama.cpp) for a draft-vocabulary DSpark / DFlash, plus DeepSpec's
+    full-vocabulary fallback beside it (`<out>-deepspec-fullvocab`, for DeepSpec / SGLang users,
+    with the export's warning). Returns {"primary": dir, "format": name, "deepspec": the
+    directory DeepSpec's own loop can load, or None (a draft-vocabulary Eagle3)}."""
     import jax
     from flax import nnx
 
     from dspark_jax.export import write_export
     from dspark_jax.models.drafters.draft import Draft
+    from dspark_jax.models.io.deepspec import faithful_format
 
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -148,12 +151,13 @@ def export_draft(graphdef, params, frozen, out: pathlib.Path, verifier: str | No
         params, frozen = multihost_utils.process_allgather((params, frozen), tiled=True)
     model = nnx.merge(graphdef, jax.device_get(params), jax.device_get(frozen))
     draft = Draft.from_model(model)
-    pruned = draft.config.pruned_vocab
-    fmt = "speculators" if pruned else "deepspec"
-    deepspec_dir = out.with_name(out.name + "-deepspec-fullvocab") if pruned else out
+    fmt = faithful_format(draft.config)
+    fallback = fmt == "speculators"        # DeepSpec's format cannot hold it: the lossy fallback
+    deepspec_dir = {"speculators": out.with_name(out.name + "-deepspec-fullvocab"),
+                    "eagle3": None, "deepspec": out}[fmt]
     if jax.process_index() == 0:
-        write_export(draft, out, fmt, verifier=verifier)
-        if pruned:
+        write_export(draft, out, "speculators" if fallback else "deepspec", verifier=verifier)
+        if fallback:
             import warnings
 
             with warnings.catch_warnings():
@@ -163,7 +167,8 @@ def export_draft(graphdef, params, frozen, out: pathlib.Path, verifier: str | No
     return {"primary": out, "format": fmt, "deepspec": deepspec_dir}
 
 
-def deepspec_check(c, target, deepspec_dir: pathlib.Path, heldout_convs) -> dict[str, Any]:
+def deepspec_check(c, target, deepspec_dir: pathlib.Path | None, heldout_convs
+                   ) -> dict[str, Any]:
     """The job checks its own export in its consumer: DeepSpec's evaluation loop
     (eval/deepspec_loop.py) and our engine decode the same held-out prompts greedily with the
     DeepSpec-format export; both τ and whether every token agrees. Skipped, with the reason,
@@ -175,6 +180,9 @@ def deepspec_check(c, target, deepspec_dir: pathlib.Path, heldout_convs) -> dict
     n = int(c.eval.deepspec_check_samples)
     if n <= 0:
         return {"skipped": "eval.deepspec_check_samples = 0"}
+    if deepspec_dir is None:
+        return {"skipped": "a draft-vocabulary Eagle3 exports in EAGLE-3's layout (K-row lm_head, "
+                "d2t / t2d), which DeepSpec's Qwen3Eagle3Model (V-row lm_head) cannot load"}
     ok, where = dl.locate_deepspec(c.eval.deepspec_src or None)
     if not ok:
         return {"skipped": where}

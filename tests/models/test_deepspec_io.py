@@ -274,7 +274,106 @@ def test_reads_the_eagle3_layouts_deepspec_evaluates(target, tmp_path):
         load_draft(bad, target)
     pruned = dict(tensors, d2t=np.zeros(V, np.int64), t2d=np.arange(V) < 50)
     write_safetensors(bad / "model.safetensors", pruned)
-    with pytest.raises(CheckpointError, match="pruned draft vocabulary"):
+    with pytest.raises(CheckpointError, match=r"bad/model.safetensors: t2d marks 50 ids but "
+                                              r"lm_head.weight has 97 rows"):
+        load_draft(bad, target)
+
+
+KEEP = tuple(range(1, 97, 3))       # 32 ids, the first not 0: d2t is no identity
+E3_PRUNED = dict(BASE, model_type="eagle3", ttt_length=3, draft_vocab_size=len(KEEP),
+                 draft_vocab=KEEP)
+
+
+def _eagle3_outputs(d, feats, ids):
+    """(draft-vocabulary logits of the TTT chain, 3 greedy drafts after committing `ids`)."""
+    import jax
+    import jax.numpy as jnp
+
+    m = d.model
+    logits = np.asarray(m.logits(m.ttt_hidden(feats, ids, ttt_length=2)))[..., list(KEEP)]
+    cache = m.commit(m.init_cache(1, 16), feats, ids, jnp.asarray([ids.shape[1]]))
+    greedy = m.propose(cache, jax.random.key(0), 1.0, 3, lambda k, p: jnp.argmax(p, axis=-1))
+    return logits, np.asarray(greedy["tokens"])
+
+
+def test_pruned_eagle3_round_trips_in_eagle3_layout(target, tmp_path):
+    """An Eagle3 drafter with a draft vocabulary exports in EAGLE-3's checkpoint layout (a K-row
+    lm_head, d2t with target_id = draft_id + d2t[draft_id], bool t2d, draft_vocab_size) — no
+    full-vocabulary fallback — and reads back as the same drafter; so does the layout with only
+    EAGLE-3's fields and SpecForge's `midlayer.` names."""
+    from flax import nnx
+
+    draft = init_draft(target, E3_PRUNED, seed=6)
+    d = tmp_path / "e3"
+    draft.save(d)
+    raw = json.loads((d / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3Eagle3Model"] and raw["draft_vocab_size"] == len(KEEP)
+    assert raw["vocab_size"] == 97 and "export" not in raw["dspark_jax"]
+    from safetensors.numpy import load_file
+
+    t = load_file(str(d / "model.safetensors"))        # the file's own dtypes (int64 d2t)
+    K, V = len(KEEP), 97
+    head = np.asarray(draft.model.lm_head.get_value())
+    np.testing.assert_array_equal(t["lm_head.weight"], head[list(KEEP)])
+    assert t["d2t"].dtype == np.int64 and t["d2t"].shape == (K,)
+    assert all(i + int(t["d2t"][i]) == KEEP[i] for i in range(K))
+    assert t["t2d"].dtype == bool and t["t2d"].shape == (V,)
+    assert np.flatnonzero(t["t2d"]).tolist() == list(KEEP)
+    again = load_draft(d, target)
+    assert again.config == draft.config
+    flat_a, flat_b = (dict(nnx.traversals.flatten_mapping(nnx.to_pure_dict(x.state)))
+                      for x in (draft, again))
+    assert flat_a.keys() == flat_b.keys()
+    for k in flat_a:
+        x, y = np.asarray(flat_a[k]), np.asarray(flat_b[k])
+        if k == ("lm_head",):       # the K rows exact; rows of ids never proposed are not stored
+            np.testing.assert_array_equal(y[list(KEEP)], x[list(KEEP)])
+            assert not np.delete(y, list(KEEP), axis=0).any()
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=str(k))
+    feats = np.random.RandomState(1).randn(1, 6, 2 * 32).astype(np.float32)
+    ids = np.asarray([[3, 9, 4, 22, 7, 5]], np.int32)
+    want_logits, want_drafts = _eagle3_outputs(draft, feats, ids)
+    assert set(want_drafts.ravel().tolist()) <= set(KEEP)
+    for name, loaded in (("ours", again), ("eagle3-only", None)):
+        if loaded is None:          # what EAGLE-3 / SpecForge write: no dspark_jax fields
+            plain = tmp_path / "plain"
+            plain.mkdir()
+            raw.pop("dspark_jax")
+            (plain / "config.json").write_text(json.dumps(dict(raw, architectures=[EAGLE3])))
+            write_safetensors(plain / "model.safetensors",
+                              {k.replace("layers.0.", "midlayer."): v for k, v in t.items()})
+            loaded = load_draft(plain, target)
+            assert (loaded.config.draft_vocab, loaded.config.ttt_length) == (KEEP, 3)
+        got_logits, got_drafts = _eagle3_outputs(loaded, feats, ids)
+        np.testing.assert_array_equal(got_logits, want_logits, err_msg=name)
+        np.testing.assert_array_equal(got_drafts, want_drafts, err_msg=name)
+
+
+def _shift_one(d2t):
+    d2t = d2t.copy()
+    d2t[5] += 1                     # still increasing ids, but not the ones t2d marks
+    return d2t
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda t: dict(t, d2t=t["d2t"][:-1]), r"d2t has 31 entries but lm_head.weight has 32 rows"),
+    (lambda t: dict(t, t2d=t["t2d"][:-1]), r"t2d has shape \[96\]; the target's vocabulary "
+                                           r"needs \[97\]"),
+    (lambda t: dict(t, t2d=t["t2d"] | (np.arange(97) == 0)),
+     r"t2d marks 33 ids but lm_head.weight has 32 rows"),
+    (lambda t: dict(t, d2t=_shift_one(t["d2t"])), r"d2t and t2d name different draft"),
+    (lambda t: dict(t, d2t=t["d2t"][::-1].copy()), r"d2t does not name increasing target ids"),
+    (lambda t: {k: v for k, v in t.items() if k not in ("d2t", "t2d")},
+     r"the config gives a 32-id draft vocabulary but the tensors map none"),
+], ids=["d2t-shape", "t2d-shape", "t2d-count", "d2t-vs-t2d", "d2t-order", "no-map"])
+def test_inconsistent_eagle3_vocabulary_map_names_the_file(target, tmp_path, mutate, msg):
+    src, bad = tmp_path / "ok", tmp_path / "bad"
+    init_draft(target, E3_PRUNED, seed=7).save(src)
+    bad.mkdir()
+    (bad / "config.json").write_text((src / "config.json").read_text())
+    write_safetensors(bad / "model.safetensors", mutate(read_safetensors_dir(src)))
+    with pytest.raises(CheckpointError, match=f"bad/model.safetensors: {msg}"):
         load_draft(bad, target)
 
 

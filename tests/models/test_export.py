@@ -1,6 +1,7 @@
 """Drafters that travel (issue 24): Qwen3 draft layers for every non-Gemma target, the draft
-vocabulary carried by the speculators format or refused by DeepSpec's, older Llama-layer exports
-still loading as what they are, and `python -m dspark_jax.export`."""
+vocabulary carried by the speculators format (DSpark / DFlash) or EAGLE-3's layout (Eagle3) and
+refused by DeepSpec's DSpark format, older Llama-layer exports still loading as what they are,
+and `python -m dspark_jax.export`."""
 
 from __future__ import annotations
 
@@ -161,6 +162,31 @@ def test_export_cli(target, feats, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             export_cli.main(bad + ["--out", str(tmp_path / "x"), "--no-progress"])
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_export_cli_writes_a_pruned_eagle3_in_eagle3_layout(target, tmp_path):
+    """`--format deepspec` holds an Eagle3 draft vocabulary (EAGLE-3's layout, no fallback and no
+    warning), while a DSpark one is still refused without --full-vocab-fallback."""
+    e3 = dict(block_size=4, target_layer_ids=(0, 1), model_type="eagle3", ttt_length=3,
+              draft_vocab_size=len(VOCAB), draft_vocab=VOCAB)
+    draft = init_draft(target, e3, seed=8)
+    draft.save(tmp_path / "src")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = export_cli.main([str(tmp_path / "src"), "--format", "deepspec", "--out",
+                               str(tmp_path / "o"), "--no-progress"])
+    assert not [w for w in caught if "fallback" in str(w.message)]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3Eagle3Model"] and cfg["draft_vocab_size"] == len(VOCAB)
+    t = read_safetensors_dir(out)
+    assert t["lm_head.weight"].shape == (len(VOCAB), 32)
+    np.testing.assert_array_equal(np.arange(len(VOCAB)) + t["d2t"], VOCAB)
+    assert load_draft(out, target=target).config == draft.config
+    init_draft(target, PRUNED, seed=8).save(tmp_path / "dspark")
+    with pytest.raises(SystemExit) as e:
+        export_cli.main([str(tmp_path / "dspark"), "--format", "deepspec", "--out",
+                         str(tmp_path / "o2"), "--no-progress"])
+    assert e.value.code == 2
 
 
 def test_speculators_library_loads_the_export(target, tmp_path):

@@ -25,7 +25,8 @@ from dspark_jax.models.drafters.config import DraftConfig, validate_against_targ
 from dspark_jax.models.drafters.dspark import DSparkDraft
 from dspark_jax.models.families import family
 from dspark_jax.models.io.calibration_file import CalibrationFileError, load_temperatures
-from dspark_jax.models.io.deepspec import ExportError, read_deepspec_dir, write_deepspec_dir
+from dspark_jax.models.io.deepspec import (ExportError, faithful_format, read_deepspec_dir,
+                                           write_deepspec_dir)
 from dspark_jax.models.io.hf import build_from_pure, read_config_json
 from dspark_jax.models.io.speculators import (is_speculators_config, read_speculators_dir,
                                               write_speculators_dir)
@@ -108,12 +109,14 @@ class Draft:
                 "confidence_logits": None if conf is None else np.asarray(conf, np.float32)}
 
     def save(self, path: str | os.PathLike, format: str = "auto") -> None:
-        """Writes the drafter (plus our fields under `dspark_jax`) in "deepspec" format, or in
-        "speculators" format (vLLM's, which carries a draft vocabulary); "auto" picks
-        speculators for a draft-vocabulary drafter and DeepSpec otherwise. `python -m
-        dspark_jax.export` is the command-line form (atomic directory, every option)."""
+        """Writes the drafter (plus our fields under `dspark_jax`) in "deepspec" format (for an
+        Eagle3 drafter with a draft vocabulary: EAGLE-3's layout), or in "speculators" format
+        (vLLM's, which carries a DSpark / DFlash draft vocabulary); "auto" picks the one that
+        holds it exactly (`faithful_format`). `python -m dspark_jax.export` is the command-line
+        form (atomic directory, every option)."""
         if format == "auto":
-            format = "speculators" if self.config.pruned_vocab else "deepspec"
+            format = "speculators" if faithful_format(self.config) == "speculators" \
+                else "deepspec"
         if format == "deepspec":
             write_deepspec_dir(self.config, self.state, path)
         elif format == "speculators":

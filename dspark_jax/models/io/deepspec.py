@@ -11,8 +11,26 @@ that DeepSpec ignores, so the round trip is exact.
 
 Reading accepts what DeepSpec's evaluator (eval.py) maps: the architectures Qwen3DSparkModel /
 Qwen3Eagle3Model / Eagle3DraftModel (and our Llama variants), tensors with or without a
-`model.` prefix, and the Eagle3DraftModel (SpecForge) single-layer names `midlayer.*` with an
-identity `d2t`/`t2d` vocabulary map. A missing or unexpected tensor is an error naming the file.
+`model.` prefix, and the Eagle3DraftModel (SpecForge) single-layer names `midlayer.*`. A missing
+or unexpected tensor is an error naming the file.
+
+A draft vocabulary (K of the target's V ids, `DraftConfig.draft_vocab`) travels as EAGLE-3 wrote
+it, and this module owns that convention for every writer (here and models/io/speculators.py):
+`lm_head.weight` (and a Markov `markov_w2`) with K rows, the ids in increasing target-id order;
+`d2t` int64 [K], target_id = draft_id + d2t[draft_id]; `t2d` bool [V], True for the K ids.
+Checked against SafeAILab/EAGLE `eagle/traineagle3/cnets.py` (`Model.scandata`: the top-K ids
+sorted, `d2t = [used_tokens[i] - i …]`, `t2d = [i in used_tokens …]`, registered as buffers beside
+`lm_head = nn.Linear(hidden_size, draft_vocab_size)`; its config.json has `draft_vocab_size`) and
+vLLM `vllm/model_executor/models/llama_eagle3.py` (`Eagle3LlamaForCausalLM`: `lm_head` of
+`config.draft_vocab_size` rows; `load_weights` loads `d2t` as `draft_id_to_target_id` and skips
+`t2d`; `compute_logits` scatters the K logits to `arange(K) + d2t`, -inf elsewhere). DeepSpec's
+own format has no draft vocabulary (its `lm_head` has V rows), so a DSpark/DFlash drafter with one
+exports as speculators (or DeepSpec's lossy full-vocabulary fallback), while an Eagle3 drafter
+with one is written here in EAGLE-3's own checkpoint layout (`faithful_format`): DeepSpec's Eagle3
+names plus the map above and `draft_vocab_size` in config.json — what the EAGLE-3 authors'
+checkpoints and SpecForge hold and vLLM's / SGLang's Eagle3 loaders read. Reading maps any of
+these back to a V-row `lm_head` (zero rows outside the K ids, which decoding masks to probability
+0) and the K ids into the DraftConfig.
 What depends on the draft layers' family (Gemma4's `Gemma4DSparkModel` keeps the target's
 Gemma4 config and its own layer tensors) is that family's record in models/families.py.
 """
@@ -108,6 +126,9 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
                       step_loss_decay=float(raw.get("step_loss_decay", 0.8)),
                       draft_num_hidden_layers=int(raw.get("draft_num_hidden_layers", n_draft)),
                       block_size=ttt, markov_rank=0, enable_confidence_head=False)
+        # EAGLE-3's key (= V: the full vocabulary); the ids are d2t's (canonical_tensors)
+        k = int(raw.get("draft_vocab_size") or 0)
+        fields["draft_vocab_size"] = k if k != target.vocab_size else 0
     else:
         rank = int(raw.get("markov_rank", 0) or 0)
         conf = bool(raw.get("enable_confidence_head", False))
@@ -146,6 +167,8 @@ def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
     if cfg.model_type == "eagle3":
         hf.update(ttt_length=cfg.ttt_length, step_loss_decay=cfg.step_loss_decay,
                   draft_num_hidden_layers=cfg.draft_num_hidden_layers)
+        if cfg.pruned_vocab:       # EAGLE-3's layout (module docstring)
+            hf["draft_vocab_size"] = cfg.draft_vocab_size
     else:
         hf.update(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                   num_anchors=cfg.num_anchors, enable_confidence_head=cfg.has_confidence,
@@ -186,25 +209,102 @@ def deepspec_tensor_names(cfg: DraftConfig) -> list[str]:
     return names
 
 
-def canonical_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], source: str
-                      ) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors under DeepSpec's names, exactly `deepspec_tensor_names(cfg)`:
-    strips a `model.` prefix (Hugging Face's base-model prefix), maps Eagle3DraftModel's
-    `midlayer.` to `layers.0.` and drops an identity d2t/t2d vocabulary map; anything missing or
-    unexpected is an error naming `source`."""
+# the tensors with one row per proposable id: K rows with a draft vocabulary, V without
+DRAFT_VOCAB_ROWS = ("lm_head.weight", "markov_head.markov_w2.weight")
+
+
+def draft_vocab_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]
+                        ) -> dict[str, np.ndarray]:
+    """V-row tensors → the draft vocabulary's layout (module docstring): the K rows of
+    `DRAFT_VOCAB_ROWS`, in increasing target-id order, and `d2t` / `t2d`. Unchanged without one."""
     t = dict(tensors)
+    if not cfg.pruned_vocab:
+        return t
+    ids = np.asarray(cfg.draft_vocab, np.int64)
+    for name in DRAFT_VOCAB_ROWS:
+        if name in t:
+            t[name] = np.ascontiguousarray(np.asarray(t[name])[ids])
+    t2d = np.zeros((cfg.target.vocab_size,), bool)
+    t2d[ids] = True
+    t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)   # target_id = draft_id + d2t[draft_id]
+    t["t2d"] = t2d
+    return t
+
+
+def _draft_vocab_ids(d2t: Any, t2d: Any, rows: int, V: int, source: str
+                     ) -> tuple[int, ...] | None:
+    """The target ids a d2t / t2d pair names (either may be absent), checked against each other
+    and against the `rows` of `lm_head.weight`; None for the full vocabulary."""
+    ids = None
+    if d2t is not None:
+        d2t = np.asarray(d2t)
+        if d2t.ndim != 1 or not np.issubdtype(d2t.dtype, np.integer):
+            raise CheckpointError(f"{source}: d2t must be integer offsets of shape [K], got "
+                                  f"{d2t.dtype} {list(d2t.shape)}")
+        if len(d2t) != rows:
+            raise CheckpointError(f"{source}: d2t has {len(d2t)} entries but lm_head.weight has "
+                                  f"{rows} rows (one per draft id)")
+        ids = np.arange(len(d2t), dtype=np.int64) + d2t.astype(np.int64)
+        if len(ids) and (ids[0] < 0 or ids[-1] >= V or (np.diff(ids) <= 0).any()):
+            raise CheckpointError(f"{source}: d2t does not name increasing target ids in "
+                                  f"[0, {V}) (target_id = draft_id + d2t[draft_id])")
+    if t2d is not None:
+        t2d = np.asarray(t2d)
+        if t2d.shape != (V,):
+            raise CheckpointError(f"{source}: t2d has shape {list(t2d.shape)}; the target's "
+                                  f"vocabulary needs [{V}]")
+        marked = np.flatnonzero(t2d.astype(bool))
+        if len(marked) != rows:
+            raise CheckpointError(f"{source}: t2d marks {len(marked)} ids but lm_head.weight has "
+                                  f"{rows} rows (one per draft id)")
+        if ids is not None and not np.array_equal(marked, ids):
+            raise CheckpointError(f"{source}: d2t and t2d name different draft vocabularies")
+        ids = marked
+    if ids is not None and not len(ids):
+        raise CheckpointError(f"{source}: d2t / t2d map an empty draft vocabulary")
+    if ids is None or len(ids) == V:
+        return None
+    return tuple(int(i) for i in ids)
+
+
+def canonical_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], source: str
+                      ) -> tuple[DraftConfig, dict[str, np.ndarray]]:
+    """The checkpoint's tensors under DeepSpec's names, exactly `deepspec_tensor_names(cfg)`,
+    and `cfg` with the draft vocabulary they carry: strips a `model.` prefix (Hugging Face's
+    base-model prefix), maps Eagle3DraftModel's `midlayer.` to `layers.0.`, and turns a d2t / t2d
+    map (module docstring; an identity map is the full vocabulary) into `cfg.draft_vocab` with
+    V-row `DRAFT_VOCAB_ROWS` (zeros outside the K ids). Anything missing, unexpected or
+    inconsistent is a CheckpointError naming `source`."""
+    t = dict(tensors)
+    d2t, t2d = t.pop("d2t", None), t.pop("t2d", None)
     if t and all(k.startswith("model.") for k in t if k != "lm_head.weight"):
         t = {k[len("model."):] if k.startswith("model.") else k: v for k, v in t.items()}
     if cfg.model_type == "eagle3":
         t = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v
              for k, v in t.items()}
-        if "d2t" in t or "t2d" in t:
-            V = cfg.target.vocab_size
-            d2t, t2d = np.asarray(t.pop("d2t", np.zeros(V))), np.asarray(t.pop("t2d", np.ones(V)))
-            if t2d.shape != (V,) or not t2d.astype(bool).all() or d2t.shape != (V,) or d2t.any():
-                raise CheckpointError(
-                    f"{source}: a pruned draft vocabulary (d2t/t2d keep {int(np.sum(t2d))} of "
-                    f"{V} tokens) is not supported; the drafter must predict the full vocabulary")
+    V = cfg.target.vocab_size
+    head = t.get("lm_head.weight")
+    rows = V if head is None else int(np.shape(head)[0])
+    ids = _draft_vocab_ids(d2t, t2d, rows, V, source)
+    if ids is None and cfg.pruned_vocab:
+        raise CheckpointError(f"{source}: the config gives a {cfg.draft_vocab_size}-id draft "
+                              "vocabulary but the tensors map none (no d2t / t2d)")
+    if ids is not None:
+        if cfg.draft_vocab and ids != cfg.draft_vocab:
+            raise CheckpointError(f"{source}: d2t / t2d disagree with the config's draft_vocab")
+        if cfg.draft_vocab_size and len(ids) != cfg.draft_vocab_size:
+            raise CheckpointError(f"{source}: d2t / t2d map {len(ids)} ids but the config's "
+                                  f"draft_vocab_size is {cfg.draft_vocab_size}")
+        cfg = cfg.replace(draft_vocab_size=len(ids), draft_vocab=ids)
+        for name in DRAFT_VOCAB_ROWS:
+            if name in t:
+                k_rows = np.asarray(t[name])
+                if k_rows.shape[0] != len(ids):
+                    raise CheckpointError(f"{source}: tensor {name!r} has {k_rows.shape[0]} "
+                                          f"rows, the draft vocabulary {len(ids)}")
+                full = np.zeros((V,) + k_rows.shape[1:], k_rows.dtype)
+                full[np.asarray(ids)] = k_rows
+                t[name] = full
     want = deepspec_tensor_names(cfg)
     missing = [k for k in want if k not in t]
     if missing:
@@ -216,7 +316,7 @@ def canonical_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], sourc
         raise CheckpointError(f"{source}: unexpected tensors {unexpected[:8]}"
                               + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else "")
                               + f" for a {cfg.model_type} drafter with this config")
-    return t
+    return cfg, t
 
 
 def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], source: str
@@ -298,7 +398,7 @@ def read_deepspec_dir(path: str | os.PathLike, target: DecoderConfig | None = No
     cfg = draft_config_from_deepspec(raw, str(path / "config.json"), target)
     single = path / "model.safetensors"
     source = str(single if single.exists() else path)
-    tensors = canonical_tensors(cfg, read_safetensors_dir(path), source)
+    cfg, tensors = canonical_tensors(cfg, read_safetensors_dir(path), source)
     return cfg, draft_pure_from_deepspec(cfg, tensors, source)
 
 
@@ -308,6 +408,16 @@ FULL_VOCAB_FALLBACK_NOTE = (
     "ids, including ids the drafter was never trained to rank; DeepSpec's loop measures a "
     "different tau than dspark_jax with the draft vocabulary (export --format speculators "
     "carries it)")
+
+
+def faithful_format(cfg: DraftConfig) -> str:
+    """The export format that holds `cfg` exactly: "deepspec" for a full-vocabulary drafter,
+    "eagle3" for an Eagle3 drafter with a draft vocabulary (EAGLE-3's layout, which
+    `write_deepspec_dir` writes for it), "speculators" for a DSpark / DFlash drafter with one
+    (DeepSpec's format has only the lossy full-vocabulary fallback for it)."""
+    if not cfg.pruned_vocab:
+        return "deepspec"
+    return "eagle3" if cfg.model_type == "eagle3" else "speculators"
 
 
 def full_vocab_fallback(cfg: DraftConfig) -> DraftConfig:
@@ -321,17 +431,19 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
                        ) -> pathlib.Path:
     """Exports a drafter (nnx.State or pure dict) in DeepSpec's format, each file atomically.
 
-    A pruned draft vocabulary cannot be a faithful DeepSpec checkpoint (its `lm_head` has V rows
-    and no bias, there is no `d2t`): that is an `ExportError`, unless `full_vocab_fallback_ok`,
-    which writes the full-vocabulary drafter, warns, and records the fact in config.json
-    (`dspark_jax.export`). `progress(name)` is called once per tensor group written."""
+    An Eagle3 drafter with a draft vocabulary is written in EAGLE-3's layout (module docstring:
+    a K-row `lm_head`, `d2t` / `t2d`, `draft_vocab_size`). A DSpark / DFlash one cannot be a
+    faithful DeepSpec checkpoint (its `lm_head` has V rows and no bias, there is no `d2t`): that
+    is an `ExportError`, unless `full_vocab_fallback_ok`, which writes the full-vocabulary
+    drafter, warns, and records the fact in config.json (`dspark_jax.export`).
+    `progress(name)` is called once per tensor group written."""
     path = pathlib.Path(path)
     export_note = None
-    if cfg.pruned_vocab:
+    if faithful_format(cfg) == "speculators":
         if not full_vocab_fallback_ok:
             raise ExportError(
                 f"draft_vocab_size: the drafter proposes from a {cfg.draft_vocab_size}-id draft "
-                f"vocabulary, which DeepSpec's format cannot hold (a {cfg.target.vocab_size}-row "
+                f"vocabulary, which DeepSpec's DSpark format cannot hold (a {cfg.target.vocab_size}-row "
                 "lm_head, no d2t); export it with --format speculators, or pass "
                 "--full-vocab-fallback to write the full-vocabulary drafter (DeepSpec's loop "
                 "then measures a different tau)")
@@ -345,6 +457,7 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
         else nnx.to_pure_dict(state)
     tensors = deepspec_tensors_from_pure(cfg, pure)
     assert sorted(tensors) == sorted(deepspec_tensor_names(cfg)), "export names drifted"
+    tensors = draft_vocab_tensors(cfg, tensors)     # an Eagle3 draft vocabulary: EAGLE-3's layout
     if progress is not None:
         for group in tensor_groups(tensors):
             progress(group)

@@ -22,7 +22,9 @@ tensors
 
 So a draft-vocabulary drafter travels faithfully: the consumer proposes from exactly the K ids
 with exactly our logits over them. Reading maps it back (ids = arange(K) + d2t; the rows of
-other ids are zero, and decoding masks them to probability 0 as it always does).
+other ids are zero, and decoding masks them to probability 0 as it always does). The d2t / t2d
+convention, its writer and its checked reader are models/io/deepspec.py's (EAGLE-3's, shared by
+its Eagle3 export).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.families import family
 from dspark_jax.models.io.deepspec import (canonical_tensors, deepspec_tensors_from_pure,
-                                           draft_pure_from_deepspec, tensor_groups,
-                                           write_json_atomic)
+                                           draft_pure_from_deepspec, draft_vocab_tensors,
+                                           tensor_groups, write_json_atomic)
 from dspark_jax.models.io.errors import CheckpointError, ExportError
 from dspark_jax.models.io.hf import read_safetensors_dir, write_safetensors
 
@@ -58,7 +60,8 @@ def check_exportable(cfg: DraftConfig) -> None:
     naming the field otherwise."""
     if cfg.model_type == "eagle3":
         raise ExportError("model_type: 'eagle3' drafters export with --format deepspec "
-                          "(Qwen3Eagle3Model); the speculators export writes DSpark/DFlash")
+                          "(Qwen3Eagle3Model; with a draft vocabulary, EAGLE-3's layout); the "
+                          "speculators export writes DSpark/DFlash")
     if cfg.layer_family != LAYER_FAMILY:
         raise ExportError(f"layer_family: {cfg.layer_family!r} draft layers; speculators' "
                           "DSpark drafter (and vLLM's, llama.cpp's) has Qwen3 layers only")
@@ -114,18 +117,7 @@ def speculators_config_dict(cfg: DraftConfig, verifier: str | None = None,
 
 def speculators_tensors(cfg: DraftConfig, pure: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """DeepSpec's tensors with the draft vocabulary's rows selected and d2t / t2d added."""
-    t = deepspec_tensors_from_pure(cfg.replace(draft_vocab_size=0, draft_vocab=()), pure)
-    if cfg.pruned_vocab:
-        ids = np.asarray(cfg.draft_vocab, np.int64)
-        t["lm_head.weight"] = np.ascontiguousarray(t["lm_head.weight"][ids])
-        if "markov_head.markov_w2.weight" in t:
-            t["markov_head.markov_w2.weight"] = np.ascontiguousarray(
-                t["markov_head.markov_w2.weight"][ids])
-        t["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
-        t2d = np.zeros((cfg.target.vocab_size,), bool)
-        t2d[ids] = True
-        t["t2d"] = t2d
-    return t
+    return draft_vocab_tensors(cfg, deepspec_tensors_from_pure(cfg, pure))
 
 
 def write_speculators_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
@@ -193,33 +185,11 @@ def read_speculators_dir(path: str | os.PathLike, target: DecoderConfig | None =
     raw = json.loads((path / "config.json").read_text())
     source = str(path / "config.json")
     cfg = draft_config_from_speculators(raw, source, target)
-    t = dict(read_safetensors_dir(path))
-    V = cfg.target.vocab_size
-    d2t, t2d = t.pop("d2t", None), t.pop("t2d", None)
-    if d2t is not None and len(d2t) == V:
-        d2t = None                                   # the full vocabulary (identity map)
-    if d2t is not None:
-        ids = np.arange(len(d2t), dtype=np.int64) + np.asarray(d2t, np.int64)
-        if t2d is not None and not np.array_equal(np.flatnonzero(np.asarray(t2d)), ids):
-            raise CheckpointError(f"{path}: d2t and t2d name different draft vocabularies")
-        if cfg.draft_vocab and tuple(int(i) for i in ids) != cfg.draft_vocab:
-            raise CheckpointError(f"{path}: d2t disagrees with dspark_jax.draft_vocab")
-        if not cfg.draft_vocab:
-            cfg = cfg.replace(draft_vocab_size=len(ids), draft_vocab=tuple(int(i) for i in ids))
-        for name in ("lm_head.weight", "markov_head.markov_w2.weight"):
-            if name in t:
-                rows = np.asarray(t[name])
-                if rows.shape[0] != len(ids):
-                    raise CheckpointError(f"{path}: tensor {name!r} has {rows.shape[0]} rows, "
-                                          f"the draft vocabulary {len(ids)}")
-                full = np.zeros((V,) + rows.shape[1:], rows.dtype)
-                full[ids] = rows
-                t[name] = full
+    t = read_safetensors_dir(path)
     for name in ("embed_tokens.weight", "lm_head.weight"):
         if name not in t:
             raise CheckpointError(f"{path}: missing tensor {name!r} (dspark_jax reads "
                                   "self-contained speculators exports; pass the target's "
                                   "embeddings by exporting with dspark_jax)")
-    cfg_full = cfg.replace(draft_vocab_size=0, draft_vocab=())
-    t = canonical_tensors(cfg_full, t, str(path))
-    return cfg, draft_pure_from_deepspec(cfg_full, t, str(path))
+    cfg, t = canonical_tensors(cfg, t, str(path))      # the draft vocabulary from d2t / t2d
+    return cfg, draft_pure_from_deepspec(cfg, t, str(path))
