@@ -18,12 +18,13 @@ A draft vocabulary (K of the target's V ids, `DraftConfig.draft_vocab`) travels 
 it, and this module owns that convention for every writer (here and models/io/speculators.py):
 `lm_head.weight` (and a Markov `markov_w2`) with K rows, the ids in increasing target-id order;
 `d2t` int64 [K], target_id = draft_id + d2t[draft_id]; `t2d` bool [V], True for the K ids.
-Checked against SafeAILab/EAGLE `eagle/traineagle3/cnets.py` (`Model.scandata`: the top-K ids
-sorted, `d2t = [used_tokens[i] - i …]`, `t2d = [i in used_tokens …]`, registered as buffers beside
-`lm_head = nn.Linear(hidden_size, draft_vocab_size)`; its config.json has `draft_vocab_size`) and
-vLLM `vllm/model_executor/models/llama_eagle3.py` (`Eagle3LlamaForCausalLM`: `lm_head` of
-`config.draft_vocab_size` rows; `load_weights` loads `d2t` as `draft_id_to_target_id` and skips
-`t2d`; `compute_logits` scatters the K logits to `arange(K) + d2t`, -inf elsewhere). DeepSpec's
+Checked against SafeAILab/EAGLE `eagle/traineagle3/cnets.py` at 09fe6a05 (`Model.scandata`: the
+top-K ids sorted, `d2t = [used_tokens[i] - i …]`, `t2d = [i in used_tokens …]`, registered as
+buffers beside `lm_head = nn.Linear(hidden_size, draft_vocab_size)`; its config.json has
+`draft_vocab_size`) and vLLM `vllm/model_executor/models/llama_eagle3.py` at 00bd1493
+(`Eagle3LlamaForCausalLM`: `lm_head` of `config.draft_vocab_size` rows; `load_weights` loads
+`d2t` as `draft_id_to_target_id` and skips `t2d`; `compute_logits` scatters the K logits to
+`arange(K) + d2t`, -inf elsewhere). DeepSpec's
 own format has no draft vocabulary (its `lm_head` has V rows), so a DSpark/DFlash drafter with one
 exports as speculators (or DeepSpec's lossy full-vocabulary fallback), while an Eagle3 drafter
 with one is written here in EAGLE-3's own checkpoint layout (`faithful_format`): DeepSpec's Eagle3
@@ -31,6 +32,7 @@ names plus the map above and `draft_vocab_size` in config.json — what the EAGL
 checkpoints and SpecForge hold and vLLM's / SGLang's Eagle3 loaders read. Reading maps any of
 these back to a V-row `lm_head` (zero rows outside the K ids, which decoding masks to probability
 0) and the K ids into the DraftConfig.
+
 What depends on the draft layers' family (Gemma4's `Gemma4DSparkModel` keeps the target's
 Gemma4 config and its own layer tensors) is that family's record in models/families.py.
 """
@@ -443,8 +445,8 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
         if not full_vocab_fallback_ok:
             raise ExportError(
                 f"draft_vocab_size: the drafter proposes from a {cfg.draft_vocab_size}-id draft "
-                f"vocabulary, which DeepSpec's DSpark format cannot hold (a {cfg.target.vocab_size}-row "
-                "lm_head, no d2t); export it with --format speculators, or pass "
+                "vocabulary, which DeepSpec's DSpark format cannot hold (a "
+                f"{cfg.target.vocab_size}-row lm_head, no d2t); export it with --format speculators, or pass "
                 "--full-vocab-fallback to write the full-vocabulary drafter (DeepSpec's loop "
                 "then measures a different tau)")
         export_note = FULL_VOCAB_FALLBACK_NOTE.format(k=cfg.draft_vocab_size,
