@@ -341,21 +341,61 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
     g = nnx.merge(draft_gd, draft_state).cfg.num_drafts
     bucket_arr = jnp.asarray(buckets, jnp.int32)
     n = max_rounds
+    extra = dict(admitted=((), jnp.int32, 0), lengths=((R,), jnp.int32, 0),
+                 confidence=((R, g), jnp.float32, 0), capacity=((), jnp.int32, 0),
+                 n_tokens=((), jnp.int32, 0), capacity_new=((), jnp.int32, 0),
+                 gain_new=((), jnp.float32, 0), predicted=((), jnp.float32, 0))
+
+    def one_round(st: EngineState, pr: SlotSettings, queue: jax.Array):
+        d = _draft_and_schedule(draft_gd, draft_state, st, pr, stop_ids, conf_temps,
+                                threshold, sps, queue[0], sps_draft, vocab_weights,
+                                mode=mode, cap_budget=cap_budget, sampler=sampler)
+        b = jnp.searchsorted(bucket_arr, jnp.maximum(d["n_tokens"], 1), side="left")
+
+        def verify_in(K: int):
+            def run(x: EngineState):
+                return _verify(target_gd, target_state, x, pr, d["tokens"], d["probs"],
+                               d["lengths"], stop_ids, K=K, verifier=verifier,
+                               tap_layer_ids=tap_layer_ids, budget_rule=budget_rule,
+                               pad_to=buckets[-1])
+            return run
+
+        # the bucket's verification reads the state; the writes happen once, outside
+        o, w = jax.lax.switch(b, [verify_in(K) for K in buckets], st)
+        row = dict(admitted=queue[0], lengths=d["lengths"], confidence=d["confidence"],
+                   capacity=bucket_arr[b], n_tokens=d["n_tokens"],
+                   capacity_new=d["capacity_new"].astype(jnp.int32),
+                   gain_new=d["gain_new"].astype(jnp.float32), predicted=d["predicted"], **o)
+        return (_commit(draft_gd, draft_state, st, pr, w), row,
+                jnp.stack([queue[1], row["capacity_new"]]))
+
+    return _round_loop(one_round, s, p, queue.astype(jnp.int32), num_rounds, min_done, n,
+                       g, extra)
+
+
+def _round_loop(one_round: Any, s: EngineState, p: SlotSettings, queue: jax.Array,
+                num_rounds: jax.Array, min_done: jax.Array, max_rounds: int, g: int,
+                extra: dict[str, tuple[tuple[int, ...], Any, Any]]
+                ) -> tuple[EngineState, dict[str, jax.Array]]:
+    """The device loop of whole rounds shared by `speculative_rounds` and `anchor_rounds`:
+    `one_round(state, settings, queue)` → (state, row: `extra`'s outputs and `ROUND_OUTPUTS`
+    for tokens of up to g + 1 a slot, queue). A slot's budget, round counter and liveness
+    advance on device exactly as the host advances them between single rounds. Stops when no
+    slot is live, after `num_rounds` (≤ max_rounds) rounds, or once `min_done` slots finished.
+    → (state, per round i (leading axis max_rounds): `live` [R] and the rows; `rounds`,
+    `queue`)."""
+    R, n = s.anchor.shape[0], max_rounds
 
     def slots(shape, dtype, fill=0):
         return jnp.full((n, *shape), fill, dtype)
 
-    out0 = dict(live=slots((R,), bool, False), admitted=slots((), jnp.int32),
-                lengths=slots((R,), jnp.int32),
-                confidence=slots((R, g), jnp.float32), capacity=slots((), jnp.int32),
-                n_tokens=slots((), jnp.int32), capacity_new=slots((), jnp.int32),
-                gain_new=slots((), jnp.float32), predicted=slots((), jnp.float32),
-                tokens=slots((R, g + 1), jnp.int32, -1), n_emit=slots((R,), jnp.int32),
-                finished=slots((R,), bool, False), accepted=slots((R,), jnp.int32),
-                proposed=slots((R,), jnp.int32), tau_term=slots((R,), jnp.int32))
+    out0 = dict(live=slots((R,), bool, False), tokens=slots((R, g + 1), jnp.int32, -1),
+                n_emit=slots((R,), jnp.int32), finished=slots((R,), bool, False),
+                accepted=slots((R,), jnp.int32), proposed=slots((R,), jnp.int32),
+                tau_term=slots((R,), jnp.int32),
+                **{k: slots(shape, dtype, fill) for k, (shape, dtype, fill) in extra.items()})
     init = dict(s=s, live=p.active, remaining=p.remaining, counter=p.counter,
-                done=jnp.zeros((R,), bool), queue=queue.astype(jnp.int32),
-                i=jnp.zeros((), jnp.int32), out=out0)
+                done=jnp.zeros((R,), bool), queue=queue, i=jnp.zeros((), jnp.int32), out=out0)
 
     def cond(c: dict[str, Any]) -> jax.Array:
         return (jnp.any(c["live"]) & (c["i"] < jnp.minimum(num_rounds, n))
@@ -363,38 +403,44 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
 
     def body(c: dict[str, Any]) -> dict[str, Any]:
         pr = p._replace(active=c["live"], remaining=c["remaining"], counter=c["counter"])
-        d = _draft_and_schedule(draft_gd, draft_state, c["s"], pr, stop_ids, conf_temps,
-                                threshold, sps, c["queue"][0], sps_draft, vocab_weights,
-                                mode=mode, cap_budget=cap_budget, sampler=sampler)
-        b = jnp.searchsorted(bucket_arr, jnp.maximum(d["n_tokens"], 1), side="left")
-
-        def verify_in(K: int):
-            def run(st: EngineState):
-                return _verify(target_gd, target_state, st, pr, d["tokens"], d["probs"],
-                               d["lengths"], stop_ids, K=K, verifier=verifier,
-                               tap_layer_ids=tap_layer_ids, budget_rule=budget_rule,
-                               pad_to=buckets[-1])
-            return run
-
-        # the bucket's verification reads the state; the writes happen once, outside
-        o, w = jax.lax.switch(b, [verify_in(K) for K in buckets], c["s"])
-        new_s = _commit(draft_gd, draft_state, c["s"], pr, w)
-        row = dict(live=c["live"], admitted=c["queue"][0], lengths=d["lengths"],
-                   confidence=d["confidence"],
-                   capacity=bucket_arr[b], n_tokens=d["n_tokens"],
-                   capacity_new=d["capacity_new"].astype(jnp.int32),
-                   gain_new=d["gain_new"].astype(jnp.float32), predicted=d["predicted"],
-                   **{k: o[k] for k in ROUND_OUTPUTS})
-        out = {k: c["out"][k].at[c["i"]].set(row[k].astype(c["out"][k].dtype)) for k in row}
-        return dict(s=new_s, live=c["live"] & ~o["finished"],
-                    remaining=c["remaining"] - o["n_emit"],
+        new_s, row, queue = one_round(c["s"], pr, c["queue"])
+        row = dict(row, live=c["live"])
+        out = {k: c["out"][k].at[c["i"]].set(row[k].astype(c["out"][k].dtype))
+               for k in c["out"]}
+        return dict(s=new_s, live=c["live"] & ~row["finished"],
+                    remaining=c["remaining"] - row["n_emit"],
                     counter=c["counter"] + c["live"].astype(jnp.int32),
-                    done=c["done"] | o["finished"],
-                    queue=jnp.stack([c["queue"][1], row["capacity_new"]]),
-                    i=c["i"] + 1, out=out)
+                    done=c["done"] | row["finished"], queue=queue, i=c["i"] + 1, out=out)
 
     c = jax.lax.while_loop(cond, body, init)
     return c["s"], dict(c["out"], rounds=c["i"], queue=c["queue"])
+
+
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "max_rounds",
+                                             "verifier", "tap_layer_ids", "budget_rule"),
+                   donate_argnames=("s",))
+def anchor_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+                  s: EngineState, p: SlotSettings, stop_ids: jax.Array, num_rounds: jax.Array,
+                  min_done: jax.Array, *, K: int, max_rounds: int, verifier: str,
+                  tap_layer_ids: tuple[int, ...], budget_rule: str
+                  ) -> tuple[EngineState, dict[str, jax.Array]]:
+    """Up to `num_rounds` (traced, ≤ `max_rounds`) rounds that skip drafting in one device
+    call: `adaptive`'s plain stretches (`serving.policy`). Each verifies the anchors alone
+    (drafts of width 0, ℓ = 0) in capacity K and commits them, the drafter's context fed with
+    their features, exactly as `verify_and_commit` with no drafts, round after round, with
+    the loop and outputs of `speculative_rounds` (tokens [R, 1] a round)."""
+    R = s.anchor.shape[0]
+    V = nnx.merge(target_gd, target_state).cfg.vocab_size
+    drafts, probs = jnp.zeros((R, 0), jnp.int32), jnp.zeros((R, 0, V), jnp.float32)
+    ell = jnp.zeros((R,), jnp.int32)
+
+    def one_round(st: EngineState, pr: SlotSettings, queue: jax.Array):
+        o, w = _verify(target_gd, target_state, st, pr, drafts, probs, ell, stop_ids, K=K,
+                       verifier=verifier, tap_layer_ids=tap_layer_ids, budget_rule=budget_rule)
+        return _commit(draft_gd, draft_state, st, pr, w), o, queue
+
+    return _round_loop(one_round, s, p, jnp.zeros((2,), jnp.int32), num_rounds, min_done,
+                       max_rounds, 0, {})
 
 
 # ------------------------------------------------------------------------------ prefill

@@ -9,7 +9,9 @@ current confidences (`scheduler`: none / fixed / threshold / algorithm1 / produc
 → ragged verification of exactly the admitted tokens in the smallest capacity bucket that holds
 them → commit, all in one device call; up to `rounds_per_call` rounds run per call
 (`decoding.speculative_round.speculative_rounds`), back on the host when a slot can go to a
-waiting request (`adaptive` decides on the host, one round a call). Each request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
+waiting request (`adaptive` decides on the host, one drafting round a call; its stretches of
+plain rounds run up to `plain_steps_per_call` a call, `speculative_round.anchor_rounds`). Each
+request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
 `verifier="pallas"` run the Markov-head sampling / verification Pallas kernels (compiled on GPU
 and TPU, interpreted on CPU) in place of their pure-JAX oracles. SPS(B) for the
 scheduler is profiled at start over the buckets (cached on disk) or passed in. `production` is
@@ -90,7 +92,9 @@ class Engine:
     rule: always draft). `probe_interval` / `max_probe_interval`: the least rounds between
     probes while plain decoding wins (doubling at each probe); `explore`: the fraction of plain
     decoding time that probes may cost (None: no limit). The adaptive policy's learned state
-    persists across `generate` calls; `reset_policy()` forgets it. `production` (the paper's
+    persists across `generate` calls; `reset_policy()` forgets it. `plain_steps_per_call`: the
+    most plain steps (`none`) or plain rounds (`adaptive`'s rounds that skip drafting) one
+    device call runs. `production` (the paper's
     §5.2 schedule without that choice) profiles SPS only, never reads these costs and always
     drafts; its two-rounds-old capacity queue starts over with every `generate` call.
 
@@ -308,6 +312,14 @@ class Engine:
             cap_budget=self.cap_to_budget, sampler=self.sampler, verifier=self.verifier,
             tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
 
+    def _anchor_rounds(self, s, p, rounds: int, min_done: int, K: int):
+        """Up to `rounds` rounds that skip drafting in one device call (`anchor_rounds`)."""
+        return round_.anchor_rounds(
+            self.target.graphdef, self._dgd, self.target.state, self._dstate, s, p,
+            self.stop_ids, jnp.asarray(rounds, jnp.int32), jnp.asarray(min_done, jnp.int32),
+            K=K, max_rounds=self.plain_steps_per_call, verifier=self.verifier,
+            tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
+
     def _draft_step_fn(self):
         """step_fn(_): one drafting + scheduling call, synchronised on what the host reads."""
         p, s = self._all_slots_active(), self._fresh_state()
@@ -438,8 +450,11 @@ class Engine:
         step = self._dummy_step_fn()
         for K in self.buckets:
             jax.block_until_ready(step(K))
-        if self.mode == "adaptive":   # rounds that skip drafting
-            jax.block_until_ready(self._plain_step_fn()(self.buckets[0]))
+        if self.mode == "adaptive":   # rounds that skip drafting, at each bucket a load needs
+            p = self._all_slots_active()
+            for K in sorted({cost_profile.bucket_for(self.buckets, n)
+                             for n in range(1, self.R + 1)}):
+                jax.block_until_ready(self._anchor_rounds(self._fresh_state(), p, 1, 1, K)[1])
         self.generate([[0]], max_new_tokens=2)
         self.reset_policy()   # a dummy request teaches the policy nothing
 
@@ -584,8 +599,6 @@ class _Run:
         self.policy = eng.policy
         if self.policy is not None and (fresh_policy or not self.policy.persists):
             self.policy = eng.new_policy()
-        self.no_drafts = (jnp.zeros((eng.R, 0), jnp.int32),
-                          jnp.zeros((eng.R, 0, eng.V), jnp.float32))
         self.bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -808,7 +821,7 @@ class _Run:
         if self.policy is not None:   # production: always drafts, K of two rounds before
             drafted, capacity = self.policy.decide(n_active)
         if not drafted:   # plain decoding: ℓ = 0, the drafter not run
-            return self._anchor_round(s, n_active, t_start)
+            return self._anchor_rounds(s, n_active, t_start)
         rounds, min_done = self._call_budget(
             1 if e.mode == "adaptive" else max_steps, e.rounds_per_call)
         queue = (self.policy.queue if isinstance(self.policy, policy.CapacityQueue)
@@ -856,19 +869,30 @@ class _Run:
             self.bar.update(emitted)
         return emitted
 
-    def _anchor_round(self, s, n_active: int, t_start: float):
-        """A round that skips drafting (`adaptive`): the anchors alone are verified (drafts of
-        width 0) in the smallest bucket, and the drafter's context is still fed."""
+    def _anchor_rounds(self, s, n_active: int, t_start: float):
+        """Rounds that skip drafting (`adaptive`): the anchors alone are verified (drafts of
+        width 0) in the smallest bucket, and the drafter's context is still fed. The policy's
+        next plain choices are known ahead (`DraftPolicy.plain_rounds`), so up to
+        `plain_steps_per_call` of them run in one device call (`anchor_rounds`), back on the
+        host once a slot finishes (the active count the choices assumed changes then)."""
         e, h = self.e, self.h
-        drafts, probs = self.no_drafts
+        want = self.policy.plain_rounds(n_active, e.plain_steps_per_call)
+        rounds, _ = self._call_budget(want, e.plain_steps_per_call)
         K = cost_profile.bucket_for(e.buckets, max(n_active, 1))
-        s, o = e._verify(s, e._slot_settings(h), drafts, probs,
-                         jnp.zeros((e.R,), jnp.int32), K)
+        s, o = e._anchor_rounds(s, e._slot_settings(h), rounds, 1, K)
         o = jax.device_get(o)
-        self.policy.update(False)
-        emitted = self._book_round(o, h["active"], time.perf_counter() - self.t0)
-        self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=K, tokens=emitted,
-                                drafted=False, steps=1, seconds=time.perf_counter() - t_start))
+        now = time.perf_counter() - self.t0
+        n_run = int(o["rounds"])
+        seconds = (time.perf_counter() - t_start) / max(n_run, 1)
+        self.step_s = seconds
+        for i in range(n_run):
+            if i:   # replays the choice made ahead (the same n_active: no slot finished)
+                self.policy.decide(n_active)
+            self.policy.update(False)
+            emitted = self._book_round({k: o[k][i] for k in round_.ROUND_OUTPUTS},
+                                       o["live"][i], now)
+            self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=K,
+                                    tokens=emitted, drafted=False, steps=1, seconds=seconds))
         return s
 
     def start_state(self):

@@ -65,6 +65,7 @@ drafter in every round), so the next drafting round sees the full committed cont
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Sequence
 
@@ -202,6 +203,21 @@ class DraftPolicy:
             self.budget = min(self.budget + self.explore * plain_at(self.t_plain, n_active),
                               max(cost, self.budget))
         return False, 0
+
+    def plain_rounds(self, n_active: int, limit: int) -> int:
+        """After `decide(n_active)` chose plain decoding: how many rounds in a row, this one
+        included (≤ `limit`), the policy chooses plain decoding while `n_active` stays the
+        same. A plain round teaches it nothing (no confidences, no acceptances), so those
+        choices are known now: the engine runs them in one device call, then replays them
+        (`decide` and `update(False)` per round), which leaves the same state as deciding
+        them one by one."""
+        sim = copy.deepcopy(self)
+        sim.update(False)
+        k = 1
+        while k < int(limit) and not sim.decide(n_active)[0]:
+            sim.update(False)
+            k += 1
+        return k
 
     def update(self, drafted: bool, est: Estimate | None = None, predicted: float = 0.0,
                realised: float = 0.0) -> None:

@@ -93,20 +93,26 @@ def _prefilled(eng, prompt):
     return run, s
 
 
-def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref):
+def test_adaptive_rounds_that_skip_drafting(target, draft, greedy_ref, monkeypatch):
     """A drafter that costs more than it could ever gain (draft_seconds ≫ a step), probing
-    every 2nd round: rounds mix plain decoding (drafter not run, nothing verified) and drafting, greedy
-    output still equals autoregressive decoding, and the drafter's context cache holds every
-    committed token's features exactly as a prefill of the committed sequence writes them
-    (skipped rounds included)."""
-    kw = dict(scheduler="adaptive", sps=SPS, draft_seconds=100.0, probe_interval=2,
-              max_probe_interval=2, explore=None)
+    every 4th round: rounds mix plain decoding (drafter not run, nothing verified) and drafting,
+    the plain stretches run several rounds per device call, greedy output still equals
+    autoregressive decoding, and the drafter's context cache holds every committed token's
+    features exactly as a prefill of the committed sequence writes them (skipped rounds
+    included)."""
+    kw = dict(scheduler="adaptive", sps=SPS, draft_seconds=100.0, probe_interval=4,
+              max_probe_interval=4, explore=None)
+    calls = []
+    real = engine_mod.round_.anchor_rounds
+    monkeypatch.setattr(engine_mod.round_, "anchor_rounds",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     eng = Engine(target, draft, **kw, **ENGINE_KW)
     res = eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
     assert res.tokens == greedy_ref
     flags = [r["drafted"] for r in res.rounds]
-    assert flags.count(False) >= 3 and flags.count(True) >= 2
+    assert flags.count(False) >= 6 and flags.count(True) >= 2
     assert all(r["verified_tokens"] == 0 for r in res.rounds if not r["drafted"])
+    assert 0 < len(calls) < flags.count(False)   # several plain rounds per device call
 
     one = Engine(target, draft, **kw, **dict(ENGINE_KW, max_requests=1))
     run = engine_mod._Run(one, MAX_NEW)

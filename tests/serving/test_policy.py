@@ -185,3 +185,42 @@ def test_production_never_decodes_plainly_where_adaptive_does():
     assert flags["adaptive"].count(False) >= 6
     assert all(flags["production"])
     assert production.decide(R) == (True, bad.capacity)
+
+
+def test_plain_rounds_known_ahead_equal_deciding_one_by_one():
+    """`plain_rounds`: after a plain choice, the count of the plain choices that follow at the
+    same load, known ahead (plain rounds teach the policy nothing), is exactly what deciding
+    round by round gives; replaying them leaves the policy where one-by-one deciding does."""
+    bad = policy.Estimate(capacity=0, gain=0.0, n_active=R)
+
+    def fresh():
+        pol = policy.DraftPolicy(T_V, 0.2, 1.0, G, R * G, probe_interval=1,
+                                 max_probe_interval=1, explore=0.05)
+        pol.update(*pol.decide(R)[:1], bad)   # the free probe: drafting does not pay
+        return pol
+
+    one, ahead = fresh(), fresh()
+    flags = []   # one by one
+    for _ in range(60):
+        d, _ = one.decide(R)
+        flags.append(d)
+        one.update(d, bad if d else None)
+    got = []     # ahead: runs of plain rounds counted first, then replayed
+    while len(got) < 60:
+        d, _ = ahead.decide(R)
+        if d:
+            got.append(True)
+            ahead.update(True, bad)
+            continue
+        k = ahead.plain_rounds(R, min(16, 60 - len(got)))
+        for i in range(k):
+            if i:
+                assert ahead.decide(R)[0] is False
+            ahead.update(False)
+        got += [False] * k
+    assert got == flags and True in flags and flags.count(False) > 20
+    assert vars(ahead).keys() == vars(one).keys()
+    for key, val in vars(one).items():
+        assert np.all(vars(ahead)[key] == val), key
+    runs = [len(r) for r in "".join("d" if f else "p" for f in flags).split("d") if r]
+    assert max(runs) > 1   # the stretches are longer than one round
