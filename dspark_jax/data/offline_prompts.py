@@ -5,7 +5,9 @@ built locally, deterministically from a seed, from nothing but what is installed
 
 - code: one prompt per public, documented, top-level function of the Python standard library,
   read with `ast` from the source files (nothing is imported or executed): its signature and
-  docstring wrapped in one of several task instructions (implement / explain / test / refactor).
+  docstring wrapped in one of several task instructions (implement / explain / test / refactor),
+  or, for a docstring that opens with an imperative sentence, that sentence alone as a short
+  task ("Write a function to return …"), so the target also writes functions from scratch.
   The docstrings are the Python Software Foundation's (PSF License 2.0); the set depends on the
   Python version (3.11 here), so the exact prompts are deterministic per interpreter.
 - math: word problems from templates with seeded numbers, the answer left to the target.
@@ -62,6 +64,14 @@ _CODE_TASKS = (
     "```python\n{sig}\n```\nWrite an equivalent function in idiomatic modern Python with type hints.",
     "How would you implement `{name}` (from `{mod}`) in JavaScript? Its Python documentation:\n"
     "```python\n{sig}\n```",
+)
+
+# Short task statements from the docstring's first sentence, no code shown: the target writes
+# the function from scratch (the form of the usual "write a function" coding requests).
+_SHORT_TASKS = (
+    "Write a python function to {task}",
+    "Write a function to {task}",
+    "Write a Python function `{short}` to {task}",
 )
 
 _NAMES = ("Ava", "Ben", "Chloe", "Dario", "Elif", "Farah", "Goran", "Hana", "Ivan", "Jun",
@@ -177,14 +187,39 @@ def _stdlib_functions() -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
+def _task_statement(sig: str) -> str | None:
+    """The docstring's first sentence as a task ("Return the …" → "return the …."), when it is
+    one imperative sentence of reasonable length; None otherwise."""
+    doc = sig.split('"""', 2)[1].strip()
+    first = " ".join(doc.split("\n\n", 1)[0].split())
+    end = first.find(". ")
+    first = first if end < 0 else first[:end + 1]
+    words = first.split()
+    if not (30 <= len(first) <= 160) or not first.endswith(".") or not words:
+        return None
+    verb = words[0]
+    # an imperative verb: capitalised, alphabetic, not "Returns", "Called", "Fairly", "This"
+    if (not verb.isalpha() or not verb[:1].isupper() or not verb[1:].islower()
+            or verb.endswith(("s", "ed", "ly"))
+            or verb in ("This", "The", "A", "An", "If", "For", "In", "When", "Note", "Internal")):
+        return None
+    return verb.lower() + first[len(verb):]
+
+
 def code_prompts(n: int, rng: random.Random) -> list[str]:
+    """`n` code prompts: a function's signature and docstring under one of `_CODE_TASKS`, or,
+    for a function whose docstring opens with an imperative sentence, a short task statement
+    (`_SHORT_TASKS`) about as often as each of them."""
     if n == 0:
         return []
     funcs = list(_stdlib_functions())
     rng.shuffle(funcs)
     out, seen = [], set()
     for mod, name, sig in funcs:
-        text = rng.choice(_CODE_TASKS).format(sig=sig, mod=mod, name=name)
+        task = _task_statement(sig)
+        templates = _CODE_TASKS + (_SHORT_TASKS if task else ())
+        text = rng.choice(templates).format(sig=sig, mod=mod, name=name, task=task,
+                                            short=name.rsplit(".", 1)[-1])
         if text not in seen:
             seen.add(text)
             out.append(text)

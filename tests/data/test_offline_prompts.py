@@ -45,7 +45,10 @@ def test_offline_mix_size_kinds_and_diversity(mix) -> None:
     # the kinds are interleaved (a prefix of the list is already a mixture)
     assert set(c.id.split("-")[1] for c in mix[:30]) == {"code", "math", "chat"}
     code = [t for c, t in zip(mix, texts) if "-code-" in c.id]
-    assert sum("```python\ndef " in t for t in code) == len(code)
+    shown = [t for t in code if "```python\ndef " in t]
+    short = [t for t in code if "```" not in t]   # a task statement alone: written from scratch
+    assert len(shown) + len(short) == len(code) and 0.15 < len(short) / len(code) < 0.35
+    assert all(t.startswith("Write a ") and t.endswith(".") and len(t) < 220 for t in short)
 
 
 def test_offline_prompts_are_deterministic_and_seeded(mix) -> None:
