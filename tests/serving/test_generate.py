@@ -192,7 +192,12 @@ def _always_accept(accept_u, sample_u, target_probs, draft_probs, draft_tokens, 
                                    accepted_mask=jnp.arange(g)[None] < n[:, None])
 
 
+@pytest.mark.slow   # the default suite's every-mode check covers it in seconds (below)
 def test_sampled_output_matches_target_distribution(small_target, monkeypatch):
+    """20k samples through `speculative_generate` (the `fixed` engine): per-position marginals
+    match the target; an accept-every-draft rule fails. Default suite:
+    tests/serving/test_engine_distribution.py checks every mode's joint, with top-k / top-p and
+    a subtler broken rule."""
     draft = init_draft(small_target, dict(BASE, mask_token_id=V_SMALL - 1, target_layer_ids=(0, 1)),
                        seed=7)
     model = draft.model   # a sharper, different draft distribution: a broken rule shows clearly
