@@ -7,10 +7,11 @@ training step (SPEC §4's batch on a slice, `aot/train_step.py`) and the serving
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
-from typing import Any
+from typing import Any, Iterator
 
 GiB = 1024 ** 3
 INSTALL_HINT = "pip install -e '.[tpu]'"
@@ -72,8 +73,46 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[Any]:
     from jax.experimental import topologies
 
     kw = {"num_slices": num_slices} if num_slices > 1 else {}
+    with _xla_flags_for_libtpu():
+        try:
+            devices = list(topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                                        **kw).devices)
+        except Exception as e:  # libtpu names the problem (bad generation / shape)
+            raise AotError(f"--topology {topology!r}: {e}") from None
+        _parse_libtpu_flags(devices[0])
+    return devices
+
+
+_LIBTPU_FLAGS_PARSED = False
+
+
+@contextlib.contextmanager
+def _xla_flags_for_libtpu() -> Iterator[None]:
+    """libtpu carries its own XLA, which reads $XLA_FLAGS once, at its first compilation, and
+    aborts the process on a flag it does not know. The CPU backend's flags (`--xla_cpu_*`,
+    e.g. `--xla_cpu_use_fusion_emitters`, newer than libtpu's XLA) configure nothing there, so
+    they are hidden from it meanwhile; the CPU backend read its flags when it started."""
+    old = os.environ.get("XLA_FLAGS")
+    if old is None:
+        yield
+        return
+    os.environ["XLA_FLAGS"] = " ".join(f for f in old.split()
+                                       if not f.lstrip("-").startswith("xla_cpu_"))
     try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology,
-                                                 **kw).devices)
-    except Exception as e:  # libtpu names the problem (bad generation / shape)
-        raise AotError(f"--topology {topology!r}: {e}") from None
+        yield
+    finally:
+        os.environ["XLA_FLAGS"] = old
+
+
+def _parse_libtpu_flags(device: Any) -> None:
+    """Makes libtpu read $XLA_FLAGS now (a trivial compilation), under `_xla_flags_for_libtpu`."""
+    global _LIBTPU_FLAGS_PARSED
+    if _LIBTPU_FLAGS_PARSED:
+        return
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    x = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=SingleDeviceSharding(device))
+    jax.jit(lambda v: v + 1).lower(x).compile()
+    _LIBTPU_FLAGS_PARSED = True

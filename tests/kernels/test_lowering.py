@@ -35,11 +35,10 @@ def tpu_device():
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed: no ahead-of-time TPU compilation here")
     # other processes may hold libtpu's lock file; compiling needs no chip
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-    from jax.experimental import topologies
+    from dspark_jax.aot.topology import topology_devices   # hides CPU-only XLA_FLAGS from libtpu
 
-    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+    return topology_devices("v5e:2x2")[0]
 
 
 @pytest.mark.parametrize("name", ["markov_sample", "verify"])
