@@ -274,22 +274,26 @@ class Engine:
         h["remaining"][:] = self.max_len
         return self._slot_settings(h)
 
-    def _plain_step_fn(self):
-        """step_fn(K): one verification step of the anchors alone (a round that skips
-        drafting: drafts of width 0, the drafter's context still fed)."""
+    def _plain_rounds_fn(self) -> tuple[Callable[[int], Any], int]:
+        """(step_fn(K), n): n rounds that skip drafting in one device call (`anchor_rounds`:
+        the anchors alone verified in bucket K, the drafter's context still fed), as
+        `adaptive`'s plain stretches run them; the cost of one is the call's time / n."""
         p = self._all_slots_active()
-        drafts = jnp.zeros((self.R, 0), jnp.int32)
-        probs = jnp.zeros((self.R, 0, self.V), jnp.float32)
-        ell = jnp.zeros((self.R,), jnp.int32)
+        n = max(1, min(self.plain_steps_per_call, self.max_len - 1))
+        no_stops = jnp.full_like(self.stop_ids, -1)
         holder = {"s": self._fresh_state()}
 
         def step(K: int):
-            holder["s"], out = self._verify(holder["s"], p, drafts, probs, ell, K)
+            holder["s"], out = round_.anchor_rounds(
+                self.target.graphdef, self._dgd, self.target.state, self._dstate, holder["s"],
+                p, no_stops, jnp.asarray(n, jnp.int32), jnp.asarray(self.R + 1, jnp.int32),
+                K=K, max_rounds=self.plain_steps_per_call, verifier=self.verifier,
+                tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
             holder["s"] = holder["s"].replace(
                 cache=holder["s"].cache.with_lengths(jnp.zeros((self.R,), jnp.int32)))
-            return out["n_emit"]
+            return out["rounds"]
 
-        return step
+        return step, n
 
     def _draft(self, s, p, capacity: int) -> dict[str, jax.Array]:
         return round_.draft_and_schedule(self._dgd, self._dstate, s, p, self.stop_ids,
@@ -348,19 +352,21 @@ class Engine:
                                                  sampler=self.sampler, **extra))
 
     def profile_costs(self) -> dict[str, float]:
-        """The drafter's seconds per round (draft + schedule, all slots) and the plain step's
-        seconds (anchors only, bucket R), profiled once like SPS and cached on disk next to it
-        (keyed by device kind, target and drafter shapes, slots and γ). Also sets
+        """The drafter's seconds per round (draft + schedule, all slots) and a plain round's
+        seconds (anchors only, smallest bucket, several a device call as `adaptive`'s plain
+        stretches run them: `_plain_rounds_fn`), profiled once like SPS and cached on disk
+        next to it (keyed by device kind, target and drafter shapes, slots and γ). Also sets
         `cost_profile_seconds` (0 when cached)."""
         if self.draft is None:
             raise ValueError("profile_costs needs a drafter (scheduler='none' has none)")
         key = self._profile_key(costs=True, mode=self.mode)
+        plain, n = self._plain_rounds_fn()
         calls = {"draft": functools.partial(self._draft_step_fn(), 0),
-                 "plain": functools.partial(self._plain_step_fn(), self.buckets[0])}
+                 f"plain_{n}_rounds": functools.partial(plain, self.buckets[0])}
         secs, took, _ = cost_profile.load_or_profile(key, self.sps_cache_dir, calls,
                                                      repeats=self.profile_repeats)
         self.cost_profile_seconds = took
-        return secs
+        return {"draft": secs["draft"], "plain": secs[f"plain_{n}_rounds"] / n}
 
     def _init_costs(self, sps: Any, draft_seconds: float | None,
                     plain_seconds: float | None) -> None:
