@@ -155,7 +155,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
     verify_lower = functools.partial(R_.verify_and_commit.lower, t_gd, d_gd, **verify_static)
     verify_args = (t_abs, d_abs, state, params, arr((R, gamma), jnp.int32),
                    arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32), stop_ids)
-    # the engine's fused call: whole rounds (draft → schedule → verify → commit) in one program
+    # the engine's fused call: whole rounds (draft → schedule → verify → commit), one program
     replicated = NamedSharding(mesh, PartitionSpec())
     vocab_w = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),

@@ -195,7 +195,7 @@ def _task_statement(sig: str) -> str | None:
     end = first.find(". ")
     first = first if end < 0 else first[:end + 1]
     words = first.split()
-    if not (30 <= len(first) <= 160) or not first.endswith(".") or not words:
+    if not (30 <= len(first) <= 160) or not first.endswith("."):
         return None
     verb = words[0]
     # an imperative verb: capitalised, alphabetic, not "Returns", "Called", "Fairly", "This"

@@ -284,11 +284,8 @@ class Engine:
         holder = {"s": self._fresh_state()}
 
         def step(K: int):
-            holder["s"], out = round_.anchor_rounds(
-                self.target.graphdef, self._dgd, self.target.state, self._dstate, holder["s"],
-                p, no_stops, jnp.asarray(n, jnp.int32), jnp.asarray(self.R + 1, jnp.int32),
-                K=K, max_rounds=self.plain_steps_per_call, verifier=self.verifier,
-                tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
+            holder["s"], out = self._anchor_rounds(holder["s"], p, n, self.R + 1, K,
+                                                   stop_ids=no_stops)
             holder["s"] = holder["s"].replace(
                 cache=holder["s"].cache.with_lengths(jnp.zeros((self.R,), jnp.int32)))
             return out["rounds"]
@@ -316,11 +313,13 @@ class Engine:
             cap_budget=self.cap_to_budget, sampler=self.sampler, verifier=self.verifier,
             tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
 
-    def _anchor_rounds(self, s, p, rounds: int, min_done: int, K: int):
+    def _anchor_rounds(self, s, p, rounds: int, min_done: int, K: int,
+                       stop_ids: jax.Array | None = None):
         """Up to `rounds` rounds that skip drafting in one device call (`anchor_rounds`)."""
         return round_.anchor_rounds(
             self.target.graphdef, self._dgd, self.target.state, self._dstate, s, p,
-            self.stop_ids, jnp.asarray(rounds, jnp.int32), jnp.asarray(min_done, jnp.int32),
+            self.stop_ids if stop_ids is None else stop_ids, jnp.asarray(rounds, jnp.int32),
+            jnp.asarray(min_done, jnp.int32),
             K=K, max_rounds=self.plain_steps_per_call, verifier=self.verifier,
             tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
 
@@ -833,11 +832,7 @@ class _Run:
         queue = (self.policy.queue if isinstance(self.policy, policy.CapacityQueue)
                  else [capacity, capacity])
         s, o = e._rounds(s, e._slot_settings(h), queue, rounds, min_done)
-        o = jax.device_get(o)
-        now = time.perf_counter() - self.t0
-        n_run = int(o["rounds"])
-        seconds = (time.perf_counter() - t_start) / max(n_run, 1)
-        self.step_s = seconds
+        o, now, n_run, seconds = self._fetch_rounds(o, t_start)
         for i in range(n_run):
             live = o["live"][i]
             if self.policy is not None:
@@ -854,6 +849,16 @@ class _Run:
                                     drafted=True, steps=1, seconds=seconds,
                                     admitted_capacity=int(o["admitted"][i])))
         return s
+
+    def _fetch_rounds(self, o: Mapping[str, Any], t_start: float
+                      ) -> tuple[dict[str, np.ndarray], float, int, float]:
+        """A rounds call's outputs on the host: → (outputs, run time now, rounds run, seconds
+        a round), the last also kept as the pace for arrivals (`step_s`)."""
+        o = jax.device_get(o)
+        now = time.perf_counter() - self.t0
+        n_run = int(o["rounds"])
+        self.step_s = (time.perf_counter() - t_start) / max(n_run, 1)
+        return o, now, n_run, self.step_s
 
     def _book_round(self, o: Mapping[str, np.ndarray], live: np.ndarray, now: float,
                     confidence: np.ndarray | None = None) -> int:
@@ -886,11 +891,7 @@ class _Run:
         rounds, _ = self._call_budget(want, e.plain_steps_per_call)
         K = cost_profile.bucket_for(e.buckets, max(n_active, 1))
         s, o = e._anchor_rounds(s, e._slot_settings(h), rounds, 1, K)
-        o = jax.device_get(o)
-        now = time.perf_counter() - self.t0
-        n_run = int(o["rounds"])
-        seconds = (time.perf_counter() - t_start) / max(n_run, 1)
-        self.step_s = seconds
+        o, now, n_run, seconds = self._fetch_rounds(o, t_start)
         for i in range(n_run):
             if i:   # replays the choice made ahead (the same n_active: no slot finished)
                 self.policy.decide(n_active)
