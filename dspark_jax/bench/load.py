@@ -134,7 +134,7 @@ def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[
                  max_len=a.max_len, scheduler=mode, threshold=a.threshold,
                  prefill_chunk=a.prefill_chunk, sampler=a.sampler, verifier=a.verifier,
                  sps_cache_dir=a.sps_cache_dir, explore=a.explore)
-    eng.warmup()
+    eng.warmup(max(len(x) for x in prompts) + a.max_new_tokens)
     eng.generate(prompts[:c], max_new_tokens=a.max_new_tokens, temperature=a.temperature)
     return eng
 

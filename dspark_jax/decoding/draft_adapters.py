@@ -5,6 +5,7 @@ per-drafter `propose`). The drafter models themselves live in `dspark_jax.models
 Every drafter exposes the same pure functions to the round (`decoding.speculative_round`), so DSpark,
 DFlash and Eagle3 run through one loop:
   init_cache(model, B, max_len)                       → draft cache
+  grown_cache(cache, max_len)                         → the cache with room for max_len
   commit(model, cache, feats [B,T,n·d], start [B], count [B], next_tokens [B,T]) → cache
       (target features of newly committed tokens at positions start..start+count−1;
        next_tokens[t] is the token that follows position start+t — Eagle3 pairs them)
@@ -28,8 +29,19 @@ import jax.numpy as jnp
 from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
 
 
+def _grown_kv(cache: Any, max_len: int) -> Any:
+    """A drafter cache whose k / v [Ld, B, S, K, H] have room for `max_len` ≥ S positions."""
+    def pad(x: jax.Array) -> jax.Array:
+        return jnp.pad(x, [(0, int(max_len) - x.shape[2]) if a == 2 else (0, 0)
+                           for a in range(x.ndim)])
+
+    return cache.replace(k=pad(cache.k), v=pad(cache.v))
+
+
 class DSparkAdapter:
     """DSpark (Markov/gated/RNN head + confidence) and DFlash (no sequential head)."""
+
+    grown_cache = staticmethod(_grown_kv)
 
     @staticmethod
     def init_cache(model: DSparkDraft, batch: int, max_len: int) -> DraftCache:
@@ -121,6 +133,8 @@ class DSparkAdapter:
 
 class Eagle3Adapter:
     """Eagle3: a chain of γ autoregressive draft steps over its own KV cache."""
+
+    grown_cache = staticmethod(_grown_kv)
 
     @staticmethod
     def vocab_weights(model: Any) -> None:

@@ -26,7 +26,7 @@ from flax import nnx
 from dspark_jax.decoding.sampling import sample_request_rows
 from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
 from dspark_jax.decoding.stops import is_stop
-from dspark_jax.models.decoder import init_cache, ragged_forward
+from dspark_jax.models.decoder import prefill, ragged_forward
 
 
 @functools.partial(jax.jit, static_argnames=("target_gd", "max_steps", "top_k_cap",
@@ -88,32 +88,25 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
                        finished=c["finished"])
 
 
-@functools.partial(jax.jit, static_argnames=("target_gd", "top_k_cap"), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("target_gd", "chunk", "top_k_cap"),
+                   donate_argnames=("s",))
 def plain_prefill(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
-                  tokens: jax.Array, lens: jax.Array, slots: jax.Array, *, top_k_cap: int = 0
-                  ) -> tuple[EngineState, jax.Array]:
+                  tokens: jax.Array, lens: jax.Array, slots: jax.Array, *, chunk: int,
+                  top_k_cap: int = 0) -> tuple[EngineState, jax.Array]:
     """Prefills n joining requests at once, densely: `tokens` [n, P] right-padded prompts of
     `lens` [n] tokens for slots `slots` [n] (a slot ≥ R is a padding row: nothing is written).
-    One causal forward over [n, P] on a fresh cache — the cost of the prompts alone, with no
-    per-token gather of the slots' [S] caches as the ragged chunked prefill of speculative
-    rounds needs — then the K/V rows are written into the slots, each slot's first token is
-    sampled (token 0 of `sample_request_rows`) and becomes its anchor. P ≤ the cache length.
-    → (state, first token [n])."""
+    One causal forward over [n, P] (`models.decoder.prefill`, in chunks of `chunk` tokens) —
+    the cost of the prompts alone, with no per-token gather of the slots' [S] caches — then
+    the K/V rows are written into the slots, each slot's first token is sampled (token 0 of
+    `sample_request_rows`) and becomes its anchor. → (state, first token [n])."""
     target = nnx.merge(target_gd, target_state)
-    n, P = tokens.shape
+    n = tokens.shape[0]
     R = s.anchor.shape[0]
-    fresh = init_cache(target.cfg, n, P, jax.tree.leaves(s.cache.k)[0].dtype)
-    out = target(tokens, cache=fresh)
+    out = prefill(target, tokens, chunk, cache_dtype=jax.tree.leaves(s.cache.k)[0].dtype)
     h_last = out.hidden[jnp.arange(n), lens - 1]                                # [n, D]
     rows = jnp.clip(slots, 0, R - 1)
     first = sample_request_rows(p.key_data[rows], jnp.zeros((n,), jnp.int32),
                                 target.logits(h_last), p.temperature[rows], p.top_k[rows],
                                 p.top_p[rows], top_k_cap=top_k_cap)
-
-    def put(old: jax.Array, new: jax.Array) -> jax.Array:   # [..., R, S, K, H] ← [..., n, P]
-        return old.at[:, slots[:, None], jnp.arange(P)[None]].set(new, mode="drop")
-
-    cache = s.cache.replace(k=jax.tree.map(put, s.cache.k, out.cache.k),
-                            v=jax.tree.map(put, s.cache.v, out.cache.v),
-                            lengths=s.cache.lengths.at[slots].set(lens, mode="drop"))
-    return s.replace(cache=cache, anchor=s.anchor.at[slots].set(first, mode="drop")), first
+    return s.replace(cache=s.cache.put_rows(out.cache, slots, lens),
+                     anchor=s.anchor.at[slots].set(first, mode="drop")), first

@@ -17,7 +17,7 @@ A round has three parts:
 `lax.while_loop` until a slot finishes, so no host round trip separates draft, schedule and
 verify, nor one round from the next. The separate jitted parts serve profiling (SPS per
 bucket, the drafter's cost) and the `adaptive` rounds that skip drafting.
-`prefill_chunk` runs joins (chunks of prompts of several requests, also flattened).
+`prefill_prompts` runs joins (the joining prompts densely, the drafter's context fed).
 Under "adaptive" the host decides each round (`serving.policy`): a round it does not draft
 verifies the anchors alone (drafts of width 0) and still commits their features to the drafter.
 
@@ -42,7 +42,7 @@ from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.stops import is_stop
-from dspark_jax.models.decoder import KVCache, ragged_forward, write_ragged
+from dspark_jax.models.decoder import KVCache, prefill, ragged_forward, write_ragged
 
 
 @flax.struct.dataclass
@@ -444,42 +444,47 @@ def anchor_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_state:
 
 
 # ------------------------------------------------------------------------------ prefill
-@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "tap_layer_ids"),
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "chunk", "tap_layer_ids"),
                    donate_argnames=("s",))
-def prefill_chunk(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
-                  s: EngineState, p: SlotSettings, tok: jax.Array, slot: jax.Array,
-                  pos: jax.Array, valid: jax.Array, next_tok: jax.Array, final_k: jax.Array,
-                  first_k: jax.Array, count: jax.Array, start_pos: jax.Array, *,
-                  tap_layer_ids: tuple[int, ...]) -> tuple[EngineState, jax.Array]:
-    """Prefills a chunk of prompt tokens of one or more joining requests (flattened like a
-    verification step). tok/slot/pos/valid/next_tok [Kp] (next_tok −1 marks a request's last
-    prompt token, whose next token is the sampled anchor); per slot: final_k (chunk index of
-    its last prompt token, −1 if its prompt continues), first_k / count / start_pos (its run in
-    this chunk). → (state, first sampled token [R])."""
+def prefill_prompts(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+                    s: EngineState, p: SlotSettings, tokens: jax.Array, lens: jax.Array,
+                    slots: jax.Array, *, chunk: int, tap_layer_ids: tuple[int, ...]
+                    ) -> tuple[EngineState, jax.Array]:
+    """Prefills n joining requests at once, densely (`models.decoder.prefill`, in chunks of
+    `chunk` tokens): `tokens` [n, P] right-padded prompts of `lens` [n] tokens for slots
+    `slots` [n] (a slot ≥ R is a padding row: nothing is written). Their K/V enter the slots'
+    target cache, the drafter's context gets the features of every prompt token, and each
+    slot's first token is sampled from its own key (folded with −1) and becomes its anchor.
+    → (state, first token [n])."""
     target = nnx.merge(target_gd, target_state)
+    n, P = tokens.shape
     R = s.anchor.shape[0]
-    out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids)
-    fin = final_k >= 0
-    h_last = out.hidden[jnp.clip(final_k, 0, tok.shape[0] - 1)]                # [R, D]
-    probs = filtered_probs(target.logits(h_last), p.temperature, p.top_k, p.top_p)
-    u = _row_uniforms(jax.vmap(jax.random.fold_in)(
-        jax.random.wrap_key_data(p.key_data, impl="threefry2x32"),
-        jnp.full((R,), -1, jnp.int32).astype(jnp.uint32)), ())
+    out = prefill(target, tokens, chunk, tap_layer_ids=tap_layer_ids,
+                  cache_dtype=jax.tree.leaves(s.cache.k)[0].dtype)
+    rows = jnp.clip(slots, 0, R - 1)
+    h_last = out.hidden[jnp.arange(n), lens - 1]                                # [n, D]
+    probs = filtered_probs(target.logits(h_last), p.temperature[rows], p.top_k[rows],
+                           p.top_p[rows])
+    keys = jax.random.wrap_key_data(p.key_data[rows], impl="threefry2x32")
+    u = _row_uniforms(jax.vmap(jax.random.fold_in)(keys, jnp.full((n,), -1, jnp.int32)
+                                                   .astype(jnp.uint32)), ())
     first = inverse_cdf_sample(probs, u)
-    anchor = jnp.where(fin, first, s.anchor)
-    # a slot in this chunk has committed its prompt prefix up to the chunk's end
-    in_chunk = count > 0
-    start_pos = jnp.where(in_chunk, start_pos, s.cache.lengths)
-    lengths = jnp.where(in_chunk, start_pos + count, s.cache.lengths)
+    cache = s.cache.put_rows(out.cache, slots, lens)
     dcache = s.draft_cache
     if draft_gd is not None:
         draft = nnx.merge(draft_gd, draft_state)
-        adapter = adapter_for(draft.cfg.model_type)
-        nxt = jnp.where(next_tok < 0, anchor[slot], next_tok)
-        T = tok.shape[0]
-        dense_idx = first_k[:, None] + jnp.arange(T, dtype=jnp.int32)[None]    # [R, Kp]
-        next_dense = nxt[jnp.clip(dense_idx, 0, T - 1)]
-        dcache = adapter.commit_ragged(draft, dcache, out.taps, slot, pos, valid, start_pos,
-                                       dense_idx, count, next_dense)
-    return (EngineState(cache=out.cache.with_lengths(lengths), draft_cache=dcache,
-                        anchor=anchor), first)
+        t = jnp.arange(P, dtype=jnp.int32)
+        # token t of a prompt is followed by token t + 1, its last by the sampled first token
+        nxt = jnp.where(t[None] == lens[:, None] - 1, first[:, None],
+                        jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))))                # [n, P]
+        joined = jnp.zeros((R,), bool).at[slots].set(True, mode="drop")
+        row_of = jnp.zeros((R,), jnp.int32).at[slots].set(jnp.arange(n, dtype=jnp.int32),
+                                                         mode="drop")           # slot → row
+        dcache = adapter_for(draft.cfg.model_type).commit_ragged(
+            draft, dcache, out.taps.reshape(n * P, -1), jnp.repeat(slots, P),
+            jnp.tile(t, n), (t[None] < lens[:, None]).reshape(-1),
+            jnp.where(joined, 0, s.cache.lengths),
+            row_of[:, None] * P + t[None], jnp.where(joined, lens[row_of], 0),
+            nxt[row_of])
+    return EngineState(cache=cache, draft_cache=dcache,
+                       anchor=s.anchor.at[slots].set(first, mode="drop")), first

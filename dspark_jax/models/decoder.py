@@ -62,6 +62,21 @@ class KVCache:
 
         return self.replace(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v))
 
+    def put_rows(self, prompt: "KVCache", rows: jax.Array, lens: jax.Array) -> "KVCache":
+        """Writes the n rows of `prompt` (a cache of P positions, e.g. `prefill`'s) into rows
+        `rows` [n] of this cache at positions 0..P−1 and sets their lengths to `lens` [n]; a
+        row ≥ B (padding) and positions ≥ max_len are dropped."""
+        P = prompt.max_len
+
+        def put(old: jax.Array, new: jax.Array) -> jax.Array:   # [.., B, S, K, H] ← [.., n, P]
+            return old.at[:, rows[:, None], jnp.arange(P)[None]].set(new.astype(old.dtype),
+                                                                      mode="drop")
+
+        return self.replace(k=jax.tree.map(put, self.k, prompt.k),
+                            v=jax.tree.map(put, self.v, prompt.v),
+                            lengths=self.lengths.at[rows].set(lens.astype(jnp.int32),
+                                                              mode="drop"))
+
 
 def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
                num_layers: int | None = None) -> KVCache:
@@ -224,6 +239,36 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
         return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache, new_kv=kv)
     k, v = _cast_like(kv, (cache.k, cache.v))
     return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache.replace(k=k, v=v))
+
+
+def prefill(model: TargetDecoder, tokens_np: jax.Array, chunk: int,
+            tap_layer_ids: Sequence[int] = (), cache_dtype: Any = None) -> DecoderOutput:
+    """Causal forward of n right-padded prompts `tokens_np` [n, P] on a fresh cache of P
+    positions (`KVCache.put_rows` moves it into request slots): dense, so every matmul runs
+    over the prompt tokens with no per-token gather of a slot's cache. P > `chunk` runs in
+    chunks of `chunk` tokens (P must then be a multiple of it) through the cache, so
+    attention's scores stay [n, chunk, P]. → hidden [n, P, D], taps [n, P, n·D] (or None),
+    the prompt cache (lengths P)."""
+    n, P = tokens_np.shape
+    fresh = init_cache(model.cfg, n, P, cache_dtype or model.dtype)
+    if P <= chunk:
+        out = model(tokens_np, cache=fresh, tap_layer_ids=tap_layer_ids)
+        return out.replace(cache=out.cache.with_lengths(jnp.full((n,), P, jnp.int32)))
+    if P % chunk:
+        raise ValueError(f"prefill: {P} prompt positions are not a multiple of chunk {chunk}")
+    step = jnp.full((n,), chunk, jnp.int32)
+
+    def body(cache: KVCache, tokens_nc: jax.Array):
+        out = model(tokens_nc, cache=cache, tap_layer_ids=tap_layer_ids, advance=step)
+        return out.cache, (out.hidden, out.taps)
+
+    chunks = jnp.moveaxis(tokens_np.reshape(n, P // chunk, chunk), 1, 0)      # [c, n, chunk]
+    cache, (hidden, taps) = jax.lax.scan(body, fresh, chunks)
+
+    def joined(x: jax.Array | None) -> jax.Array | None:   # [c, n, chunk, F] → [n, P, F]
+        return None if x is None else jnp.moveaxis(x, 0, 1).reshape(n, P, x.shape[-1])
+
+    return DecoderOutput(hidden=joined(hidden), taps=joined(taps), cache=cache)
 
 
 def write_ragged(cache: KVCache, new_kv: Any, write_k: jax.Array,

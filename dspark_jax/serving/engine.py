@@ -2,9 +2,9 @@
 verification (paper §3.2.2 Algorithm 1, §5.2–5.4; SPEC §1, §8, §9).
 
 A fixed number of request slots share one static target KV cache [R, max_len] and one drafter
-context cache. Requests join between device calls (their prompts are prefilled in chunks,
-several requests per chunk) and leave at a stop token or at max_new_tokens; a freed slot is
-reused by the next request without recompiling. Every round: draft all slots → schedule on the
+context cache. Requests join between device calls (the joining prompts are prefilled together,
+densely, `prefill_chunk` tokens of each at a time) and leave at a stop token or at
+max_new_tokens; a freed slot is reused by the next request without recompiling. Every round: draft all slots → schedule on the
 current confidences (`scheduler`: none / fixed / threshold / algorithm1 / production / adaptive)
 → ragged verification of exactly the admitted tokens in the smallest capacity bucket that holds
 them → commit, all in one device call; up to `rounds_per_call` rounds run per call
@@ -24,7 +24,7 @@ expected to emit more tokens per second (`serving.policy`: the rule, and why it 
 
 `scheduler="none"` is plain decoding on the same slots (`decoding.plain_steps`): several
 one-token steps per device call, back on the host only when a slot can be handed to a waiting
-request; its cache grows in `len_bucket` steps to what the admitted requests need. `serve`
+request. The caches grow to what the admitted requests need (`Engine.cache_lengths`). `serve`
 takes a stream of requests whose replies may queue follow-ups (regeneration's conversation
 turns run on it).
 """
@@ -221,16 +221,36 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def _fresh_state(self, cache_len: int | None = None) -> round_.EngineState:
-        """Empty slots. `cache_len` (plain decoding only; default max_len): the target cache's
-        initial length, which `_Run` grows as longer requests join (`grow_cache`)."""
-        t = self.target
-        cache = init_cache(t.config, self.R, cache_len or self.max_len, t.dtype)
+        """Empty slots. `cache_len` (default max_len): the caches' initial length, which `_Run`
+        grows as longer requests join (`_grown`)."""
+        t, n = self.target, cache_len or self.max_len
+        cache = init_cache(t.config, self.R, n, t.dtype)
         dcache = None
         if self.draft is not None:
             dcache = adapter_for(self.draft.config.model_type).init_cache(
-                self.draft.model, self.R, self.max_len)
+                self.draft.model, self.R, n)
         return round_.EngineState(cache=cache, draft_cache=dcache,
                                   anchor=jnp.zeros((self.R,), jnp.int32))
+
+    def _grown(self, s: round_.EngineState, cache_len: int) -> round_.EngineState:
+        """The state with room for `cache_len` positions in the target and drafter caches."""
+        adapter = adapter_for(self.draft.config.model_type) if self.draft is not None else None
+        return _grown_state(s, cache_len=int(cache_len), adapter=adapter)
+
+    def cache_lengths(self) -> list[int]:
+        """The cache lengths a run can grow through (`_Run._fit_cache`): plain decoding's
+        `len_bucket` multiples; speculative decoding's `len_bucket` times a power of two (its
+        programs cost more to compile); the last is max_len."""
+        b, out = self.len_bucket, []
+        n = b
+        while n < self.max_len:
+            out.append(n)
+            n = n + b if self.mode == "none" else 2 * n
+        return out + [self.max_len]
+
+    def cache_length_for(self, need: int) -> int:
+        """The first of `cache_lengths` that holds `need` positions."""
+        return next(n for n in self.cache_lengths() if n >= min(need, self.max_len))
 
     def _slot_settings(self, h: dict[str, np.ndarray]) -> round_.SlotSettings:
         return round_.SlotSettings(**{f: jnp.asarray(h[f]) for f in round_.SlotSettings._fields})
@@ -450,18 +470,29 @@ class Engine:
             key, self.sps_cache_dir if cache_dir is None else cache_dir, calls,
             repeats=self.profile_repeats if repeats is None else repeats)
 
-    def warmup(self) -> None:
-        """Compiles every program the engine can run (prefill, draft, each bucket)."""
+    def warmup(self, max_tokens: int | None = None) -> None:
+        """Compiles the programs the engine runs: the verification step of every bucket (what
+        profiling times), then, at every cache length a run can grow to (`cache_lengths`) up to
+        the one that `max_tokens` (the longest prompt + max_new_tokens to be served; default: up
+        to max_len) needs, the rounds (and for `adaptive` the plain stretches at each bucket a load
+        needs) and a one-prompt prefill, so growing the cache compiles no round program."""
         step = self._dummy_step_fn()
         for K in self.buckets:
             jax.block_until_ready(step(K))
-        if self.mode == "adaptive":   # rounds that skip drafting, at each bucket a load needs
-            p = self._all_slots_active()
-            for K in sorted({cost_profile.bucket_for(self.buckets, n)
-                             for n in range(1, self.R + 1)}):
-                jax.block_until_ready(self._anchor_rounds(self._fresh_state(), p, 1, 1, K)[1])
-        self.generate([[0]], max_new_tokens=2)
-        self.reset_policy()   # a dummy request teaches the policy nothing
+        top = self.cache_length_for(self.max_len if max_tokens is None
+                                    else int(max_tokens) + 1 + self.gamma)
+        for n in self.cache_lengths():
+            if n > top:
+                break
+            if self.mode == "adaptive":
+                p = self._all_slots_active()
+                for K in sorted({cost_profile.bucket_for(self.buckets, r)
+                                 for r in range(1, self.R + 1)}):
+                    jax.block_until_ready(self._anchor_rounds(self._fresh_state(n), p, 1, 1,
+                                                              K)[1])
+            # a prompt whose request needs exactly n positions (prompt + 2 + γ + 1)
+            self.generate([[0] * max(1, n - 3 - self.gamma)], max_new_tokens=2)
+        self.reset_policy()   # dummy requests teach the policy nothing
 
     def round_seconds(self, prompts: Sequence[Sequence[int]], rounds: int,
                       temperature: float = 1.0, seed: int = 0) -> list[float]:
@@ -573,9 +604,13 @@ class Request:
     handle: Any = None
 
 
-@functools.partial(jax.jit, static_argnames=("cache_len",))
-def _grow(s: round_.EngineState, *, cache_len: int) -> round_.EngineState:
-    return s.replace(cache=s.cache.grown(cache_len))
+@functools.partial(jax.jit, static_argnames=("cache_len", "adapter"))
+def _grown_state(s: round_.EngineState, *, cache_len: int, adapter: Any
+                 ) -> round_.EngineState:
+    dcache = s.draft_cache
+    if dcache is not None:
+        dcache = adapter.grown_cache(dcache, cache_len)
+    return s.replace(cache=s.cache.grown(cache_len), draft_cache=dcache)
 
 
 class _Run:
@@ -647,80 +682,48 @@ class _Run:
         return joined
 
     def _fit_cache(self, s, slots: list[int]):
-        """Plain decoding: grows the target cache (in `len_bucket` steps, up to max_len) to
-        hold the joining requests; the speculative state always has max_len."""
-        if not self.plain:
-            return s
-        need = max(len(self.prompts[self.slot_req[r]]) for r in slots) + self.max_new + 1
-        need = min(self.e.max_len, round_up(need, self.e.len_bucket))
-        if need > s.cache.max_len:
-            s = _grow(s, cache_len=need)
-        return s
+        """Grows the caches (`Engine.cache_lengths`, up to max_len) to hold the joining
+        requests: prompt, budget and, speculating, one more verified block (attention reads
+        the whole cache, so a short one is a faster step)."""
+        e = self.e
+        need = (max(len(self.prompts[self.slot_req[r]]) for r in slots) + self.max_new + 1
+                + (0 if self.plain else e.gamma))
+        n = e.cache_length_for(need)
+        return e._grown(s, n) if n > s.cache.max_len else s
 
     def _prefill(self, s, slots: list[int]):
-        if self.plain:
-            return self._plain_prefill(s, slots)
-        e, Kp, R = self.e, self.e.prefill_chunk, self.e.R
-        todo = collections.deque((r, 0) for r in slots)
-        while todo:
-            tok = np.zeros(Kp, np.int32)
-            slot = np.zeros(Kp, np.int32)
-            pos = np.zeros(Kp, np.int32)
-            valid = np.zeros(Kp, bool)
-            nxt = np.zeros(Kp, np.int32)
-            final_k = np.full(R, -1, np.int32)
-            first_k = np.zeros(R, np.int32)
-            count = np.zeros(R, np.int32)
-            start = np.zeros(R, np.int32)
-            k = 0
-            while todo and k < Kp:
-                r, off = todo.popleft()
-                prompt = self.prompts[self.slot_req[r]]
-                m = min(len(prompt) - off, Kp - k)
-                tok[k:k + m] = prompt[off:off + m]
-                slot[k:k + m], pos[k:k + m], valid[k:k + m] = r, np.arange(off, off + m), True
-                ext = prompt[off + 1:off + m + 1]
-                nxt[k:k + len(ext)] = ext
-                first_k[r], count[r], start[r] = k, m, off
-                if off + m == len(prompt):
-                    nxt[k + m - 1] = -1
-                    final_k[r] = k + m - 1
-                else:
-                    todo.appendleft((r, off + m))
-                k += m
-            s, first = round_.prefill_chunk(
-                e.target.graphdef, e._dgd, e.target.state, e._dstate, s,
-                e._slot_settings(self.h),
-                jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(valid),
-                jnp.asarray(nxt), jnp.asarray(final_k), jnp.asarray(first_k),
-                jnp.asarray(count), jnp.asarray(start), tap_layer_ids=e.tap_ids)
-            first = np.asarray(first)
-            self._first_tokens([(r, int(first[r])) for r in np.nonzero(final_k >= 0)[0]])
-        return s
-
-    def _plain_prefill(self, s, slots: list[int]):
-        """Plain decoding: the joining prompts prefilled together, densely
-        (`plain_steps.plain_prefill`), in groups padded to a power-of-two size (padding rows
-        write nothing) and a `len_bucket` multiple of tokens, so few shapes compile."""
+        """The joining prompts prefilled together, densely (plain: `plain_steps.plain_prefill`;
+        speculative: `speculative_round.prefill_prompts`, which also feeds the drafter's
+        context), in groups of at most R padded to a power-of-two size (padding rows write
+        nothing) and to a `len_bucket` multiple of tokens (a `prefill_chunk` multiple past it,
+        run chunk by chunk), so few shapes compile."""
         e = self.e
         s = self._fit_cache(s, slots)
-        cap = top_k_cap_for([int(self.h["top_k"][r]) for r in slots], e.V)
         p = e._slot_settings(self.h)
+        cap = top_k_cap_for([int(self.h["top_k"][r]) for r in slots], e.V)
         order = sorted(slots, key=lambda r: len(self.prompts[self.slot_req[r]]))
         while order:
             group, order = order[:e.R], order[e.R:]
             n = 1 << (len(group) - 1).bit_length()
             P = min(round_up(max(len(self.prompts[self.slot_req[r]]) for r in group),
-                              e.len_bucket), s.cache.max_len)
+                             e.len_bucket), s.cache.max_len)
+            if P > e.prefill_chunk:
+                P = round_up(P, e.prefill_chunk)
             tokens = np.zeros((n, P), np.int32)
             lens = np.ones((n,), np.int32)
             rows = np.full((n,), e.R, np.int32)     # R: a padding row, dropped
             for j, r in enumerate(group):
                 prompt = self.prompts[self.slot_req[r]]
                 tokens[j, :len(prompt)], lens[j], rows[j] = prompt, len(prompt), r
-            s, first = plain_prefill(e.target.graphdef, e.target.state, s, p,
-                                     jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows),
-                                     top_k_cap=cap)
+            args = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows))
+            chunk = min(P, e.prefill_chunk)
+            if self.plain:
+                s, first = plain_prefill(e.target.graphdef, e.target.state, s, p, *args,
+                                         chunk=chunk, top_k_cap=cap)
+            else:
+                s, first = round_.prefill_prompts(e.target.graphdef, e._dgd, e.target.state,
+                                                  e._dstate, s, p, *args, chunk=chunk,
+                                                  tap_layer_ids=e.tap_ids)
             first = np.asarray(first)
             self._first_tokens([(r, int(first[j])) for j, r in enumerate(group)])
         return s
@@ -903,7 +906,7 @@ class _Run:
         return s
 
     def start_state(self):
-        return self.e._fresh_state(self.e.len_bucket if self.plain else None)
+        return self.e._fresh_state(self.e.cache_lengths()[0])
 
     def loop(self) -> EngineResult:
         s = self.start_state()

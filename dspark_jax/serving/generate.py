@@ -89,9 +89,9 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     R = len(prompts)
     # DeepSpec's protocol: every round verifies γ drafts, also near the token budget, and
     # rounds continue while DeepSpec's `while start < max_length` would
-    # one prefill chunk holds every prompt, its size rounded up to 256 tokens so batches of
+    # one prefill forward holds the longest prompt, rounded up to 256 tokens so batches of
     # similar prompts share one compiled prefill (padding tokens are masked)
-    chunk = min(-(-int(sum(lens)) // _PREFILL_BUCKET) * _PREFILL_BUCKET, _MAX_PREFILL_CHUNK)
+    chunk = min(-(-int(max(lens)) // _PREFILL_BUCKET) * _PREFILL_BUCKET, _MAX_PREFILL_CHUNK)
     kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=chunk, budget_rule="deepspec")
     kw.update(engine_kw)
     eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,

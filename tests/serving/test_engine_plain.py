@@ -13,7 +13,6 @@ import pytest
 
 from dspark_jax.data import regenerate as R
 from dspark_jax.decoding import plain_steps as P
-from dspark_jax.decoding import speculative_round as SR
 from dspark_jax.decoding.sampling import filter_logits, sample_request_rows
 from dspark_jax.models import load_target
 from dspark_jax.serving import Engine, Request
@@ -106,9 +105,9 @@ def test_steady_state_does_not_recompile(target):
         return res.tokens
 
     first = run()
-    sizes = (SR.prefill_chunk._cache_size(), P.plain_steps._cache_size())
+    sizes = (P.plain_prefill._cache_size(), P.plain_steps._cache_size())
     assert run() == first
-    assert (SR.prefill_chunk._cache_size(), P.plain_steps._cache_size()) == sizes
+    assert (P.plain_prefill._cache_size(), P.plain_steps._cache_size()) == sizes
 
 
 def test_bad_requests(target):
