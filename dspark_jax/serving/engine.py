@@ -20,8 +20,7 @@ candidates, K the argmax of τ · SPS(B) found on the confidences of two rounds 
 (`serving.policy.CapacityQueue`). `adaptive` is that schedule plus our switch: the engine also
 profiles the drafter's time per round and the plain step, the search prices the drafter, and
 each round first chooses between plain decoding (drafter not run) and drafting, whichever is
-expected to emit more tokens per second, the profiled costs calibrated by the measured time of
-the rounds run (`serving.policy`: the rule, and why it is lossless).
+expected to emit more tokens per second (`serving.policy`: the rule, and why it is lossless).
 
 `scheduler="none"` is plain decoding on the same slots (`decoding.plain_steps`): several
 one-token steps per device call, back on the host only when a slot can be handed to a waiting
