@@ -394,7 +394,6 @@ class Engine:
         its global search maximises τ · SPS(B) itself)."""
         t_v = 1.0 / np.maximum(np.asarray(self.sps, np.float64), 1e-12)    # [top + 1]
         self.cost_profile_seconds = 0.0
-        self.costs_in_seconds = sps is None   # profiled: the policy may calibrate them
         self.sps_draft = self.sps   # until t_d is known (the profiled draft call reads it)
         if self.mode == "adaptive" and sps is None and (draft_seconds is None
                                                         or plain_seconds is None):
@@ -424,7 +423,7 @@ class Engine:
         return policy.DraftPolicy(self.verify_step_seconds, self.draft_seconds,
                                   self.plain_step_seconds, self.gamma, self.R * self.gamma,
                                   self.probe_interval, self.max_probe_interval,
-                                  explore=self.explore, calibrate=self.costs_in_seconds)
+                                  explore=self.explore)
 
     def reset_policy(self) -> None:
         """Forgets what the adaptive policy learned (ρ, estimates, probe budget): the next
@@ -845,8 +844,6 @@ class _Run:
                                                          int(live.sum())),
                                    float(o["predicted"][i]),
                                    float(np.sum(o["accepted"][i][live])))
-            if isinstance(self.policy, policy.DraftPolicy):   # what the round really cost
-                self.policy.observe_draft(seconds, int(o["n_tokens"][i]))
             emitted = self._book_round({k: o[k][i] for k in round_.ROUND_OUTPUTS}, live, now,
                                        confidence=o["confidence"][i])
             self.rounds.append(dict(active=int(live.sum()),
@@ -906,7 +903,6 @@ class _Run:
                                        o["live"][i], now)
             self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=K,
                                     tokens=emitted, drafted=False, steps=1, seconds=seconds))
-        self.policy.observe_plain(seconds, n_active)   # after the replay: what it assumed
         return s
 
     def start_state(self):

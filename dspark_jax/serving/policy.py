@@ -51,15 +51,6 @@ probes). Its first two rounds, with no K yet, admit every candidate with a > 0 (
 The queue starts over with every `Engine.generate` / `serve` call (two rounds old means two
 rounds of the same run).
 
-Calibration (`calibrate=True`, the engine's profiled costs in seconds): the profile prices a
-round once, at the cache's max_len and in single calls, while the rounds run in growing caches
-and fused calls, each part by its own factor. `observe_draft` / `observe_plain` take the
-measured seconds of the rounds run and keep, for each kind, an exponential average of measured
-over profiled time (an observation off by more than 4× either way — a compilation, a stall — is
-dropped); the choice compares the profiled costs times these factors. The device's capacity
-search is unchanged (the drafting factor scales t_d and t_v alike, which leaves its argmax
-where it was).
-
 The adaptive state persists across `Engine.generate` calls (one policy per engine, like a
 server that learns its drafter's acceptance once): ρ, the latest estimate (scaled to the
 current load) and the budget carry over; `Engine.reset_policy()` forgets them.
@@ -146,7 +137,7 @@ class CapacityQueue:
 
 class DraftPolicy:
     """State of the choice (see the module docstring): the two-round estimate queue, the probe
-    spacing and budget, the calibration ratio ρ and the measured cost factors. `decide(n)` → (draft?, capacity to admit);
+    spacing and budget, and the calibration ratio ρ. `decide(n)` → (draft?, capacity to admit);
     `update(...)` after the round. `persists = True`: one policy per engine, across runs."""
 
     persists = True
@@ -154,8 +145,7 @@ class DraftPolicy:
     def __init__(self, verify_seconds: np.ndarray, draft_seconds: float,
                  plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int,
                  probe_interval: int = 4, max_probe_interval: int = 64,
-                 ratio_decay: float = 0.8, explore: float | None = 0.01,
-                 calibrate: bool = False):
+                 ratio_decay: float = 0.8, explore: float | None = 0.01):
         if probe_interval < 1 or max_probe_interval < probe_interval:
             raise ValueError(f"probe_interval must be ≥ 1 and ≤ max_probe_interval, got "
                              f"{probe_interval} and {max_probe_interval}")
@@ -170,32 +160,6 @@ class DraftPolicy:
         self.started = False         # a round has been decided
         self.decay, self.pred, self.real = float(ratio_decay), 0.0, 0.0
         self.queue: list[Estimate | None] = [None, None]   # estimates of rounds t−2, t−1
-        self.calibrate = bool(calibrate)
-        self.draft_scale = self.plain_scale = 1.0   # measured / profiled round time (averages)
-
-    def _costs(self) -> tuple[np.ndarray, float, float | np.ndarray]:
-        """(t_v, t_d, t_plain) as the choice prices them: the profile times the measured
-        factors (see the module docstring)."""
-        t_plain = np.asarray(self.t_plain, np.float64) * self.plain_scale
-        return (np.asarray(self.t_v, np.float64) * self.draft_scale,
-                self.t_d * self.draft_scale, t_plain if t_plain.ndim else float(t_plain))
-
-    def _observe(self, scale: float, measured: float, profiled: float) -> float:
-        r = float(measured) / max(float(profiled), 1e-12)
-        if not (self.calibrate and 0.25 <= r <= 4.0):
-            return scale
-        return self.decay * scale + (1.0 - self.decay) * r
-
-    def observe_draft(self, seconds: float, n_tokens: int) -> None:
-        """A drafting round took `seconds` with `n_tokens` verified (Σ(1 + ℓ))."""
-        b = min(int(n_tokens), len(self.t_v) - 1)
-        self.draft_scale = self._observe(self.draft_scale, seconds,
-                                         self.t_d + float(self.t_v[b]))
-
-    def observe_plain(self, seconds: float, n_active: int) -> None:
-        """A plain round took `seconds` with `n_active` requests."""
-        self.plain_scale = self._observe(self.plain_scale, seconds,
-                                         plain_at(self.t_plain, n_active))
 
     @property
     def ratio(self) -> float:
@@ -207,23 +171,22 @@ class DraftPolicy:
     def probe_cost(self, n_active: int, capacity: int) -> float:
         """A probe's seconds over a plain round: t_d + t_v(n + min(K, n)) − t_plain(n) ≥ 0."""
         n = int(n_active)
-        t_v, t_d, t_plain = self._costs()
-        b = min(n + min(int(capacity), n), len(t_v) - 1)
-        return max(t_d + float(t_v[b]) - plain_at(t_plain, n), 0.0)
+        b = min(n + min(int(capacity), n), len(self.t_v) - 1)
+        return max(self.t_d + float(self.t_v[b]) - plain_at(self.t_plain, n), 0.0)
 
     def decide(self, n_active: int) -> tuple[bool, int]:
         est = self.queue[0]
         first, self.started = not self.started, True
-        t_v, t_d, t_plain = self._costs()
         if est is None:   # nothing known yet: would a perfect drafter pay?
             best = Estimate(self.initial_capacity, float(self.initial_capacity), n_active)
-            want, _, _ = plain_or_draft(n_active, best, t_v, t_d, t_plain, self.gamma)
+            want, _, _ = plain_or_draft(n_active, best, self.t_v, self.t_d, self.t_plain,
+                                        self.gamma)
             if want and first:   # the one free probe
                 return True, min(self.initial_capacity, n_active)
             want, cap = False, self.initial_capacity
         else:
-            want, _, _ = plain_or_draft(n_active, est, t_v, t_d, t_plain, self.gamma,
-                                        self.ratio)
+            want, _, _ = plain_or_draft(n_active, est, self.t_v, self.t_d, self.t_plain,
+                                        self.gamma, self.ratio)
             cap = est.capacity
         if want:
             self.interval = self.probe0
@@ -237,7 +200,7 @@ class DraftPolicy:
                 self.budget -= cost
             return True, cap
         if self.explore is not None:   # this plain round pays into the probing budget
-            self.budget = min(self.budget + self.explore * plain_at(t_plain, n_active),
+            self.budget = min(self.budget + self.explore * plain_at(self.t_plain, n_active),
                               max(cost, self.budget))
         return False, 0
 

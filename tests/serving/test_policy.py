@@ -224,36 +224,3 @@ def test_plain_rounds_known_ahead_equal_deciding_one_by_one():
         assert np.all(vars(ahead)[key] == val), key
     runs = [len(r) for r in "".join("d" if f else "p" for f in flags).split("d") if r]
     assert max(runs) > 1   # the stretches are longer than one round
-
-
-def test_measured_round_times_calibrate_the_choice():
-    """The profile prices rounds once (max_len, single calls); the rounds run cost what they
-    cost. With `calibrate`, measured drafting rounds cheaper than profiled, or plain rounds
-    dearer, turn a narrow plain choice into drafting; an observation off by more than 4× (a
-    compilation) is dropped; without `calibrate` nothing moves."""
-    d = 0.5
-    est = _estimate(0.5, d)   # Θ_b 3.68 < Θ_a 4.0 at the profiled costs
-
-    def ready(calibrate: bool) -> policy.DraftPolicy:
-        pol = policy.DraftPolicy(T_V, d, 1.0, G, R * G, explore=0.0, calibrate=calibrate)
-        pol.started = True
-        for _ in range(2):
-            pol.update(True, est)
-        return pol
-
-    b = min(R + est.capacity, len(T_V) - 1)
-    profiled = d + T_V[b]
-    for calibrate in (False, True):
-        pol = ready(calibrate)
-        assert pol.decide(R) == (False, 0)
-        pol.observe_draft(100.0 * profiled, R + est.capacity)   # an outlier: dropped
-        assert pol.draft_scale == 1.0
-        for _ in range(10):   # drafting rounds measured at 60% of their profile
-            pol.observe_draft(0.6 * profiled, R + est.capacity)
-        assert (pol.draft_scale < 0.7) == calibrate
-        assert pol.decide(R)[0] == calibrate
-    pol = ready(True)
-    for _ in range(10):   # plain rounds measured at 1.3× their profile
-        pol.observe_plain(1.3, R)
-    assert pol.plain_scale > 1.25 and pol.draft_scale == 1.0
-    assert pol.decide(R)[0]
