@@ -118,8 +118,10 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     if c.eval.speculative:
         summary["speculative"] = eval_stage.speculative_eval(c, target, export_dir,
                                                              data.held_convs, workdir)
+        lap("speculative_eval")
     summary["deepspec_check"] = eval_stage.deepspec_check(c, target, exports["deepspec"],
                                                           data.held_convs)
+    lap("deepspec_check")
     summary["wall_time_s"] = round(time.perf_counter() - t0, 1)
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
