@@ -26,16 +26,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.models.decoder import grown_positions
 from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
 
 
 def _grown_kv(cache: Any, max_len: int) -> Any:
     """A drafter cache whose k / v [Ld, B, S, K, H] have room for `max_len` ≥ S positions."""
-    def pad(x: jax.Array) -> jax.Array:
-        return jnp.pad(x, [(0, int(max_len) - x.shape[2]) if a == 2 else (0, 0)
-                           for a in range(x.ndim)])
-
-    return cache.replace(k=pad(cache.k), v=pad(cache.v))
+    return cache.replace(k=grown_positions(cache.k, max_len),
+                         v=grown_positions(cache.v, max_len))
 
 
 class DSparkAdapter:

@@ -53,12 +53,11 @@ class KVCache:
 
     def grown(self, max_len: int) -> "KVCache":
         """The same cache with room for `max_len` ≥ `self.max_len` positions (zero-padded)."""
-        extra = int(max_len) - self.max_len
-        if extra < 0:
+        if int(max_len) < self.max_len:
             raise ValueError(f"cannot shrink the cache from {self.max_len} to {max_len}")
 
-        def pad(x: jax.Array) -> jax.Array:   # [..., B, S, K, H]: S is axis 2
-            return jnp.pad(x, [(0, extra) if a == 2 else (0, 0) for a in range(x.ndim)])
+        def pad(x: jax.Array) -> jax.Array:
+            return grown_positions(x, max_len)
 
         return self.replace(k=jax.tree.map(pad, self.k), v=jax.tree.map(pad, self.v))
 
@@ -76,6 +75,13 @@ class KVCache:
                             v=jax.tree.map(put, self.v, prompt.v),
                             lengths=self.lengths.at[rows].set(lens.astype(jnp.int32),
                                                               mode="drop"))
+
+
+def grown_positions(x: jax.Array, max_len: int) -> jax.Array:
+    """A cache array [L, B, S, K, H] (the target's or a drafter's; S is axis 2) zero-padded to
+    `max_len` ≥ S positions."""
+    return jnp.pad(x, [(0, int(max_len) - x.shape[2]) if a == 2 else (0, 0)
+                       for a in range(x.ndim)])
 
 
 def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32,

@@ -3,24 +3,24 @@ verification (paper §3.2.2 Algorithm 1, §5.2–5.4; SPEC §1, §8, §9).
 
 A fixed number of request slots share one static target KV cache [R, max_len] and one drafter
 context cache. Requests join between device calls (the joining prompts are prefilled together,
-densely, `prefill_chunk` tokens of each at a time) and leave at a stop token or at
-max_new_tokens; a freed slot is reused by the next request without recompiling. Every round: draft all slots → schedule on the
-current confidences (`scheduler`: none / fixed / threshold / algorithm1 / production / adaptive)
-→ ragged verification of exactly the admitted tokens in the smallest capacity bucket that holds
-them → commit, all in one device call; up to `rounds_per_call` rounds run per call
-(`decoding.speculative_round.speculative_rounds`), back on the host when a slot can go to a
-waiting request (`adaptive` decides on the host, one drafting round a call; its stretches of
+densely, `prefill_chunk` tokens of each at a time) and leave at a stop token or at max_new_tokens;
+a freed slot is reused by the next request without recompiling. Every round: draft all slots →
+schedule on the current confidences (`scheduler`: none / fixed / threshold / algorithm1 /
+production / adaptive) → ragged verification of exactly the admitted tokens in the smallest
+capacity bucket that holds them → commit, all in one device call; up to `rounds_per_call` rounds
+run per call (`decoding.speculative_round.speculative_rounds`), back on the host when a slot can go
+to a waiting request (`adaptive` decides on the host, one drafting round a call; its stretches of
 plain rounds run up to `plain_steps_per_call` a call, `speculative_round.anchor_rounds`). Each
-request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` /
-`verifier="pallas"` run the Markov-head sampling / verification Pallas kernels (compiled on GPU
-and TPU, interpreted on CPU) in place of their pure-JAX oracles. SPS(B) for the
-scheduler is profiled at start over the buckets (cached on disk) or passed in. `production` is
-the paper's §5.2 schedule alone: every round drafts and admits the top K of its current
-candidates, K the argmax of τ · SPS(B) found on the confidences of two rounds before
-(`serving.policy.CapacityQueue`). `adaptive` is that schedule plus our switch: the engine also
-profiles the drafter's time per round and the plain step, the search prices the drafter, and
-each round first chooses between plain decoding (drafter not run) and drafting, whichever is
-expected to emit more tokens per second (`serving.policy`: the rule, and why it is lossless).
+request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` / `verifier="pallas"`
+run the Markov-head sampling / verification Pallas kernels (compiled on GPU and TPU, interpreted on
+CPU) in place of their pure-JAX oracles. SPS(B) for the scheduler is profiled at start over the
+buckets (cached on disk) or passed in. `production` is the paper's §5.2 schedule alone: every round
+drafts and admits the top K of its current candidates, K the argmax of τ · SPS(B) found on the
+confidences of two rounds before (`serving.policy.CapacityQueue`). `adaptive` is that schedule plus
+our switch: the engine also profiles the drafter's time per round and the plain step, the search
+prices the drafter, and each round first chooses between plain decoding (drafter not run) and
+drafting, whichever is expected to emit more tokens per second (`serving.policy`: the rule, and why
+it is lossless).
 
 `scheduler="none"` is plain decoding on the same slots (`decoding.plain_steps`): several
 one-token steps per device call, back on the host only when a slot can be handed to a waiting
@@ -481,13 +481,14 @@ class Engine:
             jax.block_until_ready(step(K))
         top = self.cache_length_for(self.max_len if max_tokens is None
                                     else int(max_tokens) + 1 + self.gamma)
+        p = self._all_slots_active()
+        anchor_buckets = sorted({cost_profile.bucket_for(self.buckets, r)
+                                 for r in range(1, self.R + 1)})
         for n in self.cache_lengths():
             if n > top:
                 break
-            if self.mode == "adaptive":
-                p = self._all_slots_active()
-                for K in sorted({cost_profile.bucket_for(self.buckets, r)
-                                 for r in range(1, self.R + 1)}):
+            if self.mode == "adaptive":   # plain stretches at each bucket a load needs
+                for K in anchor_buckets:
                     jax.block_until_ready(self._anchor_rounds(self._fresh_state(n), p, 1, 1,
                                                               K)[1])
             # a prompt whose request needs exactly n positions (prompt + 2 + γ + 1)

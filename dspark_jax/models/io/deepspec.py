@@ -447,8 +447,8 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
                 f"draft_vocab_size: the drafter proposes from a {cfg.draft_vocab_size}-id draft "
                 "vocabulary, which DeepSpec's DSpark format cannot hold (a "
                 f"{cfg.target.vocab_size}-row lm_head, no d2t); export it with --format "
-                "speculators, or pass --full-vocab-fallback to write the full-vocabulary drafter (DeepSpec's loop "
-                "then measures a different tau)")
+                "speculators, or pass --full-vocab-fallback to write the full-vocabulary "
+                "drafter (DeepSpec's loop then measures a different tau)")
         export_note = FULL_VOCAB_FALLBACK_NOTE.format(k=cfg.draft_vocab_size,
                                                       v=cfg.target.vocab_size)
         warnings.warn(f"{path}: {export_note}", stacklevel=2)
