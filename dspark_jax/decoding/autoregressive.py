@@ -146,11 +146,14 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
                             stop_token_ids: Sequence[int] | None = None, top_k: int = 0,
                             top_p: float = 1.0, max_cache_len: int | None = None,
                             steps_per_call: int | None = None,
-                            progress: bool = False) -> list[list[int]]:
+                            progress: bool = False,
+                            layer_buffers: bool | None = None) -> list[list[int]]:
     """Generates up to `max_new_tokens` per prompt (token-id lists); returns the new ids.
 
     Generation of a request stops after its first stop token (included in the output).
     `stop_token_ids=None` uses the tokenizer's stop ids (or the config's eos); [] disables.
+    The decode steps run on `target.decoding_layout(layer_buffers)` (default: one buffer per
+    layer on XLA:CPU), the prefill on the stacked layers.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")
@@ -163,6 +166,7 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
                    row_key_data(seed, len(prompts)), temp, stops, cache_len=cache_len,
                    max_new=max_new_tokens, top_k=top_k, top_p=top_p)
     per_call = steps_per_call or max_new_tokens
+    stepper = target.decoding_layout(layer_buffers)
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -171,7 +175,7 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
         bar.update(1)
     while not bool(jnp.all(s.done)):
         before = int(s.steps)
-        s = ar_decode(target.graphdef, target.state, s, temp, stops, num_steps=per_call,
+        s = ar_decode(stepper.graphdef, stepper.state, s, temp, stops, num_steps=per_call,
                       top_k=top_k, top_p=top_p)
         if bar is not None:
             bar.update(int(s.steps) - before)

@@ -295,6 +295,18 @@ def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,
     return TargetDecoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
 
 
+def with_layer_buffers(graphdef: Any, state: Any) -> tuple[Any, Any]:
+    """(graphdef, state) of the same target with one buffer per decoder layer
+    (`layers.UnstackedLayers`), the layout XLA:CPU decodes fastest; a target whose layers are
+    not one `DecoderLayers` stack (Gemma4's segments) or already unstacked comes back as is.
+    The per-layer buffers are copies: the stacked state stays valid."""
+    model = nnx.merge(graphdef, state)
+    if not isinstance(model.layers, L.DecoderLayers):
+        return graphdef, state
+    model.layers = L.UnstackedLayers(model.layers)
+    return nnx.split(model)
+
+
 def abstract_target(cfg: DecoderConfig, dtype: Any = jnp.float32,
                     param_dtype: Any = jnp.float32) -> TargetDecoder:
     """A TargetDecoder whose parameters are ShapeDtypeStructs (nothing materialised)."""
@@ -302,4 +314,5 @@ def abstract_target(cfg: DecoderConfig, dtype: Any = jnp.float32,
 
 
 __all__ = ["KVCache", "init_cache", "DecoderOutput", "TargetDecoder", "create_target",
-           "abstract_target", "RaggedOutput", "ragged_forward", "write_ragged"]
+           "abstract_target", "RaggedOutput", "ragged_forward", "write_ragged",
+           "with_layer_buffers"]

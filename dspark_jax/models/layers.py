@@ -172,6 +172,54 @@ class DecoderLayers(nnx.Module):
         return {n: getattr(self, n).get_value().astype(dtype)
                 for n in self.NAMES if hasattr(self, n)}
 
+    def layer_params(self, dtype: Any) -> dict[str, jax.Array]:
+        """What `run_layers` runs: here the stacked dict (one scanned layer body)."""
+        return self.stacked(dtype)
+
+
+class UnstackedLayers(nnx.Module):
+    """The parameters of a `DecoderLayers` stack as one buffer per layer, for inference on
+    XLA:CPU. A scan over stacked weights slices each layer's weights out of the stack; XLA:CPU
+    materialises every slice (its dot cannot read a dynamic slice in place), so a one-token step
+    streams the weights three times (read, write the copy, read it) — 28 of a 33 ms SmolLM2-135M
+    step at batch 1. With a buffer per layer the layers run unrolled and each dot reads its
+    weights where they lie (BENCHMARKS.md, "Weights read where they lie"). XLA:GPU and TPU read
+    the slice in place, so there the stack stays. Same values, same forward; `stack()` goes
+    back."""
+
+    def __init__(self, stack: DecoderLayers):
+        self.num_layers = stack.num_layers
+        self.qk_norm = stack.qk_norm
+        self.names = tuple(n for n in DecoderLayers.NAMES if hasattr(stack, n))
+        self.per_layer = nnx.List([
+            nnx.Dict({n: nnx.Param(getattr(stack, n).get_value()[i]) for n in self.names})
+            for i in range(stack.num_layers)])
+
+    def layer_params(self, dtype: Any) -> list[dict[str, jax.Array]]:
+        """One dict of arrays per layer, cast to the compute dtype (`run_layers` unrolls)."""
+        return [{n: layer[n].get_value().astype(dtype) for n in self.names}
+                for layer in self.per_layer]
+
+    def stacked(self, dtype: Any) -> dict[str, jax.Array]:
+        """The layers stacked again (a copy): the layout of `DecoderLayers`."""
+        per = self.layer_params(dtype)
+        return {n: jnp.stack([p[n] for p in per]) for n in self.names}
+
+
+def run_layers(body: Any, carry: Any, params: dict[str, jax.Array] | list[dict[str, jax.Array]],
+               per_layer_xs: Sequence[np.ndarray]) -> tuple[Any, Any]:
+    """Runs `body(carry, (layer params, *per-layer values)) → (carry, y)` over the layers:
+    `lax.scan` over stacked params (a dict of [L, …] arrays) or, for per-layer buffers (a list of
+    dicts, `UnstackedLayers`), a Python loop with each layer's values as Python scalars. → (the
+    final carry, the ys stacked on a leading layer axis, as `lax.scan` returns them)."""
+    if isinstance(params, dict):
+        return jax.lax.scan(body, carry, (params, *(jnp.asarray(x) for x in per_layer_xs)))
+    ys = []
+    for i, lp in enumerate(params):
+        carry, y = body(carry, (lp, *(int(x[i]) for x in per_layer_xs)))
+        ys.append(y)
+    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
 
 @dataclasses.dataclass(frozen=True)
 class RaggedRows:
@@ -209,6 +257,8 @@ def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float
 def attn_out_and_mlp(lp: dict[str, jax.Array], resid_btd: jax.Array, attn_btnh: jax.Array,
                      eps: float) -> jax.Array:
     """o_proj + residual, then post-attention norm → SwiGLU → residual."""
-    h = resid_btd + jnp.einsum("BTNH,NHD->BTD", attn_btnh, lp["wo"])
+    B, T, N, H = attn_btnh.shape   # heads flattened first: XLA:CPU then reads wo as stored
+    wo = lp["wo"].reshape(N * H, -1)   # (with [N, H] contracted it copies wo transposed)
+    h = resid_btd + jnp.einsum("BTF,FD->BTD", attn_btnh.reshape(B, T, N * H), wo)
     h = h + swiglu(rms_norm(h, lp["post_norm"], eps), lp)
     return constrain(h, ("batch", "seq", "act_embed"))

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig
-from dspark_jax.models.decoder import TargetDecoder
+from dspark_jax.models.decoder import TargetDecoder, with_layer_buffers
 from dspark_jax.models.io import hf as hf_io
 from dspark_jax.models.io.gguf import locate_smollm2_gguf, read_gguf_checkpoint
 from dspark_jax.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -61,6 +61,27 @@ class Target:
     @property
     def dtype(self) -> Any:
         return self.model.dtype
+
+    def decoding_layout(self, layer_buffers: bool | None = None) -> "Target":
+        """This target in the parameter layout for one-token steps and small verifications.
+
+        `layer_buffers` True: one buffer per decoder layer (`models.decoder.with_layer_buffers`;
+        a scan over the stacked layers makes XLA:CPU copy each layer's weights before its dots
+        read them, so a one-token step streams them three times); False: the stacked layers
+        (6× faster to compile on XLA:CPU); None: per-layer on XLA:CPU, stacked elsewhere (XLA:GPU
+        and TPU read the slice in place). The per-layer copy is made once per `state` and kept;
+        the stacked state stays valid (prefill and training use it)."""
+        if layer_buffers is None:
+            layer_buffers = jax.default_backend() == "cpu"
+        if not layer_buffers:
+            return self
+        cached = self.__dict__.get("_layer_buffers")
+        if cached is not None and cached[0] is self.state:
+            return cached[1]
+        gd, st = with_layer_buffers(self.graphdef, self.state)
+        view = self if gd is self.graphdef else dataclasses.replace(self, graphdef=gd, state=st)
+        self.__dict__["_layer_buffers"] = (self.state, view)
+        return view
 
     @functools.cached_property
     def _jit_forward(self):

@@ -17,10 +17,54 @@ TAPS = (-1, 0, 2)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    t = load_target(save_tiny_hf(tmp_path_factory.mktemp("rg"), "qwen3", head_dim=16, layers=3,
-                                 seed=2))
+def target(tmp_path_factory):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("rg"), "qwen3", head_dim=16,
+                                    layers=3, seed=2))
+
+
+@pytest.fixture(scope="module", params=["stacked", "per_layer"])
+def model(target, request):
+    """The target with its layers stacked (scanned) and with one buffer per layer (unrolled,
+    `Target.decoding_layout(True)`): every test below holds for both."""
+    t = target.decoding_layout(request.param == "per_layer")
+    assert (type(t.model.layers).__name__ == "UnstackedLayers") == (request.param == "per_layer")
     return t.model
+
+
+def test_per_layer_buffers_equal_the_stack(target):
+    """One buffer per layer runs the same forward as the stack: a prefill, then cached steps of
+    1 and 3 tokens over a cache whose positions past the lengths hold stale values (they must
+    stay invisible), with taps; logits, taps and the written cache agree."""
+    stacked, per_layer = target.model, target.decoding_layout(True).model
+    rng = np.random.RandomState(3)
+    cache = init_cache(stacked.cfg, 2, 16, stacked.dtype)
+    cache = cache.replace(k=jnp.asarray(rng.randn(*cache.k.shape), cache.k.dtype),
+                          v=jnp.asarray(rng.randn(*cache.v.shape), cache.v.dtype))
+    caches = {}
+    for name, m in (("stacked", stacked), ("per_layer", per_layer)):
+        c = cache.with_lengths(jnp.asarray([0, 0], jnp.int32))
+        outs = []
+        for toks, adv in (([[5, 6, 7, 8], [9, 10, 11, 12]], [4, 2]), ([[13], [14]], [1, 1]),
+                          ([[15, 16, 17], [18, 19, 20]], [3, 3])):
+            o = m(jnp.asarray(toks, jnp.int32), cache=c, tap_layer_ids=TAPS,
+                  advance=jnp.asarray(adv, jnp.int32))
+            outs.append((np.asarray(m.logits(o.hidden)), np.asarray(o.taps)))
+            c = o.cache
+        caches[name] = (outs, c)
+    for (a_logits, a_taps), (b_logits, b_taps) in zip(caches["stacked"][0],
+                                                      caches["per_layer"][0]):
+        np.testing.assert_allclose(b_logits, a_logits, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(b_taps, a_taps, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(caches["per_layer"][1].k),
+                               np.asarray(caches["stacked"][1].k), atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(caches["per_layer"][1].lengths), [8, 6])
+    # the stale positions did not leak: the same steps over a zeroed cache give the same logits
+    m, c, outs = stacked, init_cache(stacked.cfg, 2, 16, stacked.dtype), []
+    for toks, adv in (([[5, 6, 7, 8], [9, 10, 11, 12]], [4, 2]), ([[13], [14]], [1, 1])):
+        o = m(jnp.asarray(toks, jnp.int32), cache=c, advance=jnp.asarray(adv, jnp.int32))
+        outs.append(np.asarray(m.logits(o.hidden)))
+        c = o.cache
+    np.testing.assert_allclose(outs[1], caches["stacked"][0][1][0], atol=1e-5, rtol=1e-5)
 
 
 def _prefilled(model, prompts, S=32):

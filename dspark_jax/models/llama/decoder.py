@@ -2,11 +2,14 @@
 targets). `TargetDecoder` (models/decoder.py) runs them through the "llama" / "qwen3" families.
 
 All layers share one shape, so their parameters are stacked on a leading "layers" axis
-(`layers.DecoderLayers`) and one `lax.scan` body runs them. The KV cache is one array per k/v,
-[L, B, S_max, K, H]; a token writes its K/V at its position and attends to every cached key at
-a position ≤ its own. `ragged_forward` is the verification pass of load-aware decoding (paper
-§5.2–5.3, SPEC §9): flattened tokens of many requests, each its own attention row over its
-request's cache row.
+(`layers.DecoderLayers`) and one `lax.scan` body runs them; with one buffer per layer
+(`layers.UnstackedLayers`, the decoding layout on XLA:CPU) the same body runs unrolled
+(`layers.run_layers`). The KV cache is one array per k/v, [L, B, S_max, K, H]; a token attends
+to every cached key at a position below its row's first new token and to its row's new tokens
+up to itself. The layer loop only reads the cache; the new K/V are written at their positions
+after it, in one scatter (a cache carried through the loop is copied by XLA every layer).
+`ragged_forward` is the verification pass of load-aware decoding (paper §5.2–5.3, SPEC §9):
+flattened tokens of many requests, each its own attention row over its request's cache row.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dspark_jax.models import layers as L
@@ -47,16 +51,19 @@ def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int
     return taps0, slot_of_layer
 
 
-def forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
-            positions_bt: jax.Array, cache_kv: tuple[jax.Array, jax.Array] | None,
-            segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any
+def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
+            tokens_bt: jax.Array, h: jax.Array, positions_bt: jax.Array,
+            cache_kv: tuple[jax.Array, jax.Array] | None, segment_ids_bt: jax.Array | None,
+            tap_ids: Sequence[int], dtype: Any
             ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array] | None]:
     """Runs every layer on the embedded tokens h [B, T, D].
 
     Returns (h before the final norm, taps [n, B, T, D] or None, the updated (k, v) caches).
     Without `cache_kv`: causal attention over the T tokens (restricted to equal non-zero
-    `segment_ids_bt`, for packed rows). With it: token t of row b writes its K/V at
-    `positions_bt[b, t]` and sees every cached key at a position ≤ its own.
+    `segment_ids_bt`, for packed rows). With it: token t of row b sits at `positions_bt[b, t]`
+    = `positions_bt[b, 0]` + t (consecutive, as `TargetDecoder` passes them), sees the cached
+    keys below `positions_bt[b, 0]` and its row's tokens up to itself, and its K/V are written
+    at its position after the last layer (out of range: dropped).
     """
     B, T = tokens_bt.shape
     n_taps = len(tap_ids)
@@ -67,43 +74,49 @@ def forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_bt: jax.Array, h:
         if segment_ids_bt is not None:
             seg = segment_ids_bt
             mask = mask & (seg[:, :, None] == seg[:, None, :])
-    else:
-        key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)
-        mask = key_pos[None, None, :] <= positions_bt[:, :, None]  # [B,T,S]
+    else:   # the cache is read-only in the layer loop: keys below the row's first position
+        key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)     # ⊕ its own T tokens
+        own = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+        mask = jnp.concatenate(
+            [jnp.broadcast_to(key_pos[None, None, :] < positions_bt[:, :1, None],
+                              (B, T, key_pos.shape[0])),
+             jnp.broadcast_to(own[None], (B, T, T))], axis=-1)             # [B,T,S+T]
 
-    params = stack.stacked(dtype)
+    params = stack.layer_params(dtype)
     eps = cfg.rms_norm_eps
     b_idx = jnp.arange(B)[:, None]
 
     def body(carry, xs):
-        h, taps, kv = carry
+        h, taps = carry
         lp, layer_idx, slot = xs
         x = L.rms_norm(h, lp["input_norm"], eps)
         q = L.apply_rope(L.project_q(lp, x, eps), positions_bt, cfg.rope)
         k, v = L.project_kv(lp, x, eps)
         k = L.apply_rope(k, positions_bt, cfg.rope)
-        if kv is None:
+        if cache_kv is None:
             attn = L.attend(q, k, v, mask)
         else:
-            kc, vc = kv
-            # scatter this step's K/V at per-row positions; out-of-range rows are dropped
-            kc = kc.at[layer_idx, b_idx, positions_bt].set(k, mode="drop")
-            vc = vc.at[layer_idx, b_idx, positions_bt].set(v, mode="drop")
-            kv = (kc, vc)
-            attn = L.attend(q, kc[layer_idx], vc[layer_idx], mask, one_query_reduce=True)
+            keys = jnp.concatenate([cache_kv[0][layer_idx].astype(k.dtype), k], axis=1)
+            vals = jnp.concatenate([cache_kv[1][layer_idx].astype(v.dtype), v], axis=1)
+            attn = L.attend(q, keys, vals, mask, one_query_reduce=True)
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             cur = taps[jnp.maximum(slot, 0)]
             taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
-        return (h, taps, kv), None
+        return (h, taps), ((k, v) if cache_kv is not None else None)
 
-    xs = (params, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
-    (h, taps, kv), _ = jax.lax.scan(body, (h, taps0, cache_kv), xs)
+    per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
+    (h, taps), new_kv = L.run_layers(body, (h, taps0), params, per_layer)
+    kv = None
+    if cache_kv is not None:   # every layer's new K/V [L, B, T, K, H] at the rows' positions
+        kc, vc = cache_kv      # (out of range: dropped), one in-place scatter per cache
+        kv = (kc.at[:, b_idx, positions_bt].set(new_kv[0].astype(kc.dtype), mode="drop"),
+              vc.at[:, b_idx, positions_bt].set(new_kv[1].astype(vc.dtype), mode="drop"))
     return h, (taps if n_taps else None), kv
 
 
-def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Array,
-                   h: jax.Array, positions_1k: jax.Array,
+def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
+                   tokens_1k: jax.Array, h: jax.Array, positions_1k: jax.Array,
                    cache_kv: tuple[jax.Array, jax.Array], rows: L.RaggedRows,
                    tap_ids: Sequence[int], dtype: Any, defer_writes: bool = False
                    ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array]]:
@@ -142,7 +155,7 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
         mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & rows.valid_k[:, None])[:, None, :]
     n_taps = len(tap_ids)
     taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
-    params = stack.stacked(dtype)
+    params = stack.layer_params(dtype)
     eps = cfg.rms_norm_eps
 
     def body(carry, xs):
@@ -171,9 +184,10 @@ def ragged_forward(stack: L.DecoderLayers, cfg: DecoderConfig, tokens_1k: jax.Ar
             taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h, cur))
         return (h, taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
 
-    xs = (params, jnp.arange(cfg.num_hidden_layers), jnp.asarray(slot_of_layer, jnp.int32))
+    per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
     if defer_writes:   # no cache in the carry: the new K/V rows are the scan's outputs
-        (h, taps, _, _), new_kv = jax.lax.scan(body, (h, taps0, None, None), xs)
+        (h, taps, _, _), new_kv = L.run_layers(body, (h, taps0, None, None), params, per_layer)
         return h, (taps if n_taps else None), new_kv
-    (h, taps, kc, vc), _ = jax.lax.scan(body, (h, taps0, cache_kv[0], cache_kv[1]), xs)
+    (h, taps, kc, vc), _ = L.run_layers(body, (h, taps0, cache_kv[0], cache_kv[1]), params,
+                                        per_layer)
     return h, (taps if n_taps else None), (kc, vc)
