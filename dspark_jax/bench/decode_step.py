@@ -34,7 +34,7 @@ def make_state(target, batch: int, context: int, steps: int) -> ARState:
 
 def run(target_name: str, batch: int, context: int, steps: int, dtype: str,
         bandwidth_gbs: float, repeats: int) -> dict:
-    target = build_target(target_name, dtype)
+    target = build_target(target_name, dtype).decoding_layout()
     no_stop = jnp.asarray([-1], jnp.int32)
     temp = jnp.asarray(0.0)
 

@@ -257,7 +257,8 @@ def plain_device_step_fn(eng):
     one, none_done = jnp.asarray(1, jnp.int32), jnp.asarray(R + 1, jnp.int32)
 
     def step():
-        holder["s"], out = plain_steps(eng.target.graphdef, eng.target.state, holder["s"], p,
+        st = eng.step_target
+        holder["s"], out = plain_steps(st.graphdef, st.state, holder["s"], p,
                                        eng.stop_ids, one, none_done,
                                        max_steps=eng.plain_steps_per_call,
                                        top_k_cap=top_k_cap_for([0] * R, eng.V),
