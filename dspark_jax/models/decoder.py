@@ -215,9 +215,10 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     the Llama family then attends request by request, reading each cache row once instead of
     once per token (verification: Q = γ + 1; plain steps: Q = 1). Gemma4 gathers per token.
 
-    `defer_writes` (with `grid`, where the family supports it: `Family.ragged_defers_writes`):
-    the cache is only read and `new_kv` holds the K/V rows to write (`write_ragged`); the
-    returned cache is the input's. Elsewhere the call writes as usual and `new_kv` is None.
+    With `grid`, where the family supports it (`Family.ragged_defers_writes`), the layers only
+    read the cache and the K/V rows are written after them (`write_ragged`). `defer_writes`
+    leaves that write to the caller: `new_kv` holds the rows and the returned cache is the
+    input's. Elsewhere the call writes as usual and `new_kv` is None.
     """
     cfg = model.cfg
     K = tokens_k.shape[0]
@@ -232,7 +233,9 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     tap_ids = model.tap_slots(tap_layer_ids)
     kv = _cast((cache.k, cache.v), model.dtype)
     family = family_of(cfg)
-    defer = bool(defer_writes and grid is not None and family.ragged_defers_writes)
+    # with the per-request grid the layer loop only reads the cache and the rows are written
+    # after it (a cache carried through the loop is copied by XLA:CPU every layer)
+    defer = bool(grid is not None and family.ragged_defers_writes)
     extra = dict(defer_writes=True) if defer else {}
     h, taps, kv = family.ragged_forward(model.layers, cfg, tokens_1k, h,
                                         position_k.astype(jnp.int32)[None], kv, rows,
@@ -241,8 +244,11 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     taps_out = None
     if taps is not None:
         taps_out = jnp.transpose(taps[:, 0], (1, 0, 2)).reshape(K, len(tap_ids) * cfg.hidden_size)
-    if defer:
+    if defer and defer_writes:
         return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache, new_kv=kv)
+    if defer:
+        return RaggedOutput(hidden=hidden, taps=taps_out,
+                            cache=write_ragged(cache, kv, rows.write_k, position_k))
     k, v = _cast_like(kv, (cache.k, cache.v))
     return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache.replace(k=k, v=v))
 

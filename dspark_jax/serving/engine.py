@@ -74,6 +74,36 @@ class EngineResult:
         return float(sum(terms) / max(len(terms), 1))
 
 
+def prefill_length(longest: int, len_bucket: int, chunk: int, cache_len: int) -> int:
+    """Token length P a prefill group of prompts up to `longest` tokens is padded to: a
+    `len_bucket` multiple (at most the cache's length), a `chunk` multiple past `chunk`."""
+    P = min(round_up(longest, len_bucket), cache_len)
+    return round_up(P, chunk) if P > chunk else P
+
+
+def prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int, chunk: int,
+                   cache_len: int, group_tokens: int = 64) -> list[list[int]]:
+    """The joining prompts (indices into `lengths`) split into prefill groups of at most
+    `max_rows`, each padded to a power-of-two rows × `prefill_length` tokens: the split of the
+    length-sorted prompts that computes the fewest padded tokens, a group counting
+    `group_tokens` more (its device call). One group of everything pads every prompt to the
+    longest (16 chat prompts of 41-308 tokens: 5,120 tokens for 1,305); this pays ~1,900."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    best, cut = [0] + [None] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        P = prefill_length(lengths[order[j - 1]], len_bucket, chunk, cache_len)
+        for i in range(max(0, j - max_rows), j):
+            cost = best[i] + (1 << (j - i - 1).bit_length()) * P + group_tokens
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
 def _per_prompt(value: Any, n: int, name: str, cast: type) -> list:
     if isinstance(value, (list, tuple, np.ndarray)):
         if len(value) != n:
@@ -708,19 +738,19 @@ class _Run:
         speculative: `speculative_round.prefill_prompts`, which also feeds the drafter's
         context), in groups of at most R padded to a power-of-two size (padding rows write
         nothing) and to a `len_bucket` multiple of tokens (a `prefill_chunk` multiple past it,
-        run chunk by chunk), so few shapes compile."""
+        run chunk by chunk), so few shapes compile; `prefill_groups` splits the joiners by
+        length where that computes fewer padded tokens."""
         e = self.e
         s = self._fit_cache(s, slots)
         p = e._slot_settings(self.h)
         cap = top_k_cap_for([int(self.h["top_k"][r]) for r in slots], e.V)
-        order = sorted(slots, key=lambda r: len(self.prompts[self.slot_req[r]]))
-        while order:
-            group, order = order[:e.R], order[e.R:]
+        lengths = [len(self.prompts[self.slot_req[r]]) for r in slots]
+        for idx in prefill_groups(lengths, e.R, e.len_bucket, e.prefill_chunk,
+                                  s.cache.max_len):
+            group = [slots[i] for i in idx]
             n = 1 << (len(group) - 1).bit_length()
-            P = min(round_up(max(len(self.prompts[self.slot_req[r]]) for r in group),
-                             e.len_bucket), s.cache.max_len)
-            if P > e.prefill_chunk:
-                P = round_up(P, e.prefill_chunk)
+            P = prefill_length(max(lengths[i] for i in idx), e.len_bucket, e.prefill_chunk,
+                               s.cache.max_len)
             tokens = np.zeros((n, P), np.int32)
             lens = np.ones((n,), np.int32)
             rows = np.full((n,), e.R, np.int32)     # R: a padding row, dropped
