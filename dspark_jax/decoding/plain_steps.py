@@ -6,8 +6,9 @@ The state is the engine's (`speculative_round.EngineState`: the target KV cache 
 committed length per slot and the anchor, the last committed token not yet in the cache), so
 requests join and leave between calls exactly as between speculative rounds. One call runs up
 to `num_steps` steps in a `lax.while_loop`: feed every live slot's anchor (one token a slot
-through `models.decoder.ragged_forward` with K = R, on XLA:CPU about twice as fast as the dense
-one-query cached forward), sample its next token with `sampling.sample_request_rows` (the
+through `models.decoder.ragged_forward` with K = R and the per-request grid: each slot's cache
+row read once, the cache only read inside the layer loop and the new rows written after it),
+sample its next token with `sampling.sample_request_rows` (the
 request's own key folded with its token index, so a reply does not depend on its slot, its
 neighbours or how many steps a call ran), commit it. The loop returns early once `min_done` slots have finished (a stop token or the token
 budget), so the host can hand their slots to waiting requests: continuous batching without a
@@ -61,8 +62,7 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
 
     def body(c: dict[str, jax.Array]) -> dict[str, jax.Array]:
         live = c["live"]
-        # one token a slot through the ragged forward (K = R): on XLA:CPU it runs a step in
-        # about half the time of the dense one-query cached forward (bench.spec_round)
+        # one token a slot through the ragged forward (K = R), request by request
         cache = c["cache"]
         rows = jnp.arange(R, dtype=jnp.int32)
         out = ragged_forward(target, c["anchor"], rows, cache.lengths, live, cache,

@@ -181,11 +181,11 @@ class UnstackedLayers(nnx.Module):
     """The parameters of a `DecoderLayers` stack as one buffer per layer, for inference on
     XLA:CPU. A scan over stacked weights slices each layer's weights out of the stack; XLA:CPU
     materialises every slice (its dot cannot read a dynamic slice in place), so a one-token step
-    streams the weights three times (read, write the copy, read it) — 28 of a 33 ms SmolLM2-135M
-    step at batch 1. With a buffer per layer the layers run unrolled and each dot reads its
-    weights where they lie (BENCHMARKS.md, "Weights read where they lie"). XLA:GPU and TPU read
-    the slice in place, so there the stack stays. Same values, same forward; `stack()` goes
-    back."""
+    streams the weights three times (read, write the copy, read it): 20-32 ms of copies against
+    15 ms of dots in a SmolLM2-135M step at batch 1. With a buffer per layer the layers run
+    unrolled and each dot reads its weights where they lie (BENCHMARKS.md, "Weights read where
+    they lie"). XLA:GPU and TPU read the slice in place, so there the stack stays. Same values,
+    same forward (`Target.decoding_layout` builds it; the stacked state stays the source)."""
 
     def __init__(self, stack: DecoderLayers):
         self.num_layers = stack.num_layers
@@ -199,11 +199,6 @@ class UnstackedLayers(nnx.Module):
         """One dict of arrays per layer, cast to the compute dtype (`run_layers` unrolls)."""
         return [{n: layer[n].get_value().astype(dtype) for n in self.names}
                 for layer in self.per_layer]
-
-    def stacked(self, dtype: Any) -> dict[str, jax.Array]:
-        """The layers stacked again (a copy): the layout of `DecoderLayers`."""
-        per = self.layer_params(dtype)
-        return {n: jnp.stack([p[n] for p in per]) for n in self.names}
 
 
 def run_layers(body: Any, carry: Any, params: dict[str, jax.Array] | list[dict[str, jax.Array]],
