@@ -7,7 +7,7 @@ committed length per slot and the anchor, the last committed token not yet in th
 requests join and leave between calls exactly as between speculative rounds. One call runs up
 to `num_steps` steps in a `lax.while_loop`: feed every live slot's anchor (one token a slot
 through `models.decoder.ragged_forward` with K = R and the per-request grid: each slot's cache
-row read once, the cache only read inside the layer loop and the new rows written after it),
+row read once, each layer's new row written into it in place before the layer attends),
 sample its next token with `sampling.sample_request_rows` (the
 request's own key folded with its token index, so a reply does not depend on its slot, its
 neighbours or how many steps a call ran), commit it. The loop returns early once `min_done` slots have finished (a stop token or the token

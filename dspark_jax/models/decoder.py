@@ -215,10 +215,14 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     the Llama family then attends request by request, reading each cache row once instead of
     once per token (verification: Q = γ + 1; plain steps: Q = 1). Gemma4 gathers per token.
 
-    With `grid`, where the family supports it (`Family.ragged_defers_writes`), the layers only
-    read the cache and the K/V rows are written after them (`write_ragged`). `defer_writes`
-    leaves that write to the caller: `new_kv` holds the rows and the returned cache is the
-    input's. Elsewhere the call writes as usual and `new_kv` is None.
+    `defer_writes` (with `grid`, where the family supports it: `Family.ragged_defers_writes`):
+    the layers only read the cache and the K/V rows come back in `new_kv` for the caller to
+    write (`write_ragged`); the returned cache is the input's. Verification inside the
+    engine's `lax.switch` over capacity buckets needs this (XLA copies a cache written in a
+    branch). Elsewhere each layer writes its rows into the cache and attends over it, and
+    `new_kv` is None: for plain steps (Q = 1) that is 1.7–1.9× faster at 16–32 requests on
+    XLA:CPU than reading the cache and concatenating the request's own keys to it, which
+    copies every layer's cache slice (BENCHMARKS.md, "Plain steps write their rows in place").
     """
     cfg = model.cfg
     K = tokens_k.shape[0]
@@ -233,9 +237,7 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     tap_ids = model.tap_slots(tap_layer_ids)
     kv = _cast((cache.k, cache.v), model.dtype)
     family = family_of(cfg)
-    # with the per-request grid the layer loop only reads the cache and the rows are written
-    # after it (a cache carried through the loop is copied by XLA:CPU every layer)
-    defer = bool(grid is not None and family.ragged_defers_writes)
+    defer = bool(defer_writes and grid is not None and family.ragged_defers_writes)
     extra = dict(defer_writes=True) if defer else {}
     h, taps, kv = family.ragged_forward(model.layers, cfg, tokens_1k, h,
                                         position_k.astype(jnp.int32)[None], kv, rows,
@@ -244,11 +246,8 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     taps_out = None
     if taps is not None:
         taps_out = jnp.transpose(taps[:, 0], (1, 0, 2)).reshape(K, len(tap_ids) * cfg.hidden_size)
-    if defer and defer_writes:
-        return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache, new_kv=kv)
     if defer:
-        return RaggedOutput(hidden=hidden, taps=taps_out,
-                            cache=write_ragged(cache, kv, rows.write_k, position_k))
+        return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache, new_kv=kv)
     k, v = _cast_like(kv, (cache.k, cache.v))
     return RaggedOutput(hidden=hidden, taps=taps_out, cache=cache.replace(k=k, v=v))
 
