@@ -6,8 +6,10 @@ All layers share one shape, so their parameters are stacked on a leading "layers
 (`layers.UnstackedLayers`, the decoding layout on XLA:CPU) the same body runs unrolled
 (`layers.run_layers`). The KV cache is one array per k/v, [L, B, S_max, K, H]; a token attends
 to every cached key at a position below its row's first new token and to its row's new tokens
-up to itself. The layer loop only reads the cache; the new K/V are written at their positions
-after it, in one scatter (a cache carried through the loop is copied by XLA every layer).
+up to itself. With one row (B = 1) the layer loop only reads the cache and the new K/V are
+written at their positions after it, in one scatter (a cache carried through the loop is copied
+by XLA:CPU every layer); with several rows each layer writes its rows in place and attends over
+its cache (concatenating the rows' own keys to the cache copies every layer's [B, S] slice).
 `ragged_forward` is the verification pass of load-aware decoding (paper §5.2–5.3, SPEC §9):
 flattened tokens of many requests, each its own attention row over its request's cache row.
 """
@@ -63,17 +65,24 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     `segment_ids_bt`, for packed rows). With it: token t of row b sits at `positions_bt[b, t]`
     = `positions_bt[b, 0]` + t (consecutive, as `TargetDecoder` passes them), sees the cached
     keys below `positions_bt[b, 0]` and its row's tokens up to itself, and its K/V are written
-    at its position after the last layer (out of range: dropped).
+    at its position (out of range: dropped). B = 1: the layers read the cache and the writes
+    follow the last layer; B > 1: each layer writes its rows, then attends over its cache.
+    One-token step of SmolLM2-135M fp32 on XLA:CPU, cache 384, per-layer buffers (read-only
+    vs in place): B = 1 42 vs 69 ms, B = 4 96 vs 77, B = 16 249 vs 146 (BENCHMARKS.md).
     """
     B, T = tokens_bt.shape
     n_taps = len(tap_ids)
     taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
+    in_place = cache_kv is not None and B > 1
     if cache_kv is None:
         idx = jnp.arange(T)
         mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
         if segment_ids_bt is not None:
             seg = segment_ids_bt
             mask = mask & (seg[:, :, None] == seg[:, None, :])
+    elif in_place:   # every cached key at a position ≤ the token's own, this call's included
+        key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)
+        mask = key_pos[None, None, :] <= positions_bt[:, :, None]        # [B,T,S]
     else:   # the cache is read-only in the layer loop: keys below the row's first position
         key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)     # ⊕ its own T tokens
         own = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
@@ -87,7 +96,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     b_idx = jnp.arange(B)[:, None]
 
     def body(carry, xs):
-        h, taps = carry
+        h, taps, kc, vc = carry
         lp, layer_idx, slot = xs
         x = L.rms_norm(h, lp["input_norm"], eps)
         q = L.apply_rope(L.project_q(lp, x, eps), positions_bt, cfg.rope)
@@ -95,6 +104,11 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         k = L.apply_rope(k, positions_bt, cfg.rope)
         if cache_kv is None:
             attn = L.attend(q, k, v, mask)
+        elif in_place:
+            kc = kc.at[layer_idx, b_idx, positions_bt].set(k.astype(kc.dtype), mode="drop")
+            vc = vc.at[layer_idx, b_idx, positions_bt].set(v.astype(vc.dtype), mode="drop")
+            attn = L.attend(q, kc[layer_idx].astype(k.dtype), vc[layer_idx].astype(v.dtype),
+                            mask, one_query_reduce=True)
         else:
             keys = jnp.concatenate([cache_kv[0][layer_idx].astype(k.dtype), k], axis=1)
             vals = jnp.concatenate([cache_kv[1][layer_idx].astype(v.dtype), v], axis=1)
@@ -103,10 +117,14 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         if n_taps:
             cur = taps[jnp.maximum(slot, 0)]
             taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
-        return (h, taps), ((k, v) if cache_kv is not None else None)
+        deferred = (k, v) if cache_kv is not None and not in_place else None
+        return (h, taps, kc, vc), deferred
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
-    (h, taps), new_kv = L.run_layers(body, (h, taps0), params, per_layer)
+    carry_kv = tuple(cache_kv) if in_place else (None, None)
+    (h, taps, kc, vc), new_kv = L.run_layers(body, (h, taps0) + carry_kv, params, per_layer)
+    if in_place:
+        return h, (taps if n_taps else None), (kc, vc)
     kv = None
     if cache_kv is not None:   # every layer's new K/V [L, B, T, K, H] at the rows' positions
         kc, vc = cache_kv      # (out of range: dropped), one in-place scatter per cache
