@@ -71,9 +71,9 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
 
     One engine slot per prompt; `scheduler` "fixed" verifies all γ drafts, as DeepSpec's
     evaluator (any engine mode works); `engine_kw` go to `Engine` (DeepSpec's token-budget rule
-    `budget_rule="deepspec"` and the stacked layers, `layer_buffers=False`, by default). `max_cache_len`: the KV cache length (default: room for
-    the longest prompt, the output and one verification of γ+1). `settings`: top-k / top-p
-    (every request; the target's and the drafter's distributions alike), the verifier and
+    `budget_rule="deepspec"` and the stacked layers, `layer_buffers=False`, by default).
+    `max_cache_len`: the KV cache length (default: room for the longest prompt, the output and
+    one verification of γ+1). `settings`: top-k / top-p (every request; the target's and the drafter's distributions alike), the verifier and
     whether confidences are recorded. `progress`: a tqdm bar of the emitted tokens. Returns the generated ids per prompt and per-round statistics
     (proposed/accepted counts and acceptance lengths in DeepSpec's bookkeeping on stop tokens).
     """

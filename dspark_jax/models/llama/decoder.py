@@ -68,7 +68,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     at its position (out of range: dropped). B = 1: the layers read the cache and the writes
     follow the last layer; B > 1: each layer writes its rows, then attends over its cache.
     One-token step of SmolLM2-135M fp32 on XLA:CPU, cache 384, per-layer buffers (read-only
-    vs in place): B = 1 42 vs 69 ms, B = 4 96 vs 77, B = 16 249 vs 146 (BENCHMARKS.md).
+    vs in place): B = 1 42 vs 69 ms, B = 4 96 vs 77, B = 16 249 vs 117–193 (BENCHMARKS.md).
     """
     B, T = tokens_bt.shape
     n_taps = len(tap_ids)
@@ -80,12 +80,12 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         if segment_ids_bt is not None:
             seg = segment_ids_bt
             mask = mask & (seg[:, :, None] == seg[:, None, :])
-    elif in_place:   # every cached key at a position ≤ the token's own, this call's included
+    else:
         key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)
+    if in_place:   # every cached key at a position ≤ the token's own, this call's included
         mask = key_pos[None, None, :] <= positions_bt[:, :, None]        # [B,T,S]
-    else:   # the cache is read-only in the layer loop: keys below the row's first position
-        key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)     # ⊕ its own T tokens
-        own = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]
+    elif cache_kv is not None:   # read-only cache: keys below the row's first position
+        own = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]      # ⊕ its own T tokens
         mask = jnp.concatenate(
             [jnp.broadcast_to(key_pos[None, None, :] < positions_bt[:, :1, None],
                               (B, T, key_pos.shape[0])),
