@@ -7,7 +7,10 @@ fixed, threshold, algorithm1, production — the paper's §5.2 schedule alone �
 schedule plus our switch to plain decoding). Every mode's engine is built, compiled and run once
 over c prompts first (a served engine is warm: `adaptive` keeps what its policy learned there,
 `serving.policy`); then `--repeats` measured passes run with the modes interleaved, the order
-rotating each pass, so the machine's drift hits every mode alike.
+rotating each pass, so the machine's drift hits every mode alike. `--sequential` runs one mode
+at a time instead and releases its compiled programs before the next mode compiles (every
+mode's per-layer programs at once do not fit a 23 GB host at c = 4); compiled programs are
+released between concurrencies either way.
 Per (mode, c): aggregate output tok/s (median pass, each pass listed) and its ratio to `none`
 at the same c, per-user tok/s (median and p10 of tokens / (finish − join)), mean verified
 (admitted) draft tokens per request per round, τ, the fraction of rounds that ran the drafter
@@ -36,7 +39,7 @@ import argparse
 import os
 import json
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -70,6 +73,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3,
                    help="measured passes per (mode, c), modes interleaved; the median is kept")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the modes one after another, each mode's compiled programs "
+                        "released before the next compiles (less memory; passes not "
+                        "interleaved across modes)")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--threshold", type=float, default=0.5)
     p.add_argument("--explore", type=float, default=0.01,
@@ -171,32 +178,65 @@ def summarize(mode: str, c: int, n_prompts: int, runs: list[Any], eng: Any) -> d
         rounds_by_bucket={str(k): len(v) // len(runs) for k, v in sorted(by_bucket.items())})
 
 
+def _release_programs() -> None:
+    """Drop every compiled program JAX holds (its jit caches are process-wide and keyed by the
+    graphdefs, so they outlive the engines that compiled them) and collect the engines."""
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 def run_concurrency(target: Any, draft: Any, modes: list[str], c: int, a: argparse.Namespace
-                    ) -> list[tuple[dict[str, Any], Any]]:
-    """Every mode at concurrency c: engines built and warmed first, then `a.repeats` passes
-    over the same prompts with the modes interleaved (the order rotates each pass), so machine
-    drift hits every mode alike. → [(point, engine)] in `modes` order."""
+                    ) -> Iterator[tuple[dict[str, Any], Any]]:
+    """Every mode at concurrency c → (point, engine) in `modes` order, each engine alive only
+    until the caller moves on. Interleaved (default): every engine is built and warmed first,
+    then `a.repeats` passes run over the same prompts with the modes interleaved (the order
+    rotates each pass), so machine drift hits every mode alike; every mode's programs are in
+    memory at once. `a.sequential`: one mode at a time (build, warm, its passes), its programs
+    released before the next mode compiles: for hosts where all modes' programs do not fit."""
     prompts = _prompts(target, c * a.requests_per_slot)
-    engines, built = {}, {}
-    for m in modes:
+
+    def built(m: str) -> tuple[Any, float]:
         t0 = time.perf_counter()
-        engines[m] = build_engine(target, draft, m, c, prompts, a)
-        built[m] = time.perf_counter() - t0
+        eng = build_engine(target, draft, m, c, prompts, a)
+        return eng, time.perf_counter() - t0
+
+    def passes(eng: Any) -> Any:
+        return eng.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+
+    def point(m: str, runs: list[Any], eng: Any, build_s: float) -> dict[str, Any]:
+        return dict(summarize(m, c, len(prompts), runs, eng), build_s=build_s)
+
+    if a.sequential:
+        for m in modes:
+            eng, secs = built(m)
+            runs = [passes(eng) for _ in range(a.repeats)]
+            yield point(m, runs, eng, secs), eng
+            del eng, runs
+            _release_programs()
+        return
+    engines = {m: built(m) for m in modes}
     runs: dict[str, list[Any]] = {m: [] for m in modes}
     for rep in range(a.repeats):
         for m in modes[rep % len(modes):] + modes[:rep % len(modes)]:
-            runs[m].append(engines[m].generate(prompts, max_new_tokens=a.max_new_tokens,
-                                               temperature=a.temperature))
-    out = []
+            runs[m].append(passes(engines[m][0]))
     for m in modes:
-        point = summarize(m, c, len(prompts), runs[m], engines[m])
-        point["build_s"] = built[m]
-        out.append((point, engines[m]))
-    none = {p["mode"]: p for p, _ in out}.get("none")
-    for p, _ in out:   # aggregate tok/s over plain decoding's at this c (None without it)
-        p["over_none"] = (p["aggregate_tok_s"] / none["aggregate_tok_s"]
-                          if none and none["aggregate_tok_s"] > 0 else None)
-    return out
+        eng, secs = engines.pop(m)
+        yield point(m, runs.pop(m), eng, secs), eng
+        del eng
+
+
+def over_none(points: list[dict[str, Any]]) -> None:
+    """Each point's aggregate tok/s over plain decoding's at its c (`over_none`; None where
+    `none` did not run at that c)."""
+    none = {p["concurrency"]: p["aggregate_tok_s"] for p in points if p["mode"] == "none"}
+    for p in points:
+        ref = none.get(p["concurrency"])
+        p["over_none"] = p["aggregate_tok_s"] / ref if ref else None
 
 
 def verify_profile(eng: Any, cache_dir: str) -> dict[str, Any]:
@@ -310,30 +350,38 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t_all = time.perf_counter()
     for c in conc:
         t0 = time.perf_counter()
+        at_c = []
         for point, eng in run_concurrency(target, draft, modes, c, a):
             m = point["mode"]
-            points.append(point)
+            at_c.append(point)
+            # verification step per bucket: once per c for the drafting modes (one program),
+            # separately for "none" (its own drafter-free program); read while the engine lives
+            vkey = f"{c}/plain (none)" if m == "none" else str(c)
+            if vkey not in verify_s:
+                verify_s[vkey] = verify_profile(eng, a.sps_cache_dir)
+            del eng
+        over_none(at_c)
+        for point in at_c:
             spread = "/".join(f"{x:.1f}" for x in point["aggregate_tok_s_passes"])
             ratio = point["over_none"]
-            print(f"c={c:3d} {m:10s} agg {point['aggregate_tok_s']:8.1f} tok/s ({spread})  "
-                  f"x none {'-' if ratio is None else f'{ratio:.2f}'}  "
+            print(f"c={c:3d} {point['mode']:10s} agg {point['aggregate_tok_s']:8.1f} tok/s "
+                  f"({spread})  x none {'-' if ratio is None else f'{ratio:.2f}'}  "
                   f"per-user {point['per_user_tok_s_median']:7.1f} "
                   f"(p10 {point['per_user_tok_s_p10']:.1f})"
                   f"  verified/req/round {point['verified_per_request_round']:.2f}  "
                   f"tau {point['tau']:.2f}  drafted {100 * point['drafted_fraction']:.0f}%  "
                   f"draft {point['draft_ms_per_round']:.1f} ms/round", flush=True)
-            # verification step per bucket: once per c for the drafting modes (one program),
-            # separately for "none" (its own drafter-free program)
-            vkey = f"{c}/plain (none)" if m == "none" else str(c)
-            if vkey not in verify_s:
-                verify_s[vkey] = verify_profile(eng, a.sps_cache_dir)
-                v = verify_s[vkey]
-                print(f"c={c:3d} {'none' if m == 'none' else 'speculative'} verification step "
+        for vkey in (f"{c}/plain (none)", str(c)):
+            v = verify_s.get(vkey)
+            if v is not None:
+                print(f"c={c:3d} {'none' if '/' in vkey else 'speculative'} verification step "
                       "per bucket: " + ", ".join(f"K={k}: {ms:.1f} ms"
                                                  for k, ms in v["step_ms_by_bucket"].items())
                       + f" (SPS profiling {v['sps_profile_s']:.2f} s"
                       + ("" if v["grows_with_bucket"] or len(v["step_ms_by_bucket"]) < 2
                          else "; does NOT grow with the bucket") + ")", flush=True)
+        points += at_c
+        _release_programs()   # the next c compiles its own programs; these are not needed
         print(f"c={c:3d} done in {time.perf_counter() - t0:.0f} s", flush=True)
     result = dict(device=device_name(), target=a.target, draft=a.draft,
                   gamma=int(draft.config.num_drafts), settings=vars(a), points=points,
