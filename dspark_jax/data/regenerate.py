@@ -53,7 +53,7 @@ import numpy as np
 from dspark_jax.data.chat import render_prompt, with_system_prompt
 from dspark_jax.data.prompt_sources import PROMPT_SOURCES, load_named_prompts
 from dspark_jax.data.prompts import Conversation, Message, load_conversations, read_eval_file
-from dspark_jax.decoding.autoregressive import ar_decode, ar_prefill, pad_prompts
+from dspark_jax.decoding.autoregressive import ar_decode, pad_prompts, prefilled_state
 from dspark_jax.decoding.stops import stop_array
 from dspark_jax.serving import Engine, Request
 
@@ -117,22 +117,20 @@ def generate_rows(target: Any, prompts: Sequence[np.ndarray], key_data: np.ndarr
                   max_new_tokens: int, batch_size: int, temperature: float, top_k: int,
                   top_p: float, stop_token_ids: Sequence[int],
                   on_tokens: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Samples a reply per prompt (≤ batch_size prompts; rows padded to batch_size so the
-    compiled shapes only depend on the length bucket). Row b uses `key_data[b]`."""
+    """Samples a reply per prompt (≤ batch_size prompts; the decoding rows padded to
+    batch_size, the prompts prefilled in length groups). Row b uses `key_data[b]`."""
     n = len(prompts)
     if not 0 < n <= batch_size:
         raise ValueError(f"{n} prompts for a batch of {batch_size}")
     cfg = target.config
-    padded = list(prompts) + [np.zeros((1,), np.int32)] * (batch_size - n)
-    tokens, lens, cache_len = pad_prompts(padded, cfg.vocab_size, None, max_new_tokens)
+    _, _, cache_len = pad_prompts(list(prompts), cfg.vocab_size, None, max_new_tokens)
     active = np.arange(batch_size) < n
     keys = np.zeros((batch_size, 2), np.uint32)
     keys[:n] = key_data
     temp = jnp.asarray(temperature, jnp.float32)
     stops = stop_array(stop_token_ids, ())
-    s = ar_prefill(target.graphdef, target.state, jnp.asarray(tokens), jnp.asarray(lens),
-                   jnp.asarray(keys), temp, stops, jnp.asarray(active), cache_len=cache_len,
-                   max_new=max_new_tokens, top_k=top_k, top_p=top_p)
+    s = prefilled_state(target, prompts, keys, temp, stops, cache_len=cache_len,
+                        max_new=max_new_tokens, top_k=top_k, top_p=top_p, rows=batch_size)
     counted = n
     if on_tokens is not None:
         on_tokens(n)

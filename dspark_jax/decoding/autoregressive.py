@@ -1,7 +1,8 @@
 """Plain batched autoregressive decoding: the baseline speculative decoding must equal (SPEC §1).
 
-A static-shape state machine: ragged prompts are right-padded and prefilled into a KV cache
-with per-request lengths, then an on-device `lax.while_loop` decodes one token per request per
+A static-shape state machine: ragged prompts are prefilled into a KV cache with per-request
+lengths, in length groups each padded to its own bucket (`prefill_plan`, as the serving
+engine's joins), then an on-device `lax.while_loop` decodes one token per request per
 step until every request hit a stop token or `max_new_tokens`. `steps_per_call` bounds the
 steps per device call so a host loop can drive a progress bar with the same compiled program.
 
@@ -23,11 +24,8 @@ from flax import nnx
 
 from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
-from dspark_jax.models.decoder import KVCache, init_cache
-
-
-def round_up(x: int, m: int) -> int:
-    return ((x + m - 1) // m) * m
+from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length, round_up
+from dspark_jax.models.decoder import KVCache, init_cache, prefill
 
 
 @flax.struct.dataclass
@@ -81,34 +79,66 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_cache: in
     return tokens, np.asarray(lens, np.int32), cache_len
 
 
-def _prefill(model: Any, tokens: jax.Array, lens: jax.Array, key_data: jax.Array,
-             temperature: jax.Array, stop_ids: jax.Array, active: jax.Array | None, *,
-             cache_len: int, max_new: int, top_k: int, top_p: float) -> ARState:
-    B = tokens.shape[0]
-    cache = init_cache(model.cfg, B, cache_len, model.dtype)
-    out = model(tokens, cache=cache)
-    last_h = out.hidden[jnp.arange(B), lens - 1]  # [B, D]
-    first = sample_rows(key_data, jnp.zeros((B,), jnp.int32), model.logits(last_h), temperature,
-                        top_k, top_p)
-    buf = jnp.full((B, max_new), -1, jnp.int32).at[:, 0].set(first)
+def empty_state(target: Any, key_data: jax.Array, *, cache_len: int, max_new: int) -> ARState:
+    """A state of B = len(key_data) rows with nothing prefilled: every row done (a row starts
+    when `ar_prefill_rows` prefills it; one it never prefills stays done: padding)."""
+    B = key_data.shape[0]
+    return ARState(cache=init_cache(target.config, B, cache_len, target.dtype),
+                   last_token=jnp.zeros((B,), jnp.int32),
+                   out=jnp.full((B, max_new), -1, jnp.int32),
+                   num_out=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
+                   key_data=jnp.asarray(key_data), steps=jnp.zeros((), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "top_k", "top_p"),
+                   donate_argnames=("s",))
+def ar_prefill_rows(graphdef: Any, state: Any, s: ARState, tokens: jax.Array, lens: jax.Array,
+                    rows: jax.Array, temperature: jax.Array, stop_ids: jax.Array, *,
+                    chunk: int, top_k: int = 0, top_p: float = 1.0) -> ARState:
+    """Prefills n prompts `tokens` [n, P] (right-padded, `lens` [n]) into rows `rows` [n] of
+    the state (a row ≥ B is padding: nothing written) and samples each row's first token
+    (token 0 of its own key). One dense causal forward over [n, P] (`models.decoder.prefill`,
+    in chunks of `chunk` tokens past it), its K/V rows moved into the cache
+    (`KVCache.put_rows`): the cost of these prompts alone, padded to their own group's length."""
+    model = nnx.merge(graphdef, state)
+    n = tokens.shape[0]
+    B, max_new = s.out.shape
+    out = prefill(model, tokens, chunk, cache_dtype=jax.tree.leaves(s.cache.k)[0].dtype)
+    h_last = out.hidden[jnp.arange(n), lens - 1]                                # [n, D]
+    first = sample_rows(s.key_data[jnp.clip(rows, 0, B - 1)], jnp.zeros((n,), jnp.int32),
+                        model.logits(h_last), temperature, top_k, top_p)
     done = is_stop(first, stop_ids) | (max_new <= 1)
-    if active is not None:
-        done = done | ~active
-    return ARState(cache=out.cache.with_lengths(lens), last_token=first, out=buf,
-                   num_out=jnp.ones((B,), jnp.int32), done=done, key_data=key_data,
-                   steps=jnp.zeros((), jnp.int32))
+    return s.replace(cache=s.cache.put_rows(out.cache, rows, lens),
+                     last_token=s.last_token.at[rows].set(first, mode="drop"),
+                     out=s.out.at[rows, 0].set(first, mode="drop"),
+                     num_out=s.num_out.at[rows].set(1, mode="drop"),
+                     done=s.done.at[rows].set(done, mode="drop"))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cache_len", "max_new", "top_k",
-                                             "top_p"))
-def ar_prefill(graphdef: Any, state: Any, tokens: jax.Array, lens: jax.Array,
-               key_data: jax.Array, temperature: jax.Array, stop_ids: jax.Array,
-               active: jax.Array | None = None, *, cache_len: int, max_new: int,
-               top_k: int = 0, top_p: float = 1.0) -> ARState:
-    """Prefill + the first sampled token. `active` [B] marks real rows (padding rows start
-    done); `key_data` [B, 2] holds one key per row."""
-    return _prefill(nnx.merge(graphdef, state), tokens, lens, key_data, temperature, stop_ids,
-                    active, cache_len=cache_len, max_new=max_new, top_k=top_k, top_p=top_p)
+def prefilled_state(target: Any, prompts: Sequence[Sequence[int]], key_data: Any,
+                    temperature: jax.Array, stop_ids: jax.Array, *, cache_len: int,
+                    max_new: int, top_k: int = 0, top_p: float = 1.0, rows: int | None = None,
+                    len_bucket: int = 64, chunk: int = 128) -> ARState:
+    """The decoding state after prefilling every prompt: `rows` (default len(prompts)) rows,
+    prompt i in row i with key `key_data[i]` ([rows, 2]; rows past the prompts stay done).
+    The prompts are prefilled in length groups (`prefill_plan.prefill_groups`, the serving
+    engine's joins): one group of everything would pad every prompt to the longest (16 chat
+    prompts of 41-308 tokens: 5,120 positions computed for 1,305)."""
+    B = len(prompts) if rows is None else rows
+    s = empty_state(target, jnp.asarray(key_data), cache_len=cache_len, max_new=max_new)
+    lengths = [len(p) for p in prompts]
+    for idx in prefill_groups(lengths, B, len_bucket, chunk, cache_len):
+        n = 1 << (len(idx) - 1).bit_length()
+        P = prefill_length(max(lengths[i] for i in idx), len_bucket, chunk, cache_len)
+        tokens = np.zeros((n, P), np.int32)
+        lens = np.ones((n,), np.int32)
+        where = np.full((n,), B, np.int32)     # B: a padding row, dropped
+        for j, i in enumerate(idx):
+            tokens[j, :lengths[i]], lens[j], where[j] = prompts[i], lengths[i], i
+        s = ar_prefill_rows(target.graphdef, target.state, s, jnp.asarray(tokens),
+                            jnp.asarray(lens), jnp.asarray(where), temperature, stop_ids,
+                            chunk=min(P, chunk), top_k=top_k, top_p=top_p)
+    return s
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "top_p"),
@@ -160,11 +190,10 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
     cfg = target.config
     default_stops = (getattr(target.tokenizer, "stop_token_ids", None) or cfg.stop_token_ids)
     stops = stop_array(stop_token_ids, default_stops)
-    tokens, lens, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len, max_new_tokens)
+    _, _, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len, max_new_tokens)
     temp = jnp.asarray(temperature, jnp.float32)
-    s = ar_prefill(target.graphdef, target.state, jnp.asarray(tokens), jnp.asarray(lens),
-                   row_key_data(seed, len(prompts)), temp, stops, cache_len=cache_len,
-                   max_new=max_new_tokens, top_k=top_k, top_p=top_p)
+    s = prefilled_state(target, prompts, row_key_data(seed, len(prompts)), temp, stops,
+                        cache_len=cache_len, max_new=max_new_tokens, top_k=top_k, top_p=top_p)
     per_call = steps_per_call or max_new_tokens
     stepper = target.decoding_layout(layer_buffers)
     bar = None

@@ -45,9 +45,9 @@ from flax import nnx
 
 from dspark_jax.decoding import speculative_round as round_
 from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
+from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length
 from dspark_jax.decoding.sampling import top_k_cap_for
 from dspark_jax.decoding.acceptance_rule import VERIFIERS
-from dspark_jax.decoding.autoregressive import round_up
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES
 from dspark_jax.decoding.stops import stop_array
@@ -72,36 +72,6 @@ class EngineResult:
         """DeepSpec's pooled accepted length over all requests and rounds."""
         terms = [t for r in self.per_request for t in r["acceptance"]]
         return float(sum(terms) / max(len(terms), 1))
-
-
-def prefill_length(longest: int, len_bucket: int, chunk: int, cache_len: int) -> int:
-    """Token length P a prefill group of prompts up to `longest` tokens is padded to: a
-    `len_bucket` multiple (at most the cache's length), a `chunk` multiple past `chunk`."""
-    P = min(round_up(longest, len_bucket), cache_len)
-    return round_up(P, chunk) if P > chunk else P
-
-
-def prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int, chunk: int,
-                   cache_len: int, group_tokens: int = 64) -> list[list[int]]:
-    """The joining prompts (indices into `lengths`) split into prefill groups of at most
-    `max_rows`, each padded to a power-of-two rows × `prefill_length` tokens: the split of the
-    length-sorted prompts that computes the fewest padded tokens, a group counting
-    `group_tokens` more (its device call). One group of everything pads every prompt to the
-    longest (16 chat prompts of 41-308 tokens: 5,120 tokens for 1,305); this pays ~1,900."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    n = len(order)
-    best, cut = [0] + [None] * n, [0] * (n + 1)
-    for j in range(1, n + 1):
-        P = prefill_length(lengths[order[j - 1]], len_bucket, chunk, cache_len)
-        for i in range(max(0, j - max_rows), j):
-            cost = best[i] + (1 << (j - i - 1).bit_length()) * P + group_tokens
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
-    groups, j = [], n
-    while j > 0:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
 
 
 def _per_prompt(value: Any, n: int, name: str, cast: type) -> list:

@@ -1,4 +1,4 @@
-"""The engine's prefill grouping (`serving.engine.prefill_groups`): every joining prompt in
+"""The engine's prefill grouping (`decoding.prefill_plan.prefill_groups`): every joining prompt in
 exactly one group of at most R rows, fewer padded tokens than one group of everything when
 the lengths differ, one group when they do not."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_jax.serving.engine import prefill_groups, prefill_length
+from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length
 
 
 def _padded(lengths, groups, bucket, chunk, cache_len):
