@@ -5,10 +5,10 @@ drafting" point of the schedule, which the engine's `scheduler="none"` serves).
 The state is the engine's (`speculative_round.EngineState`: the target KV cache [L, R, S] with a
 committed length per slot and the anchor, the last committed token not yet in the cache), so
 requests join and leave between calls exactly as between speculative rounds. One call runs up
-to `num_steps` steps in a `lax.while_loop`: feed every live slot's anchor (one token a slot
-through `models.decoder.ragged_forward` with K = R and the per-request grid: each slot's cache
-row read once, each layer's new row written into it in place before the layer attends),
-sample its next token with `sampling.sample_request_rows` (the
+to `num_steps` steps in a `lax.while_loop`: feed every slot's anchor (one token a slot
+through the target's dense cached forward over [R, 1], as `autoregressive_generate` decodes:
+at R > 1 each layer writes its rows into the cache in place and attends over it), sample
+each live slot's next token with `sampling.sample_request_rows` (the
 request's own key folded with its token index, so a reply does not depend on its slot, its
 neighbours or how many steps a call ran), commit it. The loop returns early once `min_done` slots have finished (a stop token or the token
 budget), so the host can hand their slots to waiting requests: continuous batching without a
@@ -27,7 +27,7 @@ from flax import nnx
 from dspark_jax.decoding.sampling import sample_request_rows
 from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
 from dspark_jax.decoding.stops import is_stop
-from dspark_jax.models.decoder import prefill, ragged_forward
+from dspark_jax.models.decoder import prefill
 
 
 @functools.partial(jax.jit, static_argnames=("target_gd", "max_steps", "top_k_cap",
@@ -62,13 +62,11 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
 
     def body(c: dict[str, jax.Array]) -> dict[str, jax.Array]:
         live = c["live"]
-        # one token a slot through the ragged forward (K = R), request by request
-        cache = c["cache"]
-        rows = jnp.arange(R, dtype=jnp.int32)
-        out = ragged_forward(target, c["anchor"], rows, cache.lengths, live, cache,
-                             grid=(rows[:, None], rows))
-        out_cache = out.cache.with_lengths(cache.lengths + live.astype(jnp.int32))
-        nxt = sample_request_rows(p.key_data, c["counter"], target.logits(out.hidden),
+        # one token a slot: the dense cached forward over [R, 1] (a slot that is not live
+        # writes its row past its committed length, where nothing reads it)
+        out = target(c["anchor"][:, None], cache=c["cache"], advance=live.astype(jnp.int32))
+        out_cache = out.cache
+        nxt = sample_request_rows(p.key_data, c["counter"], target.logits(out.hidden[:, 0]),
                                   p.temperature, p.top_k, p.top_p, top_k_cap=top_k_cap)
         emit = live & (c["remaining"] > 0)
         stop = is_stop(nxt, stop_ids)

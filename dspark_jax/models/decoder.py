@@ -213,16 +213,15 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
 
     `grid` = (grid_rq [R, Q], cell_k [K]) lays the same tokens out per request (`RaggedRows`):
     the Llama family then attends request by request, reading each cache row once instead of
-    once per token (verification: Q = γ + 1; plain steps: Q = 1). Gemma4 gathers per token.
+    once per token (verification: Q = γ + 1). Gemma4 gathers per token.
 
     `defer_writes` (with `grid`, where the family supports it: `Family.ragged_defers_writes`):
     the layers only read the cache and the K/V rows come back in `new_kv` for the caller to
     write (`write_ragged`); the returned cache is the input's. Verification inside the
     engine's `lax.switch` over capacity buckets needs this (XLA copies a cache written in a
-    branch). Elsewhere each layer writes its rows into the cache and attends over it, and
-    `new_kv` is None: for plain steps (Q = 1) that is 1.7–1.9× faster at 16–32 requests on
-    XLA:CPU than reading the cache and concatenating the request's own keys to it, which
-    copies every layer's cache slice (BENCHMARKS.md, "Plain steps write their rows in place").
+    branch). Otherwise each layer writes its rows into the cache before it attends over it,
+    and `new_kv` is None. (Plain steps, one token a slot, run the dense cached forward
+    instead: `decoding.plain_steps`.)
     """
     cfg = model.cfg
     K = tokens_k.shape[0]

@@ -142,3 +142,21 @@ def test_plain_sampler_matches_the_filtered_distribution(cap):
         assert set(np.nonzero(freq)[0]) <= set(np.nonzero(want)[0])  # never outside the nucleus
         assert 0.5 * np.abs(freq - want).sum() < 0.03  # total variation (≈ 0.01 expected)
     assert np.all(draws[-3:] == int(jnp.argmax(logits)))
+
+
+def test_gemma4_replies_equal_the_request_decoded_alone(tmp_path_factory):
+    """The plain step is the family's dense cached forward: Gemma4's (sliding and full layer
+    groups, shared K/V) serves slots that join and leave like Llama's."""
+    from hf_tiny import GEMMA4_VARIANTS, save_tiny_gemma4
+
+    variant = list(GEMMA4_VARIANTS)[0]
+    gemma = load_target(save_tiny_gemma4(tmp_path_factory.mktemp(variant), variant),
+                        with_tokenizer=False)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 97, size=n).astype(np.int32) for n in (5, 17, 3, 9, 12)]
+    keys = [R.sample_key_data(5, f"g{i}", 0) for i in range(len(prompts))]
+    want = [_alone(gemma, p, k, 0.0, []) for p, k in zip(prompts, keys)]
+    res = _engine(gemma, [], max_requests=2, plain_steps_per_call=4).serve(
+        [Request(p, k, 0.0, 8, 0.9, handle=i) for i, (p, k) in enumerate(zip(prompts, keys))],
+        lambda req, reply: [], max_new_tokens=MAX_NEW)
+    assert res.tokens == want
