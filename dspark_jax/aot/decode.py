@@ -154,7 +154,8 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
     verify_fn = functools.partial(R_.verify_and_commit, t_gd, d_gd, **verify_static)
     verify_lower = functools.partial(R_.verify_and_commit.lower, t_gd, d_gd, **verify_static)
     verify_args = (t_abs, d_abs, state, params, arr((R, gamma), jnp.int32),
-                   arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32), stop_ids)
+                   arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32), stop_ids,
+                   arr((), jnp.bool_))
     # the engine's fused call: whole rounds (draft → schedule → verify → commit), one program
     replicated = NamedSharding(mesh, PartitionSpec())
     vocab_w = jax.tree.map(

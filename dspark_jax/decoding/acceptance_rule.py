@@ -40,6 +40,7 @@ __all__ = [
     "rejection_verify_with_uniforms",
     "pallas_verify",
     "pallas_verify_with_uniforms",
+    "greedy_verify",
 ]
 
 
@@ -91,6 +92,22 @@ def pallas_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array,
         return _no_drafts(sample_u, target_probs)
     return verify_kernel(accept_u, sample_u, target_probs, draft_probs, draft_tokens,
                          verify_len, **kernel_mode())
+
+
+def greedy_verify(target_argmax: jax.Array, draft_tokens: jax.Array,
+                  verify_len: jax.Array) -> VerifyResult:
+    """The rule for one-hot target rows (T = 0), from the target's argmax alone: accept the
+    drafts while each equals the target's argmax at its slot, then emit the argmax at the first
+    mismatch (or the bonus slot). Equal to `rejection_verify_with_uniforms` on the one-hot rows
+    `probs_from_logits` gives at T = 0, for any draft probabilities and uniforms (p_t(x) = 1
+    accepts, 0 rejects; the residual of a one-hot p_t is that one-hot), without building
+    [B, γ+1, V] probabilities. target_argmax [B, γ+1], draft_tokens [B, γ], verify_len [B]."""
+    B, g = draft_tokens.shape
+    ell = jnp.clip(verify_len, 0, g)
+    match = (draft_tokens == target_argmax[:, :g]) & (jnp.arange(g)[None] < ell[:, None])
+    accepted = jnp.cumprod(match.astype(jnp.int32), axis=1).astype(bool)
+    n_acc = jnp.sum(accepted, axis=1).astype(jnp.int32)
+    return VerifyResult(n_acc, target_argmax[jnp.arange(B), n_acc].astype(jnp.int32), accepted)
 
 
 def rejection_verify(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Array,

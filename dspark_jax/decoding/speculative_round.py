@@ -10,7 +10,8 @@ A round has three parts:
   3. `verify_and_commit` (compiled once per bucket) — the admitted tokens of all requests are
      flattened into K slots (`models.decoder.ragged_forward`, attention laid out per request so
      each cache row is read once), verified with the lossless rule at every verified position
-     under each request's own temperature / top-k / top-p, and committed by moving lengths;
+     under each request's own temperature / top-k / top-p (every live request greedy: from
+     the target's argmax alone, `acceptance_rule.greedy_verify`), and committed by moving lengths;
      only the committed tokens' features reach the drafter.
 `speculative_rounds` runs whole rounds in one device call: step 2 happens on device (a
 `lax.switch` over the buckets' verification programs), and several rounds run in a
@@ -36,7 +37,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.decoding import scheduler as sched
-from dspark_jax.decoding.acceptance_rule import (VERIFIERS, inverse_cdf_sample,
+from dspark_jax.decoding.acceptance_rule import (VERIFIERS, VerifyResult, greedy_verify,
+                                                 inverse_cdf_sample,
                                                  rejection_verify_with_uniforms)
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
@@ -208,16 +210,25 @@ def _verify(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
     out = ragged_forward(target, tok, slot, pos, valid, s.cache, tap_layer_ids=tap_layer_ids,
                          grid=(grid_rq, cell_k), defer_writes=True)
     logits = target.logits(out.hidden)                                          # [K, V]
-    probs_k = filtered_probs(logits, p.temperature[slot], p.top_k[slot], p.top_p[slot])
     dense_idx = jnp.clip(start[:, None] + jj[None], 0, K - 1)                   # [R, γ+1]
-    tp = probs_k[dense_idx]                                                     # [R, γ+1, V]
 
-    vkeys = _row_keys(p, 1)
-    ku = jax.vmap(lambda k: jax.random.split(k))(vkeys)
-    accept_u = _row_uniforms(ku[:, 0], (g,))
-    sample_u = _row_uniforms(ku[:, 1], ())
-    dp = draft_probs if g > 0 else jnp.zeros((R, 0, V), jnp.float32)
-    res = _accept(verifier, accept_u, sample_u, tp, dp, drafts, ell)
+    def sampled(logits: jax.Array) -> VerifyResult:
+        probs_k = filtered_probs(logits, p.temperature[slot], p.top_k[slot], p.top_p[slot])
+        tp = probs_k[dense_idx]                                                 # [R, γ+1, V]
+        vkeys = _row_keys(p, 1)
+        ku = jax.vmap(lambda k: jax.random.split(k))(vkeys)
+        accept_u = _row_uniforms(ku[:, 0], (g,))
+        sample_u = _row_uniforms(ku[:, 1], ())
+        dp = draft_probs if g > 0 else jnp.zeros((R, 0, V), jnp.float32)
+        return _accept(verifier, accept_u, sample_u, tp, dp, drafts, ell)
+
+    def greedy(logits: jax.Array) -> VerifyResult:   # the same tokens, from the argmax alone
+        return greedy_verify(jnp.argmax(logits, axis=-1)[dense_idx], drafts, ell)
+
+    # every live request greedy (T ≤ 0): one-hot target rows, so the rule needs only the
+    # argmax — no [K, V] softmax, no [R, γ+1, V] probabilities gathered
+    all_greedy = jnp.all(jnp.where(p.active, p.temperature <= 0, True))
+    res = jax.lax.cond(all_greedy, greedy, sampled, logits)
     n_acc = res.num_accepted
 
     # emitted: accepted drafts then the correction/bonus; cut after a stop token / at budget
@@ -284,23 +295,29 @@ def _commit(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
                        anchor=jnp.where(p.active, w["next_token"], s.anchor))
 
 
-def _verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
-                       s: EngineState, p: SlotSettings, drafts: jax.Array,
-                       draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array, *, K: int,
-                       verifier: str, tap_layer_ids: tuple[int, ...],
-                       budget_rule: str = "serving"
-                       ) -> tuple[EngineState, dict[str, jax.Array]]:
-    """Ragged verification of the admitted tokens in capacity K (`_verify`: its inputs, the
-    per-slot outputs and the budget rules), then commit (`_commit`). → (new state, outputs)."""
-    o, w = _verify(target_gd, target_state, s, p, drafts, draft_probs, ell, stop_ids, K=K,
-                   verifier=verifier, tap_layer_ids=tap_layer_ids, budget_rule=budget_rule)
-    return _commit(draft_gd, draft_state, s, p, w), o
-
-
-verify_and_commit = jax.jit(_verify_and_commit,
-                            static_argnames=("target_gd", "draft_gd", "K", "verifier",
+@functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "verifier",
                                              "tap_layer_ids", "budget_rule"),
-                            donate_argnames=("s",))
+                   donate_argnames=("s",))
+def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
+                      s: EngineState, p: SlotSettings, drafts: jax.Array,
+                      draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array,
+                      go: jax.Array, *, K: int, verifier: str,
+                      tap_layer_ids: tuple[int, ...], budget_rule: str = "serving"
+                      ) -> tuple[EngineState, dict[str, jax.Array]]:
+    """One verification step in capacity K as its own device call, for profiling (the
+    engine's SPS(B) and `bench.spec_round`): `_verify` inside a `lax.cond` on `go` (traced;
+    pass True), then `_commit` — the structure of the rounds (`speculative_rounds`: verify in
+    the capacity bucket's branch, commit after it), in which XLA writes the donated caches in
+    place. As one straight-line program XLA:CPU copies each cache twice before writing it
+    (4 × 21 MB at 16 requests, cache 230: ~38 ms a step that the rounds never pay)."""
+    def verify() -> tuple[dict[str, jax.Array], dict[str, Any]]:
+        return _verify(target_gd, target_state, s, p, drafts, draft_probs, ell, stop_ids, K=K,
+                       verifier=verifier, tap_layer_ids=tap_layer_ids,
+                       budget_rule=budget_rule)
+
+    nothing = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(verify))
+    o, w = jax.lax.cond(go, verify, lambda: nothing)
+    return _commit(draft_gd, draft_state, s, p, w), o
 
 
 # ------------------------------------------------------------------------------ 1–3 fused

@@ -11,6 +11,7 @@ from dspark_jax.decoding.acceptance_rule import (
     VERIFIERS,
     VerifyResult,
     get_verifier,
+    greedy_verify,
     inverse_cdf_sample,
     pallas_verify,
     rejection_verify,
@@ -92,6 +93,31 @@ def test_greedy_accepts_exactly_the_matching_prefix():
         np.testing.assert_array_equal(res.next_token, t_arg[np.arange(B), expected_n])
         np.testing.assert_array_equal(res.accepted_mask, np.arange(G) < expected_n[:, None])
         assert res.num_accepted.dtype == jnp.int32 and res.next_token.dtype == jnp.int32
+    # the engine's T = 0 fast path gives the same result from the target's argmax alone
+    fast = jax.jit(greedy_verify)(jnp.asarray(t_arg), jnp.asarray(drafts),
+                                  jnp.asarray(verify_len))
+    for got, want in zip(fast, res):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_greedy_fast_path_equals_the_rule_on_random_drafts():
+    """Random drafts against one-hot target rows with ties in the logits (first argmax wins):
+    `greedy_verify` from the argmax equals the full rule on `probs_from_logits(·, 0)` rows."""
+    B, G, V = 64, 7, 6
+    rng = np.random.default_rng(3)
+    t_logits = rng.integers(0, 3, size=(B, G + 1, V)).astype(np.float32)   # many ties
+    drafts = rng.integers(0, V, size=(B, G)).astype(np.int32)
+    same = rng.random((B, G)) < 0.7   # mostly matching prefixes
+    drafts = np.where(same, t_logits[:, :G].argmax(-1), drafts).astype(np.int32)
+    verify_len = rng.integers(0, G + 1, size=B).astype(np.int32)
+    dp = jax.nn.softmax(jnp.asarray(rng.normal(size=(B, G, V)), jnp.float32), axis=-1)
+    want = rejection_verify(jax.random.key(1), probs_from_logits(jnp.asarray(t_logits), 0.0),
+                            dp, jnp.asarray(drafts), jnp.asarray(verify_len))
+    got = greedy_verify(jnp.argmax(jnp.asarray(t_logits), axis=-1), jnp.asarray(drafts),
+                        jnp.asarray(verify_len))
+    assert 0 < int(jnp.sum(want.num_accepted)) < int(verify_len.sum())
+    for g_, w_ in zip(got, want):
+        np.testing.assert_array_equal(g_, w_)
 
 
 # ------------------------------------------------------------------------------------------
