@@ -7,12 +7,14 @@ A round has three parts:
   1. `draft_and_schedule` — every slot's drafter proposes γ tokens; the scheduler picks ℓ_r
      from the CURRENT round's confidences σ(c_k / T_k); returns ℓ and Σ(1 + ℓ_r);
   2. the smallest capacity bucket K ≥ Σ(1 + ℓ_r) is picked;
-  3. `verify_and_commit` (compiled once per bucket) — the admitted tokens of all requests are
-     flattened into K slots (`models.decoder.ragged_forward`, attention laid out per request so
-     each cache row is read once), verified with the lossless rule at every verified position
-     under each request's own temperature / top-k / top-p (every live request greedy: from
-     the target's argmax alone, `acceptance_rule.greedy_verify`), and committed by moving lengths;
-     only the committed tokens' features reach the drafter.
+  3. verify and commit (`_verify`, `_commit`; one verification program per bucket) — the
+     admitted tokens of all requests are flattened into K slots
+     (`models.decoder.ragged_forward`, attention laid out per request so each cache row is
+     read once), verified with the lossless rule at every verified position under each
+     request's own temperature / top-k / top-p (every live request greedy: from the target's
+     argmax alone, `acceptance_rule.greedy_verify`), and committed by moving lengths; only
+     the committed tokens' features reach the drafter. `verify_and_commit` runs one such step
+     as its own call (profiling).
 `speculative_rounds` runs whole rounds in one device call: step 2 happens on device (a
 `lax.switch` over the buckets' verification programs), and several rounds run in a
 `lax.while_loop` until a slot finishes, so no host round trip separates draft, schedule and

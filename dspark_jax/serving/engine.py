@@ -277,7 +277,8 @@ class Engine:
         return round_.verify_and_commit(self.step_target.graphdef, self._dgd,
                                         self.step_target.state,
                                         self._dstate, s, p, drafts, probs, ell, self.stop_ids,
-                                        jnp.asarray(True), K=K, verifier=self.verifier, tap_layer_ids=self.tap_ids,
+                                        jnp.asarray(True), K=K, verifier=self.verifier,
+                                        tap_layer_ids=self.tap_ids,
                                         budget_rule=self.budget_rule)
 
     def _dummy_step_fn(self):
