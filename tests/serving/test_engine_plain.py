@@ -160,3 +160,15 @@ def test_gemma4_replies_equal_the_request_decoded_alone(tmp_path_factory):
         [Request(p, k, 0.0, 8, 0.9, handle=i) for i, (p, k) in enumerate(zip(prompts, keys))],
         lambda req, reply: [], max_new_tokens=MAX_NEW)
     assert res.tokens == want
+
+
+def test_one_slot_replies_equal_the_request_decoded_alone(target):
+    """One slot runs the ragged one-cell step (faster than the dense loop at batch 1): the
+    replies, served one after the other, still equal each request decoded alone."""
+    prompts = _prompts()[:3]
+    keys = [R.sample_key_data(7, f"o{i}", 0) for i in range(len(prompts))]
+    want = [_alone(target, p, k, 0.8, []) for p, k in zip(prompts, keys)]
+    res = _engine(target, [], max_requests=1, plain_steps_per_call=4).serve(
+        [Request(p, k, 0.8, 8, 0.9, handle=i) for i, (p, k) in enumerate(zip(prompts, keys))],
+        lambda req, reply: [], max_new_tokens=MAX_NEW)
+    assert res.tokens == want
