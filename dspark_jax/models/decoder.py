@@ -220,8 +220,8 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     write (`write_ragged`); the returned cache is the input's. Verification inside the
     engine's `lax.switch` over capacity buckets needs this (XLA copies a cache written in a
     branch). Otherwise each layer writes its rows into the cache before it attends over it,
-    and `new_kv` is None. (Plain steps, one token a slot, run the dense cached forward
-    instead: `decoding.plain_steps`.)
+    and `new_kv` is None (`decoding.plain_steps` with one slot; from two slots up plain
+    steps run the dense cached forward).
     """
     cfg = model.cfg
     K = tokens_k.shape[0]

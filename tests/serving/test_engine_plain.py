@@ -144,6 +144,18 @@ def test_plain_sampler_matches_the_filtered_distribution(cap):
     assert np.all(draws[-3:] == int(jnp.argmax(logits)))
 
 
+def _served_equal_alone(target, prompts, seed: int, temperature: float, slots: int) -> None:
+    """Serves the prompts through `slots` slots (4 steps a call) and checks every reply against
+    the request decoded alone by the on-device loop."""
+    keys = [R.sample_key_data(seed, f"r{i}", 0) for i in range(len(prompts))]
+    want = [_alone(target, p, k, temperature, []) for p, k in zip(prompts, keys)]
+    res = _engine(target, [], max_requests=slots, plain_steps_per_call=4).serve(
+        [Request(p, k, temperature, 8, 0.9, handle=i)
+         for i, (p, k) in enumerate(zip(prompts, keys))],
+        lambda req, reply: [], max_new_tokens=MAX_NEW)
+    assert res.tokens == want
+
+
 def test_gemma4_replies_equal_the_request_decoded_alone(tmp_path_factory):
     """The plain step is the family's dense cached forward: Gemma4's (sliding and full layer
     groups, shared K/V) serves slots that join and leave like Llama's."""
@@ -154,21 +166,10 @@ def test_gemma4_replies_equal_the_request_decoded_alone(tmp_path_factory):
                         with_tokenizer=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 97, size=n).astype(np.int32) for n in (5, 17, 3, 9, 12)]
-    keys = [R.sample_key_data(5, f"g{i}", 0) for i in range(len(prompts))]
-    want = [_alone(gemma, p, k, 0.0, []) for p, k in zip(prompts, keys)]
-    res = _engine(gemma, [], max_requests=2, plain_steps_per_call=4).serve(
-        [Request(p, k, 0.0, 8, 0.9, handle=i) for i, (p, k) in enumerate(zip(prompts, keys))],
-        lambda req, reply: [], max_new_tokens=MAX_NEW)
-    assert res.tokens == want
+    _served_equal_alone(gemma, prompts, seed=5, temperature=0.0, slots=2)
 
 
 def test_one_slot_replies_equal_the_request_decoded_alone(target):
     """One slot runs the ragged one-cell step (faster than the dense loop at batch 1): the
     replies, served one after the other, still equal each request decoded alone."""
-    prompts = _prompts()[:3]
-    keys = [R.sample_key_data(7, f"o{i}", 0) for i in range(len(prompts))]
-    want = [_alone(target, p, k, 0.8, []) for p, k in zip(prompts, keys)]
-    res = _engine(target, [], max_requests=1, plain_steps_per_call=4).serve(
-        [Request(p, k, 0.8, 8, 0.9, handle=i) for i, (p, k) in enumerate(zip(prompts, keys))],
-        lambda req, reply: [], max_new_tokens=MAX_NEW)
-    assert res.tokens == want
+    _served_equal_alone(target, _prompts()[:3], seed=7, temperature=0.8, slots=1)
