@@ -162,13 +162,19 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         jax.eval_shape(lambda st: adapter.vocab_weights(nnx.merge(d_gd, st)), d_abs))
     sps = arr((R * (gamma + 1) + 1,), jnp.float32)
-    round_static = dict(buckets=(K,), max_rounds=1 if mode == "adaptive" else 8, mode=mode,
+    round_static = dict(buckets=(K,), max_rounds=8, mode=mode,
                         cap_budget=True, sampler="jax", verifier="jax",
                         tap_layer_ids=tuple(d_cfg.target_layer_ids), budget_rule="serving")
     round_fn = functools.partial(R_.speculative_rounds, t_gd, d_gd, **round_static)
     round_lower = functools.partial(R_.speculative_rounds.lower, t_gd, d_gd, **round_static)
     round_args = (t_abs, d_abs, state, params, stop_ids, conf_temps, arr((), jnp.float32), sps,
                   sps, vocab_w, arr((2,), jnp.int32), arr((), jnp.int32), arr((), jnp.int32))
+    if mode == "adaptive":   # the drafting choice the device makes after a call's first round
+        round_args += (R_.DraftChoice(gain=arr((2,), jnp.float32), n_then=arr((2,), jnp.int32),
+                                      predicted=arr((), jnp.float32),
+                                      realised=arr((), jnp.float32),
+                                      decay=arr((), jnp.float32),
+                                      plain_sps=arr((R + 1,), jnp.float32)),)
     return AbstractRound(draft_fn=draft_fn, draft_lower=draft_lower, draft_args=draft_args,
                          verify_fn=verify_fn, verify_lower=verify_lower,
                          verify_args=verify_args, round_fn=round_fn, round_lower=round_lower,

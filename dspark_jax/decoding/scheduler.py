@@ -70,6 +70,7 @@ __all__ = [
     "STALE_CAPACITY_MODES",
     "confidence_probs",
     "schedule_lengths",
+    "drafting_pays",
 ]
 
 
@@ -301,6 +302,25 @@ def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
         return (lengths, jnp.sum(glob.lengths).astype(jnp.int32),
                 (glob.expected_accepts - n_act).astype(jnp.float32))
     raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
+
+
+def drafting_pays(capacity: jax.Array, gain: jax.Array, n_then: jax.Array, n_active: jax.Array,
+                  ratio: jax.Array, sps_draft: jax.Array, plain_sps: jax.Array, gamma: int
+                  ) -> jax.Array:
+    """The ``adaptive`` mode's per-round choice on device (``serving.policy.plain_or_draft``'s
+    rule in float32, for the rounds after the first of a device call): draft iff
+    ``Θ_b = (n + ρ·G·n / n_then) · sps_draft(n + min(K, n·γ)) ≥ Θ_a = n · plain_sps(n)``,
+    where ``K``, ``G`` and ``n_then`` are the estimate of two rounds before (``n_then = 0``:
+    none, so the host decides), ``ρ`` the calibration ratio, ``sps_draft [B]`` the drafting
+    rounds per second ``1 / (t_d + t_v(B))`` and ``plain_sps [n]`` the plain rounds per
+    second by active requests."""
+    n = n_active.astype(jnp.int32)
+    k = jnp.minimum(capacity.astype(jnp.int32), n * int(gamma))
+    g = ratio * gain * n.astype(jnp.float32) / jnp.maximum(n_then, 1).astype(jnp.float32)
+    b = jnp.minimum(n + k, sps_draft.shape[0] - 1)
+    theta_draft = (n.astype(jnp.float32) + g) * sps_draft[b]
+    theta_plain = n.astype(jnp.float32) * plain_sps[jnp.minimum(n, plain_sps.shape[0] - 1)]
+    return (n_then > 0) & (theta_draft >= theta_plain)
 
 
 # --------------------------------------------------------------------------------------------

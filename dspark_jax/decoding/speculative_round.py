@@ -21,8 +21,10 @@ A round has three parts:
 verify, nor one round from the next. The separate jitted parts serve profiling (SPS per
 bucket, the drafter's cost) and the `adaptive` rounds that skip drafting.
 `prefill_prompts` runs joins (the joining prompts densely, the drafter's context fed).
-Under "adaptive" the host decides each round (`serving.policy`): a round it does not draft
-verifies the anchors alone (drafts of width 0) and still commits their features to the drafter.
+Under "adaptive" the host decides a call's first round (`serving.policy`) and the device each
+later one (`DraftChoice`, `scheduler.drafting_pays`: the same rule), the call ending at the
+first round it would not draft; a round that does not draft verifies the anchors alone (drafts
+of width 0, `anchor_rounds`) and still commits their features to the drafter.
 
 Randomness is per request (`key_data[r]`, folded with the request's round counter), so a
 request's output does not depend on the slot it sits in or on the other requests.
@@ -57,6 +59,40 @@ class EngineState:
     cache: KVCache        # target K/V [L, R, S]; lengths[r] = committed tokens = anchor position
     draft_cache: Any      # drafter context cache (None with scheduler "none")
     anchor: jax.Array     # [R] last committed token, not yet in the target cache
+
+
+@flax.struct.dataclass
+class DraftChoice:
+    """The `adaptive` mode's drafting choice carried through a device call of rounds
+    (`speculative_rounds`; the host's `serving.policy.DraftPolicy` holds the same state between
+    calls): the estimates of the two rounds before (K, G and the requests active then, 0 when
+    there is none: the loop then returns to the host), the calibration averages and the tables
+    the choice compares (`scheduler.drafting_pays`)."""
+
+    gain: jax.Array        # [2] f32: G of the estimates of rounds t−2, t−1 (K: `queue`)
+    n_then: jax.Array      # [2] int32: requests active when each was computed (0: none)
+    predicted: jax.Array   # () f32: exponential average of predicted accepted drafts
+    realised: jax.Array    # () f32: ... of realised accepted drafts
+    decay: jax.Array       # () f32: the averages' decay per drafting round
+    plain_sps: jax.Array   # [n + 1] f32: plain rounds per second by active requests
+
+    def ratio(self) -> jax.Array:
+        """ρ = realised / predicted (capped at 4), 1 before any prediction."""
+        return jnp.where(self.predicted > 1e-9,
+                         jnp.minimum(self.realised / jnp.maximum(self.predicted, 1e-9), 4.0),
+                         1.0)
+
+    def after_round(self, gain: jax.Array, n_active: jax.Array, predicted: jax.Array,
+                    realised: jax.Array) -> "DraftChoice":
+        """After a drafting round: its estimate enters the queue, the averages move (when it
+        predicted anything), as `DraftPolicy.update(True, …)` does."""
+        moved = predicted > 0
+        return self.replace(
+            gain=jnp.stack([self.gain[1], gain.astype(jnp.float32)]),
+            n_then=jnp.stack([self.n_then[1], n_active.astype(jnp.int32)]),
+            predicted=jnp.where(moved, self.decay * self.predicted + predicted,
+                                self.predicted),
+            realised=jnp.where(moved, self.decay * self.realised + realised, self.realised))
 
 
 class SlotSettings(NamedTuple):
@@ -191,7 +227,8 @@ def _verify(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
     the caches are only read here, and XLA copies neither of them. With no drafts (γ = 0:
     `anchor_rounds`, `adaptive`'s plain rounds) the anchors go through the dense cached
     forward over [R, 1] instead, which writes the cache itself: a plain step's cost (the
-    ragged path: 1.3× that at 16 requests).
+    ragged path: 1.3× that at 16 requests); at one slot the ragged one-cell step writing in
+    place, as `plain_steps` runs it.
 
     drafts [R, γ], draft_probs [R, γ, V], ell [R] (0 for inactive slots). Returns the new state
     and per slot: emitted tokens [R, γ+1] with their count, and DeepSpec's bookkeeping (SPEC §1
@@ -213,8 +250,12 @@ def _verify(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
     # the same tokens per request ([R, γ+1] cells): attention reads each cache row once
     grid_rq = jnp.where(jj[None] < n_tok[:, None], start[:, None] + jj[None], K)
     cell_k = slot * (g + 1) + jnp.clip(j, 0, g)
-    if g == 0:   # the anchors alone, one a slot: the dense cached forward over [R, 1] (as a
-        # plain step; a slot that is not active writes past its length, where nothing reads)
+    if g == 0 and R == 1:   # one anchor: the ragged one-cell step writing in place, as
+        # `plain_steps` runs one slot (faster there than the dense read-only loop)
+        out = ragged_forward(target, tok, slot, pos, valid, s.cache,
+                             tap_layer_ids=tap_layer_ids, grid=(grid_rq, cell_k))
+    elif g == 0:   # the anchors alone, one a slot: the dense cached forward over [R, 1] (as
+        # a plain step; a slot that is not active writes past its length, where nothing reads)
         dense = target(s.anchor[:, None], cache=s.cache, tap_layer_ids=tap_layer_ids)
         r_k = jnp.clip(slot, 0, R - 1)                      # token k is slot_k's anchor
         out = RaggedOutput(hidden=dense.hidden[:, 0][r_k], cache=dense.cache,
@@ -310,28 +351,58 @@ def _commit(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
 
 
 @functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "verifier",
-                                             "tap_layer_ids", "budget_rule"),
+                                             "tap_layer_ids", "budget_rule", "steps"),
                    donate_argnames=("s",))
 def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                       s: EngineState, p: SlotSettings, drafts: jax.Array,
                       draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array,
                       go: jax.Array, *, K: int, verifier: str,
-                      tap_layer_ids: tuple[int, ...], budget_rule: str = "serving"
-                      ) -> tuple[EngineState, dict[str, jax.Array]]:
-    """One verification step in capacity K as its own device call, for profiling (the
-    engine's SPS(B) and `bench.spec_round`): `_verify` inside a `lax.cond` on `go` (traced;
-    pass True), then `_commit` — the structure of the rounds (`speculative_rounds`: verify in
-    the capacity bucket's branch, commit after it), in which XLA writes the donated caches in
-    place. As one straight-line program XLA:CPU copies each cache twice before writing it
-    (4 × 21 MB at 16 requests, cache 230: ~38 ms a step that the rounds never pay)."""
-    def verify() -> tuple[dict[str, jax.Array], dict[str, Any]]:
-        return _verify(target_gd, target_state, s, p, drafts, draft_probs, ell, stop_ids, K=K,
-                       verifier=verifier, tap_layer_ids=tap_layer_ids,
-                       budget_rule=budget_rule)
+                      tap_layer_ids: tuple[int, ...], budget_rule: str = "serving",
+                      steps: int = 1) -> tuple[EngineState, dict[str, jax.Array]]:
+    """`steps` verification steps in capacity K as one device call, for profiling (the
+    engine's SPS(B), `steps` > 1: the cost a step has inside the rounds' device loop, without
+    the call's dispatch and host sync; `bench.spec_round`, one step a call): `_verify` inside a
+    `lax.cond` on `go` (traced; pass True), then `_commit` — the structure of the rounds
+    (`speculative_rounds`: verify in the capacity bucket's branch, commit after it), in which
+    XLA writes the donated caches in place. As one straight-line program XLA:CPU copies each
+    cache twice before writing it (4 × 21 MB at 16 requests, cache 230: ~38 ms a step that the
+    rounds never pay). Each step commits (its accepted drafts and the next token), so no
+    step repeats another's work. → (state, the last step's per-slot outputs)."""
+    def one(st: EngineState) -> tuple[EngineState, dict[str, jax.Array]]:
+        def verify() -> tuple[dict[str, jax.Array], dict[str, Any]]:
+            return _verify(target_gd, target_state, st, p, drafts, draft_probs, ell, stop_ids,
+                           K=K, verifier=verifier, tap_layer_ids=tap_layer_ids,
+                           budget_rule=budget_rule)
 
-    nothing = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(verify))
-    o, w = jax.lax.cond(go, verify, lambda: nothing)
-    return _commit(draft_gd, draft_state, s, p, w), o
+        nothing = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(verify))
+        o, w = jax.lax.cond(go, verify, lambda: nothing)
+        return _commit(draft_gd, draft_state, st, p, w), o
+
+    s, o = one(s)
+    if steps > 1:
+        s, o = jax.lax.fori_loop(1, int(steps), lambda _, c: one(c[0]), (s, o))
+    return s, o
+
+
+@functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget", "sampler",
+                                             "steps"))
+def draft_steps(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
+                stop_ids: jax.Array, conf_temps: jax.Array | None, threshold: jax.Array,
+                sps: jax.Array, capacity: jax.Array, sps_draft: jax.Array | None,
+                vocab_weights: Any, *, mode: str, cap_budget: bool, sampler: str, steps: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """`steps` drafting + scheduling steps (`draft_and_schedule`) in one device call, for
+    profiling the drafter's time per round as the rounds' device loop pays it. Each step drafts
+    from the previous step's first draft token as its anchor, so no step is loop-invariant
+    (XLA would hoist it). → (the last anchor [R], the last step's n_tokens)."""
+    def one(anchor: jax.Array) -> tuple[jax.Array, jax.Array]:
+        d = _draft_and_schedule(draft_gd, draft_state, s.replace(anchor=anchor), p, stop_ids,
+                                conf_temps, threshold, sps, capacity, sps_draft,
+                                vocab_weights, mode=mode, cap_budget=cap_budget,
+                                sampler=sampler)
+        return d["tokens"][:, 0].astype(jnp.int32), d["n_tokens"]
+
+    return jax.lax.fori_loop(0, int(steps), lambda _, c: one(c[0]), (s.anchor, jnp.int32(0)))
 
 
 # ------------------------------------------------------------------------------ 1–3 fused
@@ -346,7 +417,8 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
                        s: EngineState, p: SlotSettings, stop_ids: jax.Array,
                        conf_temps: jax.Array | None, threshold: jax.Array, sps: jax.Array,
                        sps_draft: jax.Array | None, vocab_weights: Any, queue: jax.Array,
-                       num_rounds: jax.Array, min_done: jax.Array, *,
+                       num_rounds: jax.Array, min_done: jax.Array,
+                       choice: DraftChoice | None = None, *,
                        buckets: tuple[int, ...], max_rounds: int,
                        mode: str, cap_budget: bool, sampler: str, verifier: str,
                        tap_layer_ids: tuple[int, ...], budget_rule: str
@@ -362,7 +434,11 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
 
     `queue` [2] int32: the capacities of rounds t−2, t−1 (`production`, paper §5.2: round t
     admits the top K_{t−2}; the round's new K enters the queue); the other modes read
-    queue[0] as `draft_and_schedule`'s `capacity`. → (state, per round i < rounds (leading axis
+    queue[0] as `draft_and_schedule`'s `capacity`. `choice` (`adaptive`; None: every round
+    drafts): the host chose to draft the first round; each later round of the call first makes
+    the policy's choice on device (`scheduler.drafting_pays` on the estimate of two rounds
+    before, `queue[0]` its K) and the call ends, back to the host, at the first round that
+    would decode plainly (the host's policy then decides it, with its probes and budget). → (state, per round i < rounds (leading axis
     `max_rounds`): `live` [R] (slots that ran it), `admitted` (queue[0] as the round read
     it), the draft's `lengths` [R] and confidence
     logits [R, γ], `capacity` (the bucket), `n_tokens`, `capacity_new`, `gain_new`,
@@ -377,9 +453,10 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
                  n_tokens=((), jnp.int32, 0), capacity_new=((), jnp.int32, 0),
                  gain_new=((), jnp.float32, 0), predicted=((), jnp.float32, 0))
 
-    def one_round(st: EngineState, pr: SlotSettings, queue: jax.Array):
+    def one_round(st: EngineState, pr: SlotSettings, queue: Any):
+        ks = queue if choice is None else queue[0]     # the capacities K of t−2, t−1
         d = _draft_and_schedule(draft_gd, draft_state, st, pr, stop_ids, conf_temps,
-                                threshold, sps, queue[0], sps_draft, vocab_weights,
+                                threshold, sps, ks[0], sps_draft, vocab_weights,
                                 mode=mode, cap_budget=cap_budget, sampler=sampler)
         b = jnp.searchsorted(bucket_arr, jnp.maximum(d["n_tokens"], 1), side="left")
 
@@ -393,26 +470,40 @@ def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_s
 
         # the bucket's verification reads the state; the writes happen once, outside
         o, w = jax.lax.switch(b, [verify_in(K) for K in buckets], st)
-        row = dict(admitted=queue[0], lengths=d["lengths"], confidence=d["confidence"],
+        row = dict(admitted=ks[0], lengths=d["lengths"], confidence=d["confidence"],
                    capacity=bucket_arr[b], n_tokens=d["n_tokens"],
                    capacity_new=d["capacity_new"].astype(jnp.int32),
                    gain_new=d["gain_new"].astype(jnp.float32), predicted=d["predicted"], **o)
-        return (_commit(draft_gd, draft_state, st, pr, w), row,
-                jnp.stack([queue[1], row["capacity_new"]]))
+        ks = jnp.stack([ks[1], row["capacity_new"]])
+        if choice is not None:
+            realised = jnp.sum(jnp.where(pr.active, o["accepted"], 0)).astype(jnp.float32)
+            ks = (ks, queue[1].after_round(row["gain_new"], jnp.sum(pr.active),
+                                           row["predicted"], realised))
+        return _commit(draft_gd, draft_state, st, pr, w), row, ks
 
-    return _round_loop(one_round, s, p, queue.astype(jnp.int32), num_rounds, min_done, n,
-                       g, extra)
+    def drafts_next(q: Any, live: jax.Array) -> jax.Array:   # adaptive: the policy's choice
+        ks, c = q
+        return sched.drafting_pays(ks[0], c.gain[0], c.n_then[0], jnp.sum(live), c.ratio(),
+                                   sps_draft, c.plain_sps, g)
+
+    q0 = queue.astype(jnp.int32)
+    if choice is None:
+        return _round_loop(one_round, s, p, q0, num_rounds, min_done, n, g, extra)
+    return _round_loop(one_round, s, p, (q0, choice), num_rounds, min_done, n, g, extra,
+                       proceed=drafts_next)
 
 
-def _round_loop(one_round: Any, s: EngineState, p: SlotSettings, queue: jax.Array,
+def _round_loop(one_round: Any, s: EngineState, p: SlotSettings, queue: Any,
                 num_rounds: jax.Array, min_done: jax.Array, max_rounds: int, g: int,
-                extra: dict[str, tuple[tuple[int, ...], Any, Any]]
+                extra: dict[str, tuple[tuple[int, ...], Any, Any]], proceed: Any = None
                 ) -> tuple[EngineState, dict[str, jax.Array]]:
     """The device loop of whole rounds shared by `speculative_rounds` and `anchor_rounds`:
     `one_round(state, settings, queue)` → (state, row: `extra`'s outputs and `ROUND_OUTPUTS`
-    for tokens of up to g + 1 a slot, queue). A slot's budget, round counter and liveness
-    advance on device exactly as the host advances them between single rounds. Stops when no
-    slot is live, after `num_rounds` (≤ max_rounds) rounds, or once `min_done` slots finished.
+    for tokens of up to g + 1 a slot, queue; `queue` any pytree the rounds carry). A slot's
+    budget, round counter and liveness advance on device exactly as the host advances them
+    between single rounds. Stops when no slot is live, after `num_rounds` (≤ max_rounds)
+    rounds, once `min_done` slots finished, or before a round after the first for which
+    `proceed(queue, live)` is False.
     → (state, per round i (leading axis max_rounds): `live` [R] and the rows; `rounds`,
     `queue`)."""
     R, n = s.anchor.shape[0], max_rounds
@@ -429,8 +520,11 @@ def _round_loop(one_round: Any, s: EngineState, p: SlotSettings, queue: jax.Arra
                 done=jnp.zeros((R,), bool), queue=queue, i=jnp.zeros((), jnp.int32), out=out0)
 
     def cond(c: dict[str, Any]) -> jax.Array:
-        return (jnp.any(c["live"]) & (c["i"] < jnp.minimum(num_rounds, n))
-                & (jnp.sum(c["done"].astype(jnp.int32)) < min_done))
+        go = (jnp.any(c["live"]) & (c["i"] < jnp.minimum(num_rounds, n))
+              & (jnp.sum(c["done"].astype(jnp.int32)) < min_done))
+        if proceed is None:
+            return go
+        return go & ((c["i"] == 0) | proceed(c["queue"], c["live"]))
 
     def body(c: dict[str, Any]) -> dict[str, Any]:
         pr = p._replace(active=c["live"], remaining=c["remaining"], counter=c["counter"])

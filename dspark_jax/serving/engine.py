@@ -9,8 +9,9 @@ schedule on the current confidences (`scheduler`: none / fixed / threshold / alg
 production / adaptive) → ragged verification of exactly the admitted tokens in the smallest
 capacity bucket that holds them → commit, all in one device call; up to `rounds_per_call` rounds
 run per call (`decoding.speculative_round.speculative_rounds`), back on the host when a slot can go
-to a waiting request (`adaptive` decides on the host, one drafting round a call; its stretches of
-plain rounds run up to `plain_steps_per_call` a call, `speculative_round.anchor_rounds`). Each
+to a waiting request (`adaptive`: the host decides a call's first round, the device each later
+one, and the call ends at the first round it would not draft; its stretches of plain rounds run
+up to `plain_steps_per_call` a call, `speculative_round.anchor_rounds`). Each
 request keeps its own temperature, top-k, top-p and seed. `sampler="pallas"` / `verifier="pallas"`
 run the Markov-head sampling / verification Pallas kernels (compiled on GPU and TPU, interpreted on
 CPU) in place of their pure-JAX oracles. SPS(B) for the scheduler is profiled at start over the
@@ -273,16 +274,17 @@ class Engine:
                     key_data=np.zeros((R, 2), np.uint32))
 
     # ------------------------------------------------------------------ SPS
-    def _verify(self, s, p, drafts, probs, ell, K):
+    def _verify(self, s, p, drafts, probs, ell, K, steps: int = 1):
         return round_.verify_and_commit(self.step_target.graphdef, self._dgd,
                                         self.step_target.state,
                                         self._dstate, s, p, drafts, probs, ell, self.stop_ids,
                                         jnp.asarray(True), K=K, verifier=self.verifier,
                                         tap_layer_ids=self.tap_ids,
-                                        budget_rule=self.budget_rule)
+                                        budget_rule=self.budget_rule, steps=steps)
 
-    def _dummy_step_fn(self):
-        """step_fn(K): one verification step with exactly K admitted tokens (all slots)."""
+    def _dummy_step_fn(self, steps: int = 1):
+        """step_fn(K): `steps` verification steps with exactly K admitted tokens (all slots)
+        in one device call (`verify_and_commit`)."""
         R, g = self.R, self.gamma
         p = self._all_slots_active()
         drafts = jnp.zeros((R, g), jnp.int32)
@@ -292,7 +294,8 @@ class Engine:
         def step(K: int):
             extra = K - R
             ell = np.minimum(g, extra // R + (np.arange(R) < extra % R)).astype(np.int32)
-            holder["s"], out = self._verify(holder["s"], p, drafts, probs, jnp.asarray(ell), K)
+            holder["s"], out = self._verify(holder["s"], p, drafts, probs, jnp.asarray(ell), K,
+                                            steps)
             holder["s"] = holder["s"].replace(
                 cache=holder["s"].cache.with_lengths(jnp.zeros((R,), jnp.int32)))
             return out["n_emit"]
@@ -333,15 +336,17 @@ class Engine:
                                          mode=self.mode, cap_budget=self.cap_to_budget,
                                          sampler=self.sampler)
 
-    def _rounds(self, s, p, queue: Sequence[int], rounds: int, min_done: int):
-        """Up to `rounds` whole rounds in one device call (`speculative_rounds`)."""
+    def _rounds(self, s, p, queue: Sequence[int], rounds: int, min_done: int,
+                choice: round_.DraftChoice | None = None):
+        """Up to `rounds` whole rounds in one device call (`speculative_rounds`; `choice`:
+        `adaptive`'s drafting choice made on device after the first round)."""
         return round_.speculative_rounds(
             self.step_target.graphdef, self._dgd, self.step_target.state, self._dstate, s, p,
             self.stop_ids, self.conf_temps, jnp.asarray(self.threshold, jnp.float32), self.sps,
             self.sps_draft, self._vocab_weights, jnp.asarray(queue, jnp.int32),
             jnp.asarray(rounds, jnp.int32),
-            jnp.asarray(min_done, jnp.int32), buckets=self.buckets,
-            max_rounds=1 if self.mode == "adaptive" else self.rounds_per_call, mode=self.mode,
+            jnp.asarray(min_done, jnp.int32), choice, buckets=self.buckets,
+            max_rounds=self.rounds_per_call, mode=self.mode,
             cap_budget=self.cap_to_budget, sampler=self.sampler, verifier=self.verifier,
             tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
 
@@ -355,13 +360,21 @@ class Engine:
             K=K, max_rounds=self.plain_steps_per_call, verifier=self.verifier,
             tap_layer_ids=self.tap_ids, budget_rule=self.budget_rule)
 
-    def _draft_step_fn(self):
-        """step_fn(_): one drafting + scheduling call, synchronised on what the host reads."""
+    def _draft_step_fn(self, steps: int = 1):
+        """step_fn(_): one drafting + scheduling call, synchronised on what the host reads;
+        `steps` > 1: that many in one device call (`speculative_round.draft_steps`)."""
         p, s = self._all_slots_active(), self._fresh_state()
 
         def step(_: int):
-            d = self._draft(s, p, self.R * self.gamma)
-            return (d["n_tokens"], d["capacity_new"])
+            if steps == 1:
+                d = self._draft(s, p, self.R * self.gamma)
+                return (d["n_tokens"], d["capacity_new"])
+            return round_.draft_steps(
+                self._dgd, self._dstate, s, p, self.stop_ids, self.conf_temps,
+                jnp.asarray(self.threshold, jnp.float32), self.sps,
+                jnp.asarray(self.R * self.gamma, jnp.int32), self.sps_draft,
+                self._vocab_weights, mode=self.mode, cap_budget=self.cap_to_budget,
+                sampler=self.sampler, steps=steps)
 
         return step
 
@@ -382,22 +395,31 @@ class Engine:
                                       extra=dict(drafter=drafter, verifier=self.verifier,
                                                  sampler=self.sampler, **extra))
 
+    @property
+    def profile_steps(self) -> int:
+        """Steps a profiled device call runs (verification per bucket, drafting): the costs
+        are a step's share of the call, as inside the rounds' device loop, which runs up to
+        `rounds_per_call` rounds a call without the call's dispatch and host sync (at one
+        request on CPU these made a lone call ~1.4× a round of the loop)."""
+        return min(4, self.rounds_per_call)
+
     def profile_costs(self) -> dict[str, float]:
-        """The drafter's seconds per round (draft + schedule, all slots) and a plain round's
-        seconds (anchors only, smallest bucket, several a device call as `adaptive`'s plain
-        stretches run them: `_plain_rounds_fn`), profiled once like SPS and cached on disk
-        next to it (keyed by device kind, target and drafter shapes, slots and γ). Also sets
-        `cost_profile_seconds` (0 when cached)."""
+        """The drafter's seconds per round (draft + schedule, all slots; `profile_steps` a
+        device call) and a plain round's seconds (anchors only, smallest bucket, several a
+        device call as `adaptive`'s plain stretches run them: `_plain_rounds_fn`), profiled
+        once like SPS and cached on disk next to it (keyed by device kind, target and drafter
+        shapes, slots and γ). Also sets `cost_profile_seconds` (0 when cached)."""
         if self.draft is None:
             raise ValueError("profile_costs needs a drafter (scheduler='none' has none)")
-        key = self._profile_key(costs=True, mode=self.mode)
+        m = self.profile_steps
+        key = self._profile_key(costs=True, mode=self.mode, steps=m)
         plain, n = self._plain_rounds_fn()
-        calls = {"draft": functools.partial(self._draft_step_fn(), 0),
+        calls = {f"draft_{m}_steps": functools.partial(self._draft_step_fn(m), 0),
                  f"plain_{n}_rounds": functools.partial(plain, self.buckets[0])}
         secs, took, _ = cost_profile.load_or_profile(key, self.sps_cache_dir, calls,
                                                      repeats=self.profile_repeats)
         self.cost_profile_seconds = took
-        return {"draft": secs["draft"], "plain": secs[f"plain_{n}_rounds"] / n}
+        return {"draft": secs[f"draft_{m}_steps"] / m, "plain": secs[f"plain_{n}_rounds"] / n}
 
     def _init_costs(self, sps: Any, draft_seconds: float | None,
                     plain_seconds: float | None) -> None:
@@ -423,6 +445,9 @@ class Engine:
         self.plain_step_seconds = (np.full((top_plain + 1,), float(plain_seconds))
                                    if plain_seconds is not None else t_v[:top_plain + 1])
         self.sps_draft = jnp.asarray(policy.drafting_sps_table(t_v, self.draft_seconds))
+        # plain rounds per second by active requests (`adaptive`'s choice on device)
+        self.plain_sps = jnp.asarray(1.0 / np.maximum(self.plain_step_seconds, 1e-12),
+                                     jnp.float32)
 
     def new_policy(self) -> policy.DraftPolicy | policy.CapacityQueue | None:
         """A fresh per-round scheduling state (`serving.policy`): the adaptive drafting choice,
@@ -472,15 +497,18 @@ class Engine:
     def profile_buckets(self, cache_dir: str | None = None, repeats: int | None = None
                         ) -> tuple[dict[int, float], float, bool]:
         """Seconds of the verification step per capacity bucket (the SPS profile: SPS(B) =
-        1 / seconds of the smallest bucket ≥ B), from the disk cache or profiled there
+        1 / seconds of the smallest bucket ≥ B; a step's share of a device call of
+        `profile_steps`), from the disk cache or profiled there
         (`cost_profile.load_or_profile`; `cache_dir` default: the engine's `sps_cache_dir`).
         → (seconds by bucket, profiling s, from cache)."""
-        key = self._profile_key()
-        step = self._dummy_step_fn()
+        m = self.profile_steps
+        key = self._profile_key(steps=m)
+        step = self._dummy_step_fn(m)
         calls = {K: functools.partial(step, K) for K in self.buckets}
-        return cost_profile.load_or_profile(
+        secs, took, cached = cost_profile.load_or_profile(
             key, self.sps_cache_dir if cache_dir is None else cache_dir, calls,
             repeats=self.profile_repeats if repeats is None else repeats)
+        return {K: t / m for K, t in secs.items()}, took, cached
 
     def warmup(self, max_tokens: int | None = None) -> None:
         """Compiles the programs the engine runs: the verification step of every bucket (what
@@ -832,8 +860,10 @@ class _Run:
 
     def _round(self, s, max_steps: int | None = None):
         """Speculative rounds: up to `rounds_per_call` whole rounds in one device call
-        (`speculative_round.speculative_rounds`); `adaptive` decides each round on the host (one
-        round a call), and a round it does not draft verifies the anchors alone."""
+        (`speculative_round.speculative_rounds`). `adaptive` decides the first round on the
+        host; the device makes the same choice before each later round and ends the call at
+        the first that would not draft (`DraftChoice`), which the host then replays into its
+        policy. A round it does not draft verifies the anchors alone (`_anchor_rounds`)."""
         if self.plain:
             return self._plain_round(s, max_steps)
         e, h = self.e, self.h
@@ -844,14 +874,26 @@ class _Run:
             drafted, capacity = self.policy.decide(n_active)
         if not drafted:   # plain decoding: ℓ = 0, the drafter not run
             return self._anchor_rounds(s, n_active, t_start)
-        rounds, min_done = self._call_budget(
-            1 if e.mode == "adaptive" else max_steps, e.rounds_per_call)
-        queue = (self.policy.queue if isinstance(self.policy, policy.CapacityQueue)
-                 else [capacity, capacity])
-        s, o = e._rounds(s, e._slot_settings(h), queue, rounds, min_done)
+        rounds, min_done = self._call_budget(max_steps, e.rounds_per_call)
+        choice = None
+        if isinstance(self.policy, policy.CapacityQueue):
+            queue = self.policy.queue
+        elif isinstance(self.policy, policy.DraftPolicy):   # later rounds choose on device
+            ks, gains, n_then = self.policy.carried()
+            queue = [capacity, ks[1]]
+            choice = round_.DraftChoice(
+                gain=jnp.asarray(gains, jnp.float32), n_then=jnp.asarray(n_then, jnp.int32),
+                predicted=jnp.asarray(self.policy.pred, jnp.float32),
+                realised=jnp.asarray(self.policy.real, jnp.float32),
+                decay=jnp.asarray(self.policy.decay, jnp.float32), plain_sps=e.plain_sps)
+        else:
+            queue = [capacity, capacity]
+        s, o = e._rounds(s, e._slot_settings(h), queue, rounds, min_done, choice)
         o, now, n_run, seconds = self._fetch_rounds(o, t_start)
         for i in range(n_run):
             live = o["live"][i]
+            if i and choice is not None:   # the device chose to draft this round
+                self.policy.drafted_on_device()
             if self.policy is not None:
                 self.policy.update(True, policy.Estimate(int(o["capacity_new"][i]),
                                                          float(o["gain_new"][i]),

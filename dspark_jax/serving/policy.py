@@ -204,6 +204,20 @@ class DraftPolicy:
                               max(cost, self.budget))
         return False, 0
 
+    def carried(self) -> tuple[list[int], list[float], list[int]]:
+        """The estimate queue as the device loop carries it (`speculative_round.DraftChoice`):
+        (K, G, requests active then) of rounds t−2, t−1, zeros for a missing estimate."""
+        q = [e or Estimate(0, 0.0, 0) for e in self.queue]
+        return ([int(e.capacity) for e in q], [float(e.gain) for e in q],
+                [int(e.n_active) for e in q])
+
+    def drafted_on_device(self) -> None:
+        """Replays a round after the first of a device call of drafting rounds, whose choice
+        to draft the device made (`scheduler.drafting_pays`, this rule in float32): the state
+        `decide` leaves when it chooses to draft (call `update` after it, as for any round)."""
+        self.started = True
+        self.interval = self.probe0
+
     def plain_rounds(self, n_active: int, limit: int) -> int:
         """After `decide(n_active)` chose plain decoding: how many rounds in a row, this one
         included (≤ `limit`), the policy chooses plain decoding while `n_active` stays the

@@ -184,6 +184,37 @@ def test_adaptive_policy_persists_across_generate_calls(target, draft, greedy_re
     assert not eng.policy.started
 
 
+def test_adaptive_chooses_on_device_as_the_host_policy_would(target, draft, monkeypatch):
+    """`adaptive` runs several drafting rounds a device call, the device choosing before each
+    round after the first (`scheduler.drafting_pays`) and ending the call at the first it would
+    not draft: the rounds (drafted or not, capacities admitted), the output and the policy's
+    final state equal those of the host deciding every round (`rounds_per_call=1`), on costs
+    where the choice flips both ways within a run."""
+    kw = dict(scheduler="adaptive", sps=SPS, draft_seconds=0.0, plain_seconds=1.2,
+              probe_interval=2, max_requests=2, max_len=64, prefill_chunk=8, stop_token_ids=[])
+    ref = autoregressive_generate(target, PROMPTS, max_new_tokens=24, stop_token_ids=[])
+    calls = []
+    real = engine_mod.round_.speculative_rounds
+    monkeypatch.setattr(engine_mod.round_, "speculative_rounds",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    runs = {}
+    for rpc in (1, 8):
+        calls.clear()
+        eng = Engine(target, draft, rounds_per_call=rpc, **kw)
+        res = eng.generate(PROMPTS, max_new_tokens=24)
+        assert res.tokens == ref
+        runs[rpc] = (res, eng.policy, len(calls))
+    (one, pol1, _), (many, pol8, n_calls) = runs[1], runs[8]
+    flags = "".join("D" if r["drafted"] else "." for r in one.rounds)
+    assert "DDD" in flags and "D.." in flags and "..D" in flags, flags
+    assert [(r["drafted"], r.get("admitted_capacity")) for r in many.rounds] == [
+        (r["drafted"], r.get("admitted_capacity")) for r in one.rounds]
+    assert n_calls < flags.count("D")          # drafting rounds shared device calls
+    assert [pol8.queue, pol8.interval, pol8.since_draft, pol8.budget] == [
+        pol1.queue, pol1.interval, pol1.since_draft, pol1.budget]
+    np.testing.assert_allclose([pol8.pred, pol8.real], [pol1.pred, pol1.real], rtol=1e-6)
+
+
 def test_production_always_drafts_with_the_capacity_of_two_rounds_before(target, draft,
                                                                          greedy_ref):
     """`production` (the paper's §5.2 schedule alone): with the costs under which `adaptive`

@@ -224,3 +224,33 @@ def test_plain_rounds_known_ahead_equal_deciding_one_by_one():
         assert np.all(vars(ahead)[key] == val), key
     runs = [len(r) for r in "".join("d" if f else "p" for f in flags).split("d") if r]
     assert max(runs) > 1   # the stretches are longer than one round
+
+
+def test_device_choice_is_the_host_rule():
+    """`scheduler.drafting_pays` (the choice the device makes between a call's drafting rounds)
+    agrees with `policy.plain_or_draft` on random estimates, loads, ratios and cost tables,
+    away from ties, and declines without an estimate (n_then = 0)."""
+    rng = np.random.default_rng(0)
+    agree = 0
+    for _ in range(300):
+        n_max, g = int(rng.integers(1, 17)), int(rng.integers(1, 8))
+        t_v = np.sort(rng.uniform(0.01, 0.2, n_max * (g + 1) + 1))
+        t_d, ratio = float(rng.uniform(0, 0.05)), float(rng.uniform(0.1, 4.0))
+        t_plain = rng.uniform(0.01, 0.1, n_max + 1)
+        n, n_then = int(rng.integers(1, n_max + 1)), int(rng.integers(1, n_max + 1))
+        est = policy.Estimate(int(rng.integers(0, n_then * g + 1)),
+                              float(rng.uniform(0, n_then * g)), n_then)
+        want, th_a, th_b = policy.plain_or_draft(n, est, t_v, t_d, t_plain, g, ratio)
+        if abs(th_a - th_b) < 1e-4 * max(th_a, th_b):
+            continue
+        got = scheduler.drafting_pays(
+            jnp.int32(est.capacity), jnp.float32(est.gain), jnp.int32(n_then), jnp.int32(n),
+            jnp.float32(ratio), jnp.asarray(policy.drafting_sps_table(t_v, t_d)),
+            jnp.asarray(1.0 / t_plain, jnp.float32), g)
+        assert bool(got) == want, (n, est, ratio)
+        agree += 1
+    assert agree > 250
+    assert not bool(scheduler.drafting_pays(jnp.int32(4), jnp.float32(9.0), jnp.int32(0),
+                                            jnp.int32(2), jnp.float32(1.0),
+                                            jnp.ones((9,), jnp.float32),
+                                            jnp.full((3,), 1e-3, jnp.float32), 3))

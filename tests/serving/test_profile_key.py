@@ -63,3 +63,49 @@ def test_profile_keys_name_verifier_sampler_and_draft_vocabulary(target, monkeyp
         assert keys[1] != base[1], f"costs key ignores the {what}"
     every = [k for keys in variants.values() for k in keys]
     assert len(set(every)) == len(every), "two different settings share a key"
+
+
+def test_profiles_time_steps_inside_one_device_call(target, monkeypatch):
+    """The SPS profile and the drafter's cost are a step's share of one device call of
+    `profile_steps` steps (the rounds' device loop pays no call overhead a round), under a key
+    naming that count; the looped verification equals as many one-step calls (each step
+    commits), and the looped drafting drafts from the previous draft."""
+    import jax
+    import jax.numpy as jnp
+    from dspark_jax.decoding import speculative_round as round_
+
+    draft = init_draft(target, BASE, seed=3)
+    eng = Engine(target, draft, max_requests=R, max_len=32, scheduler="adaptive", sps=SPS,
+                 stop_token_ids=[])
+    m = eng.profile_steps
+    assert m > 1
+    seen = []
+
+    def lookup(key, cache_dir, calls, repeats=3):
+        seen.append(list(calls))
+        return {name: 1e-3 for name in calls}, 0.0, True
+
+    monkeypatch.setattr(cost_profile, "load_or_profile", lookup)
+    secs, _, _ = eng.profile_buckets()
+    assert all(v == pytest.approx(1e-3 / m) for v in secs.values())
+    assert eng.profile_costs()["draft"] == pytest.approx(1e-3 / m)
+    assert f"draft_{m}_steps" in seen[1]
+
+    g, p = eng.gamma, eng._all_slots_active()
+    drafts = jnp.asarray(np.arange(R * g).reshape(R, g) % 90 + 1, jnp.int32)
+    probs = jnp.full((R, g, eng.V), 1.0 / eng.V, jnp.float32)
+    ell = jnp.asarray([g, 1], jnp.int32)
+    looped, out = eng._verify(eng._fresh_state(), p, drafts, probs, ell, 8, steps=3)
+    s = eng._fresh_state()
+    for _ in range(3):
+        s, one = eng._verify(s, p, drafts, probs, ell, 8)
+    assert np.all(np.asarray(looped.cache.lengths) >= 3)   # each step commits ≥ 1 token
+    np.testing.assert_array_equal(looped.cache.lengths, s.cache.lengths)
+    for a, b in zip(jax.tree.leaves((looped, out)), jax.tree.leaves((s, one))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+    s0 = eng._fresh_state()
+    first = eng._draft(s0, p, R * g)["tokens"][:, 0]
+    anchor, _ = eng._draft_step_fn(2)(0)
+    second = eng._draft(s0.replace(anchor=first), p, R * g)["tokens"][:, 0]
+    np.testing.assert_array_equal(anchor, second)
