@@ -25,7 +25,7 @@ from flax import nnx
 from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
 from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length, round_up
-from dspark_jax.models.decoder import KVCache, init_cache, prefill
+from dspark_jax.models.decoder import KVCache, decode_one, init_cache, prefill
 
 
 @flax.struct.dataclass
@@ -157,15 +157,15 @@ def ar_decode(graphdef: Any, state: Any, s: ARState, temperature: jax.Array,
         return jnp.any(~s.done) & (s.steps - start < num_steps)
 
     def body(s: ARState) -> ARState:
-        out = model(s.last_token[:, None], cache=s.cache, advance=(~s.done).astype(jnp.int32))
-        nxt = sample_rows(s.key_data, s.num_out, model.logits(out.hidden[:, 0]), temperature,
-                          top_k, top_p)
+        hidden, cache = decode_one(model, s.last_token, s.cache, ~s.done)
+        nxt = sample_rows(s.key_data, s.num_out, model.logits(hidden), temperature, top_k,
+                          top_p)
         active = ~s.done
         buf = s.out.at[jnp.arange(B), jnp.minimum(s.num_out, max_new - 1)].set(
             jnp.where(active, nxt, s.out[jnp.arange(B), jnp.minimum(s.num_out, max_new - 1)]))
         num_out = s.num_out + active.astype(jnp.int32)
         done = s.done | (active & is_stop(nxt, stop_ids)) | (num_out >= max_new)
-        return ARState(cache=out.cache, last_token=jnp.where(active, nxt, s.last_token), out=buf,
+        return ARState(cache=cache, last_token=jnp.where(active, nxt, s.last_token), out=buf,
                        num_out=num_out, done=done, key_data=s.key_data, steps=s.steps + 1)
 
     return jax.lax.while_loop(cond, body, s)

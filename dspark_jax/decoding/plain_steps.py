@@ -6,8 +6,8 @@ The state is the engine's (`speculative_round.EngineState`: the target KV cache 
 committed length per slot and the anchor, the last committed token not yet in the cache), so
 requests join and leave between calls exactly as between speculative rounds. One call runs up
 to `num_steps` steps in a `lax.while_loop`: feed every slot's anchor (one token a slot
-through the target's dense cached forward over [R, 1], as `autoregressive_generate` decodes:
-each layer writes its rows into the cache in place and attends over it; one slot runs the
+through `models.decoder.decode_one`, as `autoregressive_generate` decodes: the dense cached
+forward over [R, 1], each layer writing its rows into the cache in place; one slot runs the
 ragged forward with a one-cell grid, which writes in place too), sample
 each live slot's next token with `sampling.sample_request_rows` (the
 request's own key folded with its token index, so a reply does not depend on its slot, its
@@ -28,7 +28,7 @@ from flax import nnx
 from dspark_jax.decoding.sampling import sample_request_rows
 from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
 from dspark_jax.decoding.stops import is_stop
-from dspark_jax.models.decoder import prefill, ragged_forward
+from dspark_jax.models.decoder import decode_one, prefill
 
 
 @functools.partial(jax.jit, static_argnames=("target_gd", "max_steps", "top_k_cap",
@@ -63,17 +63,7 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
 
     def body(c: dict[str, jax.Array]) -> dict[str, jax.Array]:
         live = c["live"]
-        cache = c["cache"]
-        if R == 1:   # one slot: the ragged step writing in place (10% faster than the dense
-            rows = jnp.arange(R, dtype=jnp.int32)   # read-only loop at batch 1, BENCHMARKS)
-            out = ragged_forward(target, c["anchor"], rows, cache.lengths, live, cache,
-                                 grid=(rows[:, None], rows))
-            hidden = out.hidden
-        else:   # the dense cached forward over [R, 1] (a slot that is not live writes its
-            # row past its committed length, where nothing reads it)
-            out = target(c["anchor"][:, None], cache=cache)
-            hidden = out.hidden[:, 0]
-        out_cache = out.cache.with_lengths(cache.lengths + live.astype(jnp.int32))
+        hidden, out_cache = decode_one(target, c["anchor"], c["cache"], live)
         nxt = sample_request_rows(p.key_data, c["counter"], target.logits(hidden),
                                   p.temperature, p.top_k, p.top_p, top_k_cap=top_k_cap)
         emit = live & (c["remaining"] > 0)
