@@ -59,6 +59,10 @@ from dspark_jax.serving import cost_profile
 
 log = logging.getLogger(__name__)
 
+# speculative decoding's cache lengths, in `len_bucket`s: the powers of two and 1.5× them
+_SPECULATIVE_LENGTHS = sorted({2 ** k for k in range(40)} | {3 * 2 ** k for k in range(40)})
+
+
 @dataclasses.dataclass
 class EngineResult:
     """Output of `Engine.generate` (the names are part of the stable API)."""
@@ -250,13 +254,20 @@ class Engine:
 
     def cache_lengths(self) -> list[int]:
         """The cache lengths a run can grow through (`_Run._fit_cache`): plain decoding's
-        `len_bucket` multiples; speculative decoding's `len_bucket` times a power of two (its
-        programs cost more to compile); the last is max_len."""
+        `len_bucket` multiples; speculative decoding's `len_bucket` times 1, 2, 3, 4, 6, 8,
+        12, … (a power of two and 1.5× it: its programs cost more to compile, and every step
+        attends over the whole cache, so a length at most a third too long — powers of two
+        alone: up to twice — keeps its rounds' attention near plain decoding's: at 16 requests
+        of up to 373 positions, cache 512 against plain's 384 cost `adaptive`'s plain rounds
+        77 ms against 68); the last is max_len."""
         b, out = self.len_bucket, []
         n = b
         while n < self.max_len:
             out.append(n)
-            n = n + b if self.mode == "none" else 2 * n
+            if self.mode == "none":
+                n += b
+            else:
+                n = next(m * b for m in _SPECULATIVE_LENGTHS if m * b > n)
         return out + [self.max_len]
 
     def cache_length_for(self, need: int) -> int:
