@@ -185,6 +185,28 @@ def test_adaptive_policy_persists_across_generate_calls(target, draft, greedy_re
     assert not eng.policy.started
 
 
+@pytest.mark.parametrize("mode", ["fixed", "production"])
+def test_one_slot_verifies_densely_and_equals_autoregressive(target, draft, greedy_ref, mode,
+                                                            monkeypatch):
+    """One request slot verifies its contiguous tokens with the dense cached forward over
+    [1, K] (no ragged forward while drafting): the requests, served one at a time through the
+    slot, equal autoregressive decoding, and the drafter's context stays exact (its accepted
+    drafts equal those of a two-slot engine, which verifies on the ragged path)."""
+    calls = []
+    real = engine_mod.round_.ragged_forward
+    monkeypatch.setattr(engine_mod.round_, "ragged_forward",
+                        lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    one = Engine(target, draft, scheduler=mode, sps=SPS, **dict(ENGINE_KW, max_requests=1))
+    res = one.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    assert res.tokens == greedy_ref
+    assert all(shape == (1,) for shape in calls), calls   # only one-token plain steps
+    two = Engine(target, draft, scheduler="fixed", **ENGINE_KW).generate(
+        PROMPTS, max_new_tokens=MAX_NEW)
+    if mode == "fixed":
+        assert [pr["accepted"] for pr in res.per_request] == [
+            pr["accepted"] for pr in two.per_request]
+
+
 def test_adaptive_chooses_on_device_as_the_host_policy_would(target, draft, monkeypatch):
     """`adaptive` runs several drafting rounds a device call, the device choosing before each
     round after the first (`scheduler.drafting_pays`) and ending the call at the first it would
