@@ -252,12 +252,17 @@ def _verify(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
     cell_k = slot * (g + 1) + jnp.clip(j, 0, g)
     if R == 1 and 1 < (K if pad_to is None else int(pad_to)) <= g + 1:
         # one request: its tokens are contiguous, so the dense cached forward over [1, K]
-        # verifies them (the padding past 1 + ℓ writes past the committed length, where nothing
-        # reads; every bucket of a `lax.switch` takes this path alike): at cache 512, K = 8
-        # 37.6 ms against the ragged path's 50.1, K = 2 27.6 against 44.8
-        dense = target(drafts_pad[:, :K], cache=s.cache, tap_layer_ids=tap_layer_ids)
+        # verifies them, the cache only read and the admitted tokens' rows written by `_commit`
+        # (every bucket of a `lax.switch` takes this path alike): at cache 512, K = 8 37.6 ms
+        # against the ragged path's 50.1, K = 2 27.6 against 44.8; a cache written in the
+        # branch was copied by XLA:CPU (10 copies of the 24 MB cache in a 4-step profiling
+        # call at cache 512, none now)
+        dense = target(drafts_pad[:, :K], cache=s.cache, tap_layer_ids=tap_layer_ids,
+                       defer_writes=True)
         out = RaggedOutput(hidden=dense.hidden[0], cache=dense.cache,
-                           taps=None if dense.taps is None else dense.taps[0])
+                           taps=None if dense.taps is None else dense.taps[0],
+                           new_kv=None if dense.new_kv is None
+                           else jax.tree.map(lambda a: a[:, 0], dense.new_kv))
     elif g == 0 and R == 1:   # one anchor: the ragged one-cell step writing in place, as
         # `plain_steps` runs one slot (faster there than the dense read-only loop)
         out = ragged_forward(target, tok, slot, pos, valid, s.cache,

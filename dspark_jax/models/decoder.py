@@ -103,6 +103,7 @@ class DecoderOutput:
     hidden: jax.Array          # [B, T, D] final-normed hidden state
     taps: jax.Array | None     # [B, T, n·D] layer outputs for tap_layer_ids, concatenated
     cache: KVCache | None
+    new_kv: Any = None         # defer_writes: (k, v) [L, B, T, Kh, H] still to write, else None
 
 
 class TargetDecoder(nnx.Module):
@@ -151,8 +152,8 @@ class TargetDecoder(nnx.Module):
     # ------------------------------------------------------------------ forward
     def __call__(self, tokens_bt: jax.Array, *, positions_bt: jax.Array | None = None,
                  cache: KVCache | None = None, segment_ids_bt: jax.Array | None = None,
-                 tap_layer_ids: Sequence[int] = (), advance: jax.Array | None = None
-                 ) -> DecoderOutput:
+                 tap_layer_ids: Sequence[int] = (), advance: jax.Array | None = None,
+                 defer_writes: bool = False) -> DecoderOutput:
         """Runs the decoder on `tokens_bt` [B, T].
 
         Without a cache: a causal forward over the T tokens (positions default to 0..T−1;
@@ -160,6 +161,11 @@ class TargetDecoder(nnx.Module):
         With a cache: token t of row b sits at position `cache.lengths[b] + t`; its K/V are
         written there and it sees every cached key at a position ≤ its own. The returned cache
         has lengths advanced by `advance` [B] (default: unchanged — the caller commits).
+        `defer_writes` (with a cache, where the family supports it: `Family.defers_writes`):
+        the cache is only read, and the new K/V rows come back in `new_kv` for the caller to
+        write (`write_ragged` with each row's positions); the returned cache holds the input's
+        arrays. Verification inside a `lax.switch` branch needs this (XLA copies a cache
+        written in a branch).
         """
         cfg = self.cfg
         B, T = tokens_bt.shape
@@ -172,19 +178,25 @@ class TargetDecoder(nnx.Module):
         h = self.embed_tokens(tokens_bt)
         tap_ids = self.tap_slots(tap_layer_ids)
         kv = None if cache is None else _cast((cache.k, cache.v), self.dtype)
-        h, taps, kv = family_of(cfg).forward(self.layers, cfg, tokens_bt, h, positions_bt, kv,
-                                             segment_ids_bt, tap_ids, self.dtype)
+        family = family_of(cfg)
+        defer = bool(defer_writes and cache is not None and family.defers_writes)
+        extra = dict(defer_writes=True) if defer else {}
+        h, taps, kv = family.forward(self.layers, cfg, tokens_bt, h, positions_bt, kv,
+                                     segment_ids_bt, tap_ids, self.dtype, **extra)
         hidden = L.rms_norm(h, self.final_norm.get_value(), cfg.rms_norm_eps)
-        new_cache = None
+        new_cache, new_kv = None, None
         if cache is not None:
             lengths = cache.lengths if advance is None else cache.lengths + advance
-            k, v = _cast_like(kv, (cache.k, cache.v))
+            if defer:
+                new_kv, (k, v) = kv, (cache.k, cache.v)
+            else:
+                k, v = _cast_like(kv, (cache.k, cache.v))
             new_cache = KVCache(k=k, v=v, lengths=lengths.astype(jnp.int32))
         taps_out = None
         if taps is not None:
             n = len(tap_ids)
             taps_out = jnp.transpose(taps, (1, 2, 0, 3)).reshape(B, T, n * cfg.hidden_size)
-        return DecoderOutput(hidden=hidden, taps=taps_out, cache=new_cache)
+        return DecoderOutput(hidden=hidden, taps=taps_out, cache=new_cache, new_kv=new_kv)
 
 
 @flax.struct.dataclass
@@ -215,7 +227,7 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     the Llama family then attends request by request, reading each cache row once instead of
     once per token (verification: Q = γ + 1). Gemma4 gathers per token.
 
-    `defer_writes` (with `grid`, where the family supports it: `Family.ragged_defers_writes`):
+    `defer_writes` (with `grid`, where the family supports it: `Family.defers_writes`):
     the layers only read the cache and the K/V rows come back in `new_kv` for the caller to
     write (`write_ragged`); the returned cache is the input's. Verification inside the
     engine's `lax.switch` over capacity buckets needs this (XLA copies a cache written in a
@@ -236,7 +248,7 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     tap_ids = model.tap_slots(tap_layer_ids)
     kv = _cast((cache.k, cache.v), model.dtype)
     family = family_of(cfg)
-    defer = bool(defer_writes and grid is not None and family.ragged_defers_writes)
+    defer = bool(defer_writes and grid is not None and family.defers_writes)
     extra = dict(defer_writes=True) if defer else {}
     h, taps, kv = family.ragged_forward(model.layers, cfg, tokens_1k, h,
                                         position_k.astype(jnp.int32)[None], kv, rows,

@@ -56,7 +56,8 @@ class Family:
     init_kv: Callable[..., Any]                  # (cfg, batch, max_len, dtype, num_layers) → k, v
     forward: Callable[..., Any]                  # the layers over a [B, T] batch
     ragged_forward: Callable[..., Any]           # the layers over K flattened tokens
-    ragged_defers_writes: bool                   # can leave the cache read-only (grid calls)
+    defers_writes: bool                          # forward / ragged_forward (grid calls) can
+                                                 # leave the cache read-only
     # ---- a target's Hugging Face tensors (models/io/hf.py maps the embeddings, final norm and
     #      LM head, which every family names alike; the family its layers)
     target_prefix: Callable[[Mapping[str, Any], str], str]  # (tensors, source) → "model."
@@ -93,7 +94,7 @@ def _llama_like(name: str, architecture: str, deepspec_prefix: str, legacy_draft
         init_kv=llama_decoder.init_kv,
         forward=llama_decoder.forward,
         ragged_forward=llama_decoder.ragged_forward,
-        ragged_defers_writes=True,
+        defers_writes=True,
         target_prefix=llama_tensors.target_prefix,
         target_from_hf=llama_tensors.target_layers_from_hf,
         target_to_hf=llama_tensors.target_layers_to_hf,
@@ -128,7 +129,7 @@ GEMMA4 = Family(
     init_kv=gemma4_decoder.init_kv,
     forward=gemma4_decoder.forward,
     ragged_forward=gemma4_decoder.ragged_forward,
-    ragged_defers_writes=False,
+    defers_writes=False,
     target_prefix=gemma4_tensors.text_prefix,
     target_from_hf=gemma4_tensors.target_layers_from_hf,
     target_to_hf=gemma4_tensors.target_layers_to_hf,

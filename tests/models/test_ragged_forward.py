@@ -166,3 +166,27 @@ def test_ragged_prefill_of_several_requests_equals_dense(model):
     dense_last = model(jnp.asarray([[5, 6, 7, 8]]))
     np.testing.assert_allclose(np.asarray(model.logits(out.hidden[3])),
                                np.asarray(model.logits(dense_last.hidden[0, 3])), atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_dense_forward_defers_its_writes(model, rows):
+    """The dense cached forward with `defer_writes` (one-request verification inside the fused
+    round's bucket switch) only reads the cache: its hidden states and taps equal the writing
+    forward's, and its K/V rows written afterwards (`write_ragged`) give the same cache."""
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]][:rows]
+    cache = _prefilled(model, prompts)
+    seq = jnp.asarray(np.random.RandomState(1).randint(3, 90, (rows, 4)), jnp.int32)
+    ref = model(seq, cache=cache, tap_layer_ids=TAPS)
+    out = jax.jit(lambda s, c: model(s, cache=c, tap_layer_ids=TAPS, defer_writes=True))(
+        seq, cache)
+    assert out.new_kv is not None and out.new_kv[0].shape[1:3] == (rows, 4)
+    np.testing.assert_array_equal(np.asarray(out.cache.k), np.asarray(cache.k))
+    np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(ref.hidden), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.taps), np.asarray(ref.taps), atol=1e-5)
+    written = out.cache
+    for r in range(rows):   # each row's tokens at its own positions
+        pos = cache.lengths[r] + jnp.arange(4, dtype=jnp.int32)
+        written = write_ragged(written, jax.tree.map(lambda a: a[:, r], out.new_kv),
+                               jnp.full((4,), r, jnp.int32), pos)
+    np.testing.assert_allclose(np.asarray(written.k), np.asarray(ref.cache.k), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(written.v), np.asarray(ref.cache.v), atol=1e-5)

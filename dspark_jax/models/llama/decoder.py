@@ -56,7 +56,7 @@ def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int
 def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
             tokens_bt: jax.Array, h: jax.Array, positions_bt: jax.Array,
             cache_kv: tuple[jax.Array, jax.Array] | None, segment_ids_bt: jax.Array | None,
-            tap_ids: Sequence[int], dtype: Any
+            tap_ids: Sequence[int], dtype: Any, defer_writes: bool = False
             ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array] | None]:
     """Runs every layer on the embedded tokens h [B, T, D].
 
@@ -69,11 +69,14 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     follow the last layer; B > 1: each layer writes its rows, then attends over its cache.
     One-token step of SmolLM2-135M fp32 on XLA:CPU, cache 384, per-layer buffers (read-only
     vs in place): B = 1 42 vs 69 ms, B = 4 96 vs 77, B = 16 249 vs 117–193 (BENCHMARKS.md).
+    `defer_writes` (with `cache_kv`): the layers only read the cache at any B and the third
+    output is the new K/V rows ([L, B, T, K, H] each) for the caller to write: inside a
+    `lax.switch` or `lax.cond` branch XLA copies a cache the branch writes.
     """
     B, T = tokens_bt.shape
     n_taps = len(tap_ids)
     taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
-    in_place = cache_kv is not None and B > 1
+    in_place = cache_kv is not None and B > 1 and not defer_writes
     if cache_kv is None:
         idx = jnp.arange(T)
         mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
@@ -125,6 +128,8 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     (h, taps, kc, vc), new_kv = L.run_layers(body, (h, taps0) + carry_kv, params, per_layer)
     if in_place:
         return h, (taps if n_taps else None), (kc, vc)
+    if cache_kv is not None and defer_writes:
+        return h, (taps if n_taps else None), new_kv
     kv = None
     if cache_kv is not None:   # every layer's new K/V [L, B, T, K, H] at the rows' positions
         kc, vc = cache_kv      # (out of range: dropped), one in-place scatter per cache
