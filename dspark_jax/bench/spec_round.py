@@ -243,18 +243,21 @@ def sequential_stage_calls(draft, B: int, N: int, temperature: float) -> dict:
             "head": lambda: head_only(draft.state, h, vw)}
 
 
-def plain_device_step_fn(eng):
-    """One plain decoding step of every slot as the `none` engine's device call
-    (`decoding.plain_steps` with num_steps = 1, the program `round_seconds` runs), without the
-    engine's host work, on a cache of max_len (the speculative engine's), rewound after each
-    call. (The engine has no such step_fn; this mirrors `Engine._dummy_step_fn`.)"""
+def plain_device_step_fn(eng, steps: int = 1):
+    """`steps` plain decoding steps of every slot as the `none` engine's device call
+    (`decoding.plain_steps` with num_steps = `steps`, ≤ its `plain_steps_per_call`; 1: the
+    program `round_seconds` runs), without the engine's host work, on a cache of max_len (the
+    speculative engine's), rewound after each call. (The engine has no such step_fn; this
+    mirrors `Engine._dummy_step_fn`.)"""
     from dspark_jax.decoding.plain_steps import plain_steps
     from dspark_jax.decoding.sampling import top_k_cap_for
 
     R = eng.R
     p = eng._all_slots_active()
     holder = {"s": eng._fresh_state(eng.max_len)}
-    one, none_done = jnp.asarray(1, jnp.int32), jnp.asarray(R + 1, jnp.int32)
+    if not 1 <= steps <= eng.plain_steps_per_call:
+        raise ValueError(f"steps must be in [1, {eng.plain_steps_per_call}], got {steps}")
+    one, none_done = jnp.asarray(steps, jnp.int32), jnp.asarray(R + 1, jnp.int32)
 
     def step():
         st = eng.step_target
