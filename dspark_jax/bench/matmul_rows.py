@@ -5,9 +5,10 @@ plain step multiplies one. Both read the same weight bytes, so on a machine that
 weights at its copy bandwidth, B ≤ 16 rows should cost about what one row costs (the FLOPs,
 2·B per weight, stay under the byte time). This benchmark measures what the backend's dot
 emitter actually does on the target's own matrix shapes: one buffer per matrix and per layer
-(the decoding layout), random weights of the target's dtype, the layers' projections applied
-in sequence as a decode step applies them (q, k, v, o, gate, up, down, then the tied or untied
-LM head in the model's "BD,VD->BV" form), each timed call reading every byte once. It prints
+as the decoding layout holds them (`layers.UnstackedLayers`: q|k|v fused, o, gate|up fused,
+down), random weights of the target's dtype, the layers' projections applied in sequence as a
+decode step applies them, then the tied or untied LM head in the model's "BD,VD->BV" form,
+each timed call reading every byte once. It prints
 per B the time, the ratio to one row, the weight bytes per second and GFLOP/s, beside the
 byte floor from the host's copy bandwidth.
 
@@ -28,10 +29,11 @@ from dspark_jax.serving.cost_profile import time_call
 
 
 def layer_shapes(cfg: Any) -> list[tuple[int, int]]:
-    """[in, out] of one decoder layer's projections: q, k, v, o, gate, up, down."""
+    """[in, out] of one decoder layer's matrices in the decoding layout: q|k|v, o, gate|up,
+    down."""
     D, F = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return [(D, q), (D, kv), (D, kv), (q, D), (D, F), (D, F), (F, D)]
+    return [(D, q + 2 * kv), (q, D), (D, 2 * F), (F, D)]
 
 
 def weights(cfg: Any, dtype: Any, seed: int = 0) -> tuple[list[list[jax.Array]], jax.Array]:
@@ -51,11 +53,13 @@ def stream(x_bd: jax.Array, layers: list[list[jax.Array]], head_vd: jax.Array) -
     """Every projection of every layer applied to B rows, then the LM head: the matmuls of a
     verification forward without attention (each output feeds the next layer, so none is
     dead code)."""
-    for wq, wk, wv, wo, wg, wu, wd in layers:
-        q = x_bd @ wq
-        kv = jnp.sum(x_bd @ wk, -1, keepdims=True) + jnp.sum(x_bd @ wv, -1, keepdims=True)
-        x_bd = x_bd + (q + kv) @ wo
-        x_bd = x_bd + (jax.nn.silu(x_bd @ wg) * (x_bd @ wu)) @ wd
+    for w_qkv, wo, w_gate_up, wd in layers:
+        q_dim = wo.shape[0]
+        qkv = x_bd @ w_qkv
+        q = qkv[:, :q_dim] + jnp.sum(qkv[:, q_dim:], -1, keepdims=True)
+        x_bd = x_bd + q @ wo
+        gate, up = jnp.split(x_bd @ w_gate_up, 2, axis=-1)
+        x_bd = x_bd + (jax.nn.silu(gate) * up) @ wd
     return jnp.einsum("BD,VD->BV", x_bd, head_vd)
 
 

@@ -118,8 +118,11 @@ def _attend_one_query(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
 
 
 def swiglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
-    gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
-    up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
+    if "w_gate_up" in lp:   # per-layer buffers: gate and up as one [D, 2F] dot
+        gate, up = jnp.split(jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate_up"]), 2, axis=-1)
+    else:
+        gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
+        up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
     act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
     return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
 
@@ -184,16 +187,34 @@ class UnstackedLayers(nnx.Module):
     streams the weights three times (read, write the copy, read it): 20-32 ms of copies against
     15 ms of dots in a SmolLM2-135M step at batch 1. With a buffer per layer the layers run
     unrolled and each dot reads its weights where they lie (BENCHMARKS.md, "Weights read where
-    they lie"). XLA:GPU and TPU read the slice in place, so there the stack stays. Same values,
-    same forward (`Target.decoding_layout` builds it; the stacked state stays the source)."""
+    they lie"). The q/k/v projections are one [A, (N + 2K)·H] buffer (`w_qkv`) and gate/up one
+    [D, 2F] (`w_gate_up`): XLA:CPU runs a dot on one thread at a time, and fewer, larger dots
+    stream the same bytes faster at one row (the target's matmuls alone: 22.3-24.7 → 19.8-21.6
+    ms, BENCHMARKS.md). XLA:GPU and TPU read the slice in place, so there the stack stays. Same
+    values, same forward (`Target.decoding_layout` builds it; the stacked state stays the
+    source)."""
+
+    FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
     def __init__(self, stack: DecoderLayers):
         self.num_layers = stack.num_layers
         self.qk_norm = stack.qk_norm
-        self.names = tuple(n for n in DecoderLayers.NAMES if hasattr(stack, n))
-        self.per_layer = nnx.List([
-            nnx.Dict({n: nnx.Param(getattr(stack, n).get_value()[i]) for n in self.names})
-            for i in range(stack.num_layers)])
+        parts = {n for group in self.FUSED.values() for n in group}
+        self.names = tuple(n for n in DecoderLayers.NAMES
+                           if hasattr(stack, n) and n not in parts) + tuple(self.FUSED)
+
+        def layer(i: int) -> dict[str, nnx.Param]:
+            def flat(n: str) -> jax.Array:   # [in, …] → [in, out]
+                w = getattr(stack, n).get_value()[i]
+                return w.reshape(w.shape[0], -1)
+
+            out = {n: nnx.Param(getattr(stack, n).get_value()[i]) for n in self.names
+                   if n not in self.FUSED}
+            for fused, group in self.FUSED.items():
+                out[fused] = nnx.Param(jnp.concatenate([flat(n) for n in group], axis=1))
+            return out
+
+        self.per_layer = nnx.List([nnx.Dict(layer(i)) for i in range(stack.num_layers)])
 
     def layer_params(self, dtype: Any) -> list[dict[str, jax.Array]]:
         """One dict of arrays per layer, cast to the compute dtype (`run_layers` unrolls)."""
@@ -247,6 +268,27 @@ def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float
     if "k_norm" in lp:
         k = rms_norm(k, lp["k_norm"], eps)
     return k, v
+
+
+def project_qkv(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, N, H], k and v [B, T, K, H] (q/k normed where the layer has q/k norms): from
+    `UnstackedLayers`' fused `w_qkv` [A, (N + 2K)·H] in one dot, else `project_q` and
+    `project_kv`."""
+    if "w_qkv" not in lp:
+        return (project_q(lp, x_btd, eps), *project_kv(lp, x_btd, eps))
+    B, T = x_btd.shape[:2]
+    N, H = lp["wo"].shape[:2]
+    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"])
+    kh = (qkv.shape[-1] - N * H) // 2
+    q = qkv[..., :N * H].reshape(B, T, N, H)
+    k = qkv[..., N * H:N * H + kh].reshape(B, T, kh // H, H)
+    v = qkv[..., N * H + kh:].reshape(B, T, kh // H, H)
+    if "q_norm" in lp:
+        q = rms_norm(q, lp["q_norm"], eps)
+    if "k_norm" in lp:
+        k = rms_norm(k, lp["k_norm"], eps)
+    return q, k, v
 
 
 def attn_out_and_mlp(lp: dict[str, jax.Array], resid_btd: jax.Array, attn_btnh: jax.Array,

@@ -22,11 +22,11 @@ def test_stream_applies_every_projection_of_every_layer():
     assert len(layers) == 2 and head.shape == (40, 16)
     x = np.random.default_rng(0).standard_normal((3, 16)).astype(np.float32)
     ref = x.astype(np.float64)
-    for wq, wk, wv, wo, wg, wu, wd in ([np.asarray(w, np.float64) for w in ws] for ws in layers):
-        kv = (ref @ wk).sum(-1, keepdims=True) + (ref @ wv).sum(-1, keepdims=True)
-        ref = ref + (ref @ wq + kv) @ wo
-        g = ref @ wg
-        ref = ref + (g / (1 + np.exp(-g)) * (ref @ wu)) @ wd
+    for w_qkv, wo, w_gate_up, wd in ([np.asarray(w, np.float64) for w in ws] for ws in layers):
+        qkv = ref @ w_qkv          # q [16], k [8], v [8]
+        ref = ref + (qkv[:, :16] + qkv[:, 16:].sum(-1, keepdims=True)) @ wo
+        g, u = ref @ w_gate_up[:, :24], ref @ w_gate_up[:, 24:]
+        ref = ref + (g / (1 + np.exp(-g)) * u) @ wd
     got = matmul_rows.stream(jnp.asarray(x), layers, head)
     np.testing.assert_allclose(np.asarray(got), ref @ np.asarray(head, np.float64).T,
                                rtol=1e-4, atol=1e-5)

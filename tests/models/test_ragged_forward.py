@@ -32,10 +32,21 @@ def model(target, request):
 
 
 def test_per_layer_buffers_equal_the_stack(target):
-    """One buffer per layer runs the same forward as the stack: a prefill, then cached steps of
-    1 and 3 tokens over a cache whose positions past the lengths hold stale values (they must
-    stay invisible), with taps; logits, taps and the written cache agree."""
+    """One buffer per layer (q/k/v and gate/up fused) runs the same forward as the stack: a
+    prefill, then cached steps of 1 and 3 tokens over a cache whose positions past the lengths
+    hold stale values (they must stay invisible), with taps; logits, taps and the written cache
+    agree."""
     stacked, per_layer = target.model, target.decoding_layout(True).model
+    # one dot for q/k/v and one for gate/up: the fused buffers hold the stack's columns
+    lp = per_layer.layers.layer_params(jnp.float32)[1]
+    assert {"w_qkv", "w_gate_up"} <= set(lp) and not {"wq", "wk", "w_gate"} & set(lp)
+    st = stacked.layers.stacked(jnp.float32)
+    D = st["wq"].shape[1]
+    np.testing.assert_array_equal(
+        np.asarray(lp["w_qkv"]), np.concatenate([np.asarray(st[n][1]).reshape(D, -1)
+                                                 for n in ("wq", "wk", "wv")], axis=1))
+    np.testing.assert_array_equal(np.asarray(lp["w_gate_up"]), np.concatenate(
+        [np.asarray(st["w_gate"][1]), np.asarray(st["w_up"][1])], axis=1))
     rng = np.random.RandomState(3)
     cache = init_cache(stacked.cfg, 2, 16, stacked.dtype)
     cache = cache.replace(k=jnp.asarray(rng.randn(*cache.k.shape), cache.k.dtype),

@@ -102,8 +102,8 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         h, taps, kc, vc = carry
         lp, layer_idx, slot = xs
         x = L.rms_norm(h, lp["input_norm"], eps)
-        q = L.apply_rope(L.project_q(lp, x, eps), positions_bt, cfg.rope)
-        k, v = L.project_kv(lp, x, eps)
+        q, k, v = L.project_qkv(lp, x, eps)
+        q = L.apply_rope(q, positions_bt, cfg.rope)
         k = L.apply_rope(k, positions_bt, cfg.rope)
         if cache_kv is None:
             attn = L.attend(q, k, v, mask)
@@ -185,8 +185,8 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         h, taps, kc, vc = carry
         lp, layer_idx, tap_slot = xs
         x = L.rms_norm(h, lp["input_norm"], eps)
-        q = L.apply_rope(L.project_q(lp, x, eps), positions_1k, cfg.rope)     # [1,K,N,H]
-        k, v = L.project_kv(lp, x, eps)
+        q, k, v = L.project_qkv(lp, x, eps)
+        q = L.apply_rope(q, positions_1k, cfg.rope)                           # [1,K,N,H]
         k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
         if defer_writes:   # the cache is read, never written: [R, S] ⊕ own [R, Q]
             keys = jnp.concatenate([cache_kv[0][layer_idx], k[0][grid]], axis=1)
