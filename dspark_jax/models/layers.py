@@ -190,18 +190,19 @@ class UnstackedLayers(nnx.Module):
     they lie"). The q/k/v projections are one [A, (N + 2K)·H] buffer (`w_qkv`) and gate/up one
     [D, 2F] (`w_gate_up`): XLA:CPU runs a dot on one thread at a time, and fewer, larger dots
     stream the same bytes faster at one row (the target's matmuls alone: 22.3-24.7 → 19.8-21.6
-    ms, BENCHMARKS.md). XLA:GPU and TPU read the slice in place, so there the stack stays. Same
+    ms, BENCHMARKS.md); `fuse=False` keeps the stack's matrices (the drafters'). XLA:GPU and TPU read the slice in place, so there the stack stays. Same
     values, same forward (`Target.decoding_layout` builds it; the stacked state stays the
     source)."""
 
     FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
-    def __init__(self, stack: DecoderLayers):
+    def __init__(self, stack: DecoderLayers, fuse: bool = True):
         self.num_layers = stack.num_layers
         self.qk_norm = stack.qk_norm
-        parts = {n for group in self.FUSED.values() for n in group}
+        fused = self.FUSED if fuse else {}
+        parts = {n for group in fused.values() for n in group}
         self.names = tuple(n for n in DecoderLayers.NAMES
-                           if hasattr(stack, n) and n not in parts) + tuple(self.FUSED)
+                           if hasattr(stack, n) and n not in parts) + tuple(fused)
 
         def layer(i: int) -> dict[str, nnx.Param]:
             def flat(n: str) -> jax.Array:   # [in, …] → [in, out]
@@ -209,9 +210,9 @@ class UnstackedLayers(nnx.Module):
                 return w.reshape(w.shape[0], -1)
 
             out = {n: nnx.Param(getattr(stack, n).get_value()[i]) for n in self.names
-                   if n not in self.FUSED}
-            for fused, group in self.FUSED.items():
-                out[fused] = nnx.Param(jnp.concatenate([flat(n) for n in group], axis=1))
+                   if n not in fused}
+            for name, group in fused.items():
+                out[name] = nnx.Param(jnp.concatenate([flat(n) for n in group], axis=1))
             return out
 
         self.per_layer = nnx.List([nnx.Dict(layer(i)) for i in range(stack.num_layers)])

@@ -54,6 +54,7 @@ from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES
 from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import init_cache
 from dspark_jax.models.drafters.config import validate_against_target
+from dspark_jax.models.drafters.dspark import with_layer_buffers as draft_layer_buffers
 from dspark_jax.serving import policy
 from dspark_jax.serving import cost_profile
 
@@ -221,6 +222,8 @@ class Engine:
         self.conf_temps = None if temps is None else jnp.asarray(temps, jnp.float32)
         self._dgd = self.draft.graphdef if self.draft is not None else None
         self._dstate = self.draft.state if self.draft is not None else None
+        if self.draft is not None and self.step_target is not target:   # per-layer buffers
+            self._dgd, self._dstate = draft_layer_buffers(self._dgd, self._dstate)
         # the draft vocabulary's weight rows, gathered once (not in every drafting call)
         self._vocab_weights = None
         if self.draft is not None:

@@ -104,14 +104,16 @@ class DSparkDraft(nnx.Module):
                    ) -> tuple[jax.Array, jax.Array]:
         """Per-layer context K/V [Ld, B, S, K, H] (k_norm and RoPE applied)."""
         ctx = self.context(feats_bsf)
-        stack = self.layers.stacked(self.dtype)
         eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
 
         def one(lp):
             k, v = L.project_kv(lp, ctx, eps)
             return L.apply_rope(k, positions_bs, rope), v
 
-        return jax.vmap(one)(stack)
+        if isinstance(self.layers, L.UnstackedLayers):   # the decoding layout
+            ks, vs = zip(*(one(lp) for lp in self.layers.layer_params(self.dtype)))
+            return jnp.stack(ks), jnp.stack(vs)
+        return jax.vmap(one)(self.layers.stacked(self.dtype))
 
     # ------------------------------------------------------------------ backbone
     def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:
@@ -164,8 +166,13 @@ class DSparkDraft(nnx.Module):
 
         if remat:
             layer = jax.checkpoint(layer)
-        stack = self.layers.stacked(self.dtype)
-        h, _ = jax.lax.scan(layer, h, (stack, ctx_k.astype(self.dtype), ctx_v.astype(self.dtype)))
+        ck, cv = ctx_k.astype(self.dtype), ctx_v.astype(self.dtype)
+        if isinstance(self.layers, L.UnstackedLayers):   # the decoding layout: unrolled, each
+            # layer's weights read where they lie (a scan's slices of the stack are copies)
+            for i, lp in enumerate(self.layers.layer_params(self.dtype)):
+                h, _ = layer(h, (lp, ck[i], cv[i]))
+        else:
+            h, _ = jax.lax.scan(layer, h, (self.layers.stacked(self.dtype), ck, cv))
         h = L.rms_norm(h, self.norm.get_value(), eps)
         return constrain(h, ("batch", None, None, "act_embed"))
 
@@ -281,3 +288,17 @@ class DSparkDraft(nnx.Module):
             probs = jnp.zeros(probs.shape[:2] + (self.cfg.target.vocab_size,),
                               probs.dtype).at[..., ids].set(probs)
         return {"tokens": toks.T, "probs": jnp.moveaxis(probs, 0, 1), "confidence": conf.T}
+
+
+def with_layer_buffers(graphdef: Any, state: Any) -> tuple[Any, Any]:
+    """(graphdef, state) of the same drafter with one buffer per draft layer
+    (`layers.UnstackedLayers`, unfused), the layout XLA:CPU drafts fastest: a scan over the
+    stacked layers makes it copy every layer's weights out of the stack each draft (12.3
+    thread-ms a step against 8.3 of all the drafter's dots, BENCHMARKS.md). A drafter whose
+    layers are not one `DecoderLayers` stack (Eagle3, Gemma4's) comes back as is; the stacked
+    state stays valid (training and export use it)."""
+    model = nnx.merge(graphdef, state)
+    if type(model) is not DSparkDraft or type(model.layers) is not L.DecoderLayers:
+        return graphdef, state
+    model.layers = L.UnstackedLayers(model.layers, fuse=False)
+    return nnx.split(model)
