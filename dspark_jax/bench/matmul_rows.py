@@ -8,9 +8,8 @@ emitter actually does on the target's own matrix shapes: one buffer per matrix a
 as the decoding layout holds them (`layers.UnstackedLayers`: q|k|v fused, o, gate|up fused,
 down), random weights of the target's dtype, the layers' projections applied in sequence as a
 decode step applies them, then the tied or untied LM head in the model's "BD,VD->BV" form,
-each timed call reading every byte once. It prints
-per B the time, the ratio to one row, the weight bytes per second and GFLOP/s, beside the
-byte floor from the host's copy bandwidth.
+each timed call reading every byte once. It prints per B the time, the ratio to one row, the
+weight bytes per second and GFLOP/s, beside the byte floor from the host's copy bandwidth.
 
   python -m dspark_jax.bench.matmul_rows --target smollm2-135m-instruct --rows 1,2,4,8,16
 """

@@ -190,9 +190,9 @@ class UnstackedLayers(nnx.Module):
     they lie"). The q/k/v projections are one [A, (N + 2K)·H] buffer (`w_qkv`) and gate/up one
     [D, 2F] (`w_gate_up`): XLA:CPU runs a dot on one thread at a time, and fewer, larger dots
     stream the same bytes faster at one row (the target's matmuls alone: 22.3-24.7 → 19.8-21.6
-    ms, BENCHMARKS.md); `fuse=False` keeps the stack's matrices (the drafters'). XLA:GPU and TPU read the slice in place, so there the stack stays. Same
-    values, same forward (`Target.decoding_layout` builds it; the stacked state stays the
-    source)."""
+    ms, BENCHMARKS.md); `fuse=False` keeps the stack's matrices (the drafters'). XLA:GPU and
+    TPU read the slice in place, so there the stack stays. Same values, same forward
+    (`Target.decoding_layout` builds it; the stacked state stays the source)."""
 
     FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
