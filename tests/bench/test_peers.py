@@ -124,6 +124,32 @@ def test_table_rows_on_fake_results():
     assert "engine / vLLM CPU f32 0.50× (goal ≥ 0.67: NOT met)" in text
 
 
+def test_rounds_take_ratios_within_each_round_and_their_median():
+    def rnd(engine_s, llama_s):
+        return [SystemRun(ENGINE, 1, seconds=engine_s, tokens=[[1, 2, 3, 4]]),
+                SystemRun(AUTOREGRESSIVE, 1, seconds=engine_s, tokens=[[1, 2, 3, 4]]),
+                SystemRun(LLAMACPP, 1, seconds=llama_s, tokens=[[1, 2, 3, 4]]),
+                SystemRun(VLLM, 1, skipped="skipped: --skip")]
+
+    # the machine slows by 2x between rounds: each round's ratio is 0.5, 0.8, 0.7
+    rounds = [rnd(2.0, 1.0), rnd(5.0, 4.0), rnd(10.0, 7.0)]
+    merged = {(r.system, r.batch): r for r in peers.merge_rounds(rounds)}
+    assert merged[(ENGINE, 1)].seconds == pytest.approx(5.0)     # median of 2, 5, 10
+    assert merged[(LLAMACPP, 1)].seconds == pytest.approx(4.0)
+    assert merged[(VLLM, 1)].skipped == "skipped: --skip"
+    q = {(r["ours"], r["peer"]): r for r in peers.round_ratios(rounds, 4)}
+    engine = q[(ENGINE, LLAMACPP)]
+    assert engine["per_round"] == pytest.approx([0.5, 0.8, 0.7])
+    assert engine["ratio"] == pytest.approx(0.7)                 # not 4 / 5 of the medians
+    assert engine["meets_goal"]
+    text = "\n".join(f"{k} {v}" for k, v in peers.table_rows(
+        peers.merge_rounds(rounds), 4, peers.round_ratios(rounds, 4)))
+    assert "engine / llama.cpp f32 0.70× (median of rounds 0.50 / 0.80 / 0.70) (goal ≥ 0.67: met)" \
+        in text
+    even = peers.round_ratios(rounds[:2], 4)[0]
+    assert even["ratio"] == pytest.approx(0.65) and not even["meets_goal"]
+
+
 def test_dspark_row_is_skipped_without_a_drafter(tmp_path):
     a = peers.parse_args(["--max-new-tokens", "8"])
     label, text = peers.dspark_loop_row(a, tmp_path)
