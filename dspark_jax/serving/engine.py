@@ -545,9 +545,26 @@ class Engine:
                 for K in anchor_buckets:
                     jax.block_until_ready(self._anchor_rounds(self._fresh_state(n), p, 1, 1,
                                                               K)[1])
+                self._warm_device_choice(n)
             # a prompt whose request needs exactly n positions (prompt + 2 + γ + 1)
             self.generate([[0] * max(1, n - 3 - self.gamma)], max_new_tokens=2)
         self.reset_policy()   # dummy requests teach the policy nothing
+
+    def _warm_device_choice(self, cache_len: int, rounds: int = 3) -> int:
+        """Runs `adaptive`'s drafting call through `rounds` rounds whose choice to draft the
+        device makes (a dummy state; a choice whose estimate always pays) → the rounds run.
+        The one-prompt warm-up generate only ever runs a call's first round, and the first
+        call that went on drafting on device then cost ~300 ms more, once per engine (bench.load
+        at one request: 98 ms a drafted round in the first timed pass, 46–61 after)."""
+        R = self.R
+        choice = round_.DraftChoice(
+            gain=jnp.full((2,), float(R * self.gamma), jnp.float32),
+            n_then=jnp.full((2,), R, jnp.int32), predicted=jnp.zeros((), jnp.float32),
+            realised=jnp.zeros((), jnp.float32), decay=jnp.asarray(0.9, jnp.float32),
+            plain_sps=jnp.zeros_like(jnp.asarray(self.plain_sps)))
+        _, o = self._rounds(self._fresh_state(cache_len), self._all_slots_active(),
+                            [R * self.gamma] * 2, rounds, R + 1, choice)
+        return int(jax.device_get(o["rounds"]))
 
     def round_seconds(self, prompts: Sequence[Sequence[int]], rounds: int,
                       temperature: float = 1.0, seed: int = 0) -> list[float]:

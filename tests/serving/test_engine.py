@@ -333,6 +333,8 @@ def test_deepspec_budget_rule_runs_the_rounds_deepspec_runs(target, draft, greed
 def test_no_recompile_after_warmup(target, draft):
     eng = Engine(target, draft, scheduler="adaptive", sps=SPS, **ENGINE_KW)
     eng.warmup()
+    # the warm-up's drafting call goes on drafting on device (not only a call's first round)
+    assert eng._warm_device_choice(eng.cache_lengths()[0]) == 3
     eng.generate(PROMPTS[:3], max_new_tokens=MAX_NEW)
     events = []
 
