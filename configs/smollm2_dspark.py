@@ -64,10 +64,10 @@ def get_config():
     c.data.features = "offline"
 
     c.train.global_batch_size = 8
-    c.train.epochs = 13              # 249 records / 8 → 31 steps per epoch, 403 steps: MBPP τ
-                                     # 1.609, job 743 s (12: τ 1.612 on the data before 5e99b98's
-                                     # fused projections flipped one reply, 1.571 after; 14: τ
-                                     # 1.653 but the job 990 s; BENCHMARKS.md)
+    c.train.epochs = 14              # 249 records / 8 → 31 steps per epoch, 434 steps: MBPP τ
+                                     # 1.670, job 780 s at 0fc8acb (13: τ 1.609, 743 s; 12: 1.571
+                                     # after 5e99b98's fused projections flipped one reply;
+                                     # BENCHMARKS.md)
     c.train.init_from_target = True  # backbone from SmolLM2's layers 28–29 (see above)
     c.train.lr = 3e-3
     c.train.compute_dtype = "float32"
