@@ -51,6 +51,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -265,10 +266,8 @@ def merge_rounds(rounds: Sequence[Sequence[SystemRun]]) -> list[SystemRun]:
         if not timed:
             out.append(mine[0])
             continue
-        secs = sorted(r.seconds for r in timed)
-        mid = len(secs) // 2
-        median = secs[mid] if len(secs) % 2 else 0.5 * (secs[mid - 1] + secs[mid])
-        out.append(dataclasses.replace(timed[0], seconds=median))
+        out.append(dataclasses.replace(timed[0],
+                                       seconds=statistics.median(r.seconds for r in timed)))
     return out
 
 
@@ -283,9 +282,7 @@ def round_ratios(rounds: Sequence[Sequence[SystemRun]], max_new: int) -> list[di
             per.setdefault(key, dict(q, per_round=[]))["per_round"].append(q["ratio"])
     out = []
     for q in per.values():
-        xs = sorted(q["per_round"])
-        mid = len(xs) // 2
-        q["ratio"] = xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+        q["ratio"] = statistics.median(q["per_round"])
         q["meets_goal"] = q["ratio"] >= GOAL_RATIO - 1e-9
         out.append(q)
     return out
