@@ -7,6 +7,13 @@ drafter's draft step and the target's ragged verification step at R request slot
 tokens each and capacity bucket K, on a tensor × fsdp serving mesh; paper §5.2–5.3,
 `decode.py`). Prints the per-chip report (and writes it as JSON with `--json`). Exits 1 with
 the shortfall when the program does not fit, 2 on a usage error (e.g. libtpu missing).
+
+`--chip h200 --decode [--requests R] [--max-len S] [--capacity K] [--programs a,b]` compiles
+one chip's decoding programs (the plain step, the draft, the verification, the round;
+`decode_floor.py`) for a GPU without one (`h200`, `h100`: the CUDA plugin, `gpu-aot` extra)
+or one TPU chip (`v5e`, `v5p`, ...), and reports per program the bytes it accesses a step
+against the weights and cache it must read, the weights copied before a dot reads them, the
+kernels per step and the temporary memory.
 """
 
 from __future__ import annotations
@@ -26,7 +33,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.aot", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="configs/NAME.py")
-    ap.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v5p:2x4x4")
+    ap.add_argument("--topology", default="", help="TPU topology, e.g. v5e:2x2, v5p:2x4x4")
+    ap.add_argument("--chip", default="",
+                    help="with --decode: one chip's decoding programs against their floor "
+                         "(h200, h100: compiled without a GPU; v5e, v5p, v6e: one TPU chip)")
+    ap.add_argument("--programs", default="decode_step,plain_step,draft,verify,round",
+                    help="--chip: the programs to compile")
     ap.add_argument("--num-slices", type=int, default=1)
     ap.add_argument("--json", default="", help="also write the report as one JSON object")
     ap.add_argument("--no-preset", action="store_true",
@@ -34,7 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decode", action="store_true",
                     help="compile a serving round (draft step + ragged verification step) "
                          "instead of the training step")
-    ap.add_argument("--requests", type=int, default=64, help="--decode: request slots R")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="--decode: request slots R (default 64 on a topology, 1 with --chip)")
     ap.add_argument("--max-len", type=int, default=8192,
                     help="--decode: context tokens per request slot")
     ap.add_argument("--capacity", type=int, default=0,
@@ -43,6 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [o for o in overrides if not re.match(r"^--?(no)?config\.", o)]
     if bad:
         ap.error(f"unrecognised arguments: {bad}")
+    if bool(args.chip) == bool(args.topology):
+        ap.error("give one of --topology (a TPU slice) or --chip (one chip, with --decode)")
+    if args.chip and not args.decode:
+        ap.error("--chip compiles the decoding programs: add --decode")
+    if args.chip:
+        return _chip_main(argv[0], args, overrides)
+    args.requests = args.requests or 64
     try:
         if not has_libtpu():
             raise AotError(f"compiling for a TPU topology needs libtpu: {INSTALL_HINT}")
@@ -76,3 +96,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code:
         print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def _chip_main(prog: str, args: argparse.Namespace, overrides: list[str]) -> int:
+    """`--chip C --decode`: one chip's decoding programs against their floor."""
+    try:
+        from dspark_jax.aot.decode import DecodeShape
+        from dspark_jax.aot.decode_floor import decode_floor_report, format_floor_report
+        from dspark_jax.train.job_config import UsageError, parse_config
+
+        try:
+            c = parse_config([prog, f"--config={args.config}", *overrides],
+                             require_target=False)
+        except UsageError as e:
+            raise AotError(str(e)) from None
+        shape = DecodeShape(args.requests or 1, args.max_len, args.capacity)
+        report = decode_floor_report(c, args.chip, shape,
+                                     [p for p in args.programs.split(",") if p])
+    except AotError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_floor_report(report), flush=True)
+    if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0

@@ -92,7 +92,33 @@ class AbstractRound:
     shape: DecodeShape
 
 
-def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> AbstractRound:
+def decoding_layouts(t_gd: Any, t_state: Any, d_gd: Any, d_state: Any
+                     ) -> tuple[Any, Any, Any, Any]:
+    """The target and the drafter in the serving engine's decoding layout (one buffer per
+    layer: `models.decoder.with_layer_buffers`, `drafters.dspark.with_layer_buffers`), built
+    abstractly from abstract states."""
+    import jax
+
+    from dspark_jax.models.decoder import with_layer_buffers
+    from dspark_jax.models.drafters.dspark import with_layer_buffers as draft_layer_buffers
+
+    out = {}
+
+    def target(st: Any) -> Any:
+        out["t"], s2 = with_layer_buffers(t_gd, st)
+        return s2
+
+    def draft(st: Any) -> Any:
+        out["d"], s2 = draft_layer_buffers(d_gd, st)
+        return s2
+
+    t_state = jax.eval_shape(target, t_state)
+    d_state = jax.eval_shape(draft, d_state)
+    return out["t"], t_state, out["d"], d_state
+
+
+def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
+                         layer_buffers: bool = False) -> AbstractRound:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -118,6 +144,8 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape) -> 
     t_gd, t_state = nnx.split(target)
     draft = nnx.eval_shape(lambda: create_draft_module(d_cfg, c.seed, dtype, dtype))
     d_gd, d_state = nnx.split(draft)
+    if layer_buffers:   # as the engine decodes on one chip: one buffer per layer
+        t_gd, t_state, d_gd, d_state = decoding_layouts(t_gd, t_state, d_gd, d_state)
     adapter = adapter_for(d_cfg.model_type)
 
     def engine_state():

@@ -134,7 +134,7 @@ def generate_rows(target: Any, prompts: Sequence[np.ndarray], key_data: np.ndarr
     counted = n
     if on_tokens is not None:
         on_tokens(n)
-    stepper = target.decoding_layout()   # one buffer per layer on XLA:CPU
+    stepper = target.decoding_layout()   # one buffer per decoder layer
     while not bool(jnp.all(s.done)):
         s = ar_decode(stepper.graphdef, stepper.state, s, temp, stops, num_steps=_STEPS_PER_CALL,
                       top_k=top_k, top_p=top_p)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.decoding.precision import with_precision_policy
 from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
 from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length, round_up
@@ -92,6 +93,7 @@ def empty_state(target: Any, key_data: jax.Array, *, cache_len: int, max_new: in
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "top_k", "top_p"),
                    donate_argnames=("s",))
+@with_precision_policy
 def ar_prefill_rows(graphdef: Any, state: Any, s: ARState, tokens: jax.Array, lens: jax.Array,
                     rows: jax.Array, temperature: jax.Array, stop_ids: jax.Array, *,
                     chunk: int, top_k: int = 0, top_p: float = 1.0) -> ARState:
@@ -143,6 +145,7 @@ def prefilled_state(target: Any, prompts: Sequence[Sequence[int]], key_data: Any
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "top_k", "top_p"),
                    donate_argnames=("s",))
+@with_precision_policy
 def ar_decode(graphdef: Any, state: Any, s: ARState, temperature: jax.Array,
               stop_ids: jax.Array, *, num_steps: int | jax.Array, top_k: int = 0,
               top_p: float = 1.0) -> ARState:
@@ -183,7 +186,7 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
     Generation of a request stops after its first stop token (included in the output).
     `stop_token_ids=None` uses the tokenizer's stop ids (or the config's eos); [] disables.
     The decode steps run on `target.decoding_layout(layer_buffers)` (default: one buffer per
-    layer on XLA:CPU), the prefill on the stacked layers.
+    decoder layer), the prefill on the stacked layers.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.decoding.precision import with_precision_policy
 from dspark_jax.decoding.sampling import sample_request_rows
 from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
 from dspark_jax.decoding.stops import is_stop
@@ -34,6 +35,7 @@ from dspark_jax.models.decoder import decode_one, prefill
 @functools.partial(jax.jit, static_argnames=("target_gd", "max_steps", "top_k_cap",
                                              "budget_rule"),
                    donate_argnames=("s",))
+@with_precision_policy
 def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
                 stop_ids: jax.Array, num_steps: jax.Array, min_done: jax.Array, *,
                 max_steps: int, top_k_cap: int = 0, budget_rule: str = "serving"
@@ -86,6 +88,7 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
 
 @functools.partial(jax.jit, static_argnames=("target_gd", "chunk", "top_k_cap"),
                    donate_argnames=("s",))
+@with_precision_policy
 def plain_prefill(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
                   tokens: jax.Array, lens: jax.Array, slots: jax.Array, *, chunk: int,
                   top_k_cap: int = 0) -> tuple[EngineState, jax.Array]:

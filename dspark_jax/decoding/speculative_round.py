@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.decoding import scheduler as sched
+from dspark_jax.decoding.precision import with_precision_policy
 from dspark_jax.decoding.acceptance_rule import (VERIFIERS, VerifyResult, greedy_verify,
                                                  inverse_cdf_sample,
                                                  rejection_verify_with_uniforms)
@@ -186,7 +187,7 @@ def _draft_and_schedule(draft_gd: Any, draft_state: Any, s: EngineState, p: Slot
                 gain_new=gain_new, predicted=predicted.astype(jnp.float32))
 
 
-draft_and_schedule = jax.jit(_draft_and_schedule,
+draft_and_schedule = jax.jit(with_precision_policy(_draft_and_schedule),
                              static_argnames=("draft_gd", "mode", "cap_budget", "sampler"))
 
 
@@ -366,6 +367,7 @@ def _commit(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
 @functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "verifier",
                                              "tap_layer_ids", "budget_rule", "steps"),
                    donate_argnames=("s",))
+@with_precision_policy
 def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                       s: EngineState, p: SlotSettings, drafts: jax.Array,
                       draft_probs: jax.Array, ell: jax.Array, stop_ids: jax.Array,
@@ -399,6 +401,7 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
 
 @functools.partial(jax.jit, static_argnames=("draft_gd", "mode", "cap_budget", "sampler",
                                              "steps"))
+@with_precision_policy
 def draft_steps(draft_gd: Any, draft_state: Any, s: EngineState, p: SlotSettings,
                 stop_ids: jax.Array, conf_temps: jax.Array | None, threshold: jax.Array,
                 sps: jax.Array, capacity: jax.Array, sps_draft: jax.Array | None,
@@ -426,6 +429,7 @@ ROUND_OUTPUTS = ("tokens", "n_emit", "finished", "accepted", "proposed", "tau_te
                                              "mode", "cap_budget", "sampler", "verifier",
                                              "tap_layer_ids", "budget_rule"),
                    donate_argnames=("s",))
+@with_precision_policy
 def speculative_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                        s: EngineState, p: SlotSettings, stop_ids: jax.Array,
                        conf_temps: jax.Array | None, threshold: jax.Array, sps: jax.Array,
@@ -557,6 +561,7 @@ def _round_loop(one_round: Any, s: EngineState, p: SlotSettings, queue: Any,
 @functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "K", "max_rounds",
                                              "verifier", "tap_layer_ids", "budget_rule"),
                    donate_argnames=("s",))
+@with_precision_policy
 def anchor_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                   s: EngineState, p: SlotSettings, stop_ids: jax.Array, num_rounds: jax.Array,
                   min_done: jax.Array, *, K: int, max_rounds: int, verifier: str,
@@ -584,6 +589,7 @@ def anchor_rounds(target_gd: Any, draft_gd: Any, target_state: Any, draft_state:
 # ------------------------------------------------------------------------------ prefill
 @functools.partial(jax.jit, static_argnames=("target_gd", "draft_gd", "chunk", "tap_layer_ids"),
                    donate_argnames=("s",))
+@with_precision_policy
 def prefill_prompts(target_gd: Any, draft_gd: Any, target_state: Any, draft_state: Any,
                     s: EngineState, p: SlotSettings, tokens: jax.Array, lens: jax.Array,
                     slots: jax.Array, *, chunk: int, tap_layer_ids: tuple[int, ...]

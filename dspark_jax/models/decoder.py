@@ -265,23 +265,14 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
 
 def decode_one(model: TargetDecoder, tokens_r: jax.Array, cache: KVCache, live_r: jax.Array
                ) -> tuple[jax.Array, KVCache]:
-    """One token a row through the cached forward, written in place: → (final-normed hidden
-    [R, D], the cache with each live row's length moved by one). One row runs the ragged
-    forward with a one-cell grid (on XLA:CPU ~10% faster at batch 1 than the dense loop, which
-    only reads the cache and writes after it: 29.1 vs 32.0 ms, BENCHMARKS); more rows run the
-    dense cached forward over [R, 1] (a row that is not live writes past its length, where
-    nothing reads it). The plain decoding steps of the engine and of
-    `autoregressive_generate` both take this step."""
+    """One token a row through the dense cached forward over [R, 1]: the layers read the cache
+    where it lies and each row's new K/V are written after the last layer (a row that is not
+    live writes past its length, where nothing reads it). → (final-normed hidden [R, D], the
+    cache with each live row's length moved by one). The plain decoding steps of the engine
+    and of `autoregressive_generate` both take this step."""
     lengths = cache.lengths
-    if tokens_r.shape[0] == 1:
-        rows = jnp.zeros((1,), jnp.int32)
-        out = ragged_forward(model, tokens_r, rows, lengths, live_r, cache,
-                             grid=(rows[:, None], rows))
-        hidden, cache = out.hidden, out.cache
-    else:
-        out = model(tokens_r[:, None], cache=cache)
-        hidden, cache = out.hidden[:, 0], out.cache
-    return hidden, cache.with_lengths(lengths + live_r.astype(jnp.int32))
+    out = model(tokens_r[:, None], cache=cache)
+    return out.hidden[:, 0], out.cache.with_lengths(lengths + live_r.astype(jnp.int32))
 
 
 def prefill(model: TargetDecoder, tokens_np: jax.Array, chunk: int,

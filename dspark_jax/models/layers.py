@@ -117,6 +117,64 @@ def _attend_one_query(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     return out.reshape(b, 1, n, h).astype(q_btnh.dtype)
 
 
+# up to this many queries a row, attention over a cache runs as multiply-reduce loops (with a
+# verification block's 8 queries XLA:GPU re-lays the whole cache out in fp32 for them)
+CACHE_REDUCE_MAX_QUERIES = 1
+
+
+def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                         cache_mask_bs: jax.Array, own_k: jax.Array, own_v: jax.Array,
+                         own_mask_btq: jax.Array) -> jax.Array:
+    """Grouped-query attention of T queries a row over a read-only cache [B, S, K, H], of
+    which the row's queries all see the positions `cache_mask_bs` [B, S] marks, and over this
+    call's own new keys [B, Q, K, H] (`own_mask_btq`), as one softmax over both: each part's
+    scores are taken where its keys lie and the two are combined under a shared maximum, so
+    the cache is never concatenated with the new rows (a concatenation, or a slice of a cache
+    just written, materialises the whole cache layer before attention reads it). Equal to
+    `attend` over the concatenated keys up to summation order; a row with no visible key
+    gives zeros.
+
+    A row's T queries act as T·G query heads. With one query a row (T ≤
+    `CACHE_REDUCE_MAX_QUERIES`: decoding steps) the cache part runs as fused multiply-reduce
+    loops over the cache in its [B, S, K, H] layout, which read each cache layer once where it
+    lies; as batched dots (verification blocks, prefill chunks), XLA:GPU copies and pads each
+    layer's slice of the cache for the GEMM first."""
+    b, t, n, h = q_btnh.shape
+    kvh = cache_k.shape[2]
+    g = n // kvh
+    scale = h ** -0.5
+    qm = jnp.transpose(q_btnh.reshape(b, t, kvh, g, h), (0, 2, 1, 3, 4)).reshape(
+        b, kvh, t * g, h)                                                    # [B,K,M,H]
+    reduce = t <= CACHE_REDUCE_MAX_QUERIES
+    if reduce:   # [B,1,K,M,H] · [B,S,K,1,H] summed over H
+        s_c = jnp.sum(qm.astype(jnp.float32)[:, None]
+                      * cache_k.astype(jnp.float32)[:, :, :, None, :], axis=-1)
+    else:
+        s_c = jnp.einsum("BKMH,BSKH->BSKM", qm, cache_k, preferred_element_type=jnp.float32)
+    s_c = s_c * scale                                                        # [B,S,K,M]
+    s_o = jnp.einsum("BKMH,BQKH->BKMQ", qm, own_k,
+                     preferred_element_type=jnp.float32) * scale             # [B,K,M,Q]
+    m_c = cache_mask_bs[:, :, None, None]
+    m_o = jnp.broadcast_to(own_mask_btq[:, None, :, None, :],
+                           (b, 1, t, g, own_mask_btq.shape[-1])).reshape(b, 1, t * g, -1)
+    s_c, s_o = jnp.where(m_c, s_c, NEG_INF), jnp.where(m_o, s_o, NEG_INF)
+    top = jnp.maximum(jnp.max(s_c, axis=1), jnp.max(s_o, axis=-1))           # [B,K,M]
+    e_c = jnp.where(m_c, jnp.exp(s_c - top[:, None]), 0.0)
+    e_o = jnp.where(m_o, jnp.exp(s_o - top[..., None]), 0.0)
+    denom = jnp.sum(e_c, axis=1) + jnp.sum(e_o, axis=-1)
+    inv = jnp.where(denom > 0, 1.0 / jnp.maximum(denom, 1e-30), 0.0)
+    p_c = (e_c * inv[:, None]).astype(cache_v.dtype)
+    p_o = (e_o * inv[..., None]).astype(own_v.dtype)
+    if reduce:   # [B,S,K,M,1] · [B,S,K,1,H] summed over S
+        out_c = jnp.sum(p_c.astype(jnp.float32)[..., None]
+                        * cache_v.astype(jnp.float32)[:, :, :, None, :], axis=1)
+    else:
+        out_c = jnp.einsum("BSKM,BSKH->BKMH", p_c, cache_v, preferred_element_type=jnp.float32)
+    out_o = jnp.einsum("BKMQ,BQKH->BKMH", p_o, own_v, preferred_element_type=jnp.float32)
+    out = (out_c + out_o).reshape(b, kvh, t, g, h)
+    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
 def swiglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
     if "w_gate_up" in lp:   # per-layer buffers: gate and up as one [D, 2F] dot
         gate, up = jnp.split(jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate_up"]), 2, axis=-1)
@@ -181,25 +239,27 @@ class DecoderLayers(nnx.Module):
 
 
 class UnstackedLayers(nnx.Module):
-    """The parameters of a `DecoderLayers` stack as one buffer per layer, for inference on
-    XLA:CPU. A scan over stacked weights slices each layer's weights out of the stack; XLA:CPU
-    materialises every slice (its dot cannot read a dynamic slice in place), so a one-token step
-    streams the weights three times (read, write the copy, read it): 20-32 ms of copies against
-    15 ms of dots in a SmolLM2-135M step at batch 1. With a buffer per layer the layers run
-    unrolled and each dot reads its weights where they lie (BENCHMARKS.md, "Weights read where
-    they lie"). The q/k/v projections are one [A, (N + 2K)·H] buffer (`w_qkv`) and gate/up one
-    [D, 2F] (`w_gate_up`): XLA:CPU runs a dot on one thread at a time, and fewer, larger dots
-    stream the same bytes faster at one row (the target's matmuls alone: 22.3-24.7 → 19.8-21.6
-    ms, BENCHMARKS.md); `fuse=False` keeps the stack's matrices (the drafters'). XLA:GPU and
-    TPU read the slice in place, so there the stack stays. Same values, same forward
-    (`Target.decoding_layout` builds it; the stacked state stays the source)."""
+    """The parameters of a `DecoderLayers` stack as one buffer per layer: the decoding layout.
+    A scan over stacked weights slices each layer's weights out of the stack, and XLA (GPU and
+    CPU alike) materialises every slice before the dot reads it, so a one-token step streams
+    the weights three times (read, write the copy, read it). With a buffer per layer the layers
+    run unrolled and each dot reads its weights where they lie. The q/k/v projections are one
+    [A, (N + 2K)·H] buffer (`w_qkv`) and gate/up one [D, 2F] (`w_gate_up`): fewer, larger dots
+    stream the same bytes with fewer kernels. `fuse` names the groups to fuse: the drafters
+    take `FUSED_KV` (k|v as `w_kv`, their q read apart; left apart, XLA merges the k and v dots
+    itself by concatenating their weights every call) and `{}` keeps the stack's matrices.
+    Same values, same forward (`Target.decoding_layout` builds it; the stacked
+    state stays the source)."""
 
     FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
-    def __init__(self, stack: DecoderLayers, fuse: bool = True):
+    FUSED_KV = {"w_kv": ("wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+    def __init__(self, stack: DecoderLayers,
+                 fuse: bool | dict[str, tuple[str, ...]] = True):
         self.num_layers = stack.num_layers
         self.qk_norm = stack.qk_norm
-        fused = self.FUSED if fuse else {}
+        fused = dict(self.FUSED if fuse is True else fuse or {})
         parts = {n for group in fused.values() for n in group}
         self.names = tuple(n for n in DecoderLayers.NAMES
                            if hasattr(stack, n) and n not in parts) + tuple(fused)
@@ -264,8 +324,17 @@ def project_q(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Arr
 
 def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float
                ) -> tuple[jax.Array, jax.Array]:
-    k = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wk"])
-    v = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wv"])
+    """k (k-normed where the layer has a k norm) and v [B, T, K, H]: from `UnstackedLayers`'
+    fused `w_kv` [A, 2·K·H] in one dot, else from `wk` and `wv`."""
+    if "w_kv" in lp:
+        B, T = x_btd.shape[:2]
+        H = lp["wo"].shape[1]
+        kv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_kv"])
+        kh = kv.shape[-1] // 2
+        k, v = kv[..., :kh].reshape(B, T, kh // H, H), kv[..., kh:].reshape(B, T, kh // H, H)
+    else:
+        k = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wk"])
+        v = jnp.einsum("BTD,DKH->BTKH", x_btd, lp["wv"])
     if "k_norm" in lp:
         k = rms_norm(k, lp["k_norm"], eps)
     return k, v

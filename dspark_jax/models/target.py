@@ -65,14 +65,15 @@ class Target:
     def decoding_layout(self, layer_buffers: bool | None = None) -> "Target":
         """This target in the parameter layout for one-token steps and small verifications.
 
-        `layer_buffers` True: one buffer per decoder layer (`models.decoder.with_layer_buffers`;
-        a scan over the stacked layers makes XLA:CPU copy each layer's weights before its dots
-        read them, so a one-token step streams them three times); False: the stacked layers
-        (6× faster to compile on XLA:CPU); None: per-layer on XLA:CPU, stacked elsewhere (XLA:GPU
-        and TPU read the slice in place). The per-layer copy is made once per `state` and kept;
-        the stacked state stays valid (prefill and training use it)."""
+        `layer_buffers` True (and None, the default): one buffer per decoder layer
+        (`models.decoder.with_layer_buffers`), which every backend's dots read where they lie;
+        a scan over the stacked layers makes XLA:GPU and XLA:CPU copy each layer's weights out
+        of the stack before its dots read them, so a one-token step streams them three times
+        (`python -m dspark_jax.aot --chip h200 --decode` reports them). False: the stacked layers (faster to compile; prefill and training run
+        them). The per-layer copy is made once per `state` and kept; the stacked state stays
+        valid."""
         if layer_buffers is None:
-            layer_buffers = jax.default_backend() == "cpu"
+            layer_buffers = True
         if not layer_buffers:
             return self
         cached = self.__dict__.get("_layer_buffers")

@@ -105,10 +105,10 @@ class Engine:
     drafts; its two-rounds-old capacity queue starts over with every `generate` call.
 
     `layer_buffers`: the target layout the decoding steps and verification run on
-    (`Target.decoding_layout`): None (default) one buffer per decoder layer on XLA:CPU, where a
-    scanned stack copies every layer's weights before reading them (a one-token step 20-25%
-    faster at batch 1 and 16, compiled ~6× slower), the stacked layers elsewhere; the prefill
-    always runs on the stacked layers.
+    (`Target.decoding_layout`): None (default) or True one buffer per decoder layer, so the
+    dots read the weights where they lie (a scanned stack has them copied out every step);
+    False the stacked layers (faster to compile); the prefill always runs on the stacked
+    layers.
 
     Token budget: `budget_rule="serving"` (default) ends a request as soon as it has emitted
     `max_new_tokens`, and `cap_to_budget` (default True) never verifies drafts past that budget.
@@ -175,7 +175,7 @@ class Engine:
         self.explore = None if explore is None else float(explore)
         self.target, self.mode = target, scheduler
         # decoding steps and verification run on the target in `layer_buffers`' layout (one
-        # buffer per layer on XLA:CPU); the prefill's long forwards keep the stacked one
+        # buffer per layer by default); the prefill's long forwards keep the stacked one
         self.step_target = target.decoding_layout(layer_buffers)
         self.draft = draft if scheduler != "none" else None
         if self.draft is not None:

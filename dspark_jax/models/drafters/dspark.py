@@ -292,13 +292,12 @@ class DSparkDraft(nnx.Module):
 
 def with_layer_buffers(graphdef: Any, state: Any) -> tuple[Any, Any]:
     """(graphdef, state) of the same drafter with one buffer per draft layer
-    (`layers.UnstackedLayers`, unfused), the layout XLA:CPU drafts fastest: a scan over the
-    stacked layers makes it copy every layer's weights out of the stack each draft (12.3
-    thread-ms a step against 8.3 of all the drafter's dots, BENCHMARKS.md). A drafter whose
+    (`layers.UnstackedLayers`, k|v and gate|up fused), the serving engine's drafting layout: a scan over the
+    stacked layers makes XLA copy every layer's weights out of the stack each draft. A drafter whose
     layers are not one `DecoderLayers` stack (Eagle3, Gemma4's) comes back as is; the stacked
     state stays valid (training and export use it)."""
     model = nnx.merge(graphdef, state)
     if type(model) is not DSparkDraft or type(model.layers) is not L.DecoderLayers:
         return graphdef, state
-    model.layers = L.UnstackedLayers(model.layers, fuse=False)
+    model.layers = L.UnstackedLayers(model.layers, fuse=L.UnstackedLayers.FUSED_KV)
     return nnx.split(model)

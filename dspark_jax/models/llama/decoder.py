@@ -3,13 +3,14 @@ targets). `TargetDecoder` (models/decoder.py) runs them through the "llama" / "q
 
 All layers share one shape, so their parameters are stacked on a leading "layers" axis
 (`layers.DecoderLayers`) and one `lax.scan` body runs them; with one buffer per layer
-(`layers.UnstackedLayers`, the decoding layout on XLA:CPU) the same body runs unrolled
+(`layers.UnstackedLayers`, the decoding layout) the same body runs unrolled
 (`layers.run_layers`). The KV cache is one array per k/v, [L, B, S_max, K, H]; a token attends
 to every cached key at a position below its row's first new token and to its row's new tokens
-up to itself. With one row (B = 1) the layer loop only reads the cache and the new K/V are
-written at their positions after it, in one scatter (a cache carried through the loop is copied
-by XLA:CPU every layer); with several rows each layer writes its rows in place and attends over
-its cache (concatenating the rows' own keys to the cache copies every layer's [B, S] slice).
+up to itself. The layer loop only reads the cache, each layer's attention taking the cached
+keys where they lie and this call's own keys beside them (`layers.attend_cache_and_own`), and
+the new K/V are written at their positions after the last layer, one scatter per cache: a
+cache written inside the loop and then read, or concatenated with the new rows, is copied
+whole by the compiler (XLA:GPU and XLA:CPU alike) before attention reads it.
 `ragged_forward` is the verification pass of load-aware decoding (paper §5.2–5.3, SPEC §9):
 flattened tokens of many requests, each its own attention row over its request's cache row.
 """
@@ -65,41 +66,30 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     `segment_ids_bt`, for packed rows). With it: token t of row b sits at `positions_bt[b, t]`
     = `positions_bt[b, 0]` + t (consecutive, as `TargetDecoder` passes them), sees the cached
     keys below `positions_bt[b, 0]` and its row's tokens up to itself, and its K/V are written
-    at its position (out of range: dropped). B = 1: the layers read the cache and the writes
-    follow the last layer; B > 1: each layer writes its rows, then attends over its cache.
-    One-token step of SmolLM2-135M fp32 on XLA:CPU, cache 384, per-layer buffers (read-only
-    vs in place): B = 1 42 vs 69 ms, B = 4 96 vs 77, B = 16 249 vs 117–193 (BENCHMARKS.md).
-    `defer_writes` (with `cache_kv`): the layers only read the cache at any B and the third
-    output is the new K/V rows ([L, B, T, K, H] each) for the caller to write: inside a
-    `lax.switch` or `lax.cond` branch XLA copies a cache the branch writes.
+    at its position (out of range: dropped) after the last layer; the layers only read the
+    cache. `defer_writes` (with `cache_kv`): the third output is the new K/V rows
+    ([L, B, T, K, H] each) for the caller to write instead: inside a `lax.switch` or
+    `lax.cond` branch XLA copies a cache the branch writes.
     """
     B, T = tokens_bt.shape
     n_taps = len(tap_ids)
     taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
-    in_place = cache_kv is not None and B > 1 and not defer_writes
+    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]                  # [T,T]
     if cache_kv is None:
-        idx = jnp.arange(T)
-        mask = jnp.broadcast_to(idx[None, :, None] >= idx[None, None, :], (B, T, T))
+        mask = jnp.broadcast_to(causal[None], (B, T, T))
         if segment_ids_bt is not None:
             seg = segment_ids_bt
             mask = mask & (seg[:, :, None] == seg[:, None, :])
-    else:
+    else:   # the committed prefix: cached keys below the row's first new position
         key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)
-    if in_place:   # every cached key at a position ≤ the token's own, this call's included
-        mask = key_pos[None, None, :] <= positions_bt[:, :, None]        # [B,T,S]
-    elif cache_kv is not None:   # read-only cache: keys below the row's first position
-        own = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]      # ⊕ its own T tokens
-        mask = jnp.concatenate(
-            [jnp.broadcast_to(key_pos[None, None, :] < positions_bt[:, :1, None],
-                              (B, T, key_pos.shape[0])),
-             jnp.broadcast_to(own[None], (B, T, T))], axis=-1)             # [B,T,S+T]
+        cache_mask = key_pos[None, :] < positions_bt[:, :1]                    # [B,S]
+        own_mask = jnp.broadcast_to(causal[None], (B, T, T))
 
     params = stack.layer_params(dtype)
     eps = cfg.rms_norm_eps
-    b_idx = jnp.arange(B)[:, None]
 
     def body(carry, xs):
-        h, taps, kc, vc = carry
+        h, taps = carry
         lp, layer_idx, slot = xs
         x = L.rms_norm(h, lp["input_norm"], eps)
         q, k, v = L.project_qkv(lp, x, eps)
@@ -107,35 +97,28 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         k = L.apply_rope(k, positions_bt, cfg.rope)
         if cache_kv is None:
             attn = L.attend(q, k, v, mask)
-        elif in_place:
-            kc = kc.at[layer_idx, b_idx, positions_bt].set(k.astype(kc.dtype), mode="drop")
-            vc = vc.at[layer_idx, b_idx, positions_bt].set(v.astype(vc.dtype), mode="drop")
-            attn = L.attend(q, kc[layer_idx].astype(k.dtype), vc[layer_idx].astype(v.dtype),
-                            mask, one_query_reduce=True)
-        else:
-            keys = jnp.concatenate([cache_kv[0][layer_idx].astype(k.dtype), k], axis=1)
-            vals = jnp.concatenate([cache_kv[1][layer_idx].astype(v.dtype), v], axis=1)
-            attn = L.attend(q, keys, vals, mask, one_query_reduce=True)
+        else:   # the cache is only read; this call's rows are written after the last layer
+            attn = L.attend_cache_and_own(q, cache_kv[0][layer_idx].astype(k.dtype),
+                                          cache_kv[1][layer_idx].astype(v.dtype), cache_mask,
+                                          k, v, own_mask)
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             cur = taps[jnp.maximum(slot, 0)]
             taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
-        deferred = (k, v) if cache_kv is not None and not in_place else None
-        return (h, taps, kc, vc), deferred
+        return (h, taps), ((k, v) if cache_kv is not None else None)
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
-    carry_kv = tuple(cache_kv) if in_place else (None, None)
-    (h, taps, kc, vc), new_kv = L.run_layers(body, (h, taps0) + carry_kv, params, per_layer)
-    if in_place:
-        return h, (taps if n_taps else None), (kc, vc)
-    if cache_kv is not None and defer_writes:
-        return h, (taps if n_taps else None), new_kv
-    kv = None
-    if cache_kv is not None:   # every layer's new K/V [L, B, T, K, H] at the rows' positions
-        kc, vc = cache_kv      # (out of range: dropped), one in-place scatter per cache
-        kv = (kc.at[:, b_idx, positions_bt].set(new_kv[0].astype(kc.dtype), mode="drop"),
-              vc.at[:, b_idx, positions_bt].set(new_kv[1].astype(vc.dtype), mode="drop"))
-    return h, (taps if n_taps else None), kv
+    (h, taps), new_kv = L.run_layers(body, (h, taps0), params, per_layer)
+    taps = taps if n_taps else None
+    if cache_kv is None:
+        return h, taps, None
+    if defer_writes:
+        return h, taps, new_kv
+    kc, vc = cache_kv   # every layer's new K/V [L, B, T, K, H] at the rows' positions (out of
+    b_idx = jnp.arange(B)[:, None]   # range: dropped), one in-place scatter per cache
+    kv = (kc.at[:, b_idx, positions_bt].set(new_kv[0].astype(kc.dtype), mode="drop"),
+          vc.at[:, b_idx, positions_bt].set(new_kv[1].astype(vc.dtype), mode="drop"))
+    return h, taps, kv
 
 
 def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
@@ -167,11 +150,9 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         cell_k = jnp.clip(rows.cell_k, 0, R * Q - 1)
         if defer_writes:   # committed prefix from the cache ⊕ the request's own new tokens
             start_r = jnp.where(cell_ok[:, 0], pos_rq[:, 0], 0)
-            own = ((jnp.arange(Q)[None, :, None] >= jnp.arange(Q)[None, None, :])
-                   & cell_ok[:, None, :] & cell_ok[:, :, None])                 # [R,Q,Q]
-            mask_rqs = jnp.concatenate(
-                [(key_pos[None, None, :] < start_r[:, None, None]) & cell_ok[:, :, None],
-                 own], axis=-1)                                                 # [R,Q,S+Q]
+            own_mask = ((jnp.arange(Q)[None, :, None] >= jnp.arange(Q)[None, None, :])
+                        & cell_ok[:, None, :] & cell_ok[:, :, None])            # [R,Q,Q]
+            mask_rs = key_pos[None, :] < start_r[:, None]                      # [R,S]
     elif defer_writes:
         raise ValueError("ragged_forward: defer_writes needs the per-request grid")
     else:
@@ -188,19 +169,21 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         q, k, v = L.project_qkv(lp, x, eps)
         q = L.apply_rope(q, positions_1k, cfg.rope)                           # [1,K,N,H]
         k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
-        if defer_writes:   # the cache is read, never written: [R, S] ⊕ own [R, Q]
-            keys = jnp.concatenate([cache_kv[0][layer_idx], k[0][grid]], axis=1)
-            vals = jnp.concatenate([cache_kv[1][layer_idx], v[0][grid]], axis=1)
-        else:
+        if defer_writes:   # the cache is read where it lies, never written: [R, S] ⊕ own [R, Q]
+            attn = L.attend_cache_and_own(q[0][grid], cache_kv[0][layer_idx],
+                                          cache_kv[1][layer_idx], mask_rs, k[0][grid],
+                                          v[0][grid], own_mask)                 # [R,Q,N,H]
+            attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]             # [1,K,N,H]
+        else:   # each layer writes its rows, then attends over its cache
             kc = kc.at[layer_idx, rows.write_k, position_k].set(k[0], mode="drop")
             vc = vc.at[layer_idx, rows.write_k, position_k].set(v[0], mode="drop")
             keys, vals = kc[layer_idx], vc[layer_idx]
-        if by_request:   # each request's tokens against its cache row: [R, Q, ·] vs [R, S, ·]
-            attn = L.attend(q[0][grid], keys, vals, mask_rqs)                   # [R,Q,N,H]
-            attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]             # [1,K,N,H]
-        else:   # each token its own attention row over its request's cache: [K, 1, ·]
-            k_tok, v_tok = keys[rows.read_k], vals[rows.read_k]                 # [K,S,Kh,H]
-            attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]    # [1,K,N,H]
+            if by_request:   # each request's tokens against its cache row: [R, Q] vs [R, S]
+                attn = L.attend(q[0][grid], keys, vals, mask_rqs)               # [R,Q,N,H]
+                attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]         # [1,K,N,H]
+            else:   # each token its own attention row over its request's cache: [K, 1, ·]
+                k_tok, v_tok = keys[rows.read_k], vals[rows.read_k]             # [K,S,Kh,H]
+                attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             cur = taps[jnp.maximum(tap_slot, 0)]

@@ -1,0 +1,151 @@
+"""One chip's decoding programs against their memory floor, compiled ahead of time (`python -m
+dspark_jax.aot --chip h200 --decode`): does every step read the weights where they lie, and
+how close does its traffic come to the bytes it must read?
+
+A decoding step on an accelerator is bound by memory: its floor is the bytes of the weights
+and the KV cache it reads once. Five programs are compiled for one chip, as the serving engine
+and the benchmarks run them, with the target and drafter in the engine's decoding layout (one
+buffer per layer) and bf16 weights and caches:
+
+  decode_step  `autoregressive.ar_decode` (`bench.decode_step`'s program), per step
+  plain_step   the engine's plain decoding step (`plain_steps.plain_steps`), per step
+  draft        the drafter's γ proposals and the scheduler (`draft_and_schedule`, paper §3.2)
+  verify       the target's verification of capacity K and the commit (`verify_and_commit`)
+  round        whole rounds as the engine fuses them (`speculative_rounds`), per round
+
+Each program's optimized HLO is read by `hlo_traffic.Program`: bytes accessed per step, the
+weight and cache bytes among its arguments, the bytes of weights copied before a dot reads
+them, the kernels per step and the temporary memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+from dspark_jax.aot.decode import DecodeShape, build_abstract_round
+from dspark_jax.aot.hlo_traffic import Program, weights_or_cache
+from dspark_jax.aot.topology import AotError
+
+# argument paths (JAX's op_name of each entry parameter) of the weights and of the caches
+WEIGHT_ARGS = ("state[", "target_state[", "draft_state[", "vocab_weights")
+CACHE_ARGS = ("s.cache.k", "s.cache.v", "s.draft_cache")
+PROGRAMS = ("decode_step", "plain_step", "draft", "verify", "round")
+
+
+def single_chip_devices(chip: str) -> tuple[list[Any], Any]:
+    """(compile-only devices, chip facts) of one GPU (`gpu.GPU_CHIPS`) or one TPU chip
+    (`topology.CHIPS`: v5e, v5p, v6e, v4)."""
+    from dspark_jax.aot import gpu, topology
+
+    if chip in gpu.GPU_CHIPS:
+        return gpu.gpu_devices(chip), gpu.GPU_CHIPS[chip]
+    if chip in topology.CHIPS:
+        shape = {"v5e": "1x1", "v6e": "1x1"}.get(chip, "1x1x1")
+        devices = topology.topology_devices(f"{chip}:{shape}")[:1]
+        return devices, topology.CHIPS[chip]
+    raise AotError(f"--chip {chip!r}: choose from {sorted(gpu.GPU_CHIPS)} (GPU) or "
+                   f"{sorted(topology.CHIPS)} (TPU)")
+
+
+def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape
+              ) -> tuple[dict[str, tuple[Callable[..., Any], tuple]], Any, Any]:
+    """name → (lower function, abstract arguments), the mesh and the abstract round."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.decoding.autoregressive import ARState, ar_decode
+    from dspark_jax.decoding.plain_steps import plain_steps
+
+    rnd = build_abstract_round(c, devices, shape, layer_buffers=True)
+    t_gd, d_gd = rnd.verify_lower.args[:2]
+    t_abs, d_abs, state, params = rnd.verify_args[:4]
+    stop_ids = rnd.verify_args[7]
+    R, S = shape.requests, shape.max_len
+    rep = jax.sharding.NamedSharding(rnd.mesh, jax.sharding.PartitionSpec())
+
+    def arr(shp: tuple[int, ...], dt: Any) -> Any:
+        return jax.ShapeDtypeStruct(shp, dt, sharding=rep)
+
+    ar_state = ARState(cache=state.cache, last_token=arr((R,), jnp.int32),
+                       out=arr((R, 64), jnp.int32), num_out=arr((R,), jnp.int32),
+                       done=arr((R,), jnp.bool_), key_data=arr((R, 2), jnp.uint32),
+                       steps=arr((), jnp.int32))
+    programs = {
+        "decode_step": (functools.partial(ar_decode.lower, t_gd),
+                        (t_abs, ar_state, arr((), jnp.float32), stop_ids),
+                        dict(num_steps=arr((), jnp.int32))),
+        "plain_step": (functools.partial(plain_steps.lower, t_gd, max_steps=16),
+                       (t_abs, state, params, stop_ids, arr((), jnp.int32),
+                        arr((), jnp.int32)), {}),
+        "draft": (rnd.draft_lower, rnd.draft_args, {}),
+        "verify": (rnd.verify_lower, rnd.verify_args, {}),
+        "round": (rnd.round_lower, rnd.round_args, {}),
+    }
+    del S
+    return programs, rnd.mesh, rnd
+
+
+def program_report(lowered: Any) -> dict[str, Any]:
+    """A lowered program compiled → its traffic summary (`hlo_traffic.Program.summary`), the
+    floor it is held to and its temporary memory."""
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    prog = Program(compiled.as_text(), weights_or_cache(WEIGHT_ARGS, CACHE_ARGS))
+    out = prog.summary()
+    mem = compiled.memory_analysis()
+    # an untied input embedding is gathered a row per token, never read whole
+    untied = any("['lm_head']" in k for k in prog.param_bytes)
+    gathered = sum(b for k, b in prog.param_bytes.items()
+                   if untied and k.startswith(WEIGHT_ARGS) and "['embed']" in k)
+    floor = out["weights_bytes"] - gathered + out["cache_bytes"]
+    out.update(embedding_gathered_bytes=gathered, temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else -1,
+               floor_bytes=floor,
+               bytes_over_floor=out["bytes_accessed"] / floor if floor else 0.0,
+               top_kernels=prog.top_kernels(6), compile_s=round(time.perf_counter() - t0, 1))
+    return out
+
+
+def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
+                        programs: Sequence[str] = PROGRAMS) -> dict[str, Any]:
+    """Compiles `programs` of config `c` for one `chip` → report (per program: bytes_accessed,
+    weights_bytes, cache_bytes, weight_copy_bytes, kernels_per_step, temp_bytes, ...)."""
+    import jax
+
+    from dspark_jax.sharding import use_mesh
+
+    for k in ("data", "fsdp", "tensor"):
+        c.mesh[k] = 1
+    devices, facts = single_chip_devices(chip)
+    built, mesh, rnd = _programs(c, devices, shape)
+    report: dict[str, Any] = {
+        "mode": "decode_floor", "config": c.name, "chip": chip,
+        "hbm_bytes_per_s": facts.hbm_bytes_per_s, "requests": shape.requests,
+        "max_len": shape.max_len, "capacity": rnd.shape.capacity, "gamma": rnd.gamma,
+        "scheduler": rnd.scheduler, "jax": jax.__version__, "programs": {}}
+    for name in programs:
+        if name not in built:
+            raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
+        lower, args, kw = built[name]
+        with use_mesh(mesh):
+            r = program_report(lower(*args, **kw))
+        r["floor_s"] = r["floor_bytes"] / facts.hbm_bytes_per_s
+        r["traffic_s"] = r["bytes_accessed"] / facts.hbm_bytes_per_s
+        report["programs"][name] = r
+    return report
+
+
+def format_floor_report(r: dict[str, Any]) -> str:
+    gb = 1e9
+    lines = [f"{r['config']} decoding programs on one {r['chip']} (jax {r['jax']}): "
+             f"{r['requests']} request slots x {r['max_len']} tokens, capacity {r['capacity']}, "
+             f"gamma {r['gamma']}, scheduler {r['scheduler']}",
+             f"  {'program':12s}{'bytes GB':>10s}{'weights':>9s}{'cache':>8s}{'floor x':>9s}"
+             f"{'w-copy GB':>11s}{'kernels':>9s}{'temp MB':>9s}  floor ms"]
+    for name, p in r["programs"].items():
+        lines.append(f"  {name:12s}{p['bytes_accessed'] / gb:10.3f}{p['weights_bytes'] / gb:9.3f}"
+                     f"{p['cache_bytes'] / gb:8.3f}{p['bytes_over_floor']:9.3f}"
+                     f"{p['weight_copy_bytes'] / gb:11.3f}{p['kernels_per_step']:9d}"
+                     f"{p['temp_bytes'] / 1e6:9.1f}  {p['floor_s'] * 1e3:8.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Decoding programs read off their compiled HLO (dspark_jax.aot.hlo_traffic) and compiled for
+an H200 without one (python -m dspark_jax.aot --chip h200 --decode), and the matmul precision
+policy of decoding (dspark_jax.decoding.precision)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.aot import gpu
+from dspark_jax.aot.hlo_traffic import Program, weights_or_cache
+
+L, D, F = 4, 64, 256
+
+
+def _weights(n: int = L) -> dict[str, jax.Array]:
+    k = jax.random.split(jax.random.key(0), 2)
+    return {"up": jax.random.normal(k[0], (n, D, F)), "down": jax.random.normal(k[1], (n, F, D))}
+
+
+def _stacked(w, x):
+    def body(h, lw):
+        return h + jnp.tanh(h @ lw["up"]) @ lw["down"], None
+    return jax.lax.scan(body, x, w)[0]
+
+
+def _per_layer(ws, x):
+    for lw in ws:
+        x = x + jnp.tanh(x @ lw["up"]) @ lw["down"]
+    return x
+
+
+def _program(fn, *args) -> Program:
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return Program(text, weights_or_cache(["w", "ws"], []))
+
+
+def test_a_scan_over_stacked_weights_copies_them_and_per_layer_buffers_do_not():
+    x = jnp.ones((1, D))
+    w = _weights()
+    stacked = _program(_stacked, w, x).summary()
+    layer_bytes = (D * F + F * D) * 4
+    assert stacked["weights_bytes"] == L * layer_bytes
+    # every layer's slices are written out before the dots read them
+    assert stacked["weight_copy_bytes"] >= L * layer_bytes
+    ws = [jax.tree.map(lambda a: a[i], w) for i in range(L)]
+    per_layer = _program(_per_layer, ws, x).summary()
+    assert per_layer["weight_copy_bytes"] == 0
+    assert per_layer["weights_bytes"] == L * layer_bytes
+    # each weight read once (plus the activations): within a few percent of the weights
+    assert L * layer_bytes <= per_layer["bytes_accessed"] <= 1.05 * L * layer_bytes
+    assert stacked["bytes_accessed"] > 2 * per_layer["bytes_accessed"]
+    # a known trip count scales the loop body: the scan's kernels count L times a step
+    assert stacked["kernels_per_step"] >= L
+
+
+def test_traffic_of_a_loop_free_program_agrees_with_xla_cost_analysis():
+    ws = [jax.tree.map(lambda a: a[i], _weights()) for i in range(L)]
+    compiled = jax.jit(_per_layer).lower(ws, jnp.ones((2, D))).compile()
+    ours = Program(compiled.as_text(), lambda _: None).summary()["bytes_accessed"]
+    xla = compiled.cost_analysis()
+    xla = (xla[0] if isinstance(xla, (list, tuple)) else xla)["bytes accessed"]
+    assert ours == pytest.approx(xla, rel=0.1)
+
+
+needs_plugin = pytest.mark.skipif(not gpu.has_cuda_plugin(),
+                                  reason=f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
+
+
+@pytest.fixture(scope="module")
+def h200_report(tmp_path_factory):
+    from hf_tiny import save_tiny_hf
+    from dspark_jax.aot import cli
+
+    path = save_tiny_hf(tmp_path_factory.mktemp("tgt"), "qwen3")
+    out = tmp_path_factory.mktemp("aot") / "h200.json"
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--decode",
+                   "--max-len", "256", "--json", str(out), f"--config.target={path}",
+                   "--config.train.target_dtype=bfloat16"])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+@needs_plugin
+def test_h200_plain_steps_read_the_weights_where_they_lie(h200_report):
+    progs = h200_report["programs"]
+    assert set(progs) == {"decode_step", "plain_step", "draft", "verify", "round"}
+    for name in ("decode_step", "plain_step"):
+        p = progs[name]
+        for key in ("bytes_accessed", "weights_bytes", "cache_bytes", "weight_copy_bytes",
+                    "kernels_per_step", "temp_bytes"):
+            assert key in p, (name, key)
+        assert p["weight_copy_bytes"] == 0, (name, p["weight_copies"])
+        assert p["weights_bytes"] > 0 and p["cache_bytes"] > 0
+        assert p["loops_of_unknown_trip_count"] == 1     # the step loop, counted once
+
+
+@needs_plugin
+def test_h200_round_copies_no_target_weight(h200_report):
+    # what remains: XLA merges the drafter's projections that share an input (its layers'
+    # context k|v, a layer's q and k|v) into one dot by concatenating their weights
+    r = h200_report["programs"]["round"]
+    assert r["weight_copies"], "the merged context k|v is gone: tighten this test to 0"
+    for c in r["weight_copies"]:
+        sources = c.split(" of ")[1].split(", ")
+        assert all(s.startswith("draft_state") and ("['w_kv']" in s or "['wq']" in s)
+                   for s in sources), c
+
+
+def test_a_chip_needs_decode_and_excludes_a_topology():
+    from dspark_jax.aot import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200"])
+    with pytest.raises(SystemExit):
+        cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--topology",
+                  "v5e:2x2", "--decode"])
+
+
+# ---------------------------------------------------------------- the precision policy
+def _dot_precisions(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if "dot_general" in ln and "stablehlo" in ln]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decoding_dots_carry_the_policy_precision(dtype, tmp_path):
+    """Under the backend's default precision, the lowered decode step and the lowered round
+    run every dot at HIGHEST for fp32 weights and leave bf16 at the default."""
+    from hf_tiny import save_tiny_hf
+    from dspark_jax.aot.decode import DecodeShape, build_abstract_round
+    from dspark_jax.decoding.autoregressive import ARState, ar_decode
+    from dspark_jax.train.job_config import parse_config
+
+    path = save_tiny_hf(tmp_path, "qwen3")
+    c = parse_config(["x", "--config=configs/tiny.py", f"--config.target={path}",
+                      f"--config.train.target_dtype={dtype}"], require_target=False)
+    rnd = build_abstract_round(c, jax.devices("cpu")[:1], DecodeShape(1, 64, 0),
+                               layer_buffers=True)
+    t_gd = rnd.verify_lower.args[0]
+    t_abs, _, state = rnd.verify_args[:3]
+    s = ARState(cache=state.cache, last_token=jnp.zeros((1,), jnp.int32),
+                out=jnp.zeros((1, 8), jnp.int32), num_out=jnp.ones((1,), jnp.int32),
+                done=jnp.zeros((1,), bool), key_data=jnp.zeros((1, 2), jnp.uint32),
+                steps=jnp.zeros((), jnp.int32))
+    with jax.default_matmul_precision("default"):
+        texts = [ar_decode.lower(t_gd, t_abs, s, jnp.float32(0), jnp.asarray([-1]),
+                                 num_steps=jnp.int32(1)).as_text(),
+                 rnd.round_lower(*rnd.round_args).as_text()]
+    for text in texts:
+        dots = _dot_precisions(text)
+        assert len(dots) > 4
+        highest = ["HIGHEST" in d for d in dots]
+        assert all(highest) if dtype == "float32" else not any(highest), dots[:2]
+
+
+def test_the_policy_is_per_dtype():
+    from dspark_jax.decoding.precision import matmul_precision, weights_dtype
+
+    assert matmul_precision(jnp.float32) == "highest"
+    assert matmul_precision(jnp.bfloat16) == "default"
+    assert weights_dtype({"a": np.zeros(2, np.int32), "b": jnp.zeros(2, jnp.bfloat16)}) == \
+        jnp.bfloat16
