@@ -1,5 +1,5 @@
 """`python -m dspark_jax.export SRC --format deepspec|speculators --out DIR`: one export command
-for every destination of a trained drafter (issue 24; SPEC §3, §5 name the formats).
+for every destination of a trained drafter (SPEC §3, §5 name the formats).
 
 SRC is a drafter directory (either format; what `load_draft` reads) or a training workdir (its
 `export/`). Formats:

@@ -1,4 +1,4 @@
-"""Matmul FLOPs of a traced function, loops counted (for the AOT report, issue 9).
+"""Matmul FLOPs of a traced function, loops counted (for the AOT report).
 
 XLA's `cost_analysis()` counts a while-loop body once, whatever its trip count, so a step made of
 scans (micro-batches, layers, anchor and key chunks) reports a small fraction of its work. This

@@ -101,7 +101,7 @@ def test_h200_plain_steps_read_the_weights_where_they_lie(h200_report):
 
 @needs_plugin
 def test_h200_round_copies_no_target_weight(h200_report):
-    # what remains: XLA merges the drafter's projections that share an input (its layers'
+    # the only copies: XLA merges the drafter's projections that share an input (its layers'
     # context k|v, a layer's q and k|v) into one dot by concatenating their weights
     r = h200_report["programs"]["round"]
     assert r["weight_copies"], "the merged context k|v is gone: tighten this test to 0"

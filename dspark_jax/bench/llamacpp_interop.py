@@ -1,4 +1,4 @@
-"""llama.cpp's own DSpark loop against ours on the same exported drafter (issue 24, point 5).
+"""llama.cpp's own DSpark loop against ours on the same exported drafter.
 
 What it does, for each `--draft` export directory (DeepSpec or speculators format, full or
 pruned draft vocabulary, passed to llama.cpp exactly as written; nothing is edited):

@@ -1,4 +1,4 @@
-"""Roofline of verification's matmuls (issue 26 points 2 and 3): what B rows cost against one.
+"""Roofline of verification's matmuls: what B rows cost against one.
 
 Verifying ℓ drafts of one request multiplies 1 + ℓ rows by every weight of the target; a
 plain step multiplies one. Both read the same weight bytes, so on a machine that streams the

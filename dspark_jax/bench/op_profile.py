@@ -1,5 +1,5 @@
-"""Where a round's device calls spend their time on the backend's threads (issue 26 point 2: the
-roofline behind the one-request bars).
+"""Where a round's device calls spend their time on the backend's threads (the roofline
+behind the one-request bars).
 
 `bench.matmul_rows` times the target's matmuls alone; this benchmark profiles the calls of a
 speculative round as the engine builds them, with one request in flight: the plain decode step
@@ -11,9 +11,9 @@ host's cores kept busy), and the thread time of the dots (YNNPACK / oneDNN / Eig
 fusions) against every other op, beside the weight bytes a step reads and the byte floor at the
 host's copy bandwidth (`bench.common.host_facts`).
 
-On XLA:CPU (jax 0.10.2, 2 cores) the dots run one op at a time on one thread each, so one
-core's bandwidth, not the host's, sets a step's time: the plain step spent 33 of its 37 ms with
-a single op running, its dots reading 538 MB in 29.5 thread-ms (18 GB/s; BENCHMARKS.md).
+On XLA:CPU the dots run one op at a time on one thread each, so one core's bandwidth, not the
+host's, sets a step's time: a plain step spends most of its time with a single op running,
+and its dots read the weights at about one core's copy bandwidth (figures: BENCHMARKS.md).
 
   JAX_PLATFORMS=cpu python -m dspark_jax.bench.op_profile --draft runs/smollm2_dspark/export
 

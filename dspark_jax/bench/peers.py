@@ -1,4 +1,4 @@
-"""Plain greedy decoding against the peers (issue 26 point 5): our serving engine and our
+"""Plain greedy decoding against the peers (PERFORMANCE.md's CPU bar): our serving engine and our
 `autoregressive_generate` against llama.cpp and vLLM's CPU build, same model, same precision,
 same prompts, same lengths, at each `--batches` size.
 
@@ -28,8 +28,8 @@ table gives the median of the rounds' ratios with each round's, and each system'
 seconds over the rounds. The table gives each system's tok/s, its time per step (the run's seconds / new
 tokens, prefill included), how many of its B outputs are
 token-identical to `autoregressive_generate`'s, and our ratio (our tok/s / the peer's) to each
-peer; the issue's goal is ≥ 0.67 (within 1.5× of the peer's time per token) against llama.cpp
-at batch 1 and against vLLM at batch 16.
+peer; PERFORMANCE.md's goal is ≥ 0.67 (within 1.5× of the peer's time per token) against
+llama.cpp at batch 1 and against vLLM at batch 16.
 
 Each peer runs in its own virtual environment, never the project's: `peers_runner.py` (beside
 this file, standard library only) is run by that environment's interpreter and answers in JSON
@@ -63,10 +63,10 @@ TARGET_NAME = "smollm2-135m-instruct"
 RUNNER = pathlib.Path(__file__).with_name("peers_runner.py")
 SETUP = pathlib.Path(__file__).with_name("peers_setup.sh")
 RESULT_TAG = "DSPARK_PEER_RESULT"   # peers_runner.RESULT_TAG (that file imports nothing of ours)
-GOAL_RATIO = 1 / 1.5                # issue 26 point 5: within 1.5× of the peer's time per token
+GOAL_RATIO = 1 / 1.5                # PERFORMANCE.md: within 1.5× of the peer's time per token
 ENGINE, AUTOREGRESSIVE = "dspark_jax engine", "dspark_jax autoregressive"
 LLAMACPP, VLLM = "llama.cpp f32", "vLLM CPU f32"
-GOALS = {(LLAMACPP, 1), (VLLM, 16)}  # (peer, batch) pairs the issue sets the bar on
+GOALS = {(LLAMACPP, 1), (VLLM, 16)}  # (peer, batch) pairs PERFORMANCE.md sets the bar on
 
 
 def default_peers_dir() -> pathlib.Path:

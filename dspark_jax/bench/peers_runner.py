@@ -1,4 +1,4 @@
-"""The peer side of `dspark_jax.bench.peers` (issue 26 point 5): greedy decoding in llama.cpp
+"""The peer side of `dspark_jax.bench.peers`: greedy decoding in llama.cpp
 (through `llama-cpp-python`'s ctypes bindings) or vLLM's CPU build, run by that peer's own
 interpreter, never the project's.
 

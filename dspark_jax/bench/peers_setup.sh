@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# Creates the peers' virtual environments for `python -m dspark_jax.bench.peers` (issue 26
-# point 5), each from the package registry and each outside the repository, never in the
-# project's own environment.
+# Creates the peers' virtual environments for `python -m dspark_jax.bench.peers`, each from the
+# package registry and each outside the repository, never in the project's own environment.
 #
 #   bash dspark_jax/bench/peers_setup.sh {llamacpp|vllm|all}
 #
 # PEERS (default $DSPARK_PEERS_DIR, else /work/peers) receives:
 #   PEERS/venv-llamacpp  llama-cpp-python==0.3.36. By default pip builds it from source (its
-#                        vendored llama.cpp; CMake and a C++ compiler; ~20-35 min on 2 cores).
+#                        vendored llama.cpp; CMake and a C++ compiler; slow on a small host).
 #                        With LLAMA_CPP_BUILD=DIR (a CMake build of that same vendored tree,
 #                        holding bin/libllama.so) and LLAMA_CPP_PYTHON_SRC=DIR (the unpacked
 #                        sdist: `pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36`

@@ -1,5 +1,5 @@
-"""Plain decoding through the serving engine against the on-device loop (issue 26 point 2: the
-engine's `scheduler="none"` at ≥ 0.9× `autoregressive_generate`'s tok/s at batch 1 and 16).
+"""Plain decoding through the serving engine against the on-device loop (the bar:
+the engine's `scheduler="none"` at ≥ 0.9× `autoregressive_generate`'s tok/s at batch 1 and 16).
 
 Both decode the same prompts greedily to the same length (no stop tokens, so every request
 runs `--max-new-tokens`); each is warmed up once (compilation) and timed over `--repeats`

@@ -1,4 +1,4 @@
-"""Regeneration throughput against Hugging Face transformers' `generate` (issue 10 item 2).
+"""Regeneration throughput against Hugging Face transformers' `generate`.
 
 Same model (the embedded SmolLM2-135M-Instruct GGUF, fp32, loaded by transformers from the same
 file), same prompts (chat-rendered with the generation prompt), same batch, same new-token cap,
@@ -9,8 +9,7 @@ theirs is `model.generate` over static batches of `batch` prompts (left-padded),
 the tokens each row really generated (up to and including its stop token). Model loading is
 excluded on both sides. The table also names the host (processor, logical CPUs, the memory
 bandwidth a numpy copy reaches) and the CPU time stolen by other guests during the run: the same
-code measured 1.00–1.43× on different 2-core VMs (BENCHMARKS.md). Example (the issue's setting
-is --prompts 64 --max-new-tokens 128):
+code measures different ratios on different VMs (figures: BENCHMARKS.md). Example:
   python -m dspark_jax.bench.regenerate --prompts 64 --batch 32 --max-new-tokens 128
 """
 

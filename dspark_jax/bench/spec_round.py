@@ -1,4 +1,4 @@
-"""Speculative round vs plain decode step, part by part (issue 26: the round's anatomy;
+"""Speculative round vs plain decode step, part by part (the round's anatomy;
 PERFORMANCE.md bars).
 
 For each number of requests R in `--requests` (default 1, 4, 16), with R requests of `--context`
@@ -18,7 +18,7 @@ users run), one table gives, in ms and as a ratio to the plain step:
     the round (compilations during the timed rounds);
   * rows with `sampler="pallas"` / `verifier="pallas"` (on CPU the kernels are interpreted:
     those rows are labelled and are not kernel timings; `--no-pallas-rows` skips them);
-and flags each bar (PERFORMANCE.md; on CPU issue 26's: verify at K = γ+1 ≤ 1.5×, draft ≤ 0.2×
+and flags each bar (PERFORMANCE.md; on CPU: verify at K = γ+1 ≤ 1.5×, draft ≤ 0.2×
 with a draft vocabulary / ≤ 0.3× with the full one, whole round ≤ 1.6×; on GPU / TPU the round
 ≤ 1.15×; everywhere the sequential stage ≤ 2% and zero recompiles). The bars are stated for
 R = 1; the other columns carry the same flags for comparison. The parts are timed in

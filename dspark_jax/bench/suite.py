@@ -1,5 +1,5 @@
 """One-shot benchmark suite: every benchmark of dspark_jax.bench in one process, one JSON and one
-markdown table (issue 9: the accelerator check a session with a lent GPU runs once).
+markdown table (the accelerator check a session with a lent GPU runs once).
 
 `python -m dspark_jax.bench.suite --preset {gpu-h200,cpu-smoke} [--out DIR]`
 
@@ -8,9 +8,10 @@ sequential stage share) and drafter training-step benchmarks, and the serving lo
 (`dspark_jax.bench.load`: `none` / `fixed` / `adaptive` under concurrent requests with a
 random-init DSpark drafter, whose drafts are rejected, so `adaptive` must learn to stop drafting
 and stay near `none`; its JSON and PNGs go to `<out>/load*`). A benchmark that is not importable
-is listed as skipped; one that fails is recorded with its error and the others still run. `gpu-h200`: the
-Qwen3-8B shape with random bf16 weights at context 4096 (fits the 8-minute budget on one H200);
-`cpu-smoke`: SmolLM2-135M at tiny sizes (under 3 minutes on 2 CPU cores).
+is listed as skipped; one that fails is recorded with its error and the others still run.
+`gpu-h200`: the Qwen3-8B shape with random bf16 weights at context 4096 (sized to fit a lent
+H200's device-time budget); `cpu-smoke`: SmolLM2-135M at tiny sizes (a quick run on a small CPU
+host).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Regeneration and target-feature caching split across processes (issue 9 item 7).
+"""Regeneration and target-feature caching split across processes.
 
 Each of `count` processes (by default `jax.process_index()` of `jax.process_count()`; each can
 hold its own devices) takes its share of the work by a deterministic rule, writes its own

@@ -7,11 +7,11 @@ committed length per slot and the anchor, the last committed token not yet in th
 requests join and leave between calls exactly as between speculative rounds. One call runs up
 to `num_steps` steps in a `lax.while_loop`: feed every slot's anchor (one token a slot
 through `models.decoder.decode_one`, as `autoregressive_generate` decodes: the dense cached
-forward over [R, 1], each layer writing its rows into the cache in place; one slot runs the
-ragged forward with a one-cell grid, which writes in place too), sample
-each live slot's next token with `sampling.sample_request_rows` (the
-request's own key folded with its token index, so a reply does not depend on its slot, its
-neighbours or how many steps a call ran), commit it. The loop returns early once `min_done` slots have finished (a stop token or the token
+forward over [R, 1] at every batch size, the layers reading the cache where it lies and each
+row's new K/V written in place after the last layer), sample each live slot's next token
+with `sampling.sample_request_rows` (the request's own key folded with its token index, so a
+reply does not depend on its slot, its neighbours or how many steps a call ran), commit it.
+The loop returns early once `min_done` slots have finished (a stop token or the token
 budget), so the host can hand their slots to waiting requests: continuous batching without a
 host round trip per token. Regeneration (`data/regenerate.py`) runs on it through the engine.
 """

@@ -228,8 +228,8 @@ def _verify(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
     the caches are only read here, and XLA copies neither of them. With no drafts (γ = 0:
     `anchor_rounds`, `adaptive`'s plain rounds) the anchors go through the dense cached
     forward over [R, 1] instead, which writes the cache itself: a plain step's cost (the
-    ragged path: 1.3× that at 16 requests); at one slot the ragged one-cell step writing in
-    place, as `plain_steps` runs it.
+    ragged path costs more at many requests; figures: BENCHMARKS.md); at one slot the ragged
+    one-cell step, writing in place.
 
     drafts [R, γ], draft_probs [R, γ, V], ell [R] (0 for inactive slots). Returns the new state
     and per slot: emitted tokens [R, γ+1] with their count, and DeepSpec's bookkeeping (SPEC §1
@@ -254,18 +254,17 @@ def _verify(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettings,
     if R == 1 and 1 < (K if pad_to is None else int(pad_to)) <= g + 1:
         # one request: its tokens are contiguous, so the dense cached forward over [1, K]
         # verifies them, the cache only read and the admitted tokens' rows written by `_commit`
-        # (every bucket of a `lax.switch` takes this path alike): at cache 512, K = 8 37.6 ms
-        # against the ragged path's 50.1, K = 2 27.6 against 44.8; a cache written in the
-        # branch was copied by XLA:CPU (10 copies of the 24 MB cache in a 4-step profiling
-        # call at cache 512, none now)
+        # (every bucket of a `lax.switch` takes this path alike). It is faster than the
+        # ragged path, and XLA:CPU copies a cache that is written inside the branch, which
+        # the read-only forward avoids (figures: BENCHMARKS.md)
         dense = target(drafts_pad[:, :K], cache=s.cache, tap_layer_ids=tap_layer_ids,
                        defer_writes=True)
         out = RaggedOutput(hidden=dense.hidden[0], cache=dense.cache,
                            taps=None if dense.taps is None else dense.taps[0],
                            new_kv=None if dense.new_kv is None
                            else jax.tree.map(lambda a: a[:, 0], dense.new_kv))
-    elif g == 0 and R == 1:   # one anchor: the ragged one-cell step writing in place, as
-        # `plain_steps` runs one slot (faster there than the dense read-only loop)
+    elif g == 0 and R == 1:   # one anchor: the ragged one-cell step, writing in place
+        # (`plain_steps` takes the dense `decode_one` at every batch size instead)
         out = ragged_forward(target, tok, slot, pos, valid, s.cache,
                              tap_layer_ids=tap_layer_ids, grid=(grid_rq, cell_k))
     elif g == 0:   # the anchors alone, one a slot: the dense cached forward over [R, 1] (as
@@ -380,9 +379,9 @@ def verify_and_commit(target_gd: Any, draft_gd: Any, target_state: Any, draft_st
     `lax.cond` on `go` (traced; pass True), then `_commit` — the structure of the rounds
     (`speculative_rounds`: verify in the capacity bucket's branch, commit after it), in which
     XLA writes the donated caches in place. As one straight-line program XLA:CPU copies each
-    cache twice before writing it (4 × 21 MB at 16 requests, cache 230: ~38 ms a step that the
-    rounds never pay). Each step commits (its accepted drafts and the next token), so no
-    step repeats another's work. → (state, the last step's per-slot outputs)."""
+    cache twice before writing it, a cost the rounds never pay (figures: BENCHMARKS.md). Each
+    step commits (its accepted drafts and the next token), so no step repeats another's work.
+    → (state, the last step's per-slot outputs)."""
     def one(st: EngineState) -> tuple[EngineState, dict[str, jax.Array]]:
         def verify() -> tuple[dict[str, jax.Array], dict[str, Any]]:
             return _verify(target_gd, target_state, st, p, drafts, draft_probs, ell, stop_ids,

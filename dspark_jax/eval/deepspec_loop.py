@@ -1,4 +1,4 @@
-"""DeepSpec's own evaluation loop run on a dspark_jax drafter export (issue 24; SPEC §6).
+"""DeepSpec's own evaluation loop run on a dspark_jax drafter export (SPEC §6).
 
 The consumer check of an export: DeepSpec's `Qwen3DSparkEvaluator.generate_one_sample` (its
 `generate_decoding_sample` loop, batch 1) drafts with DeepSpec's `Qwen3DSparkModel` /

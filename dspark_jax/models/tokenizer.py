@@ -361,7 +361,7 @@ def qwen3_tokenizer() -> Tokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _named_tokenizer(name: str) -> Tokenizer:
-    # Cached: building the SmolLM2 one parses the 98 MB GGUF (~2-3 s) and callers
+    # Cached: building the SmolLM2 one parses the 98 MB GGUF and callers
     # (data, eval, decoding) ask for it repeatedly. The instance is shared: do not mutate .hf.
     if name == "smollm2-135m-instruct":
         from dspark_jax.models.io.gguf import locate_smollm2_gguf

@@ -93,8 +93,8 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     # similar prompts share one compiled prefill (padding tokens are masked)
     chunk = min(-(-int(max(lens)) // _PREFILL_BUCKET) * _PREFILL_BUCKET, _MAX_PREFILL_CHUNK)
     # one engine per call, compiled for this batch alone: keep the stacked layers (one buffer
-    # per layer compiles ~6x slower on XLA:CPU and a one-shot batch does not earn it back:
-    # the main job's held-out evaluation, 16 prompts x 48 tokens, 52 s -> 44 s)
+    # per layer compiles much slower on XLA:CPU and a one-shot batch does not earn it back;
+    # figures: BENCHMARKS.md)
     kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=chunk, budget_rule="deepspec",
               layer_buffers=False)
     kw.update(engine_kw)

@@ -11,8 +11,7 @@ current candidates. Θ prices only the verification step: every round runs the d
 What we add, and why: a round that drafts pays the drafter (t_d) even when what it proposes is
 never admitted or never accepted. With a weak drafter, or under load where the verification
 step is compute-bound, such rounds lose to plain decoding (measured on CPU with a random
-drafter: `adaptive` 15.2 vs `none` 21.9 tok/s at c = 8). So before drafting, each round chooses
-between
+drafter; figures: BENCHMARKS.md). So before drafting, each round chooses between
   (a) plain decoding: ℓ = 0 for every request and the drafter is NOT run,
       Θ_a = n / t_plain                                     (n active requests);
   (b) drafting with capacity K: Θ_b = (n + ρ·G) / (t_d + t_v(n + K)),
@@ -26,9 +25,9 @@ to predicted accepted drafts (an exponential average over drafting rounds, 1 at 
 miscalibrated confidences — a random drafter's σ(c) ≈ 0.5 — from buying rounds that never pay.
 The round drafts iff Θ_b ≥ Θ_a (with t_d = 0 and t_plain = t_v(n) that always holds: the
 paper's behaviour). The very first round, with no estimate, drafts as a probe (one draft
-token per request, see below) — admitting everything there cost six plain rounds each at c = 16
-on the CPU load bench (the K = R(γ+1) bucket) for a drafter that turned out not to pay; the
-next round, whose two-rounds-old estimate does not exist yet either, decodes plainly.
+token per request, see below) — admitting everything there (the K = R(γ+1) bucket) costs
+several plain rounds on the load bench for a drafter that turns out not to pay; the next
+round, whose two-rounds-old estimate does not exist yet either, decodes plainly.
 
 Probing: while (a) wins, no confidences arrive and the estimate goes stale, so a round drafts
 anyway now and then as a probe. A probe admits at most one draft token per active request
@@ -36,11 +35,11 @@ anyway now and then as a probe. A probe admits at most one draft token per activ
 verified token per request keeps ρ current, so a probe costs t_d + t_v(2n) instead of the full
 t_v(n(γ+1)). Its price over a plain round, t_d + t_v(2n) − t_plain, is paid from an exploration
 budget that grows by `explore` · t_plain with every plain round: re-probing costs at most that
-fraction of plain decoding time however long plain decoding keeps winning (at c = 32 on the CPU
-load bench a probe costs ~1.8 plain rounds; probing every 4–64 rounds, as the first version
-did, lost 28% against `none` on a 46-round run). `probe_interval` is the least number of rounds
-between probes (doubling at each probe up to `max_probe_interval`; a won decision resets it);
-`explore=None` lifts the budget (probes by the interval alone). Only the very first round,
+fraction of plain decoding time however long plain decoding keeps winning (a probe costs more
+than a plain round, so probing at a fixed short interval loses clearly against `none`;
+figures: BENCHMARKS.md). `probe_interval` is the least number of rounds between probes
+(doubling at each probe up to `max_probe_interval`; a won decision resets it); `explore=None`
+lifts the budget (probes by the interval alone). Only the very first round,
 when nothing is known, probes for free (unless even a drafter whose every draft is accepted,
 K = G = n·γ, could not pay: then the first probe waits for the budget too).
 

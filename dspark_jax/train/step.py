@@ -1,4 +1,4 @@
-"""The jitted, sharded drafter training step (SPEC §4 optimisation; issue: training step).
+"""The jitted, sharded drafter training step (SPEC §4 optimisation).
 
 One `jax.jit` function with explicit in/out shardings over a (data, fsdp, tensor) mesh that
 donates the train state. Only `nnx.Param` leaves are trained; the embedding and LM head copied

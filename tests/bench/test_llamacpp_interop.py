@@ -1,4 +1,4 @@
-"""llama.cpp's DSpark loop against ours (issue 24, point 5): `dspark_jax.bench.llamacpp_interop`.
+"""llama.cpp's DSpark loop against ours: `dspark_jax.bench.llamacpp_interop`.
 
 The slow test converts the SmolLM2 target and two exported drafters (full vocabulary, DeepSpec
 format; pruned 8,192-id vocabulary, speculators format) with llama.cpp's own converter, runs

@@ -54,7 +54,7 @@ def test_stop_round_counts_eos_pos_plus_one_as_deepspec() -> None:
     # accepted_at_pos / proposals_at_pos: k=0: 4/4, k=1: {2,3}/{0,1,2}, k=2: {3}/{0,2}
     assert s.accept_rate_at == pytest.approx((1.0, 2 / 3, 1 / 2))
     assert s.total_accepted == 7 and s.total_proposed == 9
-    # the old count (accepted + 1 on every round) differs exactly on the stop rounds
+    # counting accepted + 1 on every round (no `acceptance`) differs exactly on the stop rounds
     old = acceptance_stats(prop, acc, gamma=3)
     assert old.tau == pytest.approx(11 / 4) and old.tau - s.tau == pytest.approx(2 / 4)
     assert old.accept_rate_at == s.accept_rate_at

@@ -228,7 +228,7 @@ def test_tau_counts_a_stop_round_as_deepspec(env, tmp_path, monkeypatch):
         request 0: proposed [4, 4, 2], accepted [1, 4, 2], acceptance [2, 5, 2]  (stop at e = 1)
         request 1: proposed [4, 1],    accepted [0, 1],    acceptance [1, 1]     (stop at e = 0)
 
-    DeepSpec: τ = (2 + 5 + 2 + 1 + 1) / 5 = 2.2; the old count (accepted + 1 every round) gave
+    DeepSpec: τ = (2 + 5 + 2 + 1 + 1) / 5 = 2.2; counting accepted + 1 every round would give
     (2 + 5 + 3 + 1 + 2) / 5 = 2.6."""
     import dspark_jax.serving.generate as spec_mod
 

@@ -1,4 +1,4 @@
-"""Our exported drafters in DeepSpec's own classes and evaluation code (issue 24, point 5).
+"""Our exported drafters in DeepSpec's own classes and evaluation code.
 
 For every target family (tiny Qwen3, tiny Llama, tiny Gemma4 without per-layer inputs or KV
 sharing) and every drafter kind we export (DSpark with a vanilla / gated / RNN Markov head,

@@ -169,5 +169,5 @@ def test_engine_and_deepspec_loop_give_identical_tokens_and_tau(models, old_cach
     assert st.verify_rate == row["verify_rate"]
     assert st.to_dict()["accept_rate_at"] == row["accept_rates_by_position"]
 
-    # the old count (accepted + 1 on every round) is not DeepSpec's τ on these prompts
+    # counting accepted + 1 on every round (no `acceptance`) is not DeepSpec's τ on these prompts
     assert acceptance_stats(prop, acc, gamma=GAMMA).tau > st.tau

@@ -107,7 +107,7 @@ def test_bad_chunk_is_an_error():
         chunked_block_attend(*_inputs(0), key_chunk=0)
 
 
-@pytest.mark.slow   # ~60 s on a shared 2-core machine (two jitted value_and_grads)
+@pytest.mark.slow   # two jitted value_and_grads
 def test_training_loss_and_grads_chunked_equal_dense(tmp_path):
     """The whole drafter loss (backbone with several key chunks) equals the dense path."""
     from flax import nnx

@@ -1,6 +1,6 @@
-"""Drafters that travel (issue 24): Qwen3 draft layers for every non-Gemma target, the draft
+"""Drafters that travel: Qwen3 draft layers for every non-Gemma target, the draft
 vocabulary carried by the speculators format (DSpark / DFlash) or EAGLE-3's layout (Eagle3) and
-refused by DeepSpec's DSpark format, older Llama-layer exports still loading as what they are,
+refused by DeepSpec's DSpark format, legacy Llama-layer exports loading as what they are,
 and `python -m dspark_jax.export`."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_llama_target_gets_qwen3_layers(target, tmp_path):
 
 
 def test_legacy_llama_layer_export_loads_as_it_was(target, feats, tmp_path):
-    """An export from before the Qwen3 layers (LlamaDSparkModel, no q/k norms) loads as a
+    """A legacy Llama-layer export (LlamaDSparkModel, no q/k norms) loads as a
     Llama-layer drafter — no q/k normalisation — with a warning naming the file."""
     draft = init_draft(target, dict(BASE, layer_family="llama"), seed=2)
     assert not draft.config.layer_config().qk_norm
@@ -61,7 +61,7 @@ def test_legacy_llama_layer_export_loads_as_it_was(target, feats, tmp_path):
     cfg_file = tmp_path / "old" / "config.json"
     cfg = json.loads(cfg_file.read_text())
     assert cfg["architectures"] == ["LlamaDSparkModel"]
-    cfg["dspark_jax"].pop("layer_family")            # what those exports wrote
+    cfg["dspark_jax"].pop("layer_family")            # what legacy exports hold
     cfg["model_type"] = "llama"
     cfg_file.write_text(json.dumps(cfg))
     assert not any("q_norm" in k for k in read_safetensors_dir(tmp_path / "old"))

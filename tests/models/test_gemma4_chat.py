@@ -108,7 +108,7 @@ def chat_target(tmp_path_factory):
     return path, tok, prompt, greedy(8)
 
 
-@pytest.mark.slow   # ~15 s on 2 cores: a torch greedy loop, a load and a decode compile
+@pytest.mark.slow   # a torch greedy loop, a load and a decode compile
 def test_gemma4_chat_stops_at_end_of_turn(chat_target, capsys):
     """`python -m dspark_jax.generate` on a Gemma4 target stops at `<turn|>` by default and
     prints transformers' greedy reply up to it."""

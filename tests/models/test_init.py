@@ -1,4 +1,4 @@
-"""A fresh drafter is initialised as DeepSpec's `post_init` / `_init_weights` (issue 8 item 5):
+"""A fresh drafter is initialised as DeepSpec's `post_init` / `_init_weights`:
 every Linear / Embedding weight ~ N(0, initializer_range = 0.02) — the Markov W2 included —
 biases zero, RMSNorm weights one; embedding and LM head copied from the target."""
 

@@ -170,6 +170,6 @@ def test_gemma4_replies_equal_the_request_decoded_alone(tmp_path_factory):
 
 
 def test_one_slot_replies_equal_the_request_decoded_alone(target):
-    """One slot runs the ragged one-cell step (faster than the dense loop at batch 1): the
-    replies, served one after the other, still equal each request decoded alone."""
+    """One slot: the replies, served one after the other, still equal each request decoded
+    alone."""
     _served_equal_alone(target, _prompts()[:3], seed=7, temperature=0.8, slots=1)

@@ -1,4 +1,4 @@
-"""`python -m dspark_jax.bench.spec_round`: the round's anatomy (issue 26) — plain step, verify at
+"""`python -m dspark_jax.bench.spec_round`: the round's anatomy — plain step, verify at
 each K, draft, host overhead, whole round, each as a ratio to the plain step, for each number of
 requests — timed on the serving engine (the path users run), with the drafter a trained export
 (`--draft DIR`, or the main job's by default) or random weights, and the pure-JAX and Pallas

@@ -1,4 +1,4 @@
-"""Anchor sampling per sequence (issue 8 item 8): with packed rows every segment gets up to
+"""Anchor sampling per sequence: with packed rows every segment gets up to
 num_anchors anchors, as DeepSpec's sampler gives every sample; unpacked rows are unchanged."""
 
 from __future__ import annotations

@@ -205,9 +205,9 @@ def test_shipped_configs_load(name):
 
 @pytest.mark.slow
 def test_smollm2_default_job(tmp_path):
-    """The README's main job on the real SmolLM2 (≈8 min on 2 otherwise idle CPU cores).
+    """The README's main job on the real SmolLM2, end to end (slow).
     One device, as `python -m dspark_jax.train` sees this machine: the suite's 8 fake CPU
-    devices would replicate regeneration and the feature pass 8× over the same 2 cores."""
+    devices would replicate regeneration and the feature pass 8× over the same cores."""
     s = cli.main(["dspark_jax.train", f"--config={CONFIGS / 'smollm2_dspark.py'}",
                   f"--config.workdir={tmp_path}", "--config.logging.progress=False",
                   "--config.mesh.num_devices=1"])

@@ -1,4 +1,4 @@
-"""Training metrics carry DeepSpec's names (issue 8 item 6; deepspec/modeling/*/loss.py,
+"""Training metrics carry DeepSpec's names (deepspec/modeling/*/loss.py,
 common.py `log_sampler_stats`, utils/training_logger.py), identically in TensorBoard
 (`train/<name>`, DeepSpec's tags) and in metrics.jsonl (`<name>`)."""
 

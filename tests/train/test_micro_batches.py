@@ -47,7 +47,7 @@ def _collectives(micro_fn, monkeypatch, tmp_path) -> dict[str, int]:
     return {k: len(re.findall(k, hlo)) for k in RESHARD}
 
 
-@pytest.mark.slow   # one compile of the sharded step: ~30-100 s on a shared 2-core machine
+@pytest.mark.slow   # one compile of the sharded step, slow on a small CPU host
 def test_step_hlo_has_no_batch_resharding(monkeypatch, tmp_path):
     assert len(jax.devices()) == 8
     got = _collectives(st.micro_batches_of, monkeypatch, tmp_path)

@@ -21,8 +21,8 @@ MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 # `draft_layer_families` lists what its targets take, the first by default). Llama and Qwen3
 # targets: "qwen3", the layers of DeepSpec's Qwen3DSparkModel / Qwen3Eagle3Model, q/k RMSNorm
 # included — the only layers DeepSpec, vLLM, SGLang, llama.cpp and speculators build for a
-# non-Gemma drafter — or "llama" (no q/k norm), only for reading drafters exported before the
-# layers became Qwen3's. Gemma4 targets: "gemma4".
+# non-Gemma drafter — or "llama" (no q/k norm), only for reading legacy dspark_jax exports with
+# Llama draft layers. Gemma4 targets: "gemma4".
 DECAY_CONVENTIONS = ("deepspec", "paper")
 # DSpark/DFlash with gradient accumulation (SPEC §4): "deepspec" divides each micro-step's sums by
 # that micro-step's Σw (over the whole micro-batch, i.e. all-reduced over the data axis) and

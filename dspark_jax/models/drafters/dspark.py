@@ -198,7 +198,7 @@ class DSparkDraft(nnx.Module):
         """The rows of a pruned draft vocabulary (`vocab_ids()` order) of the LM head and of
         the Markov head's output matrix, gathered once: a decoder passes them to every
         `sample_block` call (on XLA:CPU a gather of lm_head rows inside the drafting program
-        cost more than the rest of the draft). None for the full vocabulary."""
+        costs more than the rest of the draft). None for the full vocabulary."""
         ids = self.vocab_ids()
         if ids is None:
             return None

@@ -1,4 +1,4 @@
-"""DeepSpec checkpoint interop for drafters (SPEC §3, §5; issue 8: exports DeepSpec loads).
+"""DeepSpec checkpoint interop for drafters (SPEC §3, §5): exports DeepSpec loads.
 
 A DeepSpec drafter directory holds `config.json` — the target's Qwen3 config with
 `num_hidden_layers` = draft layers, `tie_word_embeddings` false, `layer_types`, and the fields
@@ -62,7 +62,7 @@ EAGLE3_DRAFT_MODEL = "Eagle3DraftModel"   # eval.py maps it to the Qwen3 Eagle3 
 
 
 class LegacyDrafterWarning(UserWarning):
-    """A drafter checkpoint in a layout only older dspark_jax releases wrote."""
+    """A drafter checkpoint in a legacy dspark_jax layout (Llama draft layers) that only we load."""
 
 # config.json fields DeepSpec's Qwen3DSparkModel.__init__ / build_draft_config / the DSpark
 # evaluator read (besides the Qwen3 shape), and those it writes only in some cases
@@ -99,7 +99,7 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
     if target is not None:
         layers.check_draft_shapes(layer_shape, target, source)
     if layers.legacy_draft_layers and EAGLE3_DRAFT_MODEL not in (raw.get("architectures") or []):
-        # exported before the draft layers became Qwen3's (issue 24): Llama layers, no q/k norm
+        # a legacy dspark_jax export with Llama draft layers (no q/k norm): only we load it
         warnings.warn(f"{source}: a Llama-layer drafter ({raw.get('architectures')}, no q/k "
                       "norms) from an older dspark_jax; it loads as the drafter it is, but no "
                       "other consumer (DeepSpec, vLLM, SGLang, llama.cpp) can load it. Re-export "

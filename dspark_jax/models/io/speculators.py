@@ -1,4 +1,4 @@
-"""vLLM's `speculators` checkpoint format for DSpark / DFlash drafters (issue 24; SPEC §3).
+"""vLLM's `speculators` checkpoint format for DSpark / DFlash drafters (SPEC §3).
 
 What `speculators==0.9.0`'s `DSparkDraftModel` saves and loads, and what vLLM's DSpark path and
 llama.cpp's `DSparkModel` converter read:

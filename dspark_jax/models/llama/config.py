@@ -85,8 +85,8 @@ def num_params(c: DecoderConfig) -> int:
 
 def draft_layer_config(target: DecoderConfig, n: int, family: str) -> DecoderConfig:
     """n drafter layers of `family` with the target's shapes: Qwen3 layers (q/k RMSNorm, the
-    layers of DeepSpec's Qwen3DSparkModel / Qwen3Eagle3Model) or, for drafters exported before
-    the layers became Qwen3's, Llama layers (no q/k norm)."""
+    layers of DeepSpec's Qwen3DSparkModel / Qwen3Eagle3Model) or, for legacy dspark_jax exports
+    with Llama draft layers, Llama layers (no q/k norm)."""
     return target.replace(num_hidden_layers=n, family=family, qk_norm=family == "qwen3",
                           tie_word_embeddings=False)
 
