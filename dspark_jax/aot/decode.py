@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of one serving round for a TPU topology (`python -m dspark_jax.aot
---decode`, `aot/cli.py`; issue 9 item 1).
+--decode`, `aot/cli.py`).
 
 A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9;
 `decoding/speculative_round.py`) is compiled as the engine runs it — `speculative_rounds`, whole
@@ -149,7 +149,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     adapter = adapter_for(d_cfg.model_type)
 
     def engine_state():
-        return R_.EngineState(cache=init_cache(t_cfg, R, S, dtype),
+        return R_.EngineState(cache=init_cache(t_cfg, R, S, dtype, per_layer=layer_buffers),
                               draft_cache=adapter.init_cache(draft, R, S),
                               anchor=jnp.zeros((R,), jnp.int32))
 

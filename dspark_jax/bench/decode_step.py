@@ -1,4 +1,4 @@
-"""Decode-step benchmark of a target (issue: foundation §8; PERFORMANCE.md's first bar).
+"""Decode-step benchmark of a target (PERFORMANCE.md's first bar).
 
 Times one batched decode step at batch B and context C from inside an on-device
 `lax.while_loop` (host dispatch excluded) and prints the ratio to the HBM floor
@@ -17,13 +17,11 @@ import jax.numpy as jnp
 from dspark_jax.bench.common import (build_target, device_name, median, print_table, save_json,
                                      weight_bytes)
 from dspark_jax.decoding.autoregressive import ARState, ar_decode, row_key_data
-from dspark_jax.models.decoder import init_cache
 from dspark_jax.serving.cost_profile import time_call
 
 
 def make_state(target, batch: int, context: int, steps: int) -> ARState:
-    cfg = target.config
-    cache = init_cache(cfg, batch, context + steps + 8, target.model.dtype)
+    cache = target.init_cache(batch, context + steps + 8)
     cache = cache.with_lengths(jnp.full((batch,), context, jnp.int32))
     return ARState(cache=cache, last_token=jnp.ones((batch,), jnp.int32),
                    out=jnp.zeros((batch, steps + 1), jnp.int32),

@@ -80,11 +80,13 @@ def pad_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_cache: in
     return tokens, np.asarray(lens, np.int32), cache_len
 
 
-def empty_state(target: Any, key_data: jax.Array, *, cache_len: int, max_new: int) -> ARState:
+def empty_state(target: Any, key_data: jax.Array, *, cache_len: int, max_new: int,
+                layer_buffers: bool | None = None) -> ARState:
     """A state of B = len(key_data) rows with nothing prefilled: every row done (a row starts
-    when `ar_prefill_rows` prefills it; one it never prefills stays done: padding)."""
+    when `ar_prefill_rows` prefills it; one it never prefills stays done: padding). The cache
+    takes the layout of `target.decoding_layout(layer_buffers)`, which the steps run on."""
     B = key_data.shape[0]
-    return ARState(cache=init_cache(target.config, B, cache_len, target.dtype),
+    return ARState(cache=target.decoding_layout(layer_buffers).init_cache(B, cache_len),
                    last_token=jnp.zeros((B,), jnp.int32),
                    out=jnp.full((B, max_new), -1, jnp.int32),
                    num_out=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
@@ -120,14 +122,16 @@ def ar_prefill_rows(graphdef: Any, state: Any, s: ARState, tokens: jax.Array, le
 def prefilled_state(target: Any, prompts: Sequence[Sequence[int]], key_data: Any,
                     temperature: jax.Array, stop_ids: jax.Array, *, cache_len: int,
                     max_new: int, top_k: int = 0, top_p: float = 1.0, rows: int | None = None,
-                    len_bucket: int = 64, chunk: int = 128) -> ARState:
+                    len_bucket: int = 64, chunk: int = 128,
+                    layer_buffers: bool | None = None) -> ARState:
     """The decoding state after prefilling every prompt: `rows` (default len(prompts)) rows,
     prompt i in row i with key `key_data[i]` ([rows, 2]; rows past the prompts stay done).
     The prompts are prefilled in length groups (`prefill_plan.prefill_groups`, the serving
     engine's joins): one group of everything would pad every prompt to the longest (16 chat
     prompts of 41-308 tokens: 5,120 positions computed for 1,305)."""
     B = len(prompts) if rows is None else rows
-    s = empty_state(target, jnp.asarray(key_data), cache_len=cache_len, max_new=max_new)
+    s = empty_state(target, jnp.asarray(key_data), cache_len=cache_len, max_new=max_new,
+                    layer_buffers=layer_buffers)
     lengths = [len(p) for p in prompts]
     for idx in prefill_groups(lengths, B, len_bucket, chunk, cache_len):
         n = 1 << (len(idx) - 1).bit_length()
@@ -196,7 +200,8 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
     _, _, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len, max_new_tokens)
     temp = jnp.asarray(temperature, jnp.float32)
     s = prefilled_state(target, prompts, row_key_data(seed, len(prompts)), temp, stops,
-                        cache_len=cache_len, max_new=max_new_tokens, top_k=top_k, top_p=top_p)
+                        cache_len=cache_len, max_new=max_new_tokens, top_k=top_k, top_p=top_p,
+                        layer_buffers=layer_buffers)
     per_call = steps_per_call or max_new_tokens
     stepper = target.decoding_layout(layer_buffers)
     bar = None

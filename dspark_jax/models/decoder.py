@@ -32,8 +32,11 @@ CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 class KVCache:
     """Keys/values [L, B, S_max, K, H] and committed lengths [B] (int32).
 
-    (Gemma4: k and v are tuples with one [n, B, S_max, K, H] array per K/V-owning layer group,
-    since layer types differ in head shape; see models/gemma4/decoder.py.)
+    k and v may instead be tuples of layer groups [n, B, S_max, K, H]: one group per layer
+    (n = 1) is the decoding layout (`init_cache(per_layer=True)`, beside the target's per-layer
+    weights), whose buffers a GEMM reads where they lie (`layers.cache_layer`); Gemma4 keeps
+    one group per K/V-owning layer type, since those differ in head shape
+    (models/gemma4/decoder.py).
 
     Positions ≥ lengths[b] hold stale entries that are overwritten before they become visible,
     so rolling back rejected draft tokens is just `with_lengths(...)`.
@@ -71,10 +74,20 @@ class KVCache:
             return old.at[:, rows[:, None], jnp.arange(P)[None]].set(new.astype(old.dtype),
                                                                       mode="drop")
 
-        return self.replace(k=jax.tree.map(put, self.k, prompt.k),
-                            v=jax.tree.map(put, self.v, prompt.v),
+        return self.replace(k=jax.tree.map(put, self.k, L.cache_like(prompt.k, self.k)),
+                            v=jax.tree.map(put, self.v, L.cache_like(prompt.v, self.v)),
                             lengths=self.lengths.at[rows].set(lens.astype(jnp.int32),
                                                               mode="drop"))
+
+
+# a cache whose positions are a multiple of this is read by a verification GEMM where it lies;
+# XLA:GPU pads (copies) every layer's cache to the next multiple for its tiles otherwise
+CACHE_ALIGN = 128
+
+
+def aligned_length(n: int) -> int:
+    """`n` positions rounded up to a multiple of `CACHE_ALIGN`."""
+    return -(-int(n) // CACHE_ALIGN) * CACHE_ALIGN
 
 
 def grown_positions(x: jax.Array, max_len: int) -> jax.Array:
@@ -85,9 +98,19 @@ def grown_positions(x: jax.Array, max_len: int) -> jax.Array:
 
 
 def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
-               num_layers: int | None = None) -> KVCache:
-    k, v = family_of(cfg).init_kv(cfg, batch, max_len, dtype, num_layers)
+               num_layers: int | None = None, per_layer: bool = False) -> KVCache:
+    """An empty cache of `batch` rows × `max_len` positions; `per_layer`: one buffer per
+    layer, the layout that decoding with per-layer weights (`with_layer_buffers`) reads in
+    place (Llama/Qwen3)."""
+    extra = dict(per_layer=True) if per_layer else {}
+    k, v = family_of(cfg).init_kv(cfg, batch, max_len, dtype, num_layers, **extra)
     return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def has_layer_buffers(model: "TargetDecoder") -> bool:
+    """Whether `model` runs one buffer per layer (`with_layer_buffers`): its caches then take
+    the per-layer layout too."""
+    return isinstance(model.layers, L.UnstackedLayers)
 
 
 def _cast(kv: Any, dtype: Any) -> Any:
@@ -284,7 +307,8 @@ def prefill(model: TargetDecoder, tokens_np: jax.Array, chunk: int,
     attention's scores stay [n, chunk, P]. → hidden [n, P, D], taps [n, P, n·D] (or None),
     the prompt cache (lengths P)."""
     n, P = tokens_np.shape
-    fresh = init_cache(model.cfg, n, P, cache_dtype or model.dtype)
+    fresh = init_cache(model.cfg, n, P, cache_dtype or model.dtype,
+                       per_layer=has_layer_buffers(model))
     if P <= chunk:
         out = model(tokens_np, cache=fresh, tap_layer_ids=tap_layer_ids)
         return out.replace(cache=out.cache.with_lengths(jnp.full((n,), P, jnp.int32)))
@@ -308,14 +332,14 @@ def prefill(model: TargetDecoder, tokens_np: jax.Array, chunk: int,
 def write_ragged(cache: KVCache, new_kv: Any, write_k: jax.Array,
                  position_k: jax.Array) -> KVCache:
     """Writes a deferred ragged call's K/V rows ([L, K, Kh, H] each) at (`write_k`,
-    `position_k`) of the cache [L, R, S, Kh, H]; a row ≥ R (padding) is dropped. No-op for
-    `new_kv=None` (the call wrote them itself)."""
+    `position_k`) of the cache [L, R, S, Kh, H] (or its per-layer buffers); a row ≥ R
+    (padding) is dropped. No-op for `new_kv=None` (the call wrote them itself)."""
     if new_kv is None:
         return cache
     k_new, v_new = new_kv
-    return cache.replace(
-        k=cache.k.at[:, write_k, position_k].set(k_new.astype(cache.k.dtype), mode="drop"),
-        v=cache.v.at[:, write_k, position_k].set(v_new.astype(cache.v.dtype), mode="drop"))
+    index = (write_k, position_k)
+    return cache.replace(k=L.cache_scatter(cache.k, index, k_new),
+                         v=L.cache_scatter(cache.v, index, v_new))
 
 
 def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,
@@ -343,4 +367,4 @@ def abstract_target(cfg: DecoderConfig, dtype: Any = jnp.float32,
 
 __all__ = ["KVCache", "init_cache", "DecoderOutput", "TargetDecoder", "create_target",
            "abstract_target", "RaggedOutput", "ragged_forward", "write_ragged",
-           "with_layer_buffers"]
+           "with_layer_buffers", "has_layer_buffers", "CACHE_ALIGN", "aligned_length"]

@@ -53,7 +53,8 @@ class Family:
     # ---- the target decoder (models/decoder.py)
     scale_embeddings: bool                       # token embeddings × √D
     make_stack: Callable[..., Any]               # (cfg, rngs=, param_dtype=) → layers module
-    init_kv: Callable[..., Any]                  # (cfg, batch, max_len, dtype, num_layers) → k, v
+    init_kv: Callable[..., Any]                  # (cfg, batch, max_len, dtype, num_layers
+                                                 #  [, per_layer]) → k, v
     forward: Callable[..., Any]                  # the layers over a [B, T] batch
     ragged_forward: Callable[..., Any]           # the layers over K flattened tokens
     defers_writes: bool                          # forward / ragged_forward (grid calls) can
@@ -67,7 +68,7 @@ class Family:
     draft_layer_families: tuple[str, ...]        # layer families its targets' drafters may use
     draft_layer_config: Callable[[DecoderConfig, int], DecoderConfig]  # (target, n) → layers
     drafter_classes: Mapping[str, type]          # DraftConfig.model_type → NNX module class
-    legacy_draft_layers: bool                    # only older dspark_jax exports have them
+    legacy_draft_layers: bool                    # only legacy dspark_jax exports have them
     # ---- DeepSpec drafter checkpoints (models/io/deepspec.py)
     deepspec_prefix: str                         # "Qwen3" of Qwen3DSparkModel
     deepspec_base_config: Callable[[Any], dict[str, Any]]  # DraftConfig → config.json base

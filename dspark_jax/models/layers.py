@@ -78,19 +78,14 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, axis: int) -> jax.Array:
 
 
 def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-           mask_bts: jax.Array, scale: float | None = None,
-           one_query_reduce: bool = False) -> jax.Array:
+           mask_bts: jax.Array, scale: float | None = None) -> jax.Array:
     """Grouped-query attention with a boolean visibility mask; fully masked rows give zeros.
 
     `scale` multiplies the scores (default head_dim^-0.5; Gemma4 uses 1, its q/k norms set it).
-    `one_query_reduce`: with one query per row (T = 1), use `_attend_one_query` (the cached
-    autoregressive decode step opts in).
     """
     b, t, n, h = q_btnh.shape
     kvh = k_bskh.shape[2]
     scale = h ** -0.5 if scale is None else scale
-    if one_query_reduce and t == 1:
-        return _attend_one_query(q_btnh, k_bskh, v_bskh, mask_bts, scale)
     q = q_btnh.reshape(b, t, kvh, n // kvh, h)
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k_bskh,
                         preferred_element_type=jnp.float32) * scale
@@ -98,23 +93,6 @@ def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v_bskh.dtype), v_bskh,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q_btnh.dtype)
-
-
-def _attend_one_query(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
-                      mask_bts: jax.Array, scale: float) -> jax.Array:
-    """`attend` for one query per row (autoregressive decoding over a KV cache): the scores and
-    the weighted sum as fused multiply-reduce loops over the cache in its [B, S, K, H] layout,
-    instead of batched dots over B·K tiny matrices (which also transpose the cache): 1.9× faster
-    per layer on XLA:CPU at B = 32, S = 512 (BENCHMARKS.md). Equal to the einsum path up to
-    summation order. Opt-in: the cost analysis counts its FLOPs differently (the AOT tables use
-    the einsum), and the ragged/verification paths keep the einsum."""
-    b, _, n, h = q_btnh.shape
-    kvh = k_bskh.shape[2]
-    q = q_btnh.reshape(b, 1, kvh, n // kvh, h).astype(jnp.float32)            # [B,1,K,G,H]
-    scores = jnp.sum(q * k_bskh.astype(jnp.float32)[:, :, :, None, :], axis=-1) * scale
-    probs = masked_softmax(scores, mask_bts[:, 0, :, None, None], axis=1)     # [B,S,K,G]
-    out = jnp.sum(probs[..., None] * v_bskh.astype(jnp.float32)[:, :, :, None, :], axis=1)
-    return out.reshape(b, 1, n, h).astype(q_btnh.dtype)
 
 
 # up to this many queries a row, attention over a cache runs as multiply-reduce loops (with a
@@ -296,6 +274,56 @@ def run_layers(body: Any, carry: Any, params: dict[str, jax.Array] | list[dict[s
         carry, y = body(carry, (lp, *(int(x[i]) for x in per_layer_xs)))
         ys.append(y)
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+
+
+# ------------------------------------------------------------------ KV cache layouts
+# A cache array is stacked, [L, B, S, K, H], or a tuple of layer groups [n, B, S, K, H]: one
+# group per layer (n = 1) is the decoding layout, beside `UnstackedLayers`, because a GEMM reads
+# a per-layer buffer where it lies while a layer's slice of a stack is copied out first
+# (XLA:GPU); Gemma4's groups are its layer types.
+
+def cache_positions(c: jax.Array | tuple[jax.Array, ...]) -> int:
+    """S, the positions of a cache array in either layout."""
+    return (c[0] if isinstance(c, tuple) else c).shape[2]
+
+
+def cache_layer(c: jax.Array | tuple[jax.Array, ...], i: Any) -> jax.Array:
+    """Layer `i`'s keys or values [B, S, K, H]: a stacked cache's slice (`i` may be traced) or
+    a per-layer cache's buffer (`i` a Python int)."""
+    return c[i][0] if isinstance(c, tuple) else c[i]
+
+
+def cache_like(x: jax.Array | tuple[jax.Array, ...], like: jax.Array | tuple[jax.Array, ...]
+               ) -> jax.Array | tuple[jax.Array, ...]:
+    """Cache array `x` in `like`'s layout: a stack split into `like`'s groups, groups
+    concatenated into a stack, or `x` itself where the layouts agree."""
+    if isinstance(like, tuple) and not isinstance(x, tuple):
+        sizes = np.cumsum([0] + [g.shape[0] for g in like])
+        return tuple(x[int(a):int(b)] for a, b in zip(sizes[:-1], sizes[1:]))
+    if isinstance(x, tuple) and not isinstance(like, tuple):
+        return jnp.concatenate(x, axis=0)
+    return x
+
+
+def cache_scatter(c: jax.Array | tuple[jax.Array, ...], index: tuple[Any, ...],
+                  rows: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    """`c.at[:, *index].set(rows)` for every layer at once (`rows` [L, …], stacked), in `c`'s
+    layout; out-of-range indices are dropped."""
+    at = (slice(None),) + tuple(index)
+    if isinstance(c, tuple):
+        return tuple(g.at[at].set(r.astype(g.dtype), mode="drop")
+                     for g, r in zip(c, cache_like(rows, c)))
+    return c.at[at].set(rows.astype(c.dtype), mode="drop")
+
+
+def cache_set_layer(c: jax.Array | tuple[jax.Array, ...], i: Any, index: tuple[Any, ...],
+                    rows: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    """`c[i].at[*index].set(rows)` for layer `i` alone, in `c`'s layout; out-of-range indices
+    are dropped."""
+    if isinstance(c, tuple):
+        g = c[i].at[(0,) + tuple(index)].set(rows.astype(c[i].dtype), mode="drop")
+        return c[:i] + (g,) + c[i + 1:]
+    return c.at[(i,) + tuple(index)].set(rows.astype(c.dtype), mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig
-from dspark_jax.models.decoder import TargetDecoder, with_layer_buffers
+from dspark_jax.models.decoder import (KVCache, TargetDecoder, has_layer_buffers, init_cache,
+                                      with_layer_buffers)
 from dspark_jax.models.io import hf as hf_io
 from dspark_jax.models.io.gguf import locate_smollm2_gguf, read_gguf_checkpoint
 from dspark_jax.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -69,9 +70,9 @@ class Target:
         (`models.decoder.with_layer_buffers`), which every backend's dots read where they lie;
         a scan over the stacked layers makes XLA:GPU and XLA:CPU copy each layer's weights out
         of the stack before its dots read them, so a one-token step streams them three times
-        (`python -m dspark_jax.aot --chip h200 --decode` reports them). False: the stacked layers (faster to compile; prefill and training run
-        them). The per-layer copy is made once per `state` and kept; the stacked state stays
-        valid."""
+        (`python -m dspark_jax.aot --chip h200 --decode` reports them). False: the stacked
+        layers (faster to compile; prefill and training run them). The per-layer copy is made
+        once per `state` and kept; the stacked state stays valid."""
         if layer_buffers is None:
             layer_buffers = True
         if not layer_buffers:
@@ -83,6 +84,13 @@ class Target:
         view = self if gd is self.graphdef else dataclasses.replace(self, graphdef=gd, state=st)
         self.__dict__["_layer_buffers"] = (self.state, view)
         return view
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty KV cache for this target's layers: one buffer per layer where the layers
+        are (`decoding_layout`), so its steps read the cache where it lies too; stacked
+        otherwise. `dtype` defaults to the compute dtype."""
+        return init_cache(self.config, batch, max_len, dtype or self.dtype,
+                          per_layer=has_layer_buffers(self.model))
 
     @functools.cached_property
     def _jit_forward(self):

@@ -1,4 +1,6 @@
-"""`layers.attend` for one query per row (the decode path) equals the batched-dot path."""
+"""Attention over a read-only cache plus a call's own keys (`layers.attend_cache_and_own`)
+equals `layers.attend` over the concatenated keys, on both of its paths; and the two KV cache
+layouts (stacked, one buffer per layer) hold and write the same values."""
 
 import jax
 import jax.numpy as jnp
@@ -9,19 +11,50 @@ from dspark_jax.models import layers as L
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_one_query_attend_matches_the_einsum_path(dtype):
+@pytest.mark.parametrize("T", [1, 3])   # 1: the multiply-reduce path; 3: the batched dots
+def test_cache_and_own_attention_matches_attention_over_the_concatenation(dtype, T):
     B, S, N, K, H = 3, 11, 6, 2, 8
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (B, 1, N, H), dtype)
-    k = jax.random.normal(ks[1], (B, S, K, H), dtype)
-    v = jax.random.normal(ks[2], (B, S, K, H), dtype)
-    lens = jnp.asarray([4, S, 0])                        # the last row sees nothing: zeros
-    mask = jnp.arange(S)[None, None, :] < lens[:, None, None]          # [B, 1, S]
-    one = L.attend(q, k, v, mask, scale=0.3, one_query_reduce=True)
-    # the same query twice takes the T > 1 (einsum) path; its first row is the reference
-    two = L.attend(jnp.concatenate([q, q], 1), k, v, jnp.concatenate([mask, mask], 1), scale=0.3)
-    assert one.shape == (B, 1, N, H) and one.dtype == dtype
-    tol = 1e-6 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(one, np.float32), np.asarray(two[:, :1], np.float32),
+    ks = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(ks[0], (B, T, N, H), dtype)
+    ck = jax.random.normal(ks[1], (B, S, K, H), dtype)
+    cv = jax.random.normal(ks[2], (B, S, K, H), dtype)
+    ok = jax.random.normal(ks[3], (B, T, K, H), dtype)
+    ov = jax.random.normal(ks[4], (B, T, K, H), dtype)
+    lens = jnp.asarray([4, S, 0])                                    # row 2: an empty cache
+    cache_mask = jnp.arange(S)[None, :] < lens[:, None]              # [B, S]
+    own_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    if T > 1:   # row 2's first query sees nothing at all: zeros
+        own_mask = own_mask.at[2, 0].set(False)
+    got = L.attend_cache_and_own(q, ck, cv, cache_mask, ok, ov, own_mask)
+    keys, vals = jnp.concatenate([ck, ok], 1), jnp.concatenate([cv, ov], 1)
+    mask = jnp.concatenate([jnp.broadcast_to(cache_mask[:, None], (B, T, S)), own_mask], -1)
+    want = L.attend(q, keys, vals, mask)
+    assert got.shape == (B, T, N, H) and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=tol, atol=tol)
-    np.testing.assert_array_equal(np.asarray(one[2], np.float32), 0.0)
+    if T > 1:
+        np.testing.assert_array_equal(np.asarray(got[2, 0], np.float32), 0.0)
+
+
+def test_per_layer_cache_holds_and_writes_what_the_stack_does():
+    Lyr, B, S, K, H = 3, 2, 5, 2, 4
+    stack = jax.random.normal(jax.random.key(1), (Lyr, B, S, K, H))
+    per_layer = L.cache_like(stack, tuple(jnp.zeros((1, B, S, K, H)) for _ in range(Lyr)))
+    assert isinstance(per_layer, tuple) and len(per_layer) == Lyr
+    assert L.cache_positions(per_layer) == L.cache_positions(stack) == S
+    for i in range(Lyr):
+        np.testing.assert_array_equal(L.cache_layer(per_layer, i), L.cache_layer(stack, i))
+    np.testing.assert_array_equal(L.cache_like(per_layer, stack), stack)
+
+    rows = jax.random.normal(jax.random.key(2), (Lyr, B, 2, K, H))
+    index = (jnp.arange(B)[:, None], jnp.asarray([[1, 2], [4, S]]))  # position S: dropped
+    a, b = L.cache_scatter(stack, index, rows), L.cache_scatter(per_layer, index, rows)
+    np.testing.assert_array_equal(L.cache_like(b, stack), a)
+    assert float(jnp.abs(a - stack).max()) > 0
+
+    one = rows[0, :, 0]                                                # [B, K, H]
+    index1 = (jnp.arange(B), jnp.asarray([0, 3]))
+    a1, b1 = L.cache_set_layer(stack, 1, index1, one), L.cache_set_layer(per_layer, 1, index1, one)
+    np.testing.assert_array_equal(L.cache_like(b1, stack), a1)
+    np.testing.assert_array_equal(a1[1, jnp.arange(B), jnp.asarray([0, 3])], one)

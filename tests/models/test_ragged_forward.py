@@ -10,7 +10,9 @@ import pytest
 from flax import nnx
 
 from dspark_jax.models import load_target
-from dspark_jax.models.decoder import init_cache, ragged_forward, write_ragged
+from dspark_jax.models import layers as L
+from dspark_jax.models.decoder import (has_layer_buffers, init_cache, ragged_forward,
+                                      write_ragged)
 from hf_tiny import save_tiny_hf
 
 TAPS = (-1, 0, 2)
@@ -51,9 +53,14 @@ def test_per_layer_buffers_equal_the_stack(target):
     cache = init_cache(stacked.cfg, 2, 16, stacked.dtype)
     cache = cache.replace(k=jnp.asarray(rng.randn(*cache.k.shape), cache.k.dtype),
                           v=jnp.asarray(rng.randn(*cache.v.shape), cache.v.dtype))
+    # the per-layer weights over the stacked cache, and over one cache buffer per layer
+    layered = cache.replace(k=L.cache_like(cache.k, _fresh(per_layer, 2, 16).k),
+                            v=L.cache_like(cache.v, _fresh(per_layer, 2, 16).v))
+    assert isinstance(layered.k, tuple) and len(layered.k) == stacked.cfg.num_hidden_layers
     caches = {}
-    for name, m in (("stacked", stacked), ("per_layer", per_layer)):
-        c = cache.with_lengths(jnp.asarray([0, 0], jnp.int32))
+    for name, m, c in (("stacked", stacked, cache), ("per_layer", per_layer, cache),
+                       ("per_layer_cache", per_layer, layered)):
+        c = c.with_lengths(jnp.asarray([0, 0], jnp.int32))
         outs = []
         for toks, adv in (([[5, 6, 7, 8], [9, 10, 11, 12]], [4, 2]), ([[13], [14]], [1, 1]),
                           ([[15, 16, 17], [18, 19, 20]], [3, 3])):
@@ -62,13 +69,16 @@ def test_per_layer_buffers_equal_the_stack(target):
             outs.append((np.asarray(m.logits(o.hidden)), np.asarray(o.taps)))
             c = o.cache
         caches[name] = (outs, c)
-    for (a_logits, a_taps), (b_logits, b_taps) in zip(caches["stacked"][0],
-                                                      caches["per_layer"][0]):
-        np.testing.assert_allclose(b_logits, a_logits, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(b_taps, a_taps, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(caches["per_layer"][1].k),
-                               np.asarray(caches["stacked"][1].k), atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(caches["per_layer"][1].lengths), [8, 6])
+    for other in ("per_layer", "per_layer_cache"):
+        for (a_logits, a_taps), (b_logits, b_taps) in zip(caches["stacked"][0],
+                                                          caches[other][0]):
+            np.testing.assert_allclose(b_logits, a_logits, atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(b_taps, a_taps, atol=1e-5, rtol=1e-5)
+        for kv in ("k", "v"):
+            np.testing.assert_allclose(_st(getattr(caches[other][1], kv)),
+                                       _st(getattr(caches["stacked"][1], kv)), atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(caches[other][1].lengths), [8, 6])
+    assert isinstance(caches["per_layer_cache"][1].k, tuple)
     # the stale positions did not leak: the same steps over a zeroed cache give the same logits
     m, c, outs = stacked, init_cache(stacked.cfg, 2, 16, stacked.dtype), []
     for toks, adv in (([[5, 6, 7, 8], [9, 10, 11, 12]], [4, 2]), ([[13], [14]], [1, 1])):
@@ -78,6 +88,16 @@ def test_per_layer_buffers_equal_the_stack(target):
     np.testing.assert_allclose(outs[1], caches["stacked"][0][1][0], atol=1e-5, rtol=1e-5)
 
 
+def _fresh(model, R, S):
+    """An empty cache in the model's layout (one buffer per layer beside per-layer weights)."""
+    return init_cache(model.cfg, R, S, model.dtype, per_layer=has_layer_buffers(model))
+
+
+def _st(a):
+    """A cache array as one stack [L, B, S, K, H], whatever its layout."""
+    return np.asarray(L.cache_like(a, jnp.zeros(())))
+
+
 def _prefilled(model, prompts, S=32):
     R = len(prompts)
     P = max(map(len, prompts))
@@ -85,7 +105,7 @@ def _prefilled(model, prompts, S=32):
     for i, p in enumerate(prompts):
         toks[i, :len(p)] = p
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    out = model(jnp.asarray(toks), cache=init_cache(model.cfg, R, S, model.dtype))
+    out = model(jnp.asarray(toks), cache=_fresh(model, R, S))
     return out.cache.with_lengths(lens)
 
 
@@ -149,14 +169,14 @@ def test_ragged_equals_dense(model, layout):
                                        atol=1e-5, rtol=1e-5)
             assert r_logits[k].argmax() == d_logits[r, j].argmax()
             # K/V written where the dense pass wrote them
-            np.testing.assert_allclose(np.asarray(rag.cache.k[:, r, lens[r] + j]),
-                                       np.asarray(dense.cache.k[:, r, lens[r] + j]), atol=1e-5)
+            np.testing.assert_allclose(_st(rag.cache.k)[:, r, lens[r] + j],
+                                       _st(dense.cache.k)[:, r, lens[r] + j], atol=1e-5)
             k += 1
         # nothing written past the request's admitted tokens; committed prefix untouched
-        np.testing.assert_array_equal(np.asarray(rag.cache.k[:, r, lens[r] + l + 1:]),
-                                      np.asarray(cache.k[:, r, lens[r] + l + 1:]))
-        np.testing.assert_array_equal(np.asarray(rag.cache.v[:, r, :lens[r]]),
-                                      np.asarray(cache.v[:, r, :lens[r]]))
+        np.testing.assert_array_equal(_st(rag.cache.k)[:, r, lens[r] + l + 1:],
+                                      _st(cache.k)[:, r, lens[r] + l + 1:])
+        np.testing.assert_array_equal(_st(rag.cache.v)[:, r, :lens[r]],
+                                      _st(cache.v)[:, r, :lens[r]])
     np.testing.assert_array_equal(np.asarray(rag.cache.lengths), lens)
 
 
@@ -164,15 +184,15 @@ def test_ragged_prefill_of_several_requests_equals_dense(model):
     """Prompts of different requests packed in one call (how the engine prefills joins)."""
     prompts = [[5, 6, 7, 8], [9, 10]]
     ref = _prefilled(model, prompts)
-    cache = init_cache(model.cfg, 2, 32, model.dtype)
+    cache = _fresh(model, 2, 32)
     tok = jnp.asarray([5, 6, 7, 8, 9, 10, 0, 0], jnp.int32)
     slot = jnp.asarray([0, 0, 0, 0, 1, 1, 0, 0], jnp.int32)
     pos = jnp.asarray([0, 1, 2, 3, 0, 1, 0, 0], jnp.int32)
     valid = jnp.asarray([1, 1, 1, 1, 1, 1, 0, 0], bool)
     out = ragged_forward(model, tok, slot, pos, valid, cache)
-    np.testing.assert_allclose(np.asarray(out.cache.k[:, 0, :4]), np.asarray(ref.k[:, 0, :4]),
+    np.testing.assert_allclose(_st(out.cache.k)[:, 0, :4], _st(ref.k)[:, 0, :4],
                                atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out.cache.k[:, 1, :2]), np.asarray(ref.k[:, 1, :2]),
+    np.testing.assert_allclose(_st(out.cache.k)[:, 1, :2], _st(ref.k)[:, 1, :2],
                                atol=1e-5)
     dense_last = model(jnp.asarray([[5, 6, 7, 8]]))
     np.testing.assert_allclose(np.asarray(model.logits(out.hidden[3])),
@@ -191,7 +211,7 @@ def test_dense_forward_defers_its_writes(model, rows):
     out = jax.jit(lambda s, c: model(s, cache=c, tap_layer_ids=TAPS, defer_writes=True))(
         seq, cache)
     assert out.new_kv is not None and out.new_kv[0].shape[1:3] == (rows, 4)
-    np.testing.assert_array_equal(np.asarray(out.cache.k), np.asarray(cache.k))
+    np.testing.assert_array_equal(_st(out.cache.k), _st(cache.k))
     np.testing.assert_allclose(np.asarray(out.hidden), np.asarray(ref.hidden), atol=1e-5)
     np.testing.assert_allclose(np.asarray(out.taps), np.asarray(ref.taps), atol=1e-5)
     written = out.cache
@@ -199,5 +219,5 @@ def test_dense_forward_defers_its_writes(model, rows):
         pos = cache.lengths[r] + jnp.arange(4, dtype=jnp.int32)
         written = write_ragged(written, jax.tree.map(lambda a: a[:, r], out.new_kv),
                                jnp.full((4,), r, jnp.int32), pos)
-    np.testing.assert_allclose(np.asarray(written.k), np.asarray(ref.cache.k), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(written.v), np.asarray(ref.cache.v), atol=1e-5)
+    np.testing.assert_allclose(_st(written.k), _st(ref.cache.k), atol=1e-5)
+    np.testing.assert_allclose(_st(written.v), _st(ref.cache.v), atol=1e-5)

@@ -33,11 +33,15 @@ def make_stack(cfg: DecoderConfig, *, rngs: nnx.Rngs, param_dtype: Any) -> L.Dec
 
 
 def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any,
-            num_layers: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Zero K and V caches [L, B, S_max, K, H] (`num_layers` overrides L)."""
-    shape = (num_layers or cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads,
-             cfg.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+            num_layers: int | None = None, per_layer: bool = False) -> tuple[Any, Any]:
+    """Zero K and V caches [L, B, S_max, K, H] (`num_layers` overrides L); `per_layer`: a
+    tuple of L buffers [1, B, S_max, K, H] each (the decoding layout, `layers.cache_layer`)."""
+    n = num_layers or cfg.num_hidden_layers
+    shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    if per_layer:
+        return (tuple(jnp.zeros((1,) + shape, dtype) for _ in range(n)),
+                tuple(jnp.zeros((1,) + shape, dtype) for _ in range(n)))
+    return jnp.zeros((n,) + shape, dtype), jnp.zeros((n,) + shape, dtype)
 
 
 def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int
@@ -81,7 +85,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
             seg = segment_ids_bt
             mask = mask & (seg[:, :, None] == seg[:, None, :])
     else:   # the committed prefix: cached keys below the row's first new position
-        key_pos = jnp.arange(cache_kv[0].shape[2], dtype=jnp.int32)
+        key_pos = jnp.arange(L.cache_positions(cache_kv[0]), dtype=jnp.int32)
         cache_mask = key_pos[None, :] < positions_bt[:, :1]                    # [B,S]
         own_mask = jnp.broadcast_to(causal[None], (B, T, T))
 
@@ -98,9 +102,9 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         if cache_kv is None:
             attn = L.attend(q, k, v, mask)
         else:   # the cache is only read; this call's rows are written after the last layer
-            attn = L.attend_cache_and_own(q, cache_kv[0][layer_idx].astype(k.dtype),
-                                          cache_kv[1][layer_idx].astype(v.dtype), cache_mask,
-                                          k, v, own_mask)
+            attn = L.attend_cache_and_own(q, L.cache_layer(cache_kv[0], layer_idx).astype(k.dtype),
+                                          L.cache_layer(cache_kv[1], layer_idx).astype(v.dtype),
+                                          cache_mask, k, v, own_mask)
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             cur = taps[jnp.maximum(slot, 0)]
@@ -114,10 +118,11 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         return h, taps, None
     if defer_writes:
         return h, taps, new_kv
-    kc, vc = cache_kv   # every layer's new K/V [L, B, T, K, H] at the rows' positions (out of
-    b_idx = jnp.arange(B)[:, None]   # range: dropped), one in-place scatter per cache
-    kv = (kc.at[:, b_idx, positions_bt].set(new_kv[0].astype(kc.dtype), mode="drop"),
-          vc.at[:, b_idx, positions_bt].set(new_kv[1].astype(vc.dtype), mode="drop"))
+    # every layer's new K/V [L, B, T, K, H] at the rows' positions (out of range: dropped),
+    # one in-place scatter per cache buffer
+    index = (jnp.arange(B)[:, None], positions_bt)
+    kv = (L.cache_scatter(cache_kv[0], index, new_kv[0]),
+          L.cache_scatter(cache_kv[1], index, new_kv[1]))
     return h, taps, kv
 
 
@@ -136,7 +141,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     tokens (cells ≤ theirs) from this call's K/V — and the new K/V come back as
     ([L, K, Kh, H], [L, K, Kh, H]) for the caller to write (`models.decoder.write_ragged`).
     Inside a `lax.switch` over capacity buckets this keeps XLA from copying the whole cache."""
-    S = cache_kv[0].shape[2]
+    S = L.cache_positions(cache_kv[0])
     K = tokens_1k.shape[1]
     position_k = positions_1k[0]
     key_pos = jnp.arange(S, dtype=jnp.int32)
@@ -170,14 +175,15 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         q = L.apply_rope(q, positions_1k, cfg.rope)                           # [1,K,N,H]
         k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
         if defer_writes:   # the cache is read where it lies, never written: [R, S] ⊕ own [R, Q]
-            attn = L.attend_cache_and_own(q[0][grid], cache_kv[0][layer_idx],
-                                          cache_kv[1][layer_idx], mask_rs, k[0][grid],
+            attn = L.attend_cache_and_own(q[0][grid], L.cache_layer(cache_kv[0], layer_idx),
+                                          L.cache_layer(cache_kv[1], layer_idx), mask_rs,
+                                          k[0][grid],
                                           v[0][grid], own_mask)                 # [R,Q,N,H]
             attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]             # [1,K,N,H]
         else:   # each layer writes its rows, then attends over its cache
-            kc = kc.at[layer_idx, rows.write_k, position_k].set(k[0], mode="drop")
-            vc = vc.at[layer_idx, rows.write_k, position_k].set(v[0], mode="drop")
-            keys, vals = kc[layer_idx], vc[layer_idx]
+            kc = L.cache_set_layer(kc, layer_idx, (rows.write_k, position_k), k[0])
+            vc = L.cache_set_layer(vc, layer_idx, (rows.write_k, position_k), v[0])
+            keys, vals = L.cache_layer(kc, layer_idx), L.cache_layer(vc, layer_idx)
             if by_request:   # each request's tokens against its cache row: [R, Q] vs [R, S]
                 attn = L.attend(q[0][grid], keys, vals, mask_rqs)               # [R,Q,N,H]
                 attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]         # [1,K,N,H]
