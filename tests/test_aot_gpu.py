@@ -111,14 +111,33 @@ def test_h200_round_copies_no_target_weight(h200_report):
                    for s in sources), c
 
 
-def test_a_chip_needs_decode_and_excludes_a_topology():
+def test_a_chip_excludes_a_topology():
     from dspark_jax.aot import cli
 
     with pytest.raises(SystemExit):
-        cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200"])
-    with pytest.raises(SystemExit):
         cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--topology",
                   "v5e:2x2", "--decode"])
+
+
+@needs_plugin
+def test_h200_training_step_report(tmp_path):
+    """`--chip h200` alone compiles the training step for the H200 and reports its traffic
+    beside its FLOPs: a step reads at least its weights, and neither bound is zero."""
+    from hf_tiny import save_tiny_hf
+    from dspark_jax.aot import cli
+
+    path = save_tiny_hf(tmp_path / "tgt", "qwen3")
+    out = tmp_path / "train.json"
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--json", str(out),
+                   f"--config.target={path}", "--config.train.global_batch_size=2",
+                   "--config.data.max_length=64"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["chip"] == "h200" and r["num_chips"] == 1 and r["fits"]
+    assert r["weights_bytes"] > 0 and r["bytes_accessed"] > r["weights_bytes"]
+    assert r["kernels_per_step"] > 10 and r["top_kernels"]
+    assert r["flops_per_step"] >= r["model_flops_per_step"] > 0
+    assert r["memory_time_lower_bound_s"] > 0 and 0 < r["mfu_at_lower_bound"] <= 1
 
 
 # ---------------------------------------------------------------- the precision policy

@@ -8,12 +8,14 @@ tokens each and capacity bucket K, on a tensor × fsdp serving mesh; paper §5.2
 `decode.py`). Prints the per-chip report (and writes it as JSON with `--json`). Exits 1 with
 the shortfall when the program does not fit, 2 on a usage error (e.g. libtpu missing).
 
-`--chip h200 --decode [--requests R] [--max-len S] [--capacity K] [--programs a,b]` compiles
-one chip's decoding programs (the plain step, the draft, the verification, the round;
-`decode_floor.py`) for a GPU without one (`h200`, `h100`: the CUDA plugin, `gpu-aot` extra)
-or one TPU chip (`v5e`, `v5p`, ...), and reports per program the bytes it accesses a step
-against the weights and cache it must read, the weights copied before a dot reads them, the
-kernels per step and the temporary memory.
+`--chip h200` compiles for one chip: a GPU without one (`h200`, `h100`: the CUDA plugin, which
+the test command installs) or one TPU chip (`v5e`, `v5p`, `v6e`). Alone it compiles the
+training step and adds the compiled program's traffic to the report (bytes accessed a step,
+kernels, the costliest ones, the step's memory-bound time). With `--decode [--requests R]
+[--max-len S] [--capacity K] [--programs a,b]` it compiles the decoding programs (the plain
+step, the draft, the verification, the round; `decode_floor.py`) and reports per program the
+bytes it accesses a step against the weights and cache it must read, the weights copied
+before a dot reads them, the kernels per step and the temporary memory.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="configs/NAME.py")
     ap.add_argument("--topology", default="", help="TPU topology, e.g. v5e:2x2, v5p:2x4x4")
     ap.add_argument("--chip", default="",
-                    help="with --decode: one chip's decoding programs against their floor "
-                         "(h200, h100: compiled without a GPU; v5e, v5p, v6e: one TPU chip)")
+                    help="one chip (h200, h100: compiled without a GPU; v5e, v5p, v6e: one TPU "
+                         "chip): the training step with its traffic, or with --decode the "
+                         "decoding programs against their floor")
     ap.add_argument("--programs", default="decode_step,plain_step,draft,verify,round",
                     help="--chip: the programs to compile")
     ap.add_argument("--num-slices", type=int, default=1)
@@ -57,9 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         ap.error(f"unrecognised arguments: {bad}")
     if bool(args.chip) == bool(args.topology):
-        ap.error("give one of --topology (a TPU slice) or --chip (one chip, with --decode)")
-    if args.chip and not args.decode:
-        ap.error("--chip compiles the decoding programs: add --decode")
+        ap.error("give one of --topology (a TPU slice) or --chip (one chip)")
     if args.chip:
         return _chip_main(argv[0], args, overrides)
     args.requests = args.requests or 64
@@ -99,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _chip_main(prog: str, args: argparse.Namespace, overrides: list[str]) -> int:
-    """`--chip C --decode`: one chip's decoding programs against their floor."""
+    """`--chip C [--decode]`: one chip's training step, or its decoding programs against their
+    floor."""
     try:
         from dspark_jax.aot.decode import DecodeShape
         from dspark_jax.aot.decode_floor import decode_floor_report, format_floor_report
@@ -110,14 +112,26 @@ def _chip_main(prog: str, args: argparse.Namespace, overrides: list[str]) -> int
                              require_target=False)
         except UsageError as e:
             raise AotError(str(e)) from None
-        shape = DecodeShape(args.requests or 1, args.max_len, args.capacity)
-        report = decode_floor_report(c, args.chip, shape,
-                                     [p for p in args.programs.split(",") if p])
+        if args.decode:
+            shape = DecodeShape(args.requests or 1, args.max_len, args.capacity)
+            report = decode_floor_report(c, args.chip, shape,
+                                         [p for p in args.programs.split(",") if p])
+            text = format_floor_report(report)
+        else:
+            from dspark_jax.aot.train_step import chip_train_report, format_report
+
+            report = chip_train_report(c, args.chip)
+            text = format_report(report)
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_floor_report(report), flush=True)
+    print(text, flush=True)
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+    if args.decode:
+        return 0
+    code, message = verdict(report)
+    if code:
+        print(f"error: {message}", file=sys.stderr)
+    return code

@@ -20,6 +20,7 @@ them, the kernels per step and the temporary memory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Callable, Sequence
@@ -87,20 +88,36 @@ def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape
     return programs, rnd.mesh, rnd
 
 
-def program_report(lowered: Any) -> dict[str, Any]:
+def must_read_bytes(param_bytes: dict[str, float], weights: float, cache: float,
+                    draft_slots: int = 0) -> tuple[float, float, float]:
+    """(floor, gathered, per-slot) bytes of a program's arguments: the bytes it must read.
+
+    The weights and the caches, once each, less the tables it gathers a row per token from
+    (an untied input embedding; the Markov head's W1, paper §3.2), plus, in a program that
+    drafts `draft_slots` > 0 slots, the Markov head's output matrix W2 once per further slot:
+    slot k's bias depends on the token sampled at slot k − 1, so the slots run in sequence
+    and each streams all of W2 ([V, r], larger than a GPU's L2 at the full vocabulary)."""
+    untied = any("['lm_head']" in k for k in param_bytes)
+    gathered = sum(b for k, b in param_bytes.items() if k.startswith(WEIGHT_ARGS) and (
+        (untied and "['embed']" in k) or "['markov']['w1']" in k))
+    w2 = sum(b for k, b in param_bytes.items() if k.startswith(WEIGHT_ARGS) and (
+        "['markov']['w2']" in k or "['markov_w2']" in k))
+    per_slot = max(draft_slots - 1, 0) * w2
+    return weights - gathered + cache + per_slot, gathered, per_slot
+
+
+def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
     """A lowered program compiled → its traffic summary (`hlo_traffic.Program.summary`), the
-    floor it is held to and its temporary memory."""
+    floor it is held to (`must_read_bytes`) and its temporary memory."""
     t0 = time.perf_counter()
     compiled = lowered.compile()
     prog = Program(compiled.as_text(), weights_or_cache(WEIGHT_ARGS, CACHE_ARGS))
     out = prog.summary()
     mem = compiled.memory_analysis()
-    # an untied input embedding is gathered a row per token, never read whole
-    untied = any("['lm_head']" in k for k in prog.param_bytes)
-    gathered = sum(b for k, b in prog.param_bytes.items()
-                   if untied and k.startswith(WEIGHT_ARGS) and "['embed']" in k)
-    floor = out["weights_bytes"] - gathered + out["cache_bytes"]
-    out.update(embedding_gathered_bytes=gathered, temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else -1,
+    floor, gathered, per_slot = must_read_bytes(prog.param_bytes, out["weights_bytes"],
+                                                out["cache_bytes"], draft_slots)
+    out.update(gathered_bytes=gathered, per_slot_bytes=per_slot,
+               temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else -1,
                floor_bytes=floor,
                bytes_over_floor=out["bytes_accessed"] / floor if floor else 0.0,
                top_kernels=prog.top_kernels(6), compile_s=round(time.perf_counter() - t0, 1))
@@ -113,10 +130,13 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
     weights_bytes, cache_bytes, weight_copy_bytes, kernels_per_step, temp_bytes, ...)."""
     import jax
 
+    from dspark_jax.models.decoder import aligned_length
     from dspark_jax.sharding import use_mesh
 
     for k in ("data", "fsdp", "tensor"):
         c.mesh[k] = 1
+    # the engine's cache for `max_len` (`Engine.cache_lengths`)
+    shape = dataclasses.replace(shape, max_len=aligned_length(shape.max_len))
     devices, facts = single_chip_devices(chip)
     built, mesh, rnd = _programs(c, devices, shape)
     report: dict[str, Any] = {
@@ -128,8 +148,9 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
         if name not in built:
             raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
         lower, args, kw = built[name]
+        slots = rnd.gamma if name in ("draft", "round") else 0
         with use_mesh(mesh):
-            r = program_report(lower(*args, **kw))
+            r = program_report(lower(*args, **kw), slots)
         r["floor_s"] = r["floor_bytes"] / facts.hbm_bytes_per_s
         r["traffic_s"] = r["bytes_accessed"] / facts.hbm_bytes_per_s
         report["programs"][name] = r

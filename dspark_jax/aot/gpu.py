@@ -12,14 +12,12 @@ capability); no GEMM is autotuned without a device, so the compiled program's st
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
-import os
 import pathlib
-from typing import Any, Iterator
+from typing import Any
 
-from dspark_jax.aot.topology import AotError, GiB
+from dspark_jax.aot.topology import AotError, GiB, hidden_xla_flags, parse_flags_now
 
 GPU_INSTALL_HINT = ("pip install --no-deps jax-cuda13-plugin==$(python -c 'import jaxlib; "
                     "print(jaxlib.__version__)') jax-cuda13-pjrt==0.11.2")
@@ -59,7 +57,10 @@ def gpu_devices(chip: str) -> list[Any]:
                        f"{GPU_INSTALL_HINT}")
     from jax.experimental import topologies
 
-    with _xla_flags_for_plugin():
+    # besides the CPU compiler's own flags, its fake host devices and the LLVM optimisation
+    # level of fast test compiles configure nothing for a GPU program
+    with hidden_xla_flags(("xla_cpu_", "xla_force_host_platform_device_count",
+                           "xla_backend_optimization_level")):
         try:
             topo = topologies.get_topology_desc(platform="cuda",
                                                 target_config=GPU_CHIPS[chip].config_text(),
@@ -68,43 +69,5 @@ def gpu_devices(chip: str) -> list[Any]:
             raise AotError(f"--chip {chip}: the CUDA plugin could not describe the device: "
                            f"{e}") from None
         devices = list(topo.devices)
-        _parse_plugin_flags(devices[0])
+        parse_flags_now(devices[0])
     return devices
-
-
-_PLUGIN_FLAGS_PARSED = False
-
-
-@contextlib.contextmanager
-def _xla_flags_for_plugin() -> Iterator[None]:
-    """The CUDA plugin carries its own XLA, which reads $XLA_FLAGS at its first compilation and
-    aborts the process on a flag it does not know. The CPU backend's flags (`--xla_cpu_*`,
-    fake host devices, the LLVM optimisation level of fast test compiles) configure nothing
-    for the GPU program, so they are hidden from it meanwhile."""
-    old = os.environ.get("XLA_FLAGS")
-    if old is None:
-        yield
-        return
-    cpu_only = ("xla_cpu_", "xla_force_host_platform_device_count",
-                "xla_backend_optimization_level")
-    os.environ["XLA_FLAGS"] = " ".join(f for f in old.split()
-                                       if not f.lstrip("-").startswith(cpu_only))
-    try:
-        yield
-    finally:
-        os.environ["XLA_FLAGS"] = old
-
-
-def _parse_plugin_flags(device: Any) -> None:
-    """Makes the plugin read $XLA_FLAGS now (a trivial compilation), under
-    `_xla_flags_for_plugin`."""
-    global _PLUGIN_FLAGS_PARSED
-    if _PLUGIN_FLAGS_PARSED:
-        return
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import SingleDeviceSharding
-
-    x = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=SingleDeviceSharding(device))
-    jax.jit(lambda v: v + 1).lower(x).compile()
-    _PLUGIN_FLAGS_PARSED = True

@@ -13,7 +13,7 @@ from typing import Any
 from dspark_jax.aot.topology import GiB
 
 
-def _memory(m: Any) -> dict[str, Any]:
+def memory_of(m: Any) -> dict[str, Any]:
     return {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
             "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
             "generated_code": m.generated_code_size_in_bytes}
@@ -31,10 +31,10 @@ def _compile_time_oom(message: str) -> dict[str, Any] | None:
 
 
 def memory_report(lowered: Any) -> dict[str, Any]:
-    """Compiles a lowered program → its per-chip byte counts (`_memory`), or the temporaries
+    """Compiles a lowered program → its per-chip byte counts (`memory_of`), or the temporaries
     of a compile-time HBM OOM (with `error`)."""
     try:
-        return _memory(lowered.compile().memory_analysis())
+        return memory_of(lowered.compile().memory_analysis())
     except Exception as e:   # the TPU compiler refuses a program whose temporaries exceed HBM
         mem = _compile_time_oom(str(e))
         if mem is None:

@@ -73,41 +73,41 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[Any]:
     from jax.experimental import topologies
 
     kw = {"num_slices": num_slices} if num_slices > 1 else {}
-    with _xla_flags_for_libtpu():
+    with hidden_xla_flags(("xla_cpu_",)):
         try:
             devices = list(topologies.get_topology_desc(platform="tpu", topology_name=topology,
                                                         **kw).devices)
         except Exception as e:  # libtpu names the problem (bad generation / shape)
             raise AotError(f"--topology {topology!r}: {e}") from None
-        _parse_libtpu_flags(devices[0])
+        parse_flags_now(devices[0])
     return devices
 
 
-_LIBTPU_FLAGS_PARSED = False
+_FLAGS_PARSED: set[str] = set()
 
 
 @contextlib.contextmanager
-def _xla_flags_for_libtpu() -> Iterator[None]:
-    """libtpu carries its own XLA, which reads $XLA_FLAGS once, at its first compilation, and
-    aborts the process on a flag it does not know. The CPU backend's flags (`--xla_cpu_*`,
-    e.g. `--xla_cpu_use_fusion_emitters`, newer than libtpu's XLA) configure nothing there, so
-    they are hidden from it meanwhile; the CPU backend read its flags when it started."""
+def hidden_xla_flags(prefixes: tuple[str, ...]) -> Iterator[None]:
+    """$XLA_FLAGS without the flags that start with `prefixes`, meanwhile. A compile-only
+    backend (libtpu, the CUDA plugin) carries its own XLA, which reads $XLA_FLAGS once, at its
+    first compilation, and aborts the process on a flag it does not know; the CPU backend's
+    flags configure nothing there, and the CPU backend read them when it started."""
     old = os.environ.get("XLA_FLAGS")
     if old is None:
         yield
         return
     os.environ["XLA_FLAGS"] = " ".join(f for f in old.split()
-                                       if not f.lstrip("-").startswith("xla_cpu_"))
+                                       if not f.lstrip("-").startswith(prefixes))
     try:
         yield
     finally:
         os.environ["XLA_FLAGS"] = old
 
 
-def _parse_libtpu_flags(device: Any) -> None:
-    """Makes libtpu read $XLA_FLAGS now (a trivial compilation), under `_xla_flags_for_libtpu`."""
-    global _LIBTPU_FLAGS_PARSED
-    if _LIBTPU_FLAGS_PARSED:
+def parse_flags_now(device: Any) -> None:
+    """Makes `device`'s backend read $XLA_FLAGS now, with a trivial compilation (once per
+    platform), under `hidden_xla_flags`."""
+    if device.platform in _FLAGS_PARSED:
         return
     import jax
     import jax.numpy as jnp
@@ -115,4 +115,4 @@ def _parse_libtpu_flags(device: Any) -> None:
 
     x = jax.ShapeDtypeStruct((1,), jnp.float32, sharding=SingleDeviceSharding(device))
     jax.jit(lambda v: v + 1).lower(x).compile()
-    _LIBTPU_FLAGS_PARSED = True
+    _FLAGS_PARSED.add(device.platform)

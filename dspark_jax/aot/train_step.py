@@ -1,5 +1,6 @@
-"""Ahead-of-time compilation of the training step (SPEC §4) for a TPU topology, on a CPU-only
-machine (`python -m dspark_jax.aot --config configs/NAME.py --topology v5p:2x4x4`, `aot/cli.py`).
+"""Ahead-of-time compilation of the training step (SPEC §4) for a TPU topology or one chip, on a
+CPU-only machine (`python -m dspark_jax.aot --config configs/NAME.py --topology v5p:2x4x4` or
+`--chip h200`, `aot/cli.py`).
 
 Builds the frozen target, the drafter, the optimizer state and the global batch abstractly
 (`nnx.eval_shape` / `jax.eval_shape`: no weights are read, no device memory is used), lays the
@@ -7,8 +8,10 @@ config's (data, fsdp, tensor) mesh on the topology's devices (from `libtpu`, via
 `jax.experimental.topologies`), compiles the real jitted training step (`train.step`) and reports
 per chip: argument, output, temporary and generated-code bytes, their total against the chip's
 HBM, the step's matmul FLOPs (loops counted, remat recompute included), the step-time lower bound
-at peak and the implied MFU ceiling (model FLOPs / executed FLOPs). This is how issue 9 shows
-that the paper's settings (SPEC §4: batch 512 × 4096, 512 anchors, γ 7) fit a pod slice.
+at peak and the implied MFU ceiling (model FLOPs / executed FLOPs): whether the paper's settings
+(SPEC §4: batch 512 × 4096, 512 anchors, γ 7) fit a pod slice. For one chip the compiled
+program's traffic is added (`chip_train_report`), so the step's memory-bound time and its
+costliest kernels show beside its FLOPs.
 """
 
 from __future__ import annotations
@@ -17,9 +20,14 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-from dspark_jax.aot.memory import fmt_bytes, memory_report
+from dspark_jax.aot.memory import memory_of, fmt_bytes, memory_report
 from dspark_jax.aot.shapes import mesh_and_configs
 from dspark_jax.aot.topology import AotError, GiB, chip_for, libtpu_version, topology_devices
+
+
+# argument paths of the training step's weights (its arguments are positional): the drafter's
+# parameters, its frozen part and the target's (online features)
+TRAIN_WEIGHT_ARGS = ("args[0].params", "args[1]", "args[2]")
 
 
 @dataclasses.dataclass
@@ -111,19 +119,54 @@ def step_flops(job: AbstractJob) -> tuple[int, int]:
 
 def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]:
     """Compiles the train step of config `c` for `topology` and returns the report dict."""
+    devices = topology_devices(topology, num_slices)
+    return _report(c, devices, chip_for(devices[0].device_kind), topology, num_slices)
+
+
+def chip_train_report(c: Any, chip: str) -> dict[str, Any]:
+    """The train step of config `c` compiled for one chip (`decode_floor.single_chip_devices`:
+    an H200 or H100 without a GPU, or one TPU chip), with the compiled program's traffic: bytes
+    accessed a step, kernels, the costliest kernels, and the step's lower bound as the larger of
+    its FLOPs at peak and its bytes at the HBM bandwidth."""
+    from dspark_jax.aot.decode_floor import single_chip_devices
+
+    for k in ("data", "fsdp", "tensor"):
+        c.mesh[k] = 1
+    devices, facts = single_chip_devices(chip)
+    return _report(c, devices, facts, chip, 1, traffic=True)
+
+
+def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices: int,
+            traffic: bool = False) -> dict[str, Any]:
     import jax
 
-    devices = topology_devices(topology, num_slices)
-    chip = chip_for(devices[0].device_kind)
     job = build_abstract_job(c, devices)
     t0 = time.perf_counter()
-    mem = memory_report(job.fns.train.lower(*job.args))
+    lowered = job.fns.train.lower(*job.args)
+    extra: dict[str, Any] = {}
+    if traffic:
+        from dspark_jax.aot.hlo_traffic import Program, weights_or_cache
+
+        compiled = lowered.compile()
+        mem = memory_of(compiled.memory_analysis())
+        prog = Program(compiled.as_text(), weights_or_cache(TRAIN_WEIGHT_ARGS, ()))
+        summary = prog.summary()
+        extra = {k: summary[k] for k in ("bytes_accessed", "weights_bytes", "weight_copy_bytes",
+                                         "kernels_per_step", "weight_copies")}
+        extra["top_kernels"] = prog.top_kernels(12)
+        extra["hbm_bytes_per_s"] = chip.hbm_bytes_per_s
+    else:
+        mem = memory_report(lowered)
     compile_s = time.perf_counter() - t0
     executed, model = step_flops(job)
     n = len(devices)
     peak = (mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"])
     lower_bound = executed / (n * chip.peak_bf16_flops)
-    return {
+    if traffic:
+        extra["memory_time_lower_bound_s"] = extra["bytes_accessed"] / chip.hbm_bytes_per_s
+        extra["mfu_at_lower_bound"] = model / (
+            n * chip.peak_bf16_flops * max(lower_bound, extra["memory_time_lower_bound_s"]))
+    return extra | {
         "config": c.name, "topology": topology, "num_slices": num_slices, "num_chips": n,
         "chip": chip.name, "mesh": dict(job.mesh.shape),
         "global_batch_size": int(c.train.global_batch_size), "seq_len": int(c.data.max_length),
@@ -143,7 +186,8 @@ def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]
         "step_time_lower_bound_s": lower_bound,
         "mfu_ceiling": model / executed if executed else 0.0,
         "compile_error": mem.get("error", ""),
-        "compile_s": round(compile_s, 1), "jax": jax.__version__, "libtpu": libtpu_version(),
+        "compile_s": round(compile_s, 1), "jax": jax.__version__,
+        "libtpu": libtpu_version() if devices[0].platform == "tpu" else "",
     }
 
 
@@ -162,6 +206,15 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"FLOPs per step {r['flops_per_step']:.3e} (model {r['model_flops_per_step']:.3e}); "
                  f"step time ≥ {r['step_time_lower_bound_s']:.3f} s at peak; MFU ceiling "
                  f"{r['mfu_ceiling']:.1%}")
+    if "bytes_accessed" in r:
+        lines.append(f"bytes accessed per step {r['bytes_accessed'] / 1e9:.1f} GB → step time ≥ "
+                     f"{r['memory_time_lower_bound_s']:.3f} s at the HBM bandwidth; "
+                     f"{r['kernels_per_step']} kernels; weights copied "
+                     f"{r['weight_copy_bytes'] / 1e9:.2f} GB; MFU at the larger bound "
+                     f"{r['mfu_at_lower_bound']:.1%}")
+        lines.append("  costliest kernels (MB read + written per step):")
+        for k in r["top_kernels"]:
+            lines.append(f"    {k['mb']:10.1f}  {k['name']} x{k['times']}")
     return "\n".join(lines)
 
 
