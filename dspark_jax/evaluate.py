@@ -66,6 +66,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES
+from dspark_jax.decoding.pallas_backend import check_offered
 from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.eval import runner
 from dspark_jax.eval.acceptance import (PAPER_DATASETS, PAPER_TABLE1_TAU, AcceptanceStats,
@@ -203,6 +204,8 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     runner.check_settings(max_new_tokens, batch_size, temperature)
     if verifier not in ("jax", "pallas"):
         raise ValueError(f"verifier must be 'jax' or 'pallas', got {verifier!r}")
+    if verifier == "pallas":
+        check_offered("verifier='pallas'")
     data_dir = Path(data_dir)
     names = runner.resolve_datasets(data_dir, datasets, DEFAULT_DATASETS)
     per_ds_max = {n: _max_samples_for(n, max_samples) for n in names}

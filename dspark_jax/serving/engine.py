@@ -52,7 +52,8 @@ from dspark_jax.decoding.acceptance_rule import VERIFIERS
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES
 from dspark_jax.decoding.stops import stop_array
-from dspark_jax.models.decoder import init_cache
+from dspark_jax.decoding.pallas_backend import check_offered
+from dspark_jax.models.decoder import aligned_length
 from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.models.drafters.dspark import with_layer_buffers as draft_layer_buffers
 from dspark_jax.serving import policy
@@ -137,6 +138,9 @@ class Engine:
         if verifier not in VERIFIERS:
             raise ValueError(f"unknown verifier {verifier!r}; choose from "
                              f"{sorted(VERIFIERS)}")
+        for name, value in (("verifier", verifier), ("sampler", sampler)):
+            if value == "pallas":
+                check_offered(f"{name}='pallas'")
         if budget_rule not in round_.BUDGET_RULES:
             raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from "
                              f"{list(round_.BUDGET_RULES)}")
@@ -239,10 +243,10 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def _fresh_state(self, cache_len: int | None = None) -> round_.EngineState:
-        """Empty slots. `cache_len` (default max_len): the caches' initial length, which `_Run`
-        grows as longer requests join (`_grown`)."""
-        t, n = self.target, cache_len or self.max_len
-        cache = init_cache(t.config, self.R, n, t.dtype)
+        """Empty slots. `cache_len` (default: the longest of `cache_lengths`): the caches'
+        initial length, which `_Run` grows as longer requests join (`_grown`)."""
+        n = cache_len or self.cache_lengths()[-1]
+        cache = self.step_target.init_cache(self.R, n, self.target.dtype)
         dcache = None
         if self.draft is not None:
             dcache = adapter_for(self.draft.config.model_type).init_cache(
@@ -260,18 +264,20 @@ class Engine:
         `len_bucket` multiples; speculative decoding's `len_bucket` times 1, 2, 3, 4, 6, 8,
         12, … (a power of two and 1.5× it: its programs cost more to compile, and every step
         attends over the whole cache, so a length at most a third too long — powers of two
-        alone: up to twice — keeps its rounds' attention near plain decoding's: at 16 requests
-        of up to 373 positions, cache 512 against plain's 384 cost `adaptive`'s plain rounds
-        77 ms against 68); the last is max_len."""
+        alone: up to twice — keeps its rounds' attention near plain decoding's; a cache a third
+        longer than plain decoding's already slows `adaptive`'s plain rounds measurably, figures:
+        BENCHMARKS.md); the last is max_len rounded up to `models.decoder.CACHE_ALIGN`
+        positions, which verification reads without padding the cache."""
         b, out = self.len_bucket, []
         n = b
+        top = aligned_length(self.max_len)
         while n < self.max_len:
             out.append(n)
             if self.mode == "none":
                 n += b
             else:
                 n = next(m * b for m in _SPECULATIVE_LENGTHS if m * b > n)
-        return out + [self.max_len]
+        return out + [top]
 
     def cache_length_for(self, need: int) -> int:
         """The first of `cache_lengths` that holds `need` positions."""
@@ -553,9 +559,9 @@ class Engine:
     def _warm_device_choice(self, cache_len: int, rounds: int = 3) -> int:
         """Runs `adaptive`'s drafting call through `rounds` rounds whose choice to draft the
         device makes (a dummy state; a choice whose estimate always pays) → the rounds run.
-        The one-prompt warm-up generate only ever runs a call's first round, and the first
-        call that went on drafting on device then cost ~300 ms more, once per engine (bench.load
-        at one request: 98 ms a drafted round in the first timed pass, 46–61 after)."""
+        The one-prompt warm-up generate only ever runs a call's first round; without this, the
+        first call that goes on drafting on device pays a one-off cost, once per engine, inside
+        the first timed pass (figures: BENCHMARKS.md)."""
         R = self.R
         choice = round_.DraftChoice(
             gain=jnp.full((2,), float(R * self.gamma), jnp.float32),
