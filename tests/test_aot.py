@@ -127,3 +127,24 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--requests", "4", "--capacity", "3", f"--config.target={target}"])
     assert rc == 2 and "--capacity 3" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+                    "pip install -e '.[tpu]'")
+def test_v5e_plain_step_and_round_read_the_weights_where_they_lie(tmp_path):
+    """`--chip v5e --decode`: the engine's plain step and round compiled for one TPU v5e chip
+    copy no weight in HBM (weights XLA prefetches into VMEM cost their one HBM read), and the
+    report names the programs' traffic against their floor."""
+    target = save_tiny_hf(tmp_path / "target", "qwen3")
+    out = tmp_path / "v5e.json"
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "v5e", "--decode",
+                   "--programs", "plain_step,round", "--max-len", "200", "--json", str(out),
+                   f"--config.target={target}", "--config.train.target_dtype=bfloat16"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["chip"] == "v5e" and r["max_len"] == 256   # the engine's cache: 128-aligned
+    assert set(r["programs"]) == {"plain_step", "round"}
+    for name, p in r["programs"].items():
+        assert p["weight_copy_bytes"] == 0, (name, p["weight_copies"])
+        assert p["weights_bytes"] > 0 and p["cache_bytes"] > 0 and p["kernels_per_step"] > 0
+        assert p["bytes_accessed"] >= p["floor_bytes"] * 0.5, name

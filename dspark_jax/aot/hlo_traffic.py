@@ -10,18 +10,21 @@ top-level instruction that launches work (a fusion, a custom call such as a cuBL
 copy, a sort, ...) is one kernel; its traffic is the bytes of its operands it reads plus the
 bytes it writes, where a fused operand that is only sliced counts as the slices it reads
 (through bitcasts, element-wise unary ops and nested fusions), and a buffer updated in place
-(`dynamic-update-slice`, `scatter`) counts as the update it writes.
+(`dynamic-update-slice`, `scatter`) counts as the update it writes. Only HBM counts: arrays a
+TPU program places in on-chip memory (layout `S(1)`, VMEM) are read and written for free, so a
+weight prefetched into VMEM costs its one HBM read.
 
 Weight copies: entry parameters are classified by their argument path (the `op_name` JAX gives
 each parameter, e.g. ``state['layers'][3]['w_qkv'].value``). A kernel that only moves data (a
 copy, or a fusion made of slices, bitcasts, transposes, concatenations and converts) and whose
-input is a weight produces a weight copy: those bytes are written and read again before a dot
-reads the weights, which is what keeps a decoding step above its HBM floor.
+input is a weight produces a weight copy when it writes HBM: those bytes are written and read
+again before a dot reads the weights, which is what keeps a decoding step above its HBM floor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any, Callable, Iterable
 
@@ -158,30 +161,24 @@ def parse_hlo(text: str) -> dict[str, Computation]:
     return comps
 
 
-def _array_shapes(shape: str) -> list[tuple[str, list[int]]]:
-    return [(dt, [int(d) for d in dims.split(",") if d.strip()])
-            for dt, dims in re.findall(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]", shape)]
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\](\{[^{}]*\})?")
 
 
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape (a tuple's elements summed)."""
-    total = 0.0
-    for dt, dims in _array_shapes(shape):
-        n = 1
-        for d in dims:
-            n *= d
-        total += n * DTYPE_BYTES.get(dt, 4)
-    return total
+def _arrays(shape: str) -> list[tuple[str, int, bool]]:
+    """(dtype, elements, in HBM) of each array of an HLO shape; a TPU layout's `S(1)` places
+    the array in on-chip memory (VMEM), whose reads and writes are no HBM traffic."""
+    return [(dt, math.prod(int(d) for d in dims.split(",") if d.strip()), "S(1)" not in layout)
+            for dt, dims, layout in _ARRAY.findall(shape)]
+
+
+def shape_bytes(shape: str, hbm_only: bool = False) -> float:
+    """Bytes of an HLO shape (a tuple's elements summed; `hbm_only`: those in HBM)."""
+    return float(sum(n * DTYPE_BYTES.get(dt, 4) for dt, n, hbm in _arrays(shape)
+                     if hbm or not hbm_only))
 
 
 def _elements(shape: str) -> int:
-    n = 0
-    for _, dims in _array_shapes(shape):
-        m = 1
-        for d in dims:
-            m *= d
-        n += m
-    return n
+    return sum(n for _, n, _ in _arrays(shape))
 
 
 def tuple_elements(shape: str) -> list[str]:
@@ -293,7 +290,8 @@ class Program:
                 origin[ins.name] = [_NONE] * n_out
             else:
                 read, written, moves_only = self._traffic(ins, by)
-                copy = moves_only and bool(flat)
+                # a move into on-chip memory (a TPU prefetch) writes no HBM: not a copy
+                copy = moves_only and bool(flat) and written > 0
                 origin[ins.name] = [flat if copy else _NONE] * n_out
                 self.kernels.append(Kernel(comp.name, ins.name, ins.opcode, ins.shape, times,
                                            read, written, copy, sorted(flat) if copy else []))
@@ -316,17 +314,19 @@ class Program:
         return max(best, 0.0)
 
     def _out_bytes(self, ins: Instr) -> float:
-        if ins.opcode.endswith("-start"):   # ((operands), result, context): the result
-            els = tuple_elements(ins.shape)
-            return shape_bytes(els[1]) if len(els) > 1 else shape_bytes(ins.shape)
+        if ins.opcode.endswith("-start"):   # ((operands), result, context): the result;
+            els = tuple_elements(ins.shape)  # copy-start: (destination, source, context)
+            out = els[0 if ins.opcode == "copy-start" else 1] if len(els) > 1 else ins.shape
+            return shape_bytes(out, hbm_only=True)
         if ins.opcode == "custom-call":      # drop the scratch workspace of library calls
-            return sum(shape_bytes(e) for e in tuple_elements(ins.shape)
+            return sum(shape_bytes(e, hbm_only=True) for e in tuple_elements(ins.shape)
                        if not e.startswith("s8["))
-        return shape_bytes(ins.shape)
+        return shape_bytes(ins.shape, hbm_only=True)
 
     def _traffic(self, ins: Instr, by: dict[str, Instr]) -> tuple[float, float, bool]:
         """(bytes read, bytes written, only moves data) of one kernel."""
-        operand_bytes = [shape_bytes(by[o].shape) if o in by else 0.0 for o in ins.operands]
+        operand_bytes = [shape_bytes(by[o].shape, hbm_only=True) if o in by else 0.0
+                         for o in ins.operands]
         written = self._out_bytes(ins)
         if ins.opcode in ("copy", "copy-start"):
             return sum(operand_bytes), written, True
@@ -346,7 +346,8 @@ class Program:
             full = operand_bytes[k] if k < len(operand_bytes) else shape_bytes(p.shape)
             read += self._param_read(fused, p, full, set(in_place_roots))
         if in_place_roots:   # the output aliases the updated operand: the update is written
-            written = sum(shape_bytes(fby[r.operands[2 if r.opcode == "scatter" else 1]].shape)
+            written = sum(shape_bytes(fby[r.operands[2 if r.opcode == "scatter" else 1]].shape,
+                                      hbm_only=True)
                           for r in in_place_roots.values())
         moves_only = all(i.opcode in _MOVES for i in fused.instrs)
         return read, written, moves_only
