@@ -67,6 +67,40 @@ def test_traffic_of_a_loop_free_program_agrees_with_xla_cost_analysis():
     assert ours == pytest.approx(xla, rel=0.1)
 
 
+_TPU_PREFETCH_HLO = """HloModule m, entry_computation_layout={(bf16[32,128,256]{2,1,0})->f32[]}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_reduce (p: bf16[8,128,256]) -> f32[] {
+  %p = bf16[8,128,256]{2,1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %c = f32[8,128,256]{2,1,0} convert(%p)
+  %z = f32[] constant(0)
+  ROOT %r = f32[] reduce(%c, %z), dimensions={0,1,2}, to_apply=%add
+}
+
+ENTRY %main (w: bf16[32,128,256]) -> f32[] {
+  %w = bf16[32,128,256]{2,1,0:T(8,128)(2,1)} parameter(0), metadata={op_name="state['w']"}
+  %ss = ((bf16[32,128,256]{2,1,0:T(8,128)(2,1)}), bf16[8,128,256]{2,1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w), slice={[0:8], [0:128], [0:256]}
+  %sd = bf16[8,128,256]{2,1,0:T(8,128)(2,1)S(1)} slice-done(%ss)
+  ROOT %f = f32[] fusion(%sd), kind=kLoop, calls=%fused_reduce
+}
+"""
+
+
+def test_a_tpu_prefetch_into_vmem_costs_its_slice_read_once():
+    """A weight slice DMA'd into VMEM (layout S(1)) reads its slice from HBM once; the fusion
+    that reads it in VMEM adds no HBM traffic, and the DMA is no weight copy."""
+    p = Program(_TPU_PREFETCH_HLO, weights_or_cache(("state[",), ()))
+    s = p.summary()
+    assert s["weights_bytes"] == 32 * 128 * 256 * 2
+    assert s["bytes_accessed"] == 8 * 128 * 256 * 2 + 4     # the slice + the f32 result
+    assert s["weight_copy_bytes"] == 0 and not s["weight_copies"]
+
+
 needs_plugin = pytest.mark.skipif(not gpu.has_cuda_plugin(),
                                   reason=f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
 
@@ -85,6 +119,7 @@ def h200_report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.gpu
 @needs_plugin
 def test_h200_plain_steps_read_the_weights_where_they_lie(h200_report):
     progs = h200_report["programs"]
@@ -99,6 +134,7 @@ def test_h200_plain_steps_read_the_weights_where_they_lie(h200_report):
         assert p["loops_of_unknown_trip_count"] == 1     # the step loop, counted once
 
 
+@pytest.mark.gpu
 @needs_plugin
 def test_h200_round_copies_no_target_weight(h200_report):
     # the only copies: XLA merges the drafter's projections that share an input (its layers'
@@ -119,6 +155,7 @@ def test_a_chip_excludes_a_topology():
                   "v5e:2x2", "--decode"])
 
 
+@pytest.mark.gpu
 @needs_plugin
 def test_h200_training_step_report(tmp_path):
     """`--chip h200` alone compiles the training step for the H200 and reports its traffic

@@ -330,6 +330,10 @@ class Program:
         written = self._out_bytes(ins)
         if ins.opcode in ("copy", "copy-start"):
             return sum(operand_bytes), written, True
+        if ins.opcode in ("slice", "slice-start", "dynamic-slice"):   # reads the slice alone
+            els = tuple_elements(ins.shape)
+            out = els[1] if ins.opcode == "slice-start" and len(els) > 1 else ins.shape
+            return min(shape_bytes(out), operand_bytes[0] if operand_bytes else 0.0), written, True
         fused = None
         if ins.opcode == "fusion" or ins.opcode.endswith("-start"):
             fused = self.comps.get(ins.attr("calls") or "")
