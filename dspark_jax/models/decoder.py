@@ -86,8 +86,10 @@ CACHE_ALIGN = 128
 
 
 def aligned_length(n: int) -> int:
-    """`n` positions rounded up to a multiple of `CACHE_ALIGN`."""
-    return -(-int(n) // CACHE_ALIGN) * CACHE_ALIGN
+    """`n` positions rounded up to a multiple of `CACHE_ALIGN` past it (a shorter cache stays
+    as it is: the padding would cost more than the copy it saves)."""
+    n = int(n)
+    return n if n <= CACHE_ALIGN else -(-n // CACHE_ALIGN) * CACHE_ALIGN
 
 
 def grown_positions(x: jax.Array, max_len: int) -> jax.Array:
@@ -180,7 +182,7 @@ class TargetDecoder(nnx.Module):
         """Runs the decoder on `tokens_bt` [B, T].
 
         Without a cache: a causal forward over the T tokens (positions default to 0..T−1;
-        `segment_ids_bt` restricts attention to equal non-zero segments, for packed rows).
+        `segment_ids_bt` restricts attention to equal segments, for packed rows).
         With a cache: token t of row b sits at position `cache.lengths[b] + t`; its K/V are
         written there and it sees every cached key at a position ≤ its own. The returned cache
         has lengths advanced by `advance` [B] (default: unchanged — the caller commits).

@@ -95,6 +95,75 @@ def attend(q_btnh: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
     return out.reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
+# a sequence a multiple of this many tokens runs the flash-attention kernels (their tiles)
+FLASH_BLOCK = 128
+
+
+def causal_mask(b: int, t: int, segment_ids_bt: jax.Array | None = None) -> jax.Array:
+    """[B, T, T]: token i sees tokens j ≤ i (of its own segment, with `segment_ids_bt`)."""
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool))[None], (b, t, t))
+    if segment_ids_bt is not None:
+        mask = mask & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+    return mask
+
+
+def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
+                     segment_ids_bt: jax.Array | None = None) -> jax.Array:
+    """Causal grouped-query attention of T tokens over themselves (no cache), each token seeing
+    the tokens of its own segment up to itself where `segment_ids_bt` [B, T] packs several
+    sequences into a row: the target's forward over training rows (online features, SPEC §4).
+
+    On a GPU or TPU, for T a multiple of `FLASH_BLOCK`, a flash-attention Pallas kernel
+    (JAX's `pallas.ops.gpu.attention.mha`, `pallas.ops.tpu.flash_attention`) keeps the [T, T]
+    scores on chip, where `attend` writes and re-reads them in HBM, several bytes per score
+    per layer; on a CPU, and for other lengths, `attend` with the dense mask. The branch is
+    chosen for the platform being compiled for (`lax.platform_dependent`), so an ahead-of-time
+    compile for a GPU or TPU on a CPU machine takes the kernel."""
+    b, t, n, h = q_btnh.shape
+    args = (q_btnh, k_btkh, v_btkh) + (() if segment_ids_bt is None else (segment_ids_bt,))
+
+    def dense(q, k, v, seg=None):
+        return attend(q, k, v, causal_mask(b, t, seg))
+
+    if t % FLASH_BLOCK or h > 256:
+        return dense(*args)
+    return jax.lax.platform_dependent(*args, cuda=flash_attention_gpu,
+                                      tpu=flash_attention_tpu, default=dense)
+
+
+def _heads_like_q(x: jax.Array, n: int) -> jax.Array:
+    """K/V [B, T, Kh, H] repeated to the n query heads (the kernels take no groups)."""
+    return jnp.repeat(x, n // x.shape[2], axis=2)
+
+
+def flash_attention_gpu(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array | None = None,
+                        interpret: bool = False) -> jax.Array:
+    """`causal_attention` through the Triton flash-attention kernel (`interpret`: on any
+    device, for tests)."""
+    from jax.experimental.pallas.ops.gpu import attention
+
+    n, h = q.shape[2], q.shape[3]
+    out = attention.mha(q, _heads_like_q(k, n).astype(q.dtype), _heads_like_q(v, n).astype(q.dtype),
+                        None if seg is None else seg.astype(jnp.int32), sm_scale=h ** -0.5,
+                        causal=True, interpret=interpret)
+    return out.astype(q.dtype)
+
+
+def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
+                        seg: jax.Array | None = None) -> jax.Array:
+    """`causal_attention` through the Mosaic flash-attention kernel ([B, N, T, H] layout)."""
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    n, h = q.shape[2], q.shape[3]
+    heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    ids = None if seg is None else fa.SegmentIds(q=seg.astype(jnp.int32),
+                                                 kv=seg.astype(jnp.int32))
+    out = fa.flash_attention(heads_first(q), heads_first(_heads_like_q(k, n).astype(q.dtype)),
+                             heads_first(_heads_like_q(v, n).astype(q.dtype)),
+                             segment_ids=ids, causal=True, sm_scale=h ** -0.5)
+    return heads_first(out).astype(q.dtype)
+
+
 # up to this many queries a row, attention over a cache runs as multiply-reduce loops (with a
 # verification block's 8 queries XLA:GPU re-lays the whole cache out in fp32 for them)
 CACHE_REDUCE_MAX_QUERIES = 1

@@ -66,9 +66,10 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     """Runs every layer on the embedded tokens h [B, T, D].
 
     Returns (h before the final norm, taps [n, B, T, D] or None, the updated (k, v) caches).
-    Without `cache_kv`: causal attention over the T tokens (restricted to equal non-zero
-    `segment_ids_bt`, for packed rows). With it: token t of row b sits at `positions_bt[b, t]`
-    = `positions_bt[b, 0]` + t (consecutive, as `TargetDecoder` passes them), sees the cached
+    Without `cache_kv`: causal attention over the T tokens (restricted to equal
+    `segment_ids_bt`, for packed rows; `layers.causal_attention`). With it: token t of row b
+    sits at `positions_bt[b, t]` = `positions_bt[b, 0]` + t (consecutive, as `TargetDecoder`
+    passes them), sees the cached
     keys below `positions_bt[b, 0]` and its row's tokens up to itself, and its K/V are written
     at its position (out of range: dropped) after the last layer; the layers only read the
     cache. `defer_writes` (with `cache_kv`): the third output is the new K/V rows
@@ -78,16 +79,10 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     B, T = tokens_bt.shape
     n_taps = len(tap_ids)
     taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
-    causal = jnp.arange(T)[:, None] >= jnp.arange(T)[None, :]                  # [T,T]
-    if cache_kv is None:
-        mask = jnp.broadcast_to(causal[None], (B, T, T))
-        if segment_ids_bt is not None:
-            seg = segment_ids_bt
-            mask = mask & (seg[:, :, None] == seg[:, None, :])
-    else:   # the committed prefix: cached keys below the row's first new position
+    if cache_kv is not None:   # the committed prefix: cached keys below the row's first new one
         key_pos = jnp.arange(L.cache_positions(cache_kv[0]), dtype=jnp.int32)
         cache_mask = key_pos[None, :] < positions_bt[:, :1]                    # [B,S]
-        own_mask = jnp.broadcast_to(causal[None], (B, T, T))
+        own_mask = L.causal_mask(B, T)
 
     params = stack.layer_params(dtype)
     eps = cfg.rms_norm_eps
@@ -99,8 +94,8 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         q, k, v = L.project_qkv(lp, x, eps)
         q = L.apply_rope(q, positions_bt, cfg.rope)
         k = L.apply_rope(k, positions_bt, cfg.rope)
-        if cache_kv is None:
-            attn = L.attend(q, k, v, mask)
+        if cache_kv is None:   # flash attention on GPU/TPU (`layers.causal_attention`)
+            attn = L.causal_attention(q, k, v, segment_ids_bt)
         else:   # the cache is only read; this call's rows are written after the last layer
             attn = L.attend_cache_and_own(q, L.cache_layer(cache_kv[0], layer_idx).astype(k.dtype),
                                           L.cache_layer(cache_kv[1], layer_idx).astype(v.dtype),
