@@ -1,7 +1,7 @@
 """Small-scale Table 1 (DSpark paper §4, Table 1: DSpark vs DFlash vs Eagle3 at the same data and
 budget) on SmolLM2-135M-Instruct, DSpark row; `table1_config` is shared by
 configs/smollm2_table1_{dspark,dflash,eagle3}.py. Run all three with
-`python -m dspark_jax.bench.table1 --workdir DIR` (one shared regeneration, resumable).
+`python -m dspark_jax.experiments.table1 --workdir DIR` (one shared regeneration, resumable).
 
 Identical in the three rows: the prompts (the default job's: a seeded 480-prompt subsample of
 `offline-mix`, 32 held out by id hash), the regenerated replies (one regeneration, pointed at by

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import zlib
@@ -38,9 +37,11 @@ import numpy as np
 
 from dspark_jax.eval import runner
 from dspark_jax.eval.calibration import (CalibrationFileError, CalibrationReport,
-                                         calibration_report, prefix_survival, prefix_labels,
-                                         reliability_curve, save_temperatures,
-                                         sequential_temperature_scaling, verified_mask)
+                                         calibration_report, prefix_labels,
+                                         prefix_survival_from_logits, reliability_curve,
+                                         save_temperatures, sequential_temperature_scaling,
+                                         verified_mask)
+from dspark_jax.eval.numbers import json_float
 
 __all__ = ["Rounds", "collect_rounds", "split_by_prompt", "calibrate", "metrics_summary",
            "format_table", "build_parser", "main"]
@@ -138,23 +139,20 @@ def split_by_prompt(num_prompts: int, fit_fraction: float, seed: int
     return np.sort(perm[:n_fit]), np.sort(perm[n_fit:])
 
 
-def _jf(x: float) -> float | None:
-    return float(x) if x is not None and math.isfinite(float(x)) else None
-
-
 def metrics_summary(rep: CalibrationReport) -> dict[str, Any]:
     """The per-slot numbers of a report without the reliability bins (for the drafter file)."""
     return {
-        "mean_ece": _jf(rep.mean_ece), "mean_auroc": _jf(rep.mean_auroc),
-        "mean_brier": _jf(rep.mean_brier),
-        "slots": [{"slot": s.slot, "n": s.n, "ece": _jf(s.ece), "auroc": _jf(s.auroc),
-                   "brier": _jf(s.brier), "mean_confidence": _jf(s.mean_confidence),
-                   "accuracy": _jf(s.accuracy)} for s in rep.slots],
+        "mean_ece": json_float(rep.mean_ece), "mean_auroc": json_float(rep.mean_auroc),
+        "mean_brier": json_float(rep.mean_brier),
+        "slots": [{"slot": s.slot, "n": s.n, "ece": json_float(s.ece),
+                   "auroc": json_float(s.auroc), "brier": json_float(s.brier),
+                   "mean_confidence": json_float(s.mean_confidence),
+                   "accuracy": json_float(s.accuracy)} for s in rep.slots],
     }
 
 
 def _pooled_diagram(r: Rounds, temperatures: np.ndarray | None):
-    surv = prefix_survival(r.logits, temperatures)
+    surv = prefix_survival_from_logits(r.logits, temperatures)
     return reliability_curve(surv, prefix_labels(r.accepted, r.gamma),
                              mask=verified_mask(r.proposed, r.gamma))
 
@@ -320,4 +318,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspark_jax.cli_support import run_main
+
+    run_main(main)

@@ -18,14 +18,20 @@ SRC is a drafter directory (either format; what `load_draft` reads) or a trainin
                `speculators` and llama.cpp's converter. DSpark/DFlash drafters with the vanilla
                Markov head (the only head vLLM and llama.cpp run).
 
-The directory is written beside OUT and moved into place when complete, so OUT is either the
-old export or the new one, never half of each. Errors name the field that makes a drafter
-unexportable; the exit status is 2.
+`--full-vocab-fallback` applies to deepspec only, `--verifier` to speculators only; either with
+the other format is an error.
+
+The directory is written in a temporary directory beside OUT and moved into place when complete
+(`replace_dir`), so OUT is either the old export or the new one, never half of each, and
+never missing where the file system swaps two directories in one step. The progress bar counts
+the bytes of model.safetensors as they are written. Errors name the field that makes a drafter
+unexportable, or the option that does not apply; the exit status is 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import pathlib
 import shutil
@@ -49,17 +55,32 @@ def resolve_source(src: str | os.PathLike) -> pathlib.Path:
                             "when its training finishes)")
 
 
+def check_options(fmt: str, *, full_vocab_fallback: bool = False,
+                  verifier: str | None = None) -> None:
+    """An `ExportError` for an unknown format, or an option that `fmt` does not take."""
+    from dspark_jax.models.io.errors import ExportError
+
+    if fmt not in FORMATS:
+        raise ExportError(f"--format: {fmt!r} is not one of {FORMATS}")
+    if full_vocab_fallback and fmt != "deepspec":
+        raise ExportError(f"--full-vocab-fallback applies to --format deepspec only; --format "
+                          f"{fmt} carries the draft vocabulary itself")
+    if verifier is not None and fmt != "speculators":
+        raise ExportError(f"--verifier applies to --format speculators only "
+                          f"(speculators_config.verifier); --format {fmt} records no target")
+
+
 def write_export(draft: Any, out: str | os.PathLike, fmt: str, *,
                  full_vocab_fallback: bool = False, verifier: str | None = None,
                  source_dir: str | os.PathLike | None = None,
-                 progress: Callable[[str], None] | None = None) -> pathlib.Path:
-    """Writes `draft` (a `Draft`) to `out` in `fmt`, atomically as a directory; the confidence
-    calibration of `source_dir` (confidence_calibration.json) travels with it."""
-    from dspark_jax.models.io.deepspec import ExportError, write_deepspec_dir
+                 progress: Callable[[str, int, int], None] | None = None) -> pathlib.Path:
+    """Writes `draft` (a `Draft`) to `out` in `fmt`, atomically as a directory (`replace_dir`);
+    the confidence calibration of `source_dir` (confidence_calibration.json) travels with it.
+    `progress(name, nbytes, total_bytes)` follows each tensor written."""
+    from dspark_jax.models.io.deepspec import write_deepspec_dir
     from dspark_jax.models.io.speculators import write_speculators_dir
 
-    if fmt not in FORMATS:
-        raise ExportError(f"format: {fmt!r} is not one of {FORMATS}")
+    check_options(fmt, full_vocab_fallback=full_vocab_fallback, verifier=verifier)
     out = pathlib.Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -83,16 +104,63 @@ def write_export(draft: Any, out: str | os.PathLike, fmt: str, *,
     return out
 
 
-def replace_dir(new: pathlib.Path, dst: pathlib.Path) -> None:
-    """Moves the complete directory `new` to `dst`, replacing an old `dst` (two renames)."""
+def aside_path(dst: pathlib.Path) -> pathlib.Path:
+    """Where the two-phase swap of `replace_dir` keeps the old `dst`: `.<name>.old` beside it."""
+    return dst.with_name(f".{dst.name}.old")
+
+
+def recover_dir(dst: pathlib.Path) -> None:
+    """Finishes a two-phase swap that a process left half done: with `dst` missing, the old
+    directory at `aside_path(dst)` moves back; with both present, the new one was in place and
+    only the old one's deletion was missed, so it is deleted."""
+    old = aside_path(dst)
+    if not old.exists():
+        return
     if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(new, dst)
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old)
     else:
+        os.replace(old, dst)
+
+
+def exchange_paths(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swaps two existing paths in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where
+    the kernel, the C library or the file system does not offer it."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def replace_dir(new: pathlib.Path, dst: pathlib.Path) -> None:
+    """Moves the complete directory `new` to `dst`, replacing an old `dst`.
+
+    Where the file system can swap two directories in one step (`exchange_paths`), `new` and
+    `dst` trade places and the old directory is deleted: `dst` is never missing. Elsewhere it is
+    a two-phase swap: the old `dst` is renamed to `aside_path(dst)`, `new` is renamed to `dst`,
+    the old one is deleted; a process that dies between the two renames leaves the old
+    directory aside, and `recover_dir`, which the next call runs first, puts it back."""
+    recover_dir(dst)
+    if not dst.exists():
         os.replace(new, dst)
+        return
+    if exchange_paths(new, dst):
+        shutil.rmtree(new, ignore_errors=True)      # `new` now holds the old directory
+        return
+    old = aside_path(dst)
+    os.replace(dst, old)
+    os.replace(new, dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -114,33 +182,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> pathlib.Path:
     args = parse_args(argv)
+    from dspark_jax.cli_support import exit_with_error
     from dspark_jax.models.config import ConfigError
-    from dspark_jax.models.io.deepspec import ExportError
     from dspark_jax.models.drafters.draft import load_draft
-    from dspark_jax.models.io.hf import CheckpointError
+    from dspark_jax.models.io.errors import CheckpointError
 
-    try:
-        if args.format not in FORMATS:
-            raise ExportError(f"--format: {args.format!r} is not one of {FORMATS}")
-        src = resolve_source(args.source)
-        draft = load_draft(src)
-        bar = None
-        if not args.no_progress:
+    bar = None
+
+    def progress(name: str, nbytes: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
             from tqdm.auto import tqdm
 
-            bar = tqdm(desc=f"export {args.format}", unit="group")
-        progress = None if bar is None else (lambda g: (bar.set_postfix_str(g), bar.update(1)))
+            bar = tqdm(desc=f"export {args.format}", total=total, unit="B", unit_scale=True,
+                       unit_divisor=1024)
+        bar.set_postfix_str(name, refresh=False)
+        bar.update(nbytes)
+
+    try:
+        check_options(args.format, full_vocab_fallback=args.full_vocab_fallback,
+                      verifier=args.verifier)
+        src = resolve_source(args.source)
+        draft = load_draft(src)
         out = write_export(draft, args.out, args.format,
                            full_vocab_fallback=args.full_vocab_fallback,
-                           verifier=args.verifier, source_dir=src, progress=progress)
+                           verifier=args.verifier, source_dir=src,
+                           progress=None if args.no_progress else progress)
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:   # ExportError included
+        exit_with_error(e)
+    finally:
         if bar is not None:
             bar.close()
-    except (ExportError, ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"{args.format} drafter written to {out}")
     return out
 
 
 if __name__ == "__main__":
-    main()
+    from dspark_jax.cli_support import run_main
+
+    run_main(main)

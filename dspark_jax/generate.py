@@ -85,4 +85,6 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    from dspark_jax.cli_support import run_main
+
+    run_main(main)

@@ -1,4 +1,5 @@
-"""Shared test setup: CPU only, fp32 matmuls, 8 fake devices for sharding tests."""
+"""Shared test setup: CPU only, fp32 matmuls, 8 fake devices for sharding tests, no persistent
+compilation cache."""
 
 import os
 
@@ -10,6 +11,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The command lines' persistent compilation cache (dspark_jax/cli_support.py) stays off: tests,
+# and the commands they start, never write under the user's home.
+os.environ["DSPARK_JAX_COMPILATION_CACHE"] = ""
 
 import jax  # noqa: E402
 

@@ -31,6 +31,7 @@ def test_flops_count_loop_trips_and_gradients():
     assert matmul_flops(jax.grad(jax.checkpoint(f), argnums=(0, 1)), x, w) == 4 * fwd
 
 
+@pytest.mark.tpu
 @pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
 def test_tiny_config_compiles_for_v5e_2x2(tmp_path, capsys):
@@ -67,6 +68,7 @@ def test_without_libtpu_says_how_to_install(monkeypatch, capsys):
     assert "pip install -e '.[tpu]'" in capsys.readouterr().err
 
 
+@pytest.mark.tpu
 def test_unknown_topology_and_target_are_clear_errors(capsys):
     if not topology.has_libtpu():
         pytest.skip("needs libtpu")
@@ -85,6 +87,7 @@ def test_compile_time_oom_becomes_a_shortfall():
     assert memory._compile_time_oom("INVALID_ARGUMENT: something else") is None
 
 
+@pytest.mark.tpu
 @pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
 def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
@@ -129,6 +132,7 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     assert rc == 2 and "--capacity 3" in capsys.readouterr().err
 
 
+@pytest.mark.tpu
 @pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
 def test_v5e_plain_step_and_round_read_the_weights_where_they_lie(tmp_path):

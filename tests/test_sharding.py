@@ -46,6 +46,7 @@ def test_select_devices_keeps_every_process():
         select_devices(9, devs)
 
 
+@pytest.mark.tpu
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu (pip install -e '.[tpu]') for a TPU "
                     "topology on CPU")
 def test_two_slices_put_data_parallelism_over_dcn():

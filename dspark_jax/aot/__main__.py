@@ -3,10 +3,11 @@ the training step (SPEC §4) or a serving round (paper §5.2–5.3) compiled for
 this machine (see dspark_jax/aot/cli.py)."""
 
 import os
-import sys
 
 if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compile-only: never open an accelerator
     from dspark_jax.aot.cli import main
+    from dspark_jax.cli_support import run_main
 
-    sys.exit(main())
+    # no persistent compilation cache: the programs are compiled for chips this machine lacks
+    run_main(main, compilation_cache=False)

@@ -1,7 +1,7 @@
 """Compile the training step or a serving round for a TPU topology, on a CPU-only machine.
 
 `python -m dspark_jax.aot --config configs/NAME.py --topology v5p:2x4x4 [--num-slices N]
-[--json PATH] [--config.key=value ...]` compiles the training step (SPEC §4, `train_step.py`);
+[--json PATH] [--config.key=value ...]` compiles the training step (SPEC §4, `training.py`);
 `--decode [--requests R] [--max-len S] [--capacity K]` compiles a serving round instead (the
 drafter's draft step and the target's ragged verification step at R request slots, S context
 tokens each and capacity bucket K, on a tensor × fsdp serving mesh; paper §5.2–5.3,
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    default_mesh=not args.no_preset)
             text = format_decode_report(report)
         else:
-            from dspark_jax.aot.train_step import format_report, train_report
+            from dspark_jax.aot.training import format_report, train_report
 
             report = train_report(c, args.topology, args.num_slices, preset=not args.no_preset)
             text = format_report(report)
@@ -118,7 +118,7 @@ def _chip_main(prog: str, args: argparse.Namespace, overrides: list[str]) -> int
                                          [p for p in args.programs.split(",") if p])
             text = format_floor_report(report)
         else:
-            from dspark_jax.aot.train_step import chip_train_report, format_report
+            from dspark_jax.aot.training import chip_train_report, format_report
 
             report = chip_train_report(c, args.chip)
             text = format_report(report)

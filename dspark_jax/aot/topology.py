@@ -1,7 +1,7 @@
 """The TPU side of ahead-of-time compilation: a topology's compile-only devices from `libtpu`
 (`jax.experimental.topologies`; no TPU is opened, so a CPU-only machine compiles for a pod
 slice) and each chip generation's HBM size, HBM bandwidth and bf16 peak, against which the
-training step (SPEC §4's batch on a slice, `aot/train_step.py`) and the serving round (paper
+training step (SPEC §4's batch on a slice, `aot/training.py`) and the serving round (paper
 §5.2–5.3, `aot/decode.py`) are measured.
 """
 

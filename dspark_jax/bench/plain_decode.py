@@ -96,4 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dspark_jax.cli_support import run_main
+
+    run_main(main, compilation_cache=False)      # it times its own compilation

@@ -3,7 +3,7 @@
 Same model (the embedded SmolLM2-135M-Instruct GGUF, fp32, loaded by transformers from the same
 file), same prompts (chat-rendered with the generation prompt), same batch, same new-token cap,
 same sampling settings (T, top-k, top-p), both in this process back to back, so the ratio is
-meaningful even on a loaded machine. Ours is the whole `data.regenerate.regenerate` call
+meaningful even on a loaded machine. Ours is the whole `data.regeneration.regenerate` call
 (prompt rendering, compilation, continuous batching, decoding the text, writing the JSONL);
 theirs is `model.generate` over static batches of `batch` prompts (left-padded), counting only
 the tokens each row really generated (up to and including its stop token). Model loading is
@@ -35,7 +35,7 @@ def bench_prompts(n: int, source: str) -> list:
 
 def run_ours(target, convs, *, batch: int, max_new_tokens: int, temperature: float,
              top_k: int, top_p: float, engine: str) -> dict:
-    from dspark_jax.data.regenerate import regenerate
+    from dspark_jax.data.regeneration import regenerate
 
     with tempfile.TemporaryDirectory() as tmp:
         stats = regenerate(target, convs, Path(tmp) / "out.jsonl", max_new_tokens=max_new_tokens,
@@ -149,4 +149,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from dspark_jax.cli_support import run_main
+
+    run_main(main, compilation_cache=False)      # it times its own compilation

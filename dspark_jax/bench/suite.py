@@ -130,4 +130,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    from dspark_jax.cli_support import run_main
+
+    run_main(main, compilation_cache=False)      # it times its own compilation

@@ -31,7 +31,7 @@ import numpy as np
 
 from dspark_jax.data import features as F
 from dspark_jax.data.prompts import Conversation
-from dspark_jax.data.regenerate import RegenerationError, RegenStats, regenerate, scan_output
+from dspark_jax.data.regeneration import RegenerationError, RegenStats, regenerate, scan_output
 
 PathLike = str | os.PathLike[str]
 

@@ -3,7 +3,7 @@ TPU, the interpreter on CPU; on GPU they are not offered. Shared by the acceptan
 (`pallas_kernels/verify`) and Markov head sampling (`pallas_kernels/markov_sample`).
 
 A kernel is offered on a backend only where it is no slower than the pure-JAX path it replaces.
-On an H200 both Triton lowerings lose to XLA's (figures: BENCHMARKS.md, "Pallas kernels"): the
+On an H200 both Triton lowerings lose to XLA's (figures: BENCHMARKS.md, "GPU (H200)"): the
 Markov sampler's grid is one program per block of rows, so at a few requests one program
 streams all of W2 for every slot while XLA spreads the same product over the whole chip, and
 the verification kernel's per-row programs do the same with the target's probabilities. The
@@ -23,7 +23,7 @@ def check_offered(what: str, backend: str | None = None) -> None:
     backend = backend or jax.default_backend()
     if backend not in OFFERED_BACKENDS:
         raise ValueError(f"{what} is not offered on {backend}: its Triton kernel is slower than "
-                         "the pure-JAX path there (BENCHMARKS.md, \"Pallas kernels\"); use 'jax'")
+                         "the pure-JAX path there (BENCHMARKS.md, \"GPU (H200)\"); use 'jax'")
 
 
 def kernel_mode() -> dict[str, object]:

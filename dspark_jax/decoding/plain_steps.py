@@ -13,7 +13,7 @@ with `sampling.sample_request_rows` (the request's own key folded with its token
 reply does not depend on its slot, its neighbours or how many steps a call ran), commit it.
 The loop returns early once `min_done` slots have finished (a stop token or the token
 budget), so the host can hand their slots to waiting requests: continuous batching without a
-host round trip per token. Regeneration (`data/regenerate.py`) runs on it through the engine.
+host round trip per token. Regeneration (`data/regeneration.py`) runs on it through the engine.
 """
 
 from __future__ import annotations

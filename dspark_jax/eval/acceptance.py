@@ -37,10 +37,14 @@ strict JSON).  :func:`macro_mean` averages several datasets (the "mean" column o
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from dspark_jax.eval.numbers import json_float, nanmean, ratio
 
 __all__ = [
     "AcceptanceStats",
@@ -89,19 +93,6 @@ PAPER_TABLE1_TAU: dict[str, dict[str, dict[str, float]]] = {
 }
 
 
-def _ratio(num: float, den: float) -> float:
-    return float(num) / float(den) if den != 0 else math.nan
-
-
-def _json_float(x: float) -> float | None:
-    return None if (x is None or not math.isfinite(x)) else float(x)
-
-
-def _nanmean(values: Sequence[float]) -> float:
-    finite = [v for v in values if v is not None and not math.isnan(v)]
-    return float(sum(finite) / len(finite)) if finite else math.nan
-
-
 @dataclass(frozen=True)
 class AcceptanceStats:
     """Acceptance statistics of one dataset (or a macro mean of several)."""
@@ -122,10 +113,10 @@ class AcceptanceStats:
             "name": self.name,
             "rounds": int(self.rounds),
             "gamma": int(self.gamma),
-            "tau": _json_float(self.tau),
-            "verify_rate": _json_float(self.verify_rate),
-            "accept_rate_at": [_json_float(v) for v in self.accept_rate_at],
-            "conditional_acceptance": [_json_float(v) for v in self.conditional_acceptance],
+            "tau": json_float(self.tau),
+            "verify_rate": json_float(self.verify_rate),
+            "accept_rate_at": [json_float(v) for v in self.accept_rate_at],
+            "conditional_acceptance": [json_float(v) for v in self.conditional_acceptance],
             "total_accepted": int(self.total_accepted),
             "total_proposed": int(self.total_proposed),
         }
@@ -154,7 +145,7 @@ def _conditional(rates: Sequence[float]) -> tuple[float, ...]:
             out.append(float(rate))
         else:
             prev = rates[k - 1]
-            out.append(_ratio(rate, prev) if not (math.isnan(prev) or math.isnan(rate)) else math.nan)
+            out.append(ratio(rate, prev) if not (math.isnan(prev) or math.isnan(rate)) else math.nan)
     return tuple(out)
 
 
@@ -202,13 +193,13 @@ def acceptance_stats(
         raise ValueError(f"a round proposed {int(prop.max())} > gamma={gamma} drafts")
     committed = int(alen.sum())
     rates = tuple(
-        _ratio(int(np.sum(acc >= k + 1)), int(np.sum(prop > k))) for k in range(gamma)
+        ratio(int(np.sum(acc >= k + 1)), int(np.sum(prop > k))) for k in range(gamma)
     )
     return AcceptanceStats(
         rounds=r_,
         gamma=gamma,
-        tau=_ratio(committed, r_),
-        verify_rate=_ratio(committed, int(prop.sum()) + r_),
+        tau=ratio(committed, r_),
+        verify_rate=ratio(committed, int(prop.sum()) + r_),
         accept_rate_at=rates,
         conditional_acceptance=_conditional(rates),
         total_accepted=int(acc.sum()),
@@ -218,15 +209,26 @@ def acceptance_stats(
 
 
 def stats_from_records(
-    records: Iterable[Mapping[str, Any]], gamma: int | None = None, name: str | None = None
+    records: Iterable[Mapping[str, Any]], gamma: int | None = None, name: str | None = None,
+    *, source: str | os.PathLike | None = None,
 ) -> AcceptanceStats:
     """Same as :func:`acceptance_stats` from records ``{"proposed": int, "accepted": int}``, with
     ``"acceptance": int`` (DeepSpec's acceptance length of the round) where the records have it
-    (all of them or none)."""
+    (all of them or none).
+
+    Records without ``"acceptance"`` are counted ``accepted + 1`` every round, which overstates
+    τ by one token on each round that ended on a stop token among its accepted drafts; a
+    ``UserWarning`` naming ``source`` (the file the records came from) says so.
+    """
     recs = list(records)
     has = ["acceptance" in r for r in recs]
     if any(has) and not all(has):
         raise ValueError("some records have 'acceptance' and others not")
+    if recs and not any(has):
+        warnings.warn(
+            f"{source if source is not None else 'records'}: no per-round 'acceptance' "
+            "lengths; τ counts accepted + 1 on every round, one token too many on a round that "
+            "ended on a stop token among its accepted drafts", UserWarning, stacklevel=2)
     return acceptance_stats(
         [int(r["proposed"]) for r in recs], [int(r["accepted"]) for r in recs], gamma=gamma,
         name=name, acceptance=[int(r["acceptance"]) for r in recs] if all(has) and recs else None,
@@ -239,8 +241,9 @@ def macro_mean(
     """Unweighted mean over datasets (each dataset counts once, whatever its number of rounds).
 
     ``tau``, ``verify_rate``, ``accept_rate_at[k]`` and ``conditional_acceptance[k]`` are averaged
-    over the datasets where they are defined (NaN ignored; a dataset with a smaller ``gamma``
-    contributes nothing to the higher positions).  ``rounds`` and the totals are summed.  The mean
+    over the datasets where they are defined (:func:`~dspark_jax.eval.numbers.nanmean`: NaN, ±inf
+    and None skipped; a dataset with a smaller ``gamma`` contributes nothing to the higher
+    positions).  ``rounds`` and the totals are summed.  The mean
     conditional acceptance is the mean of the per-dataset curves, as in the paper's Figure 2.
     """
     items = list(stats.values()) if isinstance(stats, Mapping) else list(stats)
@@ -252,11 +255,11 @@ def macro_mean(
     return AcceptanceStats(
         rounds=sum(s.rounds for s in items),
         gamma=gamma,
-        tau=_nanmean([s.tau for s in items]),
-        verify_rate=_nanmean([s.verify_rate for s in items]),
-        accept_rate_at=tuple(_nanmean([at(s.accept_rate_at, k) for s in items]) for k in range(gamma)),
+        tau=nanmean([s.tau for s in items]),
+        verify_rate=nanmean([s.verify_rate for s in items]),
+        accept_rate_at=tuple(nanmean([at(s.accept_rate_at, k) for s in items]) for k in range(gamma)),
         conditional_acceptance=tuple(
-            _nanmean([at(s.conditional_acceptance, k) for s in items]) for k in range(gamma)
+            nanmean([at(s.conditional_acceptance, k) for s in items]) for k in range(gamma)
         ),
         total_accepted=sum(s.total_accepted for s in items),
         total_proposed=sum(s.total_proposed for s in items),

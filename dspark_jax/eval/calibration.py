@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dspark_jax.eval.numbers import json_float, nanmean
 from dspark_jax.models.io.calibration_file import (CALIBRATION_FILE, CALIBRATION_FORMAT,
                                                    CalibrationFileError, load_temperatures,
                                                    save_temperatures)
@@ -44,7 +45,7 @@ __all__ = [
     "prefix_labels",
     "verified_mask",
     "apply_temperatures",
-    "prefix_survival",
+    "prefix_survival_from_logits",
     "expected_calibration_error",
     "reliability_curve",
     "auroc",
@@ -65,10 +66,6 @@ __all__ = [
 DEFAULT_N_BINS = 20
 #: Coarse STS grid (log-spaced, contains 1.0); a local refinement follows the coarse search.
 DEFAULT_TEMPERATURE_GRID: np.ndarray = np.unique(np.concatenate([np.geomspace(0.05, 20.0, 241), [1.0]]))
-
-
-def _json_float(x: float) -> float | None:
-    return None if (x is None or not math.isfinite(float(x))) else float(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -115,8 +112,12 @@ def apply_temperatures(logits: Any, temperatures: Any) -> Any:
     return sigmoid(np.asarray(logits, np.float64) / np.asarray(temperatures, np.float64))
 
 
-def prefix_survival(logits: np.ndarray, temperatures: np.ndarray | None = None) -> np.ndarray:
-    """Predicted prefix survival ``a[r, k] = prod_{j <= k} sigmoid(logit[r, j] / T_j)``, [R, gamma]."""
+def prefix_survival_from_logits(logits: np.ndarray, temperatures: np.ndarray | None = None
+                                ) -> np.ndarray:
+    """Predicted prefix survival from confidence-head logits [R, gamma]:
+    ``a[r, k] = prod_{j <= k} sigmoid(logit[r, j] / T_j)``, [R, gamma] (numpy; T = 1 without
+    ``temperatures``). `decoding.scheduler.prefix_survival` is the same product on
+    probabilities (JAX)."""
     logits = np.asarray(logits, np.float64)
     t = np.ones(logits.shape[-1]) if temperatures is None else np.asarray(temperatures, np.float64)
     return np.cumprod(apply_temperatures(logits, t), axis=-1)
@@ -174,8 +175,8 @@ class ReliabilityDiagram:
     def to_dict(self) -> dict[str, Any]:
         return {
             "bin_edges": [float(v) for v in self.bin_edges],
-            "confidence": [_json_float(v) for v in self.confidence],
-            "accuracy": [_json_float(v) for v in self.accuracy],
+            "confidence": [json_float(v) for v in self.confidence],
+            "accuracy": [json_float(v) for v in self.accuracy],
             "count": [int(v) for v in self.count],
         }
 
@@ -248,11 +249,11 @@ class SlotCalibration:
         return {
             "slot": self.slot,
             "n": self.n,
-            "mean_confidence": _json_float(self.mean_confidence),
-            "accuracy": _json_float(self.accuracy),
-            "ece": _json_float(self.ece),
-            "auroc": _json_float(self.auroc),
-            "brier": _json_float(self.brier),
+            "mean_confidence": json_float(self.mean_confidence),
+            "accuracy": json_float(self.accuracy),
+            "ece": json_float(self.ece),
+            "auroc": json_float(self.auroc),
+            "brier": json_float(self.brier),
             "reliability": self.reliability.to_dict(),
         }
 
@@ -274,9 +275,9 @@ class CalibrationReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "temperatures": None if self.temperatures is None else [float(t) for t in self.temperatures],
-            "mean_ece": _json_float(self.mean_ece),
-            "mean_auroc": _json_float(self.mean_auroc),
-            "mean_brier": _json_float(self.mean_brier),
+            "mean_ece": json_float(self.mean_ece),
+            "mean_auroc": json_float(self.mean_auroc),
+            "mean_brier": json_float(self.mean_brier),
             "slots": [s.to_dict() for s in self.slots],
         }
 
@@ -299,11 +300,6 @@ def _mask_2d(mask: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray:
     return m
 
 
-def _nanmean(values: Sequence[float]) -> float:
-    v = [x for x in values if not math.isnan(x)]
-    return float(np.mean(v)) if v else math.nan
-
-
 def calibration_report(
     logits: np.ndarray,  # [R, gamma] confidence-head logits
     accepted: np.ndarray,  # [R] accepted counts, or [R, gamma] bool prefix labels
@@ -316,7 +312,7 @@ def calibration_report(
     r_, g_ = logits.shape
     labels = _labels_2d(accepted, g_)
     m = _mask_2d(mask, (r_, g_))
-    surv = prefix_survival(logits, temperatures)
+    surv = prefix_survival_from_logits(logits, temperatures)
     slots = []
     for k in range(g_):
         p, y = surv[m[:, k], k], labels[m[:, k], k]
@@ -335,9 +331,9 @@ def calibration_report(
     return CalibrationReport(
         slots=tuple(slots),
         temperatures=None if temperatures is None else tuple(float(t) for t in np.asarray(temperatures)),
-        mean_ece=_nanmean([s.ece for s in slots]),
-        mean_auroc=_nanmean([s.auroc for s in slots]),
-        mean_brier=_nanmean([s.brier for s in slots]),
+        mean_ece=nanmean([s.ece for s in slots]),
+        mean_auroc=nanmean([s.auroc for s in slots]),
+        mean_brier=nanmean([s.brier for s in slots]),
     )
 
 

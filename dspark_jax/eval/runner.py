@@ -267,7 +267,7 @@ def decode(target: Any, draft: Any, prompts: Sequence[Sequence[int]], *, batch_s
     `batch_size`; batch b (in decoding order) samples with seed `batch_seed(b)`. `settings`:
     `serving.SpecSettings` (its `record_confidence` decides whether confidence rows come back).
     """
-    from dspark_jax.serving.generate import speculative_generate
+    from dspark_jax.serving.generation import speculative_generate
 
     gamma = int(draft.config.num_drafts)
     committed = rounds = 0

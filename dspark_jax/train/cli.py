@@ -19,7 +19,7 @@ DeepSpec's end-to-end drafter recipe (SPEC §4) as one resumable command:
       speculative decoding (`dspark_jax.evaluate.evaluate`) on the held-out prompts (or
       `eval.speculative_data_dir`), into `<workdir>/speculative/`, and, when DeepSpec is
       installed or `eval.deepspec_src` / `$DEEPSPEC_SRC` names its source, runs DeepSpec's own
-      evaluation loop on the DeepSpec-format export against our engine (`eval/deepspec_loop.py`).
+      evaluation loop on the DeepSpec-format export against our engine (`interop/deepspec_loop.py`).
 
 The stages live in their own modules, this one only wires them: job_config.py (config file,
 overrides, checks), data_stage.py (a)–(c), train_stage.py (d), eval_stage.py (e).
@@ -180,7 +180,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def entry() -> None:
-    """`python -m dspark_jax.train`: errors in the config are one line, not a traceback."""
+    """`python -m dspark_jax.train`: errors in the config and checkpoint errors are one line,
+    not a traceback (exit status 2); compiled programs persist across runs
+    (`cli_support.run_main`)."""
+    from dspark_jax.cli_support import run_main
     from dspark_jax.models.config import ConfigError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -188,15 +191,4 @@ def entry() -> None:
         print(__doc__)
         print("Config keys: see dspark_jax/train/config_base.py; experiments: configs/*.py")
         return
-    try:
-        main(sys.argv)
-    except (UsageError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except Exception as e:  # checkpoint / data errors carry their own clear message
-        from dspark_jax.train.checkpoint import CheckpointError
-
-        if isinstance(e, CheckpointError):
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(3)
-        raise
+    run_main(lambda: main(sys.argv), errors=(UsageError, ConfigError))

@@ -22,7 +22,7 @@ def load_prompt_pool(c: ml_collections.ConfigDict) -> list:
     with `config.data.decontaminate`'s overlap filter applied, before any subsampling."""
     from dspark_jax.data.prompt_sources import PROMPT_SOURCES
     from dspark_jax.data.prompts import load_humaneval
-    from dspark_jax.data.regenerate import load_prompt_files
+    from dspark_jax.data.regeneration import load_prompt_files
 
     paths = [str(p) for p in c.data.prompts]
     for p in paths:

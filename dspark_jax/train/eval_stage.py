@@ -6,7 +6,6 @@ Only process 0 writes files; every process takes part in the collectives.
 
 from __future__ import annotations
 
-import importlib
 import json
 import pathlib
 from typing import Any, Callable
@@ -87,15 +86,11 @@ def speculative_eval(c, target, export_dir: pathlib.Path, heldout_convs,
 def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> dict[str, Any]:
     """`config.eval.speculative`: measured τ with speculative decoding by `dspark_jax.evaluate`
     (DeepSpec's protocol, another module's job). Default data: the held-out prompts (first user
-    turn), written as a DeepSpec `{"turns"}` file; or `eval.speculative_data_dir`."""
-    try:
-        mod = importlib.import_module("dspark_jax.evaluate")
-    except ImportError:
-        return {"skipped": "dspark_jax.evaluate is not available"}
-    fn = getattr(mod, "evaluate", None)
-    if fn is None:
-        return {"skipped": "dspark_jax.evaluate has no evaluate(target, draft, data_dir, ...)"}
+    turn), written as a DeepSpec `{"turns"}` file; or `eval.speculative_data_dir`. It needs no
+    optional dependency, so it is never skipped for a failed import: an ImportError propagates."""
     import jax
+
+    from dspark_jax.evaluate import evaluate as fn
 
     is_main = jax.process_index() == 0
     e = c.eval
@@ -156,13 +151,15 @@ def export_draft(graphdef, params, frozen, out: pathlib.Path, verifier: str | No
     deepspec_dir = {"speculators": out.with_name(out.name + "-deepspec-fullvocab"),
                     "eagle3": None, "deepspec": out}[fmt]
     if jax.process_index() == 0:
-        write_export(draft, out, "speculators" if fallback else "deepspec", verifier=verifier)
         if fallback:
             import warnings
 
+            write_export(draft, out, "speculators", verifier=verifier)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")     # the fallback is stated in the summary
                 write_export(draft, deepspec_dir, "deepspec", full_vocab_fallback=True)
+        else:
+            write_export(draft, out, "deepspec")    # DeepSpec's format records no verifier
     barrier("export")          # the others read the export only after it is complete
     return {"primary": out, "format": fmt, "deepspec": deepspec_dir}
 
@@ -170,12 +167,12 @@ def export_draft(graphdef, params, frozen, out: pathlib.Path, verifier: str | No
 def deepspec_check(c, target, deepspec_dir: pathlib.Path | None, heldout_convs
                    ) -> dict[str, Any]:
     """The job checks its own export in its consumer: DeepSpec's evaluation loop
-    (eval/deepspec_loop.py) and our engine decode the same held-out prompts greedily with the
+    (interop/deepspec_loop.py) and our engine decode the same held-out prompts greedily with the
     DeepSpec-format export; both τ and whether every token agrees. Skipped, with the reason,
     without DeepSpec or PyTorch, or when `eval.deepspec_check_samples` is 0."""
     import jax
 
-    from dspark_jax.eval import deepspec_loop as dl
+    from dspark_jax.interop import deepspec_loop as dl
 
     n = int(c.eval.deepspec_check_samples)
     if n <= 0:

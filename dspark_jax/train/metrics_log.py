@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import pathlib
 import sys
@@ -21,6 +20,8 @@ import time
 from typing import Any, Mapping
 
 import numpy as np
+
+from dspark_jax.eval.numbers import json_float
 
 PROGRESS_KEYS = ("loss", "accept_rate@0", "tau_probabilistic", "lr")
 
@@ -38,11 +39,12 @@ def batch_fingerprint(batch: Mapping[str, Any]) -> str:
 
 
 def _scalar(v: Any) -> float | None:
+    """A metric as a JSON number: None when it is not a scalar number or not finite."""
     try:
         x = float(np.asarray(v))
     except (TypeError, ValueError):
         return None
-    return x if math.isfinite(x) else None
+    return json_float(x)
 
 
 class MetricsLogger:

@@ -1,10 +1,10 @@
-"""The host facts CPU benchmarks print next to their figures (bench/common.py)."""
+"""The host facts CPU benchmarks print next to their figures (`dspark_jax.measurement`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dspark_jax.bench import common
+from dspark_jax import measurement as common
 from dspark_jax.bench.regenerate import _host_line
 
 

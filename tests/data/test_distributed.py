@@ -13,7 +13,7 @@ import pytest
 from dspark_jax.data import distributed as D
 from dspark_jax.data.features import FeatureCache, FeatureCacheError, write_feature_cache
 from dspark_jax.data.prompts import Conversation
-from dspark_jax.data.regenerate import RegenerationError, regenerate
+from dspark_jax.data.regeneration import RegenerationError, regenerate
 from dspark_jax.models import load_target
 from dspark_jax.models.tokenizer import load_tokenizer
 from hf_tiny import save_tiny_hf

@@ -13,7 +13,7 @@ from dspark_jax.data import contamination as C
 from dspark_jax.data import offline_prompts as O
 from dspark_jax.data import prompt_sources as S
 from dspark_jax.data import prompts as P
-from dspark_jax.data.regenerate import load_prompt_files
+from dspark_jax.data.regeneration import load_prompt_files
 
 SHARED_EVAL = Path("/work/shared/eval_datasets")
 

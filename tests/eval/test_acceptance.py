@@ -81,10 +81,25 @@ def test_invalid_acceptance_lengths(proposed, accepted, acceptance) -> None:
 
 
 def test_default_gamma_and_records() -> None:
-    s = stats_from_records([{"proposed": 2, "accepted": 1}, {"proposed": 2, "accepted": 2}], name="x")
+    recs = [{"proposed": 2, "accepted": 1}, {"proposed": 2, "accepted": 2}]
+    with pytest.warns(UserWarning, match="records"):
+        s = stats_from_records(recs, name="x")
     assert s.gamma == 2 and s.name == "x"
     assert s.tau == pytest.approx(2.5)
     assert s.accept_rate_at == pytest.approx((1.0, 0.5))
+
+
+def test_records_without_acceptance_lengths_warn_naming_the_file(tmp_path, recwarn) -> None:
+    path = tmp_path / "records.jsonl"
+    recs = [{"proposed": 3, "accepted": 1}, {"proposed": 3, "accepted": 3}]
+    with pytest.warns(UserWarning, match=r"records\.jsonl: no per-round 'acceptance'") as w:
+        s = stats_from_records(recs, source=path)
+    assert str(path) in str(w[0].message) and w[0].filename == __file__
+    assert s.tau == pytest.approx((2 + 4) / 2)  # accepted + 1 on every round
+    # with the lengths, or without any record: nothing to warn about
+    stats_from_records([dict(r, acceptance=r["accepted"] + 1) for r in recs], source=path)
+    stats_from_records([], source=path)
+    assert not [x for x in recwarn if issubclass(x.category, UserWarning)]
 
 
 def test_nan_safe_and_json() -> None:

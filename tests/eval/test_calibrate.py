@@ -176,7 +176,7 @@ def test_drafter_without_confidence_head_is_refused(run):
 def test_rounds_follow_the_decoding_order_and_seed_rule(run, monkeypatch):
     """collect_rounds decodes all datasets' prompts together, shortest first; batch k samples
     with seed (seed·1000003 + k·batch_size) mod 2³¹ and the rows come in decoding order."""
-    import dspark_jax.serving.generate as spec_mod
+    import dspark_jax.serving.generation as spec_mod
     from dspark_jax.calibrate import collect_rounds
 
     seeds, lens = [], []

@@ -147,7 +147,7 @@ def test_apply_temperatures_numpy_and_jax_agree() -> None:
     np_out = C.apply_temperatures(z, t)
     jx_out = np.asarray(C.apply_temperatures(jnp.asarray(z, jnp.float32), t))
     assert np.allclose(np_out, jx_out, atol=1e-6)
-    assert np.allclose(C.prefix_survival(z, t), np.cumprod(np_out, axis=1))
+    assert np.allclose(C.prefix_survival_from_logits(z, t), np.cumprod(np_out, axis=1))
     assert np.allclose(C.sigmoid(C.logit(np.array([0.1, 0.5, 0.99]))), [0.1, 0.5, 0.99])
 
 

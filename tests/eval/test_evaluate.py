@@ -230,7 +230,7 @@ def test_tau_counts_a_stop_round_as_deepspec(env, tmp_path, monkeypatch):
 
     DeepSpec: τ = (2 + 5 + 2 + 1 + 1) / 5 = 2.2; counting accepted + 1 every round would give
     (2 + 5 + 3 + 1 + 2) / 5 = 2.6."""
-    import dspark_jax.serving.generate as spec_mod
+    import dspark_jax.serving.generation as spec_mod
 
     fake = dict(proposed=[[4, 4, 2], [4, 1]], accepted=[[1, 4, 2], [0, 1]],
                 acceptance=[[2, 5, 2], [1, 1]], tokens=[[5] * 10, [6] * 2])
@@ -369,7 +369,7 @@ def test_runner_prepares_prompts_and_batches(env, tmp_path):
 def test_runner_decode_keeps_prompt_order_and_seeds_batches(env, monkeypatch):
     """Outputs come back in the prompts' order, batches run shortest first, batch b samples
     with batch_seed(b), and DeepSpec's acceptance lengths / confidence rows are kept."""
-    import dspark_jax.serving.generate as spec_mod
+    import dspark_jax.serving.generation as spec_mod
 
     calls = []
 
@@ -400,7 +400,7 @@ def test_evaluate_seeds_each_dataset_batch(env, tmp_path, monkeypatch):
     shared driver."""
     import zlib
 
-    import dspark_jax.serving.generate as spec_mod
+    import dspark_jax.serving.generation as spec_mod
 
     seeds = []
 
@@ -462,6 +462,18 @@ def test_bad_arguments(env):
         with pytest.raises(ValueError):
             evaluate(env["target"], env["draft"], env["data"], datasets="alpha",
                      **{**RUN_KW, **kw})
+
+
+def test_dtype_other_than_the_loaded_targets_raises(env):
+    with pytest.raises(ValueError, match="dtype='bfloat16', but the loaded target computes in "
+                                         "float32"):
+        evaluate(env["target"], env["draft"], env["data"], datasets="alpha", dtype="bfloat16",
+                 **RUN_KW)
+    # the target's own dtype (or None) passes; max_cache_len=1 then stops before any decoding
+    for dtype in (None, "float32", "fp32"):
+        with pytest.raises(ValueError, match="max_cache_len must be ≥ 2"):
+            evaluate(env["target"], env["draft"], env["data"], datasets="alpha", dtype=dtype,
+                     max_cache_len=1, **RUN_KW)
 
 
 def test_all_prompts_too_long_for_cache_limit_are_skipped(env, tmp_path):

@@ -1,15 +1,18 @@
-"""Our engine against DeepSpec's own evaluation loop (its source, not a re-reading of it).
+"""Our engine against DeepSpec's own evaluation loop (its source, not a re-reading of it), run
+by the library's consumer check `dspark_jax.interop.deepspec_loop` (what the training job's
+eval stage runs for its "DeepSpec loop tau" line).
 
 A tiny random Qwen3 target and a tiny full-vocabulary DSpark drafter started from the target's
 layers (`init_draft(..., from_target=True)`, no training: τ ≈ 1.8 on these prompts). The drafter
-is saved in DeepSpec format and loaded strictly by DeepSpec's `Qwen3DSparkModel`; the target is
-loaded by transformers from the same Hugging Face directory (fp32). DeepSpec's
-`Qwen3DSparkEvaluator.generate_one_sample` (its `generate_decoding_sample` + `verify_draft_tokens`)
-decodes the prompts at T = 0; so do our `Engine(scheduler="fixed", budget_rule="deepspec")` and
-`speculative_generate` (what `dspark_jax.evaluate` runs). Required: identical tokens, identical
-per-round proposal lengths / accepted drafts / acceptance lengths, and identical τ, verify rate
-and per-position counts and rates — ours from `eval.acceptance.acceptance_stats` (what
-results.json reports), DeepSpec's from its evaluator's `allreduce_response_metrics` +
+is saved in DeepSpec format; `deepspec_evaluator` loads it strictly with DeepSpec's
+`Qwen3DSparkModel` beside the target as transformers loads it (`torch_target`, fp32), and
+`run_deepspec_loop` runs DeepSpec's `Qwen3DSparkEvaluator.generate_one_sample` (its
+`generate_decoding_sample` + `verify_draft_tokens`) on the prompts at T = 0; so do our
+`Engine(scheduler="fixed", budget_rule="deepspec")` and `speculative_generate` (what
+`dspark_jax.evaluate` runs). Required: identical tokens, identical per-round proposal lengths /
+accepted drafts / acceptance lengths, and identical τ, verify rate and per-position counts and
+rates — ours from `eval.acceptance.acceptance_stats` (what results.json reports), the check's
+`deepspec_tau`, and DeepSpec's from its evaluator's `allreduce_response_metrics` +
 `build_metrics_row` (a one-process gloo group).
 
 The prompts, the stop token and the budget are chosen so that every rule is exercised: a stop
@@ -24,8 +27,6 @@ absent.
 from __future__ import annotations
 
 import pathlib
-import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -37,11 +38,11 @@ if not (DEEPSPEC_ROOT / "deepspec" / "eval" / "base_evaluator.py").is_file():
                 "clone)", allow_module_level=True)
 torch = pytest.importorskip("torch", reason="DeepSpec's loop runs in PyTorch")
 
-from dspark_jax.serving import speculative_generate  # noqa: E402
 from dspark_jax.eval.acceptance import acceptance_stats  # noqa: E402
+from dspark_jax.interop import deepspec_loop as dl  # noqa: E402
 from dspark_jax.models import init_draft, load_target  # noqa: E402
-from dspark_jax.serving import Engine  # noqa: E402
-from hf_tiny import load_hf, save_tiny_hf  # noqa: E402
+from dspark_jax.serving import Engine, speculative_generate  # noqa: E402
+from hf_tiny import save_tiny_hf  # noqa: E402
 
 GAMMA = 4
 DRAFT_CFG = dict(block_size=GAMMA, num_draft_layers=1, target_layer_ids=(0, 1),
@@ -51,15 +52,6 @@ PROMPTS = [list(map(int, _RNG.integers(3, 96, size=n))) for n in (5, 9, 3, 12, 7
 STOP = [35]
 MAX_NEW = 23
 MAX_LEN = 64
-
-
-def _deepspec():
-    if str(DEEPSPEC_ROOT) not in sys.path:
-        sys.path.insert(0, str(DEEPSPEC_ROOT))
-    from deepspec.eval.dspark.evaluator import Qwen3DSparkEvaluator
-    from deepspec.modeling.dspark.qwen3 import Qwen3DSparkModel
-
-    return Qwen3DSparkModel, Qwen3DSparkEvaluator
 
 
 @pytest.fixture(scope="module")
@@ -73,42 +65,50 @@ def models(tmp_path_factory):
     return target, draft, tdir, ddir
 
 
-@pytest.fixture
-def old_cache_crop(monkeypatch):
-    """DeepSpec calls `DynamicCache.crop(n)` with the length to keep (transformers < 5)."""
+@pytest.fixture(scope="module")
+def deepspec_where():
+    ok, where = dl.locate_deepspec(DEEPSPEC_ROOT)
+    assert ok, where
+    return where
+
+
+def test_absolute_cache_crop_keeps_the_first_n_positions():
+    """DeepSpec passes the length to keep (`crop(start)`; its Eagle3 evaluator crops back to the
+    length before a proposal, 0 on the first); transformers 5 reads a negative count."""
     from transformers import DynamicCache
 
     orig = DynamicCache.crop
 
-    def crop(self, n):
-        if n > 0:
-            cur = self.get_seq_length()
-            if n < cur:
-                orig(self, n - cur)
-            return
-        orig(self, n)
+    def cache(n: int) -> DynamicCache:
+        c = DynamicCache()
+        for layer in range(2):
+            kv = torch.arange(n, dtype=torch.float32).reshape(1, 1, n, 1).expand(1, 2, n, 4)
+            c.update(kv.clone(), kv.clone(), layer)
+        return c
 
-    monkeypatch.setattr(DynamicCache, "crop", crop)
+    with pytest.raises(ValueError):
+        cache(5).crop(3)                            # transformers 5 alone: positive n refused
+    with dl.absolute_cache_crop():
+        for n, keep in ((3, 3), (5, 5), (9, 5), (0, 0), (-2, 3)):
+            c = cache(5)
+            c.crop(n)
+            assert c.get_seq_length() == keep, n
+            for layer in c.layers:
+                assert layer.keys.shape[-2] == keep
+                assert layer.keys[0, 0, :, 0].tolist() == list(range(keep))
+        c = DynamicCache()
+        c.crop(0)                                   # an empty cache stays empty
+        assert c.get_seq_length() == 0
+    assert DynamicCache.crop is orig                # restored on exit
 
 
 def _deepspec_run(tdir, ddir, tmp_path):
     import torch.distributed as dist
 
-    Qwen3DSparkModel, Qwen3DSparkEvaluator = _deepspec()
-    dm, info = Qwen3DSparkModel.from_pretrained(ddir, dtype=torch.float32,
-                                                attn_implementation="sdpa",
-                                                output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    from safetensors.torch import load_file
-
-    dm.load_state_dict(load_file(str(ddir / "model.safetensors")), strict=True)
-    ev = Qwen3DSparkEvaluator.__new__(Qwen3DSparkEvaluator)   # its __init__ starts NCCL
-    ev.args = SimpleNamespace(temperature=0.0, max_new_tokens=MAX_NEW, confidence_threshold=0.0)
-    ev.target_model, ev.draft_model = load_hf(tdir), dm.eval()
-    ev.device, ev.confidence_head_recorder = torch.device("cpu"), None
-    assert ev.max_proposal_tokens == GAMMA
-    outs = [ev.generate_one_sample(input_ids=torch.tensor([p]), stop_token_ids=STOP)
-            for p in PROMPTS]
+    ev = dl.deepspec_evaluator(dl.torch_target(tdir), ddir, max_new_tokens=MAX_NEW)
+    assert type(ev).__name__ == "Qwen3DSparkEvaluator" and ev.max_proposal_tokens == GAMMA
+    loop = dl.run_deepspec_loop(ev, PROMPTS, STOP)
+    outs = [r.sample for r in loop]
     # its dataset metrics, computed by its own code (a one-process group for the all-reduce)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                             world_size=1)
@@ -117,14 +117,19 @@ def _deepspec_run(tdir, ddir, tmp_path):
     finally:
         dist.destroy_process_group()
     row = ev.build_metrics_row(dataset_name="tiny", metric_summary=summary)
-    return outs, summary, row
+    return loop, outs, summary, row
 
 
-def test_engine_and_deepspec_loop_give_identical_tokens_and_tau(models, old_cache_crop,
-                                                                 tmp_path):
+def test_engine_and_deepspec_loop_give_identical_tokens_and_tau(models, deepspec_where, tmp_path):
     target, draft, tdir, ddir = models
-    outs, summary, row = _deepspec_run(tdir, ddir, tmp_path)
+    loop, outs, summary, row = _deepspec_run(tdir, ddir, tmp_path)
     ds_tokens = [o.output_ids[0, o.num_input_tokens:].tolist() for o in outs]
+    assert [r.tokens for r in loop] == ds_tokens
+    for r, o in zip(loop, outs):
+        assert r.acceptance_lengths == list(o.acceptance_lengths)
+        assert r.proposal_lengths == list(o.proposal_lengths)
+        assert r.accepted_draft_lengths == list(o.accepted_draft_lengths)
+    assert dl.deepspec_tau(loop) == row["acceptance_length"]
 
     # the cases this test exists for actually occur in DeepSpec's run
     stop_in_drafts = {i for i, o in enumerate(outs) if o.acceptance_lengths
@@ -165,7 +170,7 @@ def test_engine_and_deepspec_loop_give_identical_tokens_and_tau(models, old_cach
     assert sum(prop) == summary["proposal_length_sum"]
     assert [sum(p > k for p in prop) for k in range(GAMMA)] == summary["proposals_at_pos"]
     assert [sum(a > k for a in acc) for k in range(GAMMA)] == summary["accepted_at_pos"]
-    assert st.tau == row["acceptance_length"] == res.tau == spec.tau
+    assert st.tau == row["acceptance_length"] == dl.deepspec_tau(loop) == res.tau == spec.tau
     assert st.verify_rate == row["verify_rate"]
     assert st.to_dict()["accept_rate_at"] == row["accept_rates_by_position"]
 

@@ -41,6 +41,7 @@ def tpu_device():
     return topology_devices("v5e:2x2")[0]
 
 
+@pytest.mark.tpu
 @pytest.mark.parametrize("name", ["markov_sample", "verify"])
 def test_compiles_for_tpu_with_mosaic(tpu_device, name):
     sh = jax.sharding.SingleDeviceSharding(tpu_device)

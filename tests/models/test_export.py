@@ -6,6 +6,7 @@ and `python -m dspark_jax.export`."""
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import numpy as np
@@ -133,6 +134,7 @@ def test_speculators_round_trip_carries_the_draft_vocabulary(target, feats, tmp_
     (dict(BASE, markov_head_type="gated"), "markov_head_type"),
     (dict(BASE, markov_head_type="rnn"), "markov_head_type"),
     (dict(block_size=4, target_layer_ids=(0, 1), model_type="eagle3", ttt_length=3), "model_type"),
+    (dict(BASE, layer_family="llama"), "layer_family"),      # speculators' layers are Qwen3's
 ])
 def test_speculators_refuses_what_its_consumers_cannot_run(target, tmp_path, kw, field):
     draft = init_draft(target, kw, seed=5)
@@ -216,3 +218,91 @@ def test_speculators_library_loads_the_export(target, tmp_path):
             np.testing.assert_array_equal(sd[k].to(torch.float32).numpy()
                                           if v.dtype != bool and v.dtype != np.int64
                                           else sd[k].numpy(), v, err_msg=k)
+
+
+def test_options_of_the_other_format_are_refused(target, tmp_path, capsys):
+    draft = init_draft(target, BASE, seed=9)
+    with pytest.raises(ExportError, match="--verifier applies to --format speculators only"):
+        export_cli.write_export(draft, tmp_path / "o", "deepspec", verifier="some/target")
+    with pytest.raises(ExportError, match="--full-vocab-fallback applies to --format deepspec"):
+        export_cli.write_export(draft, tmp_path / "o", "speculators", full_vocab_fallback=True)
+    assert not list(tmp_path.iterdir())
+    draft.save(tmp_path / "src")
+    for bad, msg in ((["--format", "deepspec", "--verifier", "t"], "--verifier"),
+                     (["--format", "speculators", "--full-vocab-fallback"],
+                      "--full-vocab-fallback")):
+        with pytest.raises(SystemExit) as e:
+            export_cli.main([str(tmp_path / "src"), *bad, "--out", str(tmp_path / "o"),
+                             "--no-progress"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"error: {msg}") and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fmt", ["deepspec", "speculators"])
+def test_progress_follows_each_tensor_written(target, tmp_path, fmt):
+    draft = init_draft(target, BASE, seed=10)
+    calls = []
+    out = export_cli.write_export(draft, tmp_path / "o", fmt,
+                                  progress=lambda *a: calls.append(a))
+    tensors = read_safetensors_dir(out)
+    assert sorted(c[0] for c in calls) == sorted(tensors)        # one call per tensor
+    total = (out / "model.safetensors").stat().st_size
+    assert {c[2] for c in calls} == {sum(c[1] for c in calls)}   # the bytes of every tensor
+    assert 0 < calls[0][2] < total                                 # (without the header)
+
+
+def _dir(path, text):
+    path.mkdir()
+    (path / "f").write_text(text)
+    return path
+
+
+def test_replace_dir_swaps_in_one_step(tmp_path, monkeypatch):
+    """Where the file system swaps two directories in one step, OUT is never missing: no
+    rename that would leave it absent is made."""
+    a, b = _dir(tmp_path / "a", "a"), _dir(tmp_path / "b", "b")
+    if not export_cli.exchange_paths(a, b):
+        pytest.skip("this file system cannot swap two directories in one step")
+    assert (a / "f").read_text() == "b" and (b / "f").read_text() == "a"
+    old, new = _dir(tmp_path / "out", "old"), _dir(tmp_path / "new", "new")
+
+    def no_rename(*args):
+        raise AssertionError("a rename that leaves OUT missing")
+
+    monkeypatch.setattr(export_cli.os, "replace", no_rename)
+    export_cli.replace_dir(new, old)
+    assert (tmp_path / "out" / "f").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "out"]
+
+
+def test_two_phase_swap_recovers_on_the_next_export(target, tmp_path, monkeypatch):
+    """Without the one-step swap: a process that dies between the two renames leaves the old
+    export aside; the next export puts it back before writing, then replaces it."""
+    out = tmp_path / "o"
+    draft = init_draft(target, BASE, seed=11)
+    export_cli.write_export(draft, out, "deepspec")
+    before = (out / "model.safetensors").read_bytes()
+    monkeypatch.setattr(export_cli, "exchange_paths", lambda a, b: False)
+    real_replace = export_cli.os.replace
+
+    class Killed(BaseException):
+        pass
+
+    def dies_moving_the_new_one_in(src, dst):
+        if str(dst) == str(out):
+            raise Killed
+        real_replace(src, dst)
+
+    monkeypatch.setattr(export_cli.os, "replace", dies_moving_the_new_one_in)
+    with pytest.raises(Killed):
+        export_cli.write_export(init_draft(target, BASE, seed=12), out, "deepspec")
+    assert not out.exists() and export_cli.aside_path(out).is_dir()
+    monkeypatch.setattr(export_cli.os, "replace", real_replace)
+    export_cli.recover_dir(out)                     # what the next export does first
+    assert (out / "model.safetensors").read_bytes() == before
+    assert not export_cli.aside_path(out).exists()
+    shutil.copytree(out, export_cli.aside_path(out))    # died after the second rename
+    export_cli.write_export(init_draft(target, BASE, seed=12), out, "deepspec")
+    assert (out / "model.safetensors").read_bytes() != before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.data import regenerate as R
+from dspark_jax.data import regeneration as R
 from dspark_jax.decoding import plain_steps as P
 from dspark_jax.decoding.sampling import filter_logits, sample_request_rows
 from dspark_jax.models import load_target

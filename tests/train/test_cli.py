@@ -223,7 +223,7 @@ def test_draft_vocabulary_is_chosen_from_the_data_exported_and_kept_on_resume(ti
     reports coverage, the export carries them and proposes nothing else, and a resumed run
     chooses the same ids (otherwise the checkpoint's draft config would not match). The prompt
     pool that both the regeneration and the vocabulary read is loaded (and decontaminated) once."""
-    from dspark_jax.data import regenerate as R
+    from dspark_jax.data import regeneration as R
 
     target_dir, prompts, _ = tiny
     loads = []

@@ -44,7 +44,7 @@ import os
 import warnings
 import pathlib
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -429,7 +429,8 @@ def full_vocab_fallback(cfg: DraftConfig) -> DraftConfig:
 
 
 def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
-                       full_vocab_fallback_ok: bool = False, progress: Any = None
+                       full_vocab_fallback_ok: bool = False,
+                       progress: Callable[[str, int, int], None] | None = None
                        ) -> pathlib.Path:
     """Exports a drafter (nnx.State or pure dict) in DeepSpec's format, each file atomically.
 
@@ -438,7 +439,7 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
     faithful DeepSpec checkpoint (its `lm_head` has V rows and no bias, there is no `d2t`): that
     is an `ExportError`, unless `full_vocab_fallback_ok`, which writes the full-vocabulary
     drafter, warns, and records the fact in config.json (`dspark_jax.export`).
-    `progress(name)` is called once per tensor group written."""
+    `progress(name, nbytes, total_bytes)` follows each tensor written (`write_safetensors`)."""
     path = pathlib.Path(path)
     export_note = None
     if faithful_format(cfg) == "speculators":
@@ -460,10 +461,7 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
     tensors = deepspec_tensors_from_pure(cfg, pure)
     assert sorted(tensors) == sorted(deepspec_tensor_names(cfg)), "export names drifted"
     tensors = draft_vocab_tensors(cfg, tensors)     # an Eagle3 draft vocabulary: EAGLE-3's layout
-    if progress is not None:
-        for group in tensor_groups(tensors):
-            progress(group)
-    write_safetensors(path / "model.safetensors", tensors)
+    write_safetensors(path / "model.safetensors", tensors, progress=progress)
     config = deepspec_config_dict(cfg)
     if export_note is not None:
         config["dspark_jax"]["export"] = {"full_vocab_fallback": True,
@@ -471,15 +469,6 @@ def write_deepspec_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
                                           "note": export_note}
     write_json_atomic(path / "config.json", config)
     return path
-
-
-def tensor_groups(tensors: Mapping[str, Any]) -> list[str]:
-    """The groups of a drafter's tensors, in order (`layers.0`, `markov_head`, `lm_head`, …)."""
-    groups: dict[str, None] = {}
-    for name in tensors:
-        parts = name.split(".")
-        groups[".".join(parts[:2]) if parts[0] == "layers" else parts[0]] = None
-    return list(groups)
 
 
 def write_json_atomic(path: pathlib.Path, obj: Any) -> None:

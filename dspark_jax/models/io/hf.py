@@ -63,16 +63,54 @@ def read_safetensors_dir(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+                       "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64",
+                       "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
+                       "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
+
+
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
-                      metadata: Mapping[str, str] | None = None) -> None:
-    """Writes tensors atomically (temp file + rename)."""
-    from safetensors.numpy import save_file
+                      metadata: Mapping[str, str] | None = None,
+                      progress: Callable[[str, int, int], None] | None = None) -> None:
+    """Writes tensors in the safetensors format (an 8-byte little-endian header length, the
+    JSON header padded to 8 bytes, then each tensor's little-endian bytes in order), one
+    tensor after another into a temp file that is synced and renamed onto `path`.
+    `progress(name, nbytes, total_bytes)` follows each tensor written."""
+    import struct
 
     path = pathlib.Path(path)
+    arrays = {}
+    for k, v in tensors.items():
+        a = np.require(np.asarray(v), requirements="C")     # keeps a 0-d tensor 0-d
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        arrays[k] = a
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    total = 0
+    for k, a in arrays.items():
+        if a.dtype.name not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{path}: tensor {k!r} has dtype {a.dtype}, which "
+                                  "safetensors cannot hold")
+        header[k] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
+                     "data_offsets": [total, total + a.nbytes]}
+        total += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp),
-              metadata=dict(metadata or {"format": "pt"}))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for k, a in arrays.items():
+                f.write(a.reshape(-1).view(np.uint8).data)
+                if progress is not None:
+                    progress(k, a.nbytes, total)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.families import family
 from dspark_jax.models.io.deepspec import (canonical_tensors, deepspec_tensors_from_pure,
                                            draft_pure_from_deepspec, draft_vocab_tensors,
-                                           tensor_groups, write_json_atomic)
+                                           write_json_atomic)
 from dspark_jax.models.io.errors import CheckpointError, ExportError
 from dspark_jax.models.io.hf import read_safetensors_dir, write_safetensors
 
@@ -122,18 +122,17 @@ def speculators_tensors(cfg: DraftConfig, pure: Mapping[str, Any]) -> dict[str, 
 
 def write_speculators_dir(cfg: DraftConfig, state: Any, path: str | os.PathLike,
                           verifier: str | None = None,
-                          progress: Callable[[str], None] | None = None) -> pathlib.Path:
-    """Exports a DSpark/DFlash drafter in speculators' format (each file atomically)."""
+                          progress: Callable[[str, int, int], None] | None = None
+                          ) -> pathlib.Path:
+    """Exports a DSpark/DFlash drafter in speculators' format (each file atomically);
+    `progress(name, nbytes, total_bytes)` follows each tensor written (`write_safetensors`)."""
     check_exportable(cfg)
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     pure = state if isinstance(state, Mapping) and not isinstance(state, nnx.State) \
         else nnx.to_pure_dict(state)
     tensors = speculators_tensors(cfg, pure)
-    if progress is not None:
-        for group in tensor_groups(tensors):
-            progress(group)
-    write_safetensors(path / "model.safetensors", tensors)
+    write_safetensors(path / "model.safetensors", tensors, progress=progress)
     write_json_atomic(path / "config.json", speculators_config_dict(cfg, verifier))
     return path
 

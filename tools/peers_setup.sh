@@ -2,7 +2,7 @@
 # Creates the peers' virtual environments for `python -m dspark_jax.bench.peers`, each from the
 # package registry and each outside the repository, never in the project's own environment.
 #
-#   bash dspark_jax/bench/peers_setup.sh {llamacpp|vllm|all}
+#   bash tools/peers_setup.sh {llamacpp|vllm|all}
 #
 # PEERS (default $DSPARK_PEERS_DIR, else /work/peers) receives:
 #   PEERS/venv-llamacpp  llama-cpp-python==0.3.36. By default pip builds it from source (its
@@ -23,7 +23,7 @@ set -euo pipefail
 what="${1:-all}"
 PEERS="${DSPARK_PEERS_DIR:-/work/peers}"
 PYTHON="${PYTHON:-python3}"
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 case "$(cd "$(dirname "$PEERS")" 2>/dev/null && pwd)/$(basename "$PEERS")/" in
   "$repo"/*) echo "error: PEERS=$PEERS lies inside the repository $repo; pick a folder outside it" >&2

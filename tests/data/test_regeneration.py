@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dspark_jax.data import regenerate as R
+from dspark_jax.data import regeneration as R
 from dspark_jax.data.prompts import Conversation, load_conversations
 from dspark_jax.models import load_target
 from dspark_jax.models.tokenizer import load_tokenizer
@@ -75,7 +75,7 @@ def reference(target, prompts_file, tmp_path_factory) -> tuple[dict[str, dict], 
 
 def test_killed_run_resumes_to_the_uninterrupted_output(target_dir, prompts_file, reference, tmp_path):
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "dspark_jax.data.regenerate", "--target", str(target_dir),
+    cmd = [sys.executable, "-m", "dspark_jax.data.regeneration", "--target", str(target_dir),
            "--prompts", str(prompts_file), "--out", str(out), "--no-progress", *CLI_SETTINGS]
     env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest",
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),

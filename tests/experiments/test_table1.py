@@ -1,8 +1,8 @@
-"""The small-scale Table 1 (`python -m dspark_jax.bench.table1`): its three configs share data,
-steps and batch; end to end on the tiny target, interrupted (SIGKILL) in the second drafter's
-training and rerun: the finished drafter is skipped, the interrupted one resumes from its
-checkpoint, and the table, ratios, conditional acceptance, learning curve PNG, DeepSpec exports
-and the calibration file are written."""
+"""The small-scale Table 1 (`python -m dspark_jax.experiments.table1`): its three configs share
+data, steps and batch; end to end on the tiny target, interrupted (SIGKILL) in the second
+drafter's training and rerun: the finished drafter is skipped, the interrupted one resumes from
+its checkpoint, and the table, ratios, conditional acceptance, learning curve PNG, DeepSpec
+exports and the calibration file are written."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from dspark_jax.bench import table1, table1_report
+from dspark_jax.experiments import table1, table1_report
 from dspark_jax.train.job_config import parse_config
 from train.tiny_job import REPO, make_tiny_target, write_prompt_files
 
@@ -104,7 +104,7 @@ def interrupted_then_resumed(tmp_path_factory):
     work = root / "work"
     args = _args(target, prompts, evals, work)
     # 1) killed (SIGKILL, no clean-up) right after dflash's step-2 checkpoint
-    proc = subprocess.run([sys.executable, "-m", "dspark_jax.bench.table1", *args,
+    proc = subprocess.run([sys.executable, "-m", "dspark_jax.experiments.table1", *args,
                            "--set", f"dflash:debug.sigkill_at_step={KILL_AT}"],
                           cwd=REPO, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -1,4 +1,4 @@
-"""llama.cpp's DSpark loop against ours: `dspark_jax.bench.llamacpp_interop`.
+"""llama.cpp's DSpark loop against ours: `dspark_jax.interop.llamacpp_loop`.
 
 The slow test converts the SmolLM2 target and two exported drafters (full vocabulary, DeepSpec
 format; pruned 8,192-id vocabulary, speculators format) with llama.cpp's own converter, runs
@@ -13,7 +13,7 @@ safetensors and transformers; default this one), `LLAMA_CPP_THREADS` (llama.cpp'
   LLAMA_CPP_DIR=/work/peers/llama_cpp_python-0.3.36/vendor/llama.cpp \\
   LLAMA_CPP_BUILD=/work/peers/llama-build \\
   LLAMA_CPP_CONVERT_PYTHON=/work/peers/venv-convert/bin/python \\
-  python -m pytest -m slow tests/bench/test_llamacpp_interop.py
+  python -m pytest -m llamacpp tests/interop/test_llamacpp_loop.py
 
 The drafters: `init_draft(from_target=True)` alone has llama.cpp and us agree on zero accepted
 drafts everywhere, which would compare little. Its vanilla Markov head is therefore made a
@@ -33,7 +33,7 @@ import sys
 import numpy as np
 import pytest
 
-from dspark_jax.bench import llamacpp_interop as li
+from dspark_jax.interop import llamacpp_loop as li
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA = REPO.parent / "shared" / "eval_datasets"
@@ -150,6 +150,7 @@ def _bigram_drafters(out: pathlib.Path, n_prompts: int, max_new: int) -> list[pa
 
 
 @pytest.mark.slow
+@pytest.mark.llamacpp
 def test_llama_cpp_dspark_loop_equals_ours(tmp_path):
     lc, py = _llama_cpp_or_skip()
     n, m = 2, 32
