@@ -1,5 +1,5 @@
 """The Pallas decoding kernels are offered only where they are no slower than the pure-JAX path:
-on a GPU, asking for them is a clear error at construction, before anything compiles."""
+on a GPU or TPU, asking for them is a clear error at construction, before anything compiles."""
 
 import jax
 import pytest
@@ -10,14 +10,16 @@ from dspark_jax.decoding import pallas_backend
 def test_kernels_are_not_offered_on_gpu(monkeypatch):
     with pytest.raises(ValueError, match="sampler='pallas' is not offered on gpu"):
         pallas_backend.check_offered("sampler='pallas'", "gpu")
-    pallas_backend.check_offered("sampler='pallas'", "tpu")
+    with pytest.raises(ValueError, match="not offered on tpu: its Mosaic kernel reads more"):
+        pallas_backend.check_offered("sampler='pallas'", "tpu")
     pallas_backend.check_offered("sampler='pallas'", "cpu")
     assert pallas_backend.kernel_mode() == dict(interpret=True, backend="triton")   # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with pytest.raises(ValueError, match="not offered on gpu"):
         pallas_backend.kernel_mode()
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert pallas_backend.kernel_mode() == dict(interpret=False, backend="mosaic")
+    with pytest.raises(ValueError, match="not offered on tpu"):
+        pallas_backend.kernel_mode()
 
 
 @pytest.mark.parametrize("arg", ["sampler", "verifier"])
