@@ -9,7 +9,7 @@ and neither is on an accelerator (figures: BENCHMARKS.md, "GPU (H200)", and
   spreads the same product over the chip; the verification kernel's per-row programs do the
   same with the probabilities.
 - TPU: compiled for a v5e, the Markov kernel streams W2 twice a slot (its two passes) and its
-  wrapper pads W1, W2 and the logits every call: about 2.6x the HBM traffic of the pure-JAX
+  wrapper pads W1, W2 and the logits every call: more than twice the HBM traffic of the pure-JAX
   path at B = 1; the verification kernel's padding doubles the traffic at B = 16.
 On a CPU the kernels run in the Pallas interpreter, which is how the tests hold them to their
 oracles; the engine never picks them by default. The lowerings still compile for both
