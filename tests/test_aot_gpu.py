@@ -143,7 +143,7 @@ def test_h200_round_copies_no_target_weight(h200_report):
     assert r["weight_copies"], "the merged context k|v is gone: tighten this test to 0"
     for c in r["weight_copies"]:
         sources = c.split(" of ")[1].split(", ")
-        assert all(s.startswith("draft_state") and ("['w_kv']" in s or "['wq']" in s)
+        assert all(s.startswith("arrays.draft_state") and ("['w_kv']" in s or "['wq']" in s)
                    for s in sources), c
 
 
@@ -196,8 +196,8 @@ def test_decoding_dots_carry_the_policy_precision(dtype, tmp_path):
                       f"--config.train.target_dtype={dtype}"], require_target=False)
     rnd = build_abstract_round(c, jax.devices("cpu")[:1], DecodeShape(1, 64, 0),
                                layer_buffers=True)
-    t_gd = rnd.verify_lower.args[0]
-    t_abs, _, state = rnd.verify_args[:3]
+    arrays, state = rnd.verify_args[:2]
+    t_gd, t_abs = arrays.target_graphdef, arrays.target_state
     s = ARState(cache=state.cache, last_token=jnp.zeros((1,), jnp.int32),
                 out=jnp.zeros((1, 8), jnp.int32), num_out=jnp.ones((1,), jnp.int32),
                 done=jnp.zeros((1,), bool), key_data=jnp.zeros((1, 2), jnp.uint32),

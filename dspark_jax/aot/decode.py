@@ -173,36 +173,36 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     t_abs, d_abs = abstract_on_mesh(t_state, mesh), abstract_on_mesh(d_state, mesh)
     mode = SCHEDULER[d_cfg.model_type]
     conf_temps = arr((gamma,), jnp.float32) if mode == "adaptive" else None
-    draft_static = dict(mode=mode, cap_budget=True, sampler="jax")
-    draft_fn = functools.partial(R_.draft_and_schedule, d_gd, **draft_static)
-    draft_lower = functools.partial(R_.draft_and_schedule.lower, d_gd, **draft_static)
-    draft_args = (d_abs, state, params, stop_ids, conf_temps, arr((), jnp.float32),
-                  arr((R * (gamma + 1) + 1,), jnp.float32), arr((), jnp.int32))
-    verify_static = dict(K=K, verifier="jax", tap_layer_ids=tuple(d_cfg.target_layer_ids))
-    verify_fn = functools.partial(R_.verify_and_commit, t_gd, d_gd, **verify_static)
-    verify_lower = functools.partial(R_.verify_and_commit.lower, t_gd, d_gd, **verify_static)
-    verify_args = (t_abs, d_abs, state, params, arr((R, gamma), jnp.int32),
-                   arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32), stop_ids,
-                   arr((), jnp.bool_))
     # the engine's fused call: whole rounds (draft → schedule → verify → commit), one program
     replicated = NamedSharding(mesh, PartitionSpec())
     vocab_w = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         jax.eval_shape(lambda st: adapter.vocab_weights(nnx.merge(d_gd, st)), d_abs))
     sps = arr((R * (gamma + 1) + 1,), jnp.float32)
-    round_static = dict(buckets=(K,), max_rounds=8, mode=mode,
-                        cap_budget=True, sampler="jax", verifier="jax",
-                        tap_layer_ids=tuple(d_cfg.target_layer_ids), budget_rule="serving")
-    round_fn = functools.partial(R_.speculative_rounds, t_gd, d_gd, **round_static)
-    round_lower = functools.partial(R_.speculative_rounds.lower, t_gd, d_gd, **round_static)
-    round_args = (t_abs, d_abs, state, params, stop_ids, conf_temps, arr((), jnp.float32), sps,
-                  sps, vocab_w, arr((2,), jnp.int32), arr((), jnp.int32), arr((), jnp.int32))
+    config = R_.RoundConfig(mode=mode, verifier="jax", sampler="jax", budget_rule="serving",
+                            cap_budget=True, tap_layer_ids=tuple(d_cfg.target_layer_ids),
+                            buckets=(K,), rounds_per_call=8)
+    arrays = R_.EngineArrays(target_graphdef=t_gd, draft_graphdef=d_gd, target_state=t_abs,
+                             draft_state=d_abs, stop_ids=stop_ids,
+                             confidence_temperatures=conf_temps,
+                             threshold=arr((), jnp.float32), sps=sps, sps_draft=sps,
+                             vocab_weights=vocab_w)
+    draft_fn = functools.partial(R_.draft_and_schedule, config)
+    draft_lower = functools.partial(R_.draft_and_schedule.lower, config)
+    draft_args = (arrays, state, params, arr((), jnp.int32))
+    verify_fn = functools.partial(R_.verify_and_commit, config, capacity=K)
+    verify_lower = functools.partial(R_.verify_and_commit.lower, config, capacity=K)
+    verify_args = (arrays, state, params, arr((R, gamma), jnp.int32),
+                   arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32))
+    choice = None
     if mode == "adaptive":   # the drafting choice the device makes after a call's first round
-        round_args += (R_.DraftChoice(gain=arr((2,), jnp.float32), n_then=arr((2,), jnp.int32),
-                                      predicted=arr((), jnp.float32),
-                                      realised=arr((), jnp.float32),
-                                      decay=arr((), jnp.float32),
-                                      plain_sps=arr((R + 1,), jnp.float32)),)
+        choice = R_.DraftChoice(gain=arr((2,), jnp.float32), n_then=arr((2,), jnp.int32),
+                                predicted=arr((), jnp.float32), realised=arr((), jnp.float32),
+                                decay=arr((), jnp.float32), plain_sps=arr((R + 1,), jnp.float32))
+    schedule = R_.ScheduleState(capacities=arr((2,), jnp.int32), choice=choice)
+    round_fn = functools.partial(R_.speculative_rounds, config)
+    round_lower = functools.partial(R_.speculative_rounds.lower, config)
+    round_args = (arrays, state, params, schedule, arr((), jnp.int32), arr((), jnp.int32))
     return AbstractRound(draft_fn=draft_fn, draft_lower=draft_lower, draft_args=draft_args,
                          verify_fn=verify_fn, verify_lower=verify_lower,
                          verify_args=verify_args, round_fn=round_fn, round_lower=round_lower,

@@ -30,8 +30,9 @@ from dspark_jax.aot.hlo_traffic import Program, weights_or_cache
 from dspark_jax.aot.topology import AotError
 
 # argument paths (JAX's op_name of each entry parameter) of the weights and of the caches
-WEIGHT_ARGS = ("state[", "target_state[", "draft_state[", "vocab_weights")
-CACHE_ARGS = ("s.cache.k", "s.cache.v", "s.draft_cache")
+WEIGHT_ARGS = ("state[", "target_state[", "arrays.target_state", "arrays.draft_state",
+               "arrays.vocab_weights")
+CACHE_ARGS = ("s.cache.k", "s.cache.v", "state.cache.k", "state.cache.v", "state.draft_cache")
 PROGRAMS = ("decode_step", "plain_step", "draft", "verify", "round")
 
 
@@ -60,9 +61,8 @@ def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape
     from dspark_jax.decoding.plain_steps import plain_steps
 
     rnd = build_abstract_round(c, devices, shape, layer_buffers=True)
-    t_gd, d_gd = rnd.verify_lower.args[:2]
-    t_abs, d_abs, state, params = rnd.verify_args[:4]
-    stop_ids = rnd.verify_args[7]
+    arrays, state, params = rnd.verify_args[:3]
+    t_gd, t_abs, stop_ids = arrays.target_graphdef, arrays.target_state, arrays.stop_ids
     R, S = shape.requests, shape.max_len
     rep = jax.sharding.NamedSharding(rnd.mesh, jax.sharding.PartitionSpec())
 

@@ -3,13 +3,13 @@ behind the one-request bars).
 
 `bench.matmul_rows` times the target's matmuls alone; this benchmark profiles the calls of a
 speculative round as the engine builds them, with one request in flight: the plain decode step
-(engine `none`), verification of K tokens (`Engine._dummy_step_fn`, K = 2 and γ + 1) and the
-draft (`Engine._draft_step_fn`), each `--steps` steps a device call as the rounds' loop runs
-them. `jax.profiler` records every op the runtime executes on its worker threads; per call the
-table gives the wall time a step, the time with no op / one op / two or more ops running (the
-host's cores kept busy), and the thread time of the dots (YNNPACK / oneDNN / Eigen matmul
-fusions) against every other op, beside the weight bytes a step reads and the byte floor at the
-host's copy bandwidth (`bench.common.host_facts`).
+(engine `none`), verification of K tokens (`cost_profile.verify_step_fn`, K = 2 and γ + 1)
+and the draft (`cost_profile.draft_step_fn`), each `--steps` steps a device call as the
+rounds' loop runs them. `jax.profiler` records every op the runtime executes on its worker
+threads; per call the table gives the wall time a step, the time with no op / one op / two or
+more ops running (the host's cores kept busy), and the thread time of the dots (YNNPACK /
+oneDNN / Eigen matmul fusions) against every other op, beside the weight bytes a step reads and
+the byte floor at the host's copy bandwidth (`bench.common.host_facts`).
 
 On XLA:CPU the dots run one op at a time on one thread each, so one core's bandwidth, not the
 host's, sets a step's time: a plain step spends most of its time with a single op running,
@@ -114,7 +114,7 @@ def summarise(events: list[Event], wall_s: float, steps: int, nbytes: float | No
 def run(a: argparse.Namespace) -> dict:
     from dspark_jax.bench.spec_round import plain_device_step_fn
     from dspark_jax.models import load_draft
-    from dspark_jax.serving import Engine
+    from dspark_jax.serving import Engine, cost_profile
 
     target = build_target(a.target, a.dtype)
     draft = load_draft(a.draft, target=target)
@@ -122,7 +122,8 @@ def run(a: argparse.Namespace) -> dict:
     kw = dict(max_requests=1, max_len=a.max_len, stop_token_ids=[])
     plain = Engine(target, None, scheduler="none", **kw)
     eng = Engine(target, draft, scheduler="fixed", **kw)
-    verify, drafting = eng._dummy_step_fn(a.steps), eng._draft_step_fn(a.steps)
+    verify = cost_profile.verify_step_fn(eng, a.steps)
+    drafting = cost_profile.draft_step_fn(eng, a.steps)
     plain_fn = plain_device_step_fn(plain, steps=a.steps)
     calls = {"plain step": (plain_fn, weight_bytes(target)),
              "verify K = 2": (lambda: verify(2), weight_bytes(target)),

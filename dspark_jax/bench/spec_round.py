@@ -5,19 +5,20 @@ For each number of requests R in `--requests` (default 1, 4, 16), with R request
 prompt tokens in flight in the serving engine (`dspark_jax.serving.Engine`, the host-stepped path
 users run), one table gives, in ms and as a ratio to the plain step:
   * the plain decode step: the engine under scheduler `none`, one step per round
-    (`Engine.round_seconds`; `generate` runs up to `plain_steps_per_call` steps per device
+    (`round_seconds`; `generate` runs up to `plain_steps_per_call` steps per device
     call, and that amortised per-step time is an extra row; another is the plain step's device
     call alone, on the speculative engine's cache length, next to verification's);
   * verification at K = 1, 2, 4, … , γ+1 tokens per request (R·K tokens: the engine's
-    verification step `_dummy_step_fn()(R·K)`, every slot with K − 1 drafts; it also feeds the
-    drafter's context, as in a round);
-  * the draft call (draft block + Markov sampling + scheduling, `_draft_step_fn`);
+    verification step `cost_profile.verify_step_fn(eng)(R·K)`, every slot with K − 1 drafts;
+    it also feeds the drafter's context, as in a round);
+  * the draft call (draft block + Markov sampling + scheduling, `cost_profile.draft_step_fn`);
   * the whole round under `fixed` (ℓ = γ, so K = γ+1: draft → verify → commit → host);
   * host overhead per round = whole round − (draft + verify at K = γ+1);
   * the sequential (Markov) stage's share of the round and the steady-state recompilations of
     the round (compilations during the timed rounds);
-  * rows with `sampler="pallas"` / `verifier="pallas"` (on CPU the kernels are interpreted:
-    those rows are labelled and are not kernel timings; `--no-pallas-rows` skips them);
+  * rows with `sampler="pallas"` / `verifier="pallas"` where the engine offers them (CPU, where
+    the kernels are interpreted: those rows are labelled and are not kernel timings;
+    `--no-pallas-rows` skips them);
 and flags each bar (PERFORMANCE.md; on CPU: verify at K = γ+1 ≤ 1.5×, draft ≤ 0.2×
 with a draft vocabulary / ≤ 0.3× with the full one, whole round ≤ 1.6×; on GPU / TPU the round
 ≤ 1.15×; everywhere the sequential stage ≤ 2% and zero recompiles). The bars are stated for
@@ -55,9 +56,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dspark_jax.bench.common import build_target, device_name, median, print_table, save_json
+from dspark_jax.decoding.pallas_backend import OFFERED_BACKENDS
 from dspark_jax.decoding.sampling import sample_probs
 from dspark_jax.models import init_draft, load_draft
 from dspark_jax.models.drafters.config import default_target_layer_ids
+from dspark_jax.serving import cost_profile
 from dspark_jax.serving.cost_profile import profile_calls, time_call
 
 DEFAULT_DRAFT = os.path.join("runs", "smollm2_dspark", "export")
@@ -248,13 +251,13 @@ def plain_device_step_fn(eng, steps: int = 1):
     (`decoding.plain_steps` with num_steps = `steps`, ≤ its `plain_steps_per_call`; 1: the
     program `round_seconds` runs), without the engine's host work, on a cache of max_len (the
     speculative engine's), rewound after each call. (The engine has no such step_fn; this
-    mirrors `Engine._dummy_step_fn`.)"""
+    mirrors `cost_profile.verify_step_fn`.)"""
     from dspark_jax.decoding.plain_steps import plain_steps
     from dspark_jax.decoding.sampling import top_k_cap_for
 
     R = eng.R
-    p = eng._all_slots_active()
-    holder = {"s": eng._fresh_state(eng.max_len)}
+    p = cost_profile.all_slots_active(eng)
+    holder = {"s": eng.fresh_state(eng.max_len)}
     if not 1 <= steps <= eng.plain_steps_per_call:
         raise ValueError(f"steps must be in [1, {eng.plain_steps_per_call}], got {steps}")
     one, none_done = jnp.asarray(steps, jnp.int32), jnp.asarray(R + 1, jnp.int32)
@@ -271,6 +274,40 @@ def plain_device_step_fn(eng, steps: int = 1):
         return out["n_emit"]
 
     return step
+
+
+def round_seconds(eng, prompts, rounds: int, temperature: float = 1.0, seed: int = 0
+                  ) -> list[float]:
+    """Wall seconds of each of `rounds` rounds of engine `eng` (after one untimed round:
+    compilation) with `prompts` in flight: the host-stepped path `generate` runs (draft →
+    schedule → bucket → verify → commit → host bookkeeping; plain decoding: one step a round,
+    as verification). No request may finish meanwhile: the budget exceeds what the rounds can
+    emit, and the engine must have no stop tokens (`stop_token_ids=[]`)."""
+    from dspark_jax.serving.engine import Request, _Run
+
+    n = len(prompts)
+    if not 1 <= n <= eng.R:
+        raise ValueError(f"round_seconds takes 1..max_requests={eng.R} prompts, got {n}")
+    budget = (int(rounds) + 2) * (eng.gamma + 1) + 2
+    if max(len(p) for p in prompts) + budget + eng.gamma + 1 > eng.max_len:
+        raise ValueError(f"max_len={eng.max_len} cannot hold the prompts + {rounds} rounds")
+    kd = list(np.asarray(jax.random.key_data(jax.random.split(
+        jax.random.key(int(seed), impl="threefry2x32"), n))))
+    run = _Run(eng, budget, fresh_policy=True)
+    for i in range(n):
+        run.add(Request(prompts[i], kd[i], float(temperature)))
+    run.t0 = time.perf_counter()
+    s = run._prefill(run.start_state(), run._admit(0.0))
+    s = run._round(s, max_steps=1)
+    out = []
+    for _ in range(int(rounds)):
+        t0 = time.perf_counter()
+        s = run._round(s, max_steps=1)
+        out.append(time.perf_counter() - t0)
+    if not run.host["active"].all():
+        raise ValueError("a request finished during round_seconds (a stop token): build "
+                         "the engine with stop_token_ids=[] to time rounds")
+    return out
 
 
 def plain_steps_in_generate(eng, prompts, temperature: float) -> list[float]:
@@ -308,7 +345,7 @@ def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileCounte
     plain = Engine(target, None, scheduler="none", **kw)
     eng = Engine(target, draft, scheduler="fixed", **kw)
     ks = per_request_ks(g, a.verify_ks)
-    verify, drafting = eng._dummy_step_fn(), eng._draft_step_fn()
+    verify, drafting = cost_profile.verify_step_fn(eng), cost_profile.draft_step_fn(eng)
     calls = {"plain_device": plain_device_step_fn(plain)}
     calls.update({f"verify_{k}": functools.partial(verify, R * k) for k in ks})
     calls["draft"] = functools.partial(drafting, 0)
@@ -316,12 +353,12 @@ def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileCounte
     samples: dict[str, list[float]] = {k: [] for k in ("plain", "plain_gen", "round", *calls)}
     recompiles = 0
     for rep in range(max(int(a.repeats), 1)):
-        samples["plain"] += plain.round_seconds(prompts, a.rounds, temperature=T)
+        samples["plain"] += round_seconds(plain, prompts, a.rounds, temperature=T)
         samples["plain_gen"] += plain_steps_in_generate(plain, prompts, T)
         for k, v in profile_calls(calls, repeats=1, warmup=int(rep == 0)).items():
             samples[k].append(v)
         # compilations during the timed rounds (after round_seconds' untimed first round)
-        times = eng.round_seconds(prompts, a.rounds, temperature=T)
+        times = round_seconds(eng, prompts, a.rounds, temperature=T)
         t_end = time.perf_counter()
         recompiles += counter.between(t_end - sum(times), t_end)
         samples["round"] += times
@@ -331,13 +368,14 @@ def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileCounte
 
     rows = [dict(sampler="jax", verifier="jax", round_ms=1e3 * round_s,
                  rounds=len(samples["round"]), interpreted=False)]
-    if not a.no_pallas_rows:
+    # the engine refuses the kernels where they are not offered (`pallas_backend`): no rows there
+    if not a.no_pallas_rows and jax.default_backend() in OFFERED_BACKENDS:
         for sampler, verifier in ENGINE_ROWS[1:]:
             n = min(a.rounds, 3) if interpreted else a.rounds
             e2 = Engine(target, draft, scheduler="fixed", sampler=sampler, verifier=verifier,
                         **kw)
             rows.append(dict(sampler=sampler, verifier=verifier, rounds=n,
-                             round_ms=1e3 * median(e2.round_seconds(prompts, n, temperature=T)),
+                             round_ms=1e3 * median(round_seconds(e2, prompts, n, temperature=T)),
                              interpreted=interpreted))
     verify_ms = {k: 1e3 * med[f"verify_{k}"] for k in ks}
     draft_ms = 1e3 * med["draft"]

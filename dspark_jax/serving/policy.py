@@ -1,8 +1,10 @@
 """The host's per-round scheduling state of the §5.2 modes (paper §5.2; SPEC §8): the
 `production` mode's capacity queue (`CapacityQueue`: the paper's schedule alone) and the
 cost-aware drafting decision of the `adaptive` mode (`DraftPolicy`: the paper's schedule plus
-our switch to plain decoding). Both answer `decide(n_active)` → (draft?, K) before a round and
-take `update(...)` after it; `production` always drafts.
+our switch to plain decoding); the other drafting modes decide nothing across rounds
+(`AlwaysDraft`). Each answers `decide(n_active)` → (draft?, K) before a round, says what a
+device call of rounds carries (`device_schedule`) and replays the rounds the device ran
+(`replay`); `MODES` says what each scheduler mode asks of the engine.
 
 What the paper does (§5.2): the verification capacity K of round t is the global search's
 argmax of Θ = τ · SPS(B) on the confidences of round t − 2, and round t admits the top-K of its
@@ -58,17 +60,18 @@ Lossless: the choice uses only what earlier rounds produced (their confidences, 
 the active set), never the current round's drafts, so each round's verification lengths are
 fixed before its drafts are sampled and the speculative-sampling argument holds round by round
 (the same reason the §5.2 stale K is lossless; Appendix A). A skipped round still commits its
-token's target features to the drafter's context cache (`rounds.verify_and_commit` feeds the
-drafter in every round), so the next drafting round sees the full committed context.
+token's target features to the drafter's context cache (`speculative_round.anchor_rounds`
+feeds the drafter in every round), so the next drafting round sees the full committed context.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +110,24 @@ def plain_or_draft(n_active: int, est: Estimate, verify_seconds: np.ndarray,
     return bool(theta_draft >= theta_plain), float(theta_plain), float(theta_draft)
 
 
+class AlwaysDraft:
+    """The modes that decide nothing across rounds (`fixed`, `threshold`, `algorithm1`): every
+    round drafts, and the capacity they carry is unused."""
+
+    persists = True
+
+    def decide(self, n_active: int) -> tuple[bool, int]:
+        return True, 0
+
+    def device_schedule(self, capacity: int) -> tuple[list[int], dict[str, Any] | None]:
+        """(capacities K of rounds t−2, t−1, the drafting choice's state or None) for a device
+        call of rounds (`speculative_round.ScheduleState`)."""
+        return [capacity, capacity], None
+
+    def replay(self, first: bool, est: Estimate, predicted: float, realised: float) -> None:
+        """Replays a drafting round the device ran (`first`: the call's first round)."""
+
+
 class CapacityQueue:
     """The `production` mode's state (see the module docstring): the §5.2 capacities of the
     last two drafting rounds. `decide(n)` → (True, K_{t−2}); `update(...)` after the round
@@ -132,6 +153,14 @@ class CapacityQueue:
         drafts; a round without an estimate keeps the latest K)."""
         k = self.queue[1] if est is None else int(est.capacity)
         self.queue = [self.queue[1], k]
+
+    def device_schedule(self, capacity: int) -> tuple[list[int], dict[str, Any] | None]:
+        """The queue, which the device advances round by round (no choice: every round
+        drafts)."""
+        return list(self.queue), None
+
+    def replay(self, first: bool, est: Estimate, predicted: float, realised: float) -> None:
+        self.update(True, est, predicted, realised)
 
 
 class DraftPolicy:
@@ -210,6 +239,22 @@ class DraftPolicy:
         return ([int(e.capacity) for e in q], [float(e.gain) for e in q],
                 [int(e.n_active) for e in q])
 
+    def device_schedule(self, capacity: int) -> tuple[list[int], dict[str, Any] | None]:
+        """This round's capacity and the estimate queue's K of round t − 1, with the state the
+        device's choice reads (`speculative_round.DraftChoice`, less the plain step's table)."""
+        ks, gains, n_then = self.carried()
+        return [capacity, ks[1]], dict(gain=np.asarray(gains, np.float32),
+                                       n_then=np.asarray(n_then, np.int32),
+                                       predicted=np.float32(self.pred),
+                                       realised=np.float32(self.real),
+                                       decay=np.float32(self.decay))
+
+    def replay(self, first: bool, est: Estimate, predicted: float, realised: float) -> None:
+        """A drafting round of a device call: after the first, the device chose to draft."""
+        if not first:
+            self.drafted_on_device()
+        self.update(True, est, predicted, realised)
+
     def drafted_on_device(self) -> None:
         """Replays a round after the first of a device call of drafting rounds, whose choice
         to draft the device made (`scheduler.drafting_pays`, this rule in float32): the state
@@ -245,3 +290,55 @@ class DraftPolicy:
             self.since_draft += 1
             est = self.queue[1]
         self.queue = [self.queue[1], est]
+
+
+Policy = AlwaysDraft | CapacityQueue | DraftPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """What a scheduler mode (`scheduler.MODES`) asks of the engine."""
+
+    drafts: bool                 # runs the drafter (every mode but `none`: plain decoding)
+    needs_confidence: bool       # schedules on the drafter's confidences
+    profiles_sps: bool           # its search reads SPS(B), profiled at start unless given
+    prices_drafting: bool        # profiles t_d and t_plain; may skip drafting (`adaptive`)
+    new_policy: Callable[..., Policy] | None   # its per-round state (`policy_for`)
+
+
+def _capacity_queue(*, initial_capacity: int, **_: Any) -> CapacityQueue:
+    return CapacityQueue(initial_capacity)
+
+
+def _always_draft(**_: Any) -> AlwaysDraft:
+    return AlwaysDraft()
+
+
+MODES: dict[str, Mode] = {
+    "none": Mode(drafts=False, needs_confidence=False, profiles_sps=False,
+                 prices_drafting=False, new_policy=None),
+    "fixed": Mode(drafts=True, needs_confidence=False, profiles_sps=False,
+                  prices_drafting=False, new_policy=_always_draft),
+    "threshold": Mode(drafts=True, needs_confidence=True, profiles_sps=False,
+                      prices_drafting=False, new_policy=_always_draft),
+    "algorithm1": Mode(drafts=True, needs_confidence=True, profiles_sps=True,
+                       prices_drafting=False, new_policy=_always_draft),
+    "production": Mode(drafts=True, needs_confidence=True, profiles_sps=True,
+                       prices_drafting=False, new_policy=_capacity_queue),
+    "adaptive": Mode(drafts=True, needs_confidence=True, profiles_sps=True,
+                     prices_drafting=True, new_policy=DraftPolicy),
+}
+
+
+def policy_for(mode: str, *, verify_seconds: np.ndarray, draft_seconds: float,
+               plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int,
+               probe_interval: int = 4, max_probe_interval: int = 64,
+               explore: float | None = 0.01) -> Policy | None:
+    """A fresh per-round state for `mode` (None for `none`, which has no rounds to decide)."""
+    make = MODES[mode].new_policy
+    if make is None:
+        return None
+    return make(verify_seconds=verify_seconds, draft_seconds=draft_seconds,
+                plain_seconds=plain_seconds, gamma=gamma, initial_capacity=initial_capacity,
+                probe_interval=probe_interval, max_probe_interval=max_probe_interval,
+                explore=explore)

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.decoding import autoregressive_generate
+from dspark_jax.decoding import autoregressive_generate, verification
+from dspark_jax.decoding import speculative_round as round_
 from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.serving import Engine
@@ -119,7 +120,7 @@ def _prefilled(eng, prompt):
     run = engine_mod._Run(eng, 8)
     run.add(engine_mod.Request(prompt, np.zeros(2, np.uint32)))
     run.t0 = 0.0
-    s = run._prefill(eng._fresh_state(), run._admit(0.0))
+    s = run._prefill(eng.fresh_state(), run._admit(0.0))
     return run, s
 
 
@@ -193,8 +194,8 @@ def test_one_slot_verifies_densely_and_equals_autoregressive(target, draft, gree
     slot, equal autoregressive decoding, and the drafter's context stays exact (its accepted
     drafts equal those of a two-slot engine, which verifies on the ragged path)."""
     calls = []
-    real = engine_mod.round_.ragged_forward
-    monkeypatch.setattr(engine_mod.round_, "ragged_forward",
+    real = verification.ragged_forward
+    monkeypatch.setattr(verification, "ragged_forward",
                         lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
     one = Engine(target, draft, scheduler=mode, sps=SPS, **dict(ENGINE_KW, max_requests=1))
     res = one.generate(PROMPTS, max_new_tokens=MAX_NEW)
@@ -288,11 +289,12 @@ def test_stop_token_among_accepted_drafts_follows_deepspec(target, draft):
     assert run.out[0] == greedy[:1]
     drafts = jnp.asarray([greedy[1:4]], jnp.int32)
     probs = jax.nn.one_hot(drafts, 97, dtype=jnp.float32)
-    s, o = eng._verify(s, eng._slot_settings(run.h), drafts, probs, jnp.asarray([3]), 4)
+    s, o = round_.verify_and_commit(eng.config, eng.arrays, s, eng.slot_settings(run.host),
+                                    drafts, probs, jnp.asarray([3]), capacity=4)
     o = jax.device_get(o)
-    assert int(o["accepted"][0]) == int(o["proposed"][0]) == 2
-    assert int(o["tau_term"][0]) == 2 and int(o["n_emit"][0]) == 2 and bool(o["finished"][0])
-    assert o["tokens"][0, :2].tolist() == greedy[1:3]
+    assert int(o.accepted[0]) == int(o.proposed[0]) == 2
+    assert int(o.tau_term[0]) == 2 and int(o.n_emit[0]) == 2 and bool(o.finished[0])
+    assert o.tokens[0, :2].tolist() == greedy[1:3]
 
 
 def test_deepspec_budget_rule_runs_the_rounds_deepspec_runs(target, draft, greedy_ref):

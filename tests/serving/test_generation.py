@@ -109,11 +109,11 @@ def test_per_request_verification_lengths(target, greedy_ref, monkeypatch):
                  stop_token_ids=[], capacity_buckets=[4 * 5], budget_rule="deepspec")
     drafted = round_mod._draft_and_schedule
 
-    def fixed_lengths(draft_gd, draft_state, s, p, *args, **kw):   # ℓ replaced per request
-        d = dict(drafted(draft_gd, draft_state, s, p, *args, **kw))
-        d["lengths"] = jnp.where(p.active, jnp.asarray(ells, jnp.int32), 0)
-        d["n_tokens"] = jnp.sum(jnp.where(p.active, 1 + d["lengths"], 0)).astype(jnp.int32)
-        return d
+    def fixed_lengths(config, arrays, state, slots, capacity):   # ℓ replaced per request
+        lengths = jnp.where(slots.active, jnp.asarray(ells, jnp.int32), 0)
+        return drafted(config, arrays, state, slots, capacity).replace(
+            lengths=lengths,
+            n_tokens=jnp.sum(jnp.where(slots.active, 1 + lengths, 0)).astype(jnp.int32))
 
     # the engine's fused rounds trace the scheduling step: patched, then traced afresh
     monkeypatch.setattr(round_mod, "_draft_and_schedule", fixed_lengths)

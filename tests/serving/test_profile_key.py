@@ -1,7 +1,8 @@
-"""The disk-cache keys of the engine's profiles (`Engine._profile_key`): the SPS profile
+"""The disk-cache keys of the engine's profiles (`cost_profile.profile_key`): the SPS profile
 (`profile_buckets`) and the adaptive costs (`profile_costs`) are cached under a key that changes
-with what the timed calls depend on — the verifier, the sampler, the drafter's draft vocabulary
-— and stays the same for the same settings (a rebuilt engine, a drafter with other weights)."""
+with what the timed calls depend on — the verifier, the sampler, the drafter's draft vocabulary,
+the decoding layout (one buffer per layer or the stacked layers) — and stays the same for the
+same settings (a rebuilt engine, a drafter with other weights)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_profile_keys_name_verifier_sampler_and_draft_vocabulary(target, monkeyp
     variants = {
         "verifier": _keys(monkeypatch, target, draft, verifier="pallas"),
         "sampler": _keys(monkeypatch, target, draft, sampler="pallas"),
+        "decoding layout": _keys(monkeypatch, target, draft, layer_buffers=False),
         "draft_vocab_size": _keys(monkeypatch, target, init_draft(
             target, dict(BASE, draft_vocab_size=48, draft_vocab=tuple(range(0, 96, 2))),
             seed=3)),
@@ -91,21 +93,54 @@ def test_profiles_time_steps_inside_one_device_call(target, monkeypatch):
     assert eng.profile_costs()["draft"] == pytest.approx(1e-3 / m)
     assert f"draft_{m}_steps" in seen[1]
 
-    g, p = eng.gamma, eng._all_slots_active()
+    g, p = eng.gamma, cost_profile.all_slots_active(eng)
     drafts = jnp.asarray(np.arange(R * g).reshape(R, g) % 90 + 1, jnp.int32)
     probs = jnp.full((R, g, eng.V), 1.0 / eng.V, jnp.float32)
     ell = jnp.asarray([g, 1], jnp.int32)
-    looped, out = eng._verify(eng._fresh_state(), p, drafts, probs, ell, 8, steps=3)
-    s = eng._fresh_state()
+
+    def verify(state, steps=1):
+        return round_.verify_and_commit(eng.config, eng.arrays, state, p, drafts, probs, ell,
+                                        capacity=8, steps=steps)
+
+    looped, out = verify(eng.fresh_state(), steps=3)
+    s = eng.fresh_state()
     for _ in range(3):
-        s, one = eng._verify(s, p, drafts, probs, ell, 8)
+        s, one = verify(s)
     assert np.all(np.asarray(looped.cache.lengths) >= 3)   # each step commits ≥ 1 token
     np.testing.assert_array_equal(looped.cache.lengths, s.cache.lengths)
     for a, b in zip(jax.tree.leaves((looped, out)), jax.tree.leaves((s, one))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
-    s0 = eng._fresh_state()
-    first = eng._draft(s0, p, R * g)["tokens"][:, 0]
-    anchor, _ = eng._draft_step_fn(2)(0)
-    second = eng._draft(s0.replace(anchor=first), p, R * g)["tokens"][:, 0]
+    def first_draft(state):
+        return round_.draft_and_schedule(eng.config, eng.arrays, state, p,
+                                         jnp.asarray(R * g, jnp.int32)).tokens[:, 0]
+
+    s0 = eng.fresh_state()
+    anchor, _ = cost_profile.draft_step_fn(eng, 2)(0)
+    second = first_draft(s0.replace(anchor=first_draft(s0)))
     np.testing.assert_array_equal(anchor, second)
+
+
+def test_a_verification_step_with_no_active_slot_writes_nothing(target):
+    """`verify_and_commit` verifies only when a slot is active: with none, the state (cache,
+    lengths, drafter's context, anchors) comes back as it went in."""
+    import jax
+    import jax.numpy as jnp
+    from dspark_jax.decoding import speculative_round as round_
+
+    draft = init_draft(target, BASE, seed=3)
+    eng = Engine(target, draft, max_requests=R, max_len=32, scheduler="fixed",
+                 stop_token_ids=[])
+    g = eng.gamma
+    idle = eng.slot_settings(eng.host_arrays())
+    state = eng.fresh_state()
+    state = state.replace(anchor=jnp.asarray([5, 7], jnp.int32),
+                          cache=state.cache.with_lengths(jnp.asarray([3, 4], jnp.int32)))
+    before = jax.tree.map(np.asarray, state)
+    after, out = round_.verify_and_commit(
+        eng.config, eng.arrays, state, idle, jnp.ones((R, g), jnp.int32),
+        jnp.full((R, g, eng.V), 1.0 / eng.V, jnp.float32), jnp.zeros((R,), jnp.int32),
+        capacity=eng.buckets[0])
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert not np.any(np.asarray(out.n_emit))

@@ -1,0 +1,254 @@
+"""The speculative round's state, settings and outputs (paper §2, §3.2.2, §5.2–5.3; SPEC §1,
+§8, §9): one static `RoundConfig`, the per-engine arrays (`EngineArrays`), the device state of
+the request slots (`EngineState`) with what the host sets per slot (`SlotSettings`), and the
+typed outputs of each part of a round — drafting (`DraftOutputs`), verification (`RoundOutputs`,
+`CommitWrites`) and whole device calls of rounds (`RoundRecord`, `RoundsResult`).
+
+A round program is a pure function of these, state in and state out, as Gemma's sampling loop
+(`gm/text/_sampler_loop.py`): static settings in a frozen, hashable config passed as a static
+jit argument, everything else a pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models.decoder import KVCache
+
+# how a request's token budget ends it (`emission.finished`): "serving" once it has emitted its
+# budget; "deepspec" DeepSpec's `while start < max_length`
+BUDGET_RULES = ("serving", "deepspec")
+# Markov-head samplers by name (explicit uniforms): "jax" is the model's own per-slot scan
+SAMPLERS = ("jax", "pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundConfig:
+    """Static settings of the round programs (a static jit argument: frozen and hashable).
+
+    `mode`: the scheduler (`scheduler.MODES`); `verifier`: the acceptance rule by name
+    (`acceptance_rule.VERIFIERS`); `sampler`: the Markov-head sampler (`SAMPLERS`);
+    `budget_rule`: `BUDGET_RULES`; `cap_budget`: never verify drafts past a request's token
+    budget (off: DeepSpec's protocol, always γ); `tap_layer_ids`: the target layers whose
+    features feed the drafter; `buckets`: the verification capacities K (ascending);
+    `rounds_per_call` / `plain_rounds_per_call`: the most drafting rounds / rounds that skip
+    drafting one device call runs."""
+
+    mode: str = "fixed"
+    verifier: str = "jax"
+    sampler: str = "jax"
+    budget_rule: str = "serving"
+    cap_budget: bool = True
+    tap_layer_ids: tuple[int, ...] = ()
+    buckets: tuple[int, ...] = ()
+    rounds_per_call: int = 8
+    plain_rounds_per_call: int = 16
+
+    def __post_init__(self) -> None:
+        if self.budget_rule not in BUDGET_RULES:
+            raise ValueError(f"unknown budget_rule {self.budget_rule!r}; choose from "
+                             f"{list(BUDGET_RULES)}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {self.sampler!r}; choose from {list(SAMPLERS)}")
+
+
+@flax.struct.dataclass
+class EngineArrays:
+    """What every round program of one engine reads and never changes: the target and the
+    drafter (graph definitions static, states as arrays), the stop ids, the scheduler's inputs
+    and the draft vocabulary's weight rows (gathered once: `DraftAdapter.vocab_weights`)."""
+
+    target_graphdef: Any = flax.struct.field(pytree_node=False)
+    draft_graphdef: Any = flax.struct.field(pytree_node=False)
+    target_state: Any
+    draft_state: Any
+    stop_ids: jax.Array                          # [n + 1] int32, padded with −1
+    confidence_temperatures: jax.Array | None    # [γ] f32 (None: uncalibrated)
+    threshold: jax.Array                         # () f32: `threshold` mode's cut
+    sps: jax.Array                               # [B + 1] f32: SPS(B)
+    sps_draft: jax.Array                         # [B + 1] f32: drafting rounds/s at B tokens
+    vocab_weights: Any = None
+
+
+@flax.struct.dataclass
+class EngineState:
+    """Device state of the request slots (what the host sets per slot: `SlotSettings`)."""
+
+    cache: KVCache        # target K/V [L, R, S]; lengths[r] = committed tokens = anchor position
+    draft_cache: Any      # drafter context cache (None with scheduler "none")
+    anchor: jax.Array     # [R] last committed token, not yet in the target cache
+
+
+class SlotSettings(NamedTuple):
+    """What the host sets for each request slot, sent with every call ([R] arrays; tiny):
+    whether the slot runs a request, its token budget and round counter, its sampling settings
+    and its key."""
+
+    active: jax.Array       # bool: slot holds a running request
+    remaining: jax.Array    # int32: tokens it may still emit
+    counter: jax.Array      # int32: rounds it has run (folds its key)
+    temperature: jax.Array  # f32
+    top_k: jax.Array        # int32 (0 = off)
+    top_p: jax.Array        # f32 (1 = off)
+    key_data: jax.Array     # [R, 2] uint32
+
+
+@flax.struct.dataclass
+class DraftChoice:
+    """The `adaptive` mode's drafting choice carried through a device call of rounds
+    (`speculative_rounds`; the host's `serving.policy.DraftPolicy` holds the same state between
+    calls): the estimates of the two rounds before (K, G and the requests active then, 0 when
+    there is none: the loop then returns to the host), the calibration averages and the tables
+    the choice compares (`scheduler.drafting_pays`)."""
+
+    gain: jax.Array        # [2] f32: G of the estimates of rounds t−2, t−1 (K: `capacities`)
+    n_then: jax.Array      # [2] int32: requests active when each was computed (0: none)
+    predicted: jax.Array   # () f32: exponential average of predicted accepted drafts
+    realised: jax.Array    # () f32: ... of realised accepted drafts
+    decay: jax.Array       # () f32: the averages' decay per drafting round
+    plain_sps: jax.Array   # [n + 1] f32: plain rounds per second by active requests
+
+    def ratio(self) -> jax.Array:
+        """ρ = realised / predicted (capped at 4), 1 before any prediction."""
+        return jnp.where(self.predicted > 1e-9,
+                         jnp.minimum(self.realised / jnp.maximum(self.predicted, 1e-9), 4.0),
+                         1.0)
+
+    def after_round(self, gain: jax.Array, n_active: jax.Array, predicted: jax.Array,
+                    realised: jax.Array) -> "DraftChoice":
+        """After a drafting round: its estimate enters the queue, the averages move (when it
+        predicted anything), as `DraftPolicy.update(True, …)` does."""
+        moved = predicted > 0
+        return self.replace(
+            gain=jnp.stack([self.gain[1], gain.astype(jnp.float32)]),
+            n_then=jnp.stack([self.n_then[1], n_active.astype(jnp.int32)]),
+            predicted=jnp.where(moved, self.decay * self.predicted + predicted,
+                                self.predicted),
+            realised=jnp.where(moved, self.decay * self.realised + realised, self.realised))
+
+
+@flax.struct.dataclass
+class ScheduleState:
+    """What the schedule carries from round to round (paper §5.2): the capacities K of rounds
+    t−2 and t−1 (`production` and `adaptive` admit the top K_{t−2}; the other modes read
+    `capacities[0]` as their `capacity`), and under `adaptive` the drafting choice (None: every
+    round drafts)."""
+
+    capacities: jax.Array              # [2] int32
+    choice: DraftChoice | None = None
+
+    def after_round(self, record: "ScheduleRecord", active: jax.Array,
+                    realised: jax.Array) -> "ScheduleState":
+        """After a drafting round (`active`: the slots that ran it; `realised`: its accepted
+        drafts): its K enters the queue, and the choice learns its estimate and its predicted /
+        realised accepted drafts."""
+        capacities = jnp.stack([self.capacities[1], record.capacity_new.astype(jnp.int32)])
+        choice = self.choice
+        if choice is not None:
+            choice = choice.after_round(record.gain_new, jnp.sum(active), record.predicted,
+                                        realised)
+        return ScheduleState(capacities=capacities, choice=choice)
+
+
+@flax.struct.dataclass
+class DraftOutputs:
+    """One drafting + scheduling step (`draft_and_schedule`)."""
+
+    tokens: jax.Array        # [R, γ] drafted tokens
+    probs: jax.Array         # [R, γ, V] the drafter's distributions p_d
+    confidence: jax.Array    # [R, γ] confidence logits (zeros without a confidence head)
+    lengths: jax.Array       # [R] int32 ℓ_r: drafts admitted to verification
+    n_tokens: jax.Array      # () int32 Σ_active(1 + ℓ_r)
+    capacity_new: jax.Array  # () int32 K for two rounds later (production / adaptive)
+    gain_new: jax.Array      # () f32 G: expected accepted drafts among those K
+    predicted: jax.Array     # () f32 expected accepted drafts of what is admitted
+
+
+@flax.struct.dataclass
+class RoundOutputs:
+    """Per slot, what one verification emitted, and DeepSpec's bookkeeping (SPEC §1 step 6)."""
+
+    tokens: jax.Array     # [R, γ+1] accepted drafts then the correction / bonus (first n_emit)
+    n_emit: jax.Array     # [R] int32 tokens emitted (cut after a stop token, at the budget)
+    finished: jax.Array   # [R] bool: the request ends with this round
+    accepted: jax.Array   # [R] int32 accepted drafts as recorded
+    proposed: jax.Array   # [R] int32 verified drafts as recorded
+    tau_term: jax.Array   # [R] int32 the round's acceptance length (τ term)
+
+
+@flax.struct.dataclass
+class CommitWrites:
+    """What a verification writes, applied by `verification.commit`: the flattened tokens'
+    places (token axis padded to the call's widest bucket; padding writes nothing), their K/V
+    rows (or the cache a forward wrote itself) and the drafter's features, and per slot the
+    committed count and next anchor."""
+
+    slot: jax.Array          # [W] request of each flattened token
+    positions: jax.Array     # [W] its cache position
+    write_rows: jax.Array    # [W] row its K/V is written to (R: dropped)
+    commit_valid: jax.Array  # [W] bool: committed (anchor or accepted draft of a live slot)
+    dense_index: jax.Array   # [R, γ+1] flattened index of each request's cells
+    n_commit: jax.Array      # [R] int32 tokens committed (0 for inactive slots)
+    tokens: jax.Array        # [R, γ+1] the round's tokens (`RoundOutputs.tokens`)
+    next_anchor: jax.Array   # [R] the correction / bonus token: the next anchor
+    taps: jax.Array | None   # [W, n·D] target features for the drafter
+    cache: KVCache | None = None   # the cache, when the forward wrote it itself
+    new_kv: Any = None             # else the K/V rows [L, W, Kh, H] still to write
+
+
+@flax.struct.dataclass
+class ScheduleRecord:
+    """What the schedule of one drafting round decided (host bookkeeping and the policy)."""
+
+    admitted: jax.Array      # () int32 the capacity K the round admitted (capacities[0])
+    lengths: jax.Array       # [R] int32 ℓ_r
+    confidence: jax.Array    # [R, γ] confidence logits
+    capacity: jax.Array      # () int32 the verification bucket that ran
+    n_tokens: jax.Array      # () int32 Σ_active(1 + ℓ_r)
+    capacity_new: jax.Array  # () int32
+    gain_new: jax.Array      # () f32
+    predicted: jax.Array     # () f32
+
+
+@flax.struct.dataclass
+class RoundRecord:
+    """One round of a device call: the slots that ran it, what it emitted and (drafting
+    rounds) what its schedule decided. Stacked over a call's rounds in `RoundsResult`."""
+
+    live: jax.Array                        # [R] bool
+    outputs: RoundOutputs
+    schedule: ScheduleRecord | None = None
+
+    @classmethod
+    def zeros(cls, rounds: int, num_slots: int, num_drafts: int, width: int,
+              scheduled: bool) -> "RoundRecord":
+        """Records of `rounds` rounds, all zeros: a call's records before its rounds fill them
+        (tokens [R, `width`] a round; `scheduled`: with the drafting rounds' `schedule`)."""
+        def z(*shape: int, dtype: Any = jnp.int32) -> jax.Array:
+            return jnp.zeros((rounds, *shape), dtype)
+
+        R = num_slots
+        outputs = RoundOutputs(tokens=z(R, width), n_emit=z(R), finished=z(R, dtype=bool),
+                               accepted=z(R), proposed=z(R), tau_term=z(R))
+        schedule = None
+        if scheduled:
+            schedule = ScheduleRecord(
+                admitted=z(), lengths=z(R), confidence=z(R, num_drafts, dtype=jnp.float32),
+                capacity=z(), n_tokens=z(), capacity_new=z(), gain_new=z(dtype=jnp.float32),
+                predicted=z(dtype=jnp.float32))
+        return cls(live=z(R, dtype=bool), outputs=outputs, schedule=schedule)
+
+
+@flax.struct.dataclass
+class RoundsResult:
+    """A device call of rounds: its records (leading axis: the call's most rounds; entries past
+    `rounds` are fill), how many rounds ran and the schedule it ends with."""
+
+    records: RoundRecord
+    rounds: jax.Array                      # () int32
+    schedule: ScheduleState | None = None

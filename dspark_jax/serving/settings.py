@@ -1,0 +1,161 @@
+"""The serving engine's settings (paper §3.2.2, §5.2–5.4; SPEC §8, §9): one frozen, validated
+object (`EngineSettings`), built from the keyword arguments of `Engine(target, draft, **kw)`.
+
+`validate()` checks what the settings say by themselves; `check_models(target, draft)` what
+they ask of the target and the drafter (a drafter for every mode but `none`, a confidence head
+for the modes that schedule on confidences, the vanilla Markov head for `sampler="pallas"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from dspark_jax.decoding.acceptance_rule import VERIFIERS
+from dspark_jax.decoding.draft_adapters import adapter_for
+from dspark_jax.decoding.pallas_backend import check_offered
+from dspark_jax.decoding.round_types import BUDGET_RULES, SAMPLERS
+from dspark_jax.decoding.scheduler import MODES
+from dspark_jax.models.drafters.config import validate_against_target
+from dspark_jax.serving.policy import MODES as MODE_TABLE
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EngineSettings:
+    """Every setting of `Engine` (the keywords of `Engine(target, draft, **kw)`).
+
+    Costs of the `adaptive` drafting choice (`serving.policy`): `draft_seconds` (the drafter's
+    time per round) and `plain_seconds` (a plain decoding step), in the units of `sps`; when
+    None they are profiled with SPS (cached on disk in `sps_cache_dir`, `serving.cost_profile`),
+    except that with `sps` passed in the drafter counts as free and a plain step as the
+    verification step at n tokens (the paper's rule: always draft). `probe_interval` /
+    `max_probe_interval`: the least rounds between probes while plain decoding wins (doubling at
+    each probe); `explore`: the fraction of plain decoding time that probes may cost (None: no
+    limit). `plain_steps_per_call`: the most plain steps (`none`) or plain rounds (`adaptive`'s
+    rounds that skip drafting) one device call runs; `rounds_per_call` the most drafting rounds.
+    `production` (the paper's §5.2 schedule without that choice) profiles SPS only, never reads
+    these costs and always drafts.
+
+    `layer_buffers`: the target layout the decoding steps and verification run on
+    (`Target.decoding_layout`): None (default) or True one buffer per decoder layer, so the
+    dots read the weights where they lie (a scanned stack has them copied out every step);
+    False the stacked layers (faster to compile); the prefill always runs on the stacked
+    layers.
+
+    Token budget: `budget_rule="serving"` (default) ends a request as soon as it has emitted
+    `max_new_tokens`, and `cap_to_budget` (default True) never verifies drafts past that budget.
+    `budget_rule="deepspec"` is the rule of DeepSpec's evaluation loop (`while start <
+    max_length`): every round verifies the full block (`cap_to_budget` defaults to False and
+    cannot be True), a request runs another round while it has emitted at most
+    `max_new_tokens` tokens, and its output is cut at the budget, so the rounds, their counts
+    and τ are DeepSpec's (`speculative_generate` and `dspark_jax.evaluate` use it).
+    """
+
+    max_requests: int = 16                  # R: request slots decoded together
+    max_len: int = 2048                     # the longest a request (prompt + output) may be
+    scheduler: str = "adaptive"             # `scheduler.MODES`
+    threshold: float = 0.5                  # `threshold` mode's cut on σ(c)
+    capacity_buckets: Sequence[int] | None = None   # verification capacities K (default R…R(γ+1))
+    prefill_chunk: int = 128                # prompt tokens a prefill forward takes at a time
+    sps: Any = None                         # SPS(B): a table [B + 1] or {bucket: steps/s}
+    sps_cache_dir: str | None = None        # the profiles' disk cache (`cost_profile`)
+    profile_repeats: int = 3
+    confidence_temperatures: Sequence[float] | None = None   # [γ] calibration (default: draft's)
+    verifier: str = "jax"                   # `acceptance_rule.VERIFIERS`
+    sampler: str = "jax"                    # `round_types.SAMPLERS`
+    stop_token_ids: Sequence[int] | None = None   # default: the tokenizer's / config's
+    cap_to_budget: bool | None = None       # default: budget_rule == "serving"
+    budget_rule: str = "serving"            # `round_types.BUDGET_RULES`
+    draft_seconds: float | None = None      # t_d (adaptive; default profiled)
+    plain_seconds: float | None = None      # t_plain (adaptive; default profiled)
+    probe_interval: int = 4
+    max_probe_interval: int = 64
+    explore: float | None = 0.01
+    plain_steps_per_call: int = 16
+    rounds_per_call: int = 8
+    len_bucket: int = 64
+    layer_buffers: bool | None = None       # decoding layout (`Target.decoding_layout`)
+
+    @property
+    def caps_budget(self) -> bool:
+        """Whether drafts past a request's token budget are never verified."""
+        if self.cap_to_budget is None:
+            return self.budget_rule == "serving"
+        return bool(self.cap_to_budget)
+
+    def validate(self) -> "EngineSettings":
+        """Raises ValueError naming the first bad setting; → self."""
+        self._check_names()
+        if self.cap_to_budget and self.budget_rule == "deepspec":
+            raise ValueError("budget_rule='deepspec' verifies full blocks up to the end (as "
+                             "DeepSpec's loop); it cannot be combined with cap_to_budget=True")
+        if self.max_requests < 1:
+            raise ValueError(f"max_requests must be ≥ 1, got {self.max_requests}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be ≥ 1, got {self.prefill_chunk}")
+        if min(self.plain_steps_per_call, self.rounds_per_call, self.len_bucket) < 1:
+            raise ValueError(f"plain_steps_per_call, rounds_per_call and len_bucket must be "
+                             f"≥ 1, got {self.plain_steps_per_call}, {self.rounds_per_call} "
+                             f"and {self.len_bucket}")
+        if self.scheduler == "threshold" and not 0.0 <= float(self.threshold) <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
+        self._check_costs()
+        return self
+
+    def _check_names(self) -> None:
+        for name, value, known in (("scheduler", self.scheduler, MODES),
+                                   ("verifier", self.verifier, sorted(VERIFIERS)),
+                                   ("budget_rule", self.budget_rule, BUDGET_RULES),
+                                   ("sampler", self.sampler, SAMPLERS)):
+            if value not in known:
+                raise ValueError(f"unknown {name} {value!r}; choose from {list(known)}")
+        for name, value in (("verifier", self.verifier), ("sampler", self.sampler)):
+            if value == "pallas":
+                check_offered(f"{name}='pallas'")
+
+    def _check_costs(self) -> None:
+        if self.draft_seconds is not None and not float(self.draft_seconds) >= 0:
+            raise ValueError(f"draft_seconds must be ≥ 0, got {self.draft_seconds}")
+        if self.plain_seconds is not None and not float(self.plain_seconds) > 0:
+            raise ValueError(f"plain_seconds must be > 0, got {self.plain_seconds}")
+        if not 1 <= int(self.probe_interval) <= int(self.max_probe_interval):
+            raise ValueError(f"probe_interval must be ≥ 1 and ≤ max_probe_interval, got "
+                             f"probe_interval={self.probe_interval}, "
+                             f"max_probe_interval={self.max_probe_interval}")
+        if self.explore is not None and not 0.0 <= float(self.explore) <= 1.0:
+            raise ValueError(f"explore must be in [0, 1] or None, got {self.explore}")
+
+    def check_models(self, target: Any, draft: Any) -> None:
+        """Raises ValueError when the target and the drafter cannot serve these settings."""
+        if self.scheduler == "none":
+            return
+        if draft is None:
+            raise ValueError(f"scheduler={self.scheduler!r} needs a drafter (draft=None only "
+                             "works with scheduler='none')")
+        validate_against_target(draft.config, target.config, source="draft")
+        model_type = draft.config.model_type
+        if MODE_TABLE[self.scheduler].needs_confidence and not draft.config.has_confidence:
+            raise ValueError(f"scheduler={self.scheduler!r} needs the drafter's confidence "
+                             f"head, but this {model_type} drafter has none; use "
+                             "scheduler='fixed' (or 'none')")
+        markov_kernel = getattr(adapter_for(model_type), "supports_markov_kernel",
+                                lambda m: False)
+        if self.sampler == "pallas" and not markov_kernel(draft.model):
+            raise ValueError(
+                "sampler='pallas' runs the vanilla Markov-head sampling kernel, but this "
+                f"{model_type} drafter has markov_head_type="
+                f"{getattr(draft.config, 'markov_head_type', None)!r} (rank "
+                f"{getattr(draft.config, 'markov_rank', 0)}); use sampler='jax'")
+
+    def confidence_temperatures_for(self, draft: Any, gamma: int) -> list[float] | None:
+        """The calibration temperatures [γ] (these settings', else the drafter's), checked."""
+        temps = self.confidence_temperatures
+        if temps is None and draft is not None:
+            temps = getattr(draft, "confidence_temperatures", None)
+        if temps is None:
+            return None
+        temps = [float(t) for t in temps]
+        if len(temps) != gamma or min(temps) <= 0:
+            raise ValueError(f"confidence_temperatures must be {gamma} positive floats (one "
+                             f"per draft slot), got {temps}")
+        return temps

@@ -1,0 +1,77 @@
+"""The engine's settings (`serving.settings.EngineSettings`): one frozen object built from
+`Engine(target, draft, **kw)`'s keywords, validated before anything is built, naming the bad
+setting; and the table of what each scheduler mode asks of the engine (`serving.policy.MODES`),
+consistent with the scheduler's own lists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES, STALE_CAPACITY_MODES
+from dspark_jax.serving import policy
+from dspark_jax.serving.settings import EngineSettings
+
+
+def test_defaults_and_the_budget_cap():
+    st = EngineSettings().validate()
+    assert (st.max_requests, st.max_len, st.scheduler) == (16, 2048, "adaptive")
+    assert st.caps_budget
+    assert not EngineSettings(budget_rule="deepspec").validate().caps_budget
+    assert not EngineSettings(cap_to_budget=False).caps_budget
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.max_len = 4
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="max_request"):
+        EngineSettings(max_request=4)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(scheduler="greedy"), "unknown scheduler"),
+    (dict(verifier="cuda"), "unknown verifier"),
+    (dict(sampler="cuda"), "unknown sampler"),
+    (dict(budget_rule="vllm"), "unknown budget_rule"),
+    (dict(budget_rule="deepspec", cap_to_budget=True), "cap_to_budget"),
+    (dict(max_requests=0), "max_requests"),
+    (dict(prefill_chunk=0), "prefill_chunk"),
+    (dict(rounds_per_call=0), "rounds_per_call"),
+    (dict(scheduler="threshold", threshold=1.5), "threshold"),
+    (dict(draft_seconds=-1.0), "draft_seconds"),
+    (dict(plain_seconds=0.0), "plain_seconds"),
+    (dict(probe_interval=8, max_probe_interval=4), "probe_interval"),
+    (dict(explore=2.0), "explore"),
+])
+def test_validate_names_the_bad_setting(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineSettings(**kw).validate()
+
+
+def test_mode_table_matches_the_scheduler():
+    assert set(policy.MODES) == set(MODES)
+    for name, mode in policy.MODES.items():
+        assert mode.needs_confidence == (name in CONFIDENCE_MODES), name
+        assert mode.drafts == (name != "none"), name
+        assert (mode.new_policy is None) == (not mode.drafts), name
+        # the stale-capacity modes search on SPS; only `adaptive` prices the drafter
+        if name in STALE_CAPACITY_MODES:
+            assert mode.profiles_sps, name
+        assert mode.prices_drafting == (name == "adaptive"), name
+
+
+def test_each_mode_gets_its_policy():
+    kw = dict(verify_seconds=[1.0] * 9, draft_seconds=0.1, plain_seconds=1.0, gamma=3,
+              initial_capacity=6)
+    kinds = {name: type(policy.policy_for(name, **kw)) for name in MODES}
+    assert kinds["none"] is type(None)
+    assert kinds["production"] is policy.CapacityQueue
+    assert kinds["adaptive"] is policy.DraftPolicy
+    assert {kinds[m] for m in ("fixed", "threshold", "algorithm1")} == {policy.AlwaysDraft}
+    always = policy.AlwaysDraft()
+    assert always.decide(4) == (True, 0)
+    assert always.device_schedule(0) == ([0, 0], None)
+    queue = policy.policy_for("production", **kw)
+    queue.replay(True, policy.Estimate(4, 1.0, 2), 0.5, 0.0)
+    assert queue.device_schedule(0) == ([6, 4], None)
