@@ -283,7 +283,7 @@ def round_seconds(eng, prompts, rounds: int, temperature: float = 1.0, seed: int
     schedule → bucket → verify → commit → host bookkeeping; plain decoding: one step a round,
     as verification). No request may finish meanwhile: the budget exceeds what the rounds can
     emit, and the engine must have no stop tokens (`stop_token_ids=[]`)."""
-    from dspark_jax.serving.engine import Request, _Run
+    from dspark_jax.serving.run_loop import Request, Run as _Run
 
     n = len(prompts)
     if not 1 <= n <= eng.R:

@@ -1,0 +1,376 @@
+"""One `Engine.generate` / `Engine.serve` call on the host (paper §5.2–5.4; SPEC §8, §9): the
+request queue, admission into free slots, the prefill of joining prompts, the per-request
+records and the loop of device calls (`Run`), with the records it returns (`EngineResult`) and
+the requests it takes (`Request`). The `Engine` (`serving.engine`) owns the compiled programs,
+the caches' layout and the drafting policy; a run drives them."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dspark_jax.decoding import speculative_round as round_
+from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
+from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length
+from dspark_jax.decoding.round_types import EngineState, RoundOutputs, RoundsResult
+from dspark_jax.decoding.sampling import top_k_cap_for
+from dspark_jax.serving import cost_profile, policy
+
+
+@dataclasses.dataclass
+class EngineResult:
+    """Output of `Engine.generate` (the names are part of the stable API)."""
+
+    tokens: list[list[int]]          # generated ids per prompt (prompt excluded)
+    rounds: list[dict[str, Any]]     # per engine step: active, verified_tokens, capacity, seconds
+    per_request: list[dict[str, Any]]  # accepted/proposed per round, first_token_s, finish_s
+    wall_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """DeepSpec's pooled accepted length over all requests and rounds."""
+        terms = [t for r in self.per_request for t in r["acceptance"]]
+        return float(sum(terms) / max(len(terms), 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request of `Engine.serve`: prompt ids, its sampling settings and its own key
+    (threefry key data, uint32 [2]: its sampled tokens depend on nothing else — not the slot,
+    not the neighbours; in plain decoding, requests sharing one top-k also draw the same
+    tokens in any batch). `handle`: anything the caller wants back in `on_reply`."""
+
+    prompt: Sequence[int]
+    key_data: Any
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    arrival_s: float = 0.0
+    handle: Any = None
+
+
+
+class Run:
+    """Host bookkeeping of one `Engine.generate` / `Engine.serve` call: the request queue,
+    admission into free slots, the per-request records and the run loop."""
+
+    def __init__(self, eng: Any, max_new: int, *, fresh_policy: bool = False,
+                 progress: bool = False, total: int | None = None,
+                 on_reply: Callable[[Request, list[int]], Sequence[Request]] | None = None,
+                 after_replies: Callable[[], None] | None = None):
+        self.eng, self.max_new = eng, int(max_new)
+        self.requests: list[Request] = []
+        self.prompts: list[list[int]] = []
+        self.out: list[list[int]] = []
+        self.per: list[dict[str, Any]] = []
+        self.on_reply, self.after_replies = on_reply, after_replies
+        self.ended = 0          # requests ended since `after_replies` last ran
+        self.rounds: list[dict[str, Any]] = []
+        self.host = eng.host_arrays()
+        self.slot_req = [-1] * eng.R
+        self.free = collections.deque(range(eng.R))
+        self.pending: collections.deque[int] = collections.deque()
+        self.plain = not eng.mode_traits.drafts
+        self.step_s = 0.0       # seconds per step / round (last call), for arrivals
+        # adaptive: the engine's drafting policy (its state persists across calls);
+        # production: a fresh capacity queue for this run
+        self.policy = eng.policy
+        if self.policy is not None and (fresh_policy or not self.policy.persists):
+            self.policy = eng.new_policy()
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="speculative" if not self.plain else "decode",
+                            unit="tok", dynamic_ncols=True)
+
+    def add(self, req: Request, label: Any = None) -> int:
+        """Queues a request (validated); → its index in the result."""
+        i = len(self.requests)
+        self.eng.check_prompt(i if label is None else label, req.prompt, self.max_new)
+        if req.temperature < 0:
+            raise ValueError("temperature must be ≥ 0")
+        if not 0.0 < req.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        self.requests.append(req)
+        self.prompts.append(list(map(int, req.prompt)))
+        self.out.append([])
+        self.per.append(dict(accepted=[], proposed=[], acceptance=[], confidence=[],
+                             arrival_s=float(req.arrival_s), join_s=None,
+                             prompt_tokens=len(req.prompt), first_token_s=None,
+                             finish_s=None))
+        self.pending.append(i)
+        return i
+
+    # -------------------------------------------------------------- joins
+    def _admit(self, now: float) -> list[int]:
+        joined = []
+        while (self.pending and self.free
+               and self.requests[self.pending[0]].arrival_s <= now):
+            i = self.pending.popleft()
+            r = self.free.popleft()
+            self.slot_req[r] = i
+            self.per[i]["join_s"] = now
+            req, host = self.requests[i], self.host
+            host["temperature"][r], host["top_k"][r], host["top_p"][r] = (
+                req.temperature, req.top_k, req.top_p)
+            host["key_data"][r] = np.asarray(req.key_data, np.uint32)
+            host["counter"][r], host["remaining"][r], host["active"][r] = 1, self.max_new, False
+            joined.append(r)
+        return joined
+
+    def _fit_cache(self, state: EngineState, slots: list[int]) -> EngineState:
+        """Grows the caches (`Engine.cache_lengths`, up to max_len) to hold the joining
+        requests: prompt, budget and, speculating, one more verified block (attention reads
+        the whole cache, so a short one is a faster step)."""
+        eng = self.eng
+        need = (max(len(self.prompts[self.slot_req[r]]) for r in slots) + self.max_new + 1
+                + (0 if self.plain else eng.gamma))
+        n = eng.cache_length_for(need)
+        return eng._grown(state, n) if n > state.cache.max_len else state
+
+    def _prefill(self, state: EngineState, slots: list[int]) -> EngineState:
+        """The joining prompts prefilled together, densely (plain: `plain_steps.plain_prefill`;
+        speculative: `speculative_round.prefill_prompts`, which also feeds the drafter's
+        context), in groups of at most R padded to a power-of-two size (padding rows write
+        nothing) and to a `len_bucket` multiple of tokens (a `prefill_chunk` multiple past it,
+        run chunk by chunk), so few shapes compile; `prefill_groups` splits the joiners by
+        length where that computes fewer padded tokens."""
+        eng, st = self.eng, self.eng.settings
+        state = self._fit_cache(state, slots)
+        settings = eng.slot_settings(self.host)
+        cap = top_k_cap_for([int(self.host["top_k"][r]) for r in slots], eng.V)
+        lengths = [len(self.prompts[self.slot_req[r]]) for r in slots]
+        for idx in prefill_groups(lengths, eng.R, st.len_bucket, st.prefill_chunk,
+                                  state.cache.max_len):
+            group = [slots[i] for i in idx]
+            n = 1 << (len(group) - 1).bit_length()
+            width = prefill_length(max(lengths[i] for i in idx), st.len_bucket,
+                                   st.prefill_chunk, state.cache.max_len)
+            tokens = np.zeros((n, width), np.int32)
+            lens = np.ones((n,), np.int32)
+            rows = np.full((n,), eng.R, np.int32)     # R: a padding row, dropped
+            for j, r in enumerate(group):
+                prompt = self.prompts[self.slot_req[r]]
+                tokens[j, :len(prompt)], lens[j], rows[j] = prompt, len(prompt), r
+            args = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows))
+            chunk = min(width, st.prefill_chunk)
+            if self.plain:
+                state, first = plain_prefill(eng.target.graphdef, eng.target.state, state,
+                                             settings, *args, chunk=chunk, top_k_cap=cap)
+            else:
+                state, first = round_.prefill_prompts(eng.config, eng.prefill_arrays, state,
+                                                      settings, *args, chunk=chunk)
+            first = np.asarray(first)
+            self._first_tokens([(r, int(first[j])) for j, r in enumerate(group)])
+        return state
+
+    def _first_tokens(self, firsts: list[tuple[int, int]]) -> None:
+        """Books each joined slot's first token (sampled by its prefill)."""
+        eng = self.eng
+        now = time.perf_counter() - self.t0
+        stops = set(np.asarray(eng.stop_ids).tolist()) - {-1}
+        for r, t in firsts:
+            i = self.slot_req[r]
+            self.out[i].append(t)
+            if self.bar is not None:
+                self.bar.update(1)
+            self.per[i]["first_token_s"] = now
+            # DeepSpec's loop runs a round even with a budget of one token
+            if t in stops or (self.max_new <= 1 and eng.budget_rule == "serving"):
+                self._finish(r, now)
+            else:
+                self.host["active"][r], self.host["remaining"][r] = True, self.max_new - 1
+
+    def _finish(self, r: int, now: float) -> None:
+        i = self.slot_req[r]
+        self.per[i]["finish_s"] = now
+        self.host["active"][r] = False
+        self.slot_req[r] = -1
+        self.free.append(r)
+        self.ended += 1
+        if self.on_reply is not None:
+            for req in self.on_reply(self.requests[i], list(self.out[i])) or ():
+                self.add(dataclasses.replace(req, arrival_s=min(req.arrival_s, now)))
+
+    # -------------------------------------------------------------- rounds
+    def _record(self, r: int, tokens: Sequence[int], accepted: Sequence[int],
+                proposed: Sequence[int], acceptance: Sequence[int], rounds: int) -> None:
+        i = self.slot_req[r]
+        self.out[i].extend(int(x) for x in tokens)
+        pr = self.per[i]
+        pr["accepted"].extend(accepted)
+        pr["proposed"].extend(proposed)
+        pr["acceptance"].extend(acceptance)
+        self.host["remaining"][r] -= len(tokens)
+        self.host["counter"][r] += rounds
+
+    def _plain_round(self, state: EngineState, max_steps: int | None = None) -> EngineState:
+        """Plain decoding (scheduler "none"): up to `plain_steps_per_call` steps in one device
+        call (`decoding.plain_steps`), back on the host as soon as a slot can be handed to a
+        waiting request, or when the next one arrives."""
+        eng, host = self.eng, self.host
+        t_start = time.perf_counter()
+        n_active = int(host["active"].sum())
+        steps, min_done = self._call_budget(max_steps, eng.plain_steps_per_call)
+        cap = top_k_cap_for([int(k) for k in host["top_k"][host["active"]]], eng.V)
+        state, out = plain_steps(eng.step_target.graphdef, eng.step_target.state, state,
+                                 eng.slot_settings(host), eng.stop_ids,
+                                 jnp.asarray(steps, jnp.int32), jnp.asarray(min_done, jnp.int32),
+                                 max_steps=eng.plain_steps_per_call, top_k_cap=cap,
+                                 budget_rule=eng.budget_rule)
+        out = jax.device_get(out)
+        now = time.perf_counter() - self.t0
+        emitted = 0
+        for r in np.nonzero(host["active"])[0]:
+            m, k = int(out["n_emit"][r]), int(out["steps"][r])
+            self._record(r, out["tokens"][r, :m], [0] * k, [0] * k, [1] * k, k)
+            emitted += m
+            if out["finished"][r]:
+                self._finish(r, now)
+        if self.bar is not None:
+            self.bar.update(emitted)
+        n_steps = int(out["steps"].max(initial=0))
+        seconds = time.perf_counter() - t_start
+        self.step_s = seconds / max(n_steps, 1)
+        self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=eng.buckets[0],
+                                tokens=emitted, drafted=False, seconds=seconds, steps=n_steps,
+                                cache_len=int(state.cache.max_len)))
+        return state
+
+    def _call_budget(self, max_steps: int | None, per_call: int) -> tuple[int, int]:
+        """(steps or rounds for this device call, min_done): back on the host as soon as a
+        slot can be handed to a waiting request, or in time for the next arrival."""
+        steps, min_done = per_call, self.eng.R + 1
+        if max_steps is not None:
+            steps = min(steps, int(max_steps))
+        if self.pending:
+            if not self.free:
+                min_done = 1
+            else:   # a free slot awaits a later arrival: return in time for it
+                wait = (self.requests[self.pending[0]].arrival_s
+                        - (time.perf_counter() - self.t0))
+                if self.step_s > 0:
+                    steps = int(min(steps, max(1, wait // self.step_s + 1)))
+        return steps, min_done
+
+    def _round(self, state: EngineState, max_steps: int | None = None) -> EngineState:
+        """Speculative rounds: up to `rounds_per_call` whole rounds in one device call
+        (`speculative_round.speculative_rounds`). The policy decides the first round on the
+        host (`adaptive`: the device makes the same choice before each later round and ends
+        the call at the first that would not draft), then replays the rounds the device ran.
+        A round it does not draft verifies the anchors alone (`_anchor_rounds`)."""
+        if self.plain:
+            return self._plain_round(state, max_steps)
+        eng, host = self.eng, self.host
+        t_start = time.perf_counter()
+        n_active = int(host["active"].sum())
+        drafted, capacity = self.policy.decide(n_active)
+        if not drafted:   # plain decoding: ℓ = 0, the drafter not run
+            return self._anchor_rounds(state, n_active, t_start)
+        rounds, min_done = self._call_budget(max_steps, eng.rounds_per_call)
+        state, result = round_.speculative_rounds(
+            eng.config, eng.arrays, state, eng.slot_settings(host),
+            eng.schedule_state(*self.policy.device_schedule(capacity)),
+            jnp.asarray(rounds, jnp.int32), jnp.asarray(min_done, jnp.int32))
+        result, now, seconds = self._fetch_rounds(result, t_start)
+        for i in range(int(result.rounds)):
+            record = jax.tree.map(lambda a: a[i], result.records)
+            live, decided = record.live, record.schedule
+            self.policy.replay(i == 0, policy.Estimate(int(decided.capacity_new),
+                                                       float(decided.gain_new),
+                                                       int(live.sum())),
+                               float(decided.predicted),
+                               float(np.sum(record.outputs.accepted[live])))
+            emitted = self._book_round(record.outputs, live, now, decided.confidence)
+            self.rounds.append(dict(active=int(live.sum()),
+                                    verified_tokens=int(decided.lengths[live].sum()),
+                                    capacity=int(decided.capacity), tokens=emitted,
+                                    drafted=True, steps=1, seconds=seconds,
+                                    admitted_capacity=int(decided.admitted)))
+        return state
+
+    def _fetch_rounds(self, result: RoundsResult, t_start: float
+                      ) -> tuple[RoundsResult, float, float]:
+        """A rounds call's result on the host: → (result, run time now, seconds a round), the
+        last also kept as the pace for arrivals (`step_s`)."""
+        result = jax.device_get(result)
+        now = time.perf_counter() - self.t0
+        self.step_s = (time.perf_counter() - t_start) / max(int(result.rounds), 1)
+        return result, now, self.step_s
+
+    def _book_round(self, outputs: RoundOutputs, live: np.ndarray, now: float,
+                    confidence: np.ndarray | None = None) -> int:
+        """Books one round's per-slot outputs ([R, …] on the host) for the slots in `live`:
+        tokens, acceptance records, confidence logits, finished requests. → tokens emitted."""
+        emitted = 0
+        for r in np.nonzero(live)[0]:
+            m = int(outputs.n_emit[r])
+            if confidence is not None:   # confidence logits of this round's proposals
+                self.per[self.slot_req[r]]["confidence"].append(
+                    np.asarray(confidence[r], np.float32))
+            self._record(r, outputs.tokens[r, :m], [int(outputs.accepted[r])],
+                         [int(outputs.proposed[r])], [int(outputs.tau_term[r])], 1)
+            emitted += m
+            if outputs.finished[r]:
+                self._finish(r, now)
+        if self.bar is not None:
+            self.bar.update(emitted)
+        return emitted
+
+    def _anchor_rounds(self, state: EngineState, n_active: int, t_start: float) -> EngineState:
+        """Rounds that skip drafting (`adaptive`): the anchors alone are verified (drafts of
+        width 0) in the smallest bucket, and the drafter's context is still fed. The policy's
+        next plain choices are known ahead (`DraftPolicy.plain_rounds`), so up to
+        `plain_steps_per_call` of them run in one device call (`anchor_rounds`), back on the
+        host once a slot finishes (the active count the choices assumed changes then)."""
+        eng, host = self.eng, self.host
+        want = self.policy.plain_rounds(n_active, eng.plain_steps_per_call)
+        rounds, _ = self._call_budget(want, eng.plain_steps_per_call)
+        K = cost_profile.bucket_for(eng.buckets, max(n_active, 1))
+        state, result = round_.anchor_rounds(eng.config, eng.arrays, state, eng.slot_settings(host),
+                                         jnp.asarray(rounds, jnp.int32),
+                                         jnp.asarray(1, jnp.int32), capacity=K)
+        result, now, seconds = self._fetch_rounds(result, t_start)
+        for i in range(int(result.rounds)):
+            if i:   # replays the choice made ahead (the same n_active: no slot finished)
+                self.policy.decide(n_active)
+            self.policy.update(False)
+            record = jax.tree.map(lambda a: a[i], result.records)
+            emitted = self._book_round(record.outputs, record.live, now)
+            self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=K,
+                                    tokens=emitted, drafted=False, steps=1, seconds=seconds))
+        return state
+
+    def start_state(self) -> EngineState:
+        return self.eng.fresh_state(self.eng.cache_lengths()[0])
+
+    def loop(self) -> EngineResult:
+        state = self.start_state()
+        self.t0 = time.perf_counter()
+        while self.pending or self.host["active"].any():
+            now = time.perf_counter() - self.t0
+            joined = self._admit(now)
+            if joined:
+                state = self._prefill(state, joined)
+            if self.host["active"].any():
+                state = self._round(state)
+            elif self.pending and self.free:
+                wait = (self.requests[self.pending[0]].arrival_s
+                        - (time.perf_counter() - self.t0))
+                if wait > 0:
+                    time.sleep(wait)
+            if self.ended and self.after_replies is not None:
+                self.after_replies()
+            self.ended = 0
+        self.final_state = state
+        if self.bar is not None:
+            self.bar.close()
+        return EngineResult(tokens=self.out, rounds=self.rounds, per_request=self.per,
+                            wall_s=time.perf_counter() - self.t0)
