@@ -5,7 +5,6 @@ speculative decoding through the existing engine equal to autoregressive decodin
 from __future__ import annotations
 
 import json
-import pathlib
 
 import jax
 import numpy as np
@@ -17,6 +16,7 @@ from dspark_jax.serving import speculative_generate
 from dspark_jax.models import init_draft, load_draft, load_target
 from dspark_jax.models.config import ConfigError
 from dspark_jax.models.io.hf import read_safetensors_dir
+from draft_fitting import fit_draft
 from hf_tiny import save_tiny_gemma4
 
 # DeepSpec's Gemma4 drafters refuse per-layer inputs: a target with every other feature
@@ -143,30 +143,7 @@ def test_gemma4_targets_with_per_layer_inputs_are_refused(tmp_path):
 def test_gemma4_trained_draft_is_accepted_and_lossless(target, kind):
     """Training through the existing jitted step on the target's own greedy outputs: drafts
     get accepted (multi-token commits run) and greedy output still equals autoregressive."""
-    from dspark_jax.sharding import make_mesh
-    from dspark_jax.train.step import (OptimConfig, build_train_step, init_train_state,
-                                       make_optimizer, make_schedule, split_draft)
-
-    rng = np.random.RandomState(0)
-    prompts = [list(rng.randint(3, 90, 4)) for _ in range(8)]
-    outs = autoregressive_generate(target, prompts, max_new_tokens=28, stop_token_ids=[])
-    ids = np.asarray([p + o for p, o in zip(prompts, outs)], np.int32)
-    B, S = ids.shape
-    batch = dict(input_ids=ids, loss_mask=np.ones((B, S), np.int32),
-                 positions=np.tile(np.arange(S, dtype=np.int32), (B, 1)),
-                 segment_ids=np.ones((B, S), np.int32))
-    draft = init_draft(target, dict(DRAFTS[kind], num_anchors=32), seed=0)
-    gd, params, frozen = split_draft(draft.model)
-    oc = OptimConfig(lr=1e-2, total_steps=120)
-    tx = make_optimizer(oc)
-    mesh = make_mesh(devices=jax.devices()[:1])
-    state, sh = init_train_state(params, tx, 0, mesh)
-    fns = build_train_step(gd, draft.config, tx, make_schedule(oc),
-                           target_graphdef=target.graphdef, mesh=mesh, state_sh=sh,
-                           frozen=frozen, target_state=target.state)
-    for _ in range(120):
-        state, _ = fns.train(state, frozen, target.state, batch)
-    trained = type(draft).from_model(nnx.merge(gd, state.params, frozen))
+    trained, prompts, _ = fit_draft(target, DRAFTS[kind])
     ref = autoregressive_generate(target, prompts, max_new_tokens=20, stop_token_ids=[])
     res = speculative_generate(target, trained, prompts, max_new_tokens=20, stop_token_ids=[])
     assert res.tokens == ref

@@ -4,7 +4,6 @@ number of drafts; sampled output matches the target's distribution (and a broken
 
 from __future__ import annotations
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from dspark_jax.decoding import autoregressive_generate
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.models.config import ConfigError
 from dspark_jax.serving import Engine, SpecSettings, speculative_generate
+from draft_fitting import fit_draft
 from hf_tiny import save_tiny_hf
 
 BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,
@@ -57,40 +57,9 @@ def test_greedy_equals_autoregressive_random_draft(target, greedy_ref, kind):
         assert sum(x + 1 for x in a) + 1 >= len(toks)  # every round emits accepted + 1
 
 
-def _fit_draft(target, kind: str, steps: int = 120):
-    """A draft trained briefly on the target's own greedy outputs, so that drafts get accepted
-    and the multi-token commit paths run."""
-    from dspark_jax.sharding import make_mesh
-    from dspark_jax.train.step import (OptimConfig, build_train_step, init_train_state,
-                                       make_optimizer, make_schedule, split_draft)
-
-    rng = np.random.RandomState(0)
-    prompts = [list(rng.randint(3, 90, 4)) for _ in range(8)]
-    outs = autoregressive_generate(target, prompts, max_new_tokens=28, stop_token_ids=[])
-    ids = np.asarray([p + o for p, o in zip(prompts, outs)], np.int32)
-    B, S = ids.shape
-    batch = dict(input_ids=ids, loss_mask=np.ones((B, S), np.int32),
-                 positions=np.tile(np.arange(S, dtype=np.int32), (B, 1)),
-                 segment_ids=np.ones((B, S), np.int32))
-    draft = init_draft(target, dict(DRAFTS[kind], num_anchors=32), seed=0)
-    gd, params, frozen = split_draft(draft.model)
-    oc = OptimConfig(lr=1e-2, total_steps=steps)
-    tx = make_optimizer(oc)
-    mesh = make_mesh(devices=jax.devices()[:1])
-    state, sh = init_train_state(params, tx, 0, mesh)
-    fns = build_train_step(gd, draft.config, tx, make_schedule(oc), target_graphdef=target.graphdef,
-                           mesh=mesh, state_sh=sh, frozen=frozen, target_state=target.state)
-    for _ in range(steps):
-        state, _ = fns.train(state, frozen, target.state, batch)
-    from flax import nnx
-
-    model = nnx.merge(gd, state.params, frozen)
-    return type(draft).from_model(model), prompts, outs
-
-
 @pytest.mark.parametrize("kind", ["dspark_rnn", pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_greedy_equals_autoregressive_trained_draft(target, kind):
-    draft, prompts, outs = _fit_draft(target, kind)
+    draft, prompts, outs = fit_draft(target, DRAFTS[kind])
     # ragged batch, stop token inside the output, max_new cut mid-round
     stop = outs[0][9]
     ref = autoregressive_generate(target, prompts, max_new_tokens=23, stop_token_ids=[stop])
