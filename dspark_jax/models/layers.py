@@ -296,7 +296,9 @@ class UnstackedLayers(nnx.Module):
     take `FUSED_KV` (k|v as `w_kv`, their q read apart; left apart, XLA merges the k and v dots
     itself by concatenating their weights every call) and `{}` keeps the stack's matrices.
     Same values, same forward (`Target.decoding_layout` builds it; the stacked
-    state stays the source)."""
+    state stays the source). Each buffer keeps the stack's logical axes less "layers", so a
+    mesh shards it the same way; a fused buffer names only its input axis (its output mixes
+    q, k and v heads, or gate and up, and stays whole)."""
 
     FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 
@@ -316,10 +318,16 @@ class UnstackedLayers(nnx.Module):
                 w = getattr(stack, n).get_value()[i]
                 return w.reshape(w.shape[0], -1)
 
-            out = {n: nnx.Param(getattr(stack, n).get_value()[i]) for n in self.names
-                   if n not in fused}
-            for name, group in fused.items():
-                out[name] = nnx.Param(jnp.concatenate([flat(n) for n in group], axis=1))
+            def axes(n: str) -> tuple[str | None, ...] | None:   # the stack's, less "layers"
+                stacked = getattr(stack, n).get_metadata().get("axes")
+                return None if stacked is None else tuple(stacked[1:])
+
+            out = {n: nnx.Param(getattr(stack, n).get_value()[i], axes=axes(n))
+                   for n in self.names if n not in fused}
+            for name, group in fused.items():   # [in, out]: the input axis keeps its name
+                first = axes(group[0])
+                out[name] = nnx.Param(jnp.concatenate([flat(n) for n in group], axis=1),
+                                      axes=None if first is None else (first[0], None))
             return out
 
         self.per_layer = nnx.List([nnx.Dict(layer(i)) for i in range(stack.num_layers)])

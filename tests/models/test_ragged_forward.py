@@ -221,3 +221,24 @@ def test_dense_forward_defers_its_writes(model, rows):
                                jnp.full((4,), r, jnp.int32), pos)
     np.testing.assert_allclose(_st(written.k), _st(ref.cache.k), atol=1e-5)
     np.testing.assert_allclose(_st(written.v), _st(ref.cache.v), atol=1e-5)
+
+
+def test_per_layer_buffers_keep_the_stacks_logical_axes(target):
+    """The decoding layout's buffers carry the stack's axes less "layers" (a fused buffer: its
+    input axis), so `sharding.state_shardings` lays them on a mesh as it lays the stack."""
+    from dspark_jax.sharding import make_mesh, state_shardings
+
+    per_layer = target.decoding_layout(True)
+    st = nnx.state(per_layer.model.layers)
+    leaves = jax.tree.leaves(st, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    named = {}
+    for path, v in jax.tree_util.tree_flatten_with_path(
+            st, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+        axes = v.get_metadata().get("axes")
+        assert axes is not None and len(axes) == v.get_value().ndim, (path, axes)
+        named[jax.tree_util.keystr(path)] = axes
+    assert leaves
+    some = {k.split("'")[-2]: a for k, a in named.items() if "[0]" in k}
+    assert some["wo"] == ("q_heads", "head_dim", "embed")
+    assert some["w_qkv"] == ("embed", None) and some["w_gate_up"] == ("embed", None)
+    assert jax.tree.leaves(state_shardings(st, make_mesh(devices=jax.devices()[:1])))
