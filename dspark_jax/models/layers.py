@@ -158,9 +158,11 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
     ids = None if seg is None else fa.SegmentIds(q=seg.astype(jnp.int32),
                                                  kv=seg.astype(jnp.int32))
-    out = fa.flash_attention(heads_first(q), heads_first(_heads_like_q(k, n).astype(q.dtype)),
-                             heads_first(_heads_like_q(v, n).astype(q.dtype)),
-                             segment_ids=ids, causal=True, sm_scale=h ** -0.5)
+    with jax.default_matmul_precision("default"):   # Mosaic takes no HIGHEST bf16 dot
+        out = fa.flash_attention(heads_first(q),
+                                 heads_first(_heads_like_q(k, n).astype(q.dtype)),
+                                 heads_first(_heads_like_q(v, n).astype(q.dtype)),
+                                 segment_ids=ids, causal=True, sm_scale=h ** -0.5)
     return heads_first(out).astype(q.dtype)
 
 

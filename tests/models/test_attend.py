@@ -79,3 +79,26 @@ def test_flash_attention_kernel_matches_dense_causal_attention(segments):
     # on the CPU the dense path runs: the same values
     np.testing.assert_allclose(np.asarray(L.causal_attention(q, k, v, seg)), np.asarray(want),
                                rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chip,call", [
+    pytest.param("v5e", "tpu_custom_call", marks=pytest.mark.tpu),
+    pytest.param("h200", "__gpu$xla.gpu.triton", marks=pytest.mark.gpu)])
+def test_causal_attention_compiles_to_the_flash_kernel_for_an_accelerator(chip, call):
+    """Compiled for a TPU or GPU chip (no device: `aot.decode_floor.single_chip_devices`), the
+    target's uncached attention is the flash-attention kernel, not the dense scores."""
+    from jax.sharding import SingleDeviceSharding
+
+    from dspark_jax.aot import decode_floor, gpu, topology
+
+    if chip == "v5e" and not topology.has_libtpu():
+        pytest.skip("needs libtpu: pip install -e '.[tpu]'")
+    if chip == "h200" and not gpu.has_cuda_plugin():
+        pytest.skip(f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
+    devices, _ = decode_floor.single_chip_devices(chip)
+    sh = SingleDeviceSharding(devices[0])
+    q = jax.ShapeDtypeStruct((2, 2 * L.FLASH_BLOCK, 4, 128), jnp.bfloat16, sharding=sh)
+    k = jax.ShapeDtypeStruct((2, 2 * L.FLASH_BLOCK, 2, 128), jnp.bfloat16, sharding=sh)
+    seg = jax.ShapeDtypeStruct((2, 2 * L.FLASH_BLOCK), jnp.int32, sharding=sh)
+    text = jax.jit(L.causal_attention).lower(q, k, k, seg).compile().as_text()
+    assert f'custom_call_target="{call}"' in text
