@@ -61,31 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unrecognised arguments: {bad}")
     if bool(args.chip) == bool(args.topology):
         ap.error("give one of --topology (a TPU slice) or --chip (one chip)")
-    if args.chip:
-        return _chip_main(argv[0], args, overrides)
-    args.requests = args.requests or 64
     try:
-        if not has_libtpu():
-            raise AotError(f"compiling for a TPU topology needs libtpu: {INSTALL_HINT}")
-        from dspark_jax.train.job_config import UsageError, parse_config
-
-        try:
-            c = parse_config([argv[0], f"--config={args.config}", *overrides],
-                             require_target=False)
-        except UsageError as e:
-            raise AotError(str(e)) from None
-        if args.decode:
-            from dspark_jax.aot.decode import DecodeShape, decode_report, format_decode_report
-
-            shape = DecodeShape(args.requests, args.max_len, args.capacity)
-            report = decode_report(c, args.topology, shape, args.num_slices,
-                                   default_mesh=not args.no_preset)
-            text = format_decode_report(report)
-        else:
-            from dspark_jax.aot.training import format_report, train_report
-
-            report = train_report(c, args.topology, args.num_slices, preset=not args.no_preset)
-            text = format_report(report)
+        report, text = _compile(argv[0], args, overrides)
     except AotError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -93,45 +70,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    code, message = verdict(report)
-    if code:
-        print(f"error: {message}", file=sys.stderr)
-    return code
-
-
-def _chip_main(prog: str, args: argparse.Namespace, overrides: list[str]) -> int:
-    """`--chip C [--decode]`: one chip's training step, or its decoding programs against their
-    floor."""
-    try:
-        from dspark_jax.aot.decode import DecodeShape
-        from dspark_jax.aot.decode_floor import decode_floor_report, format_floor_report
-        from dspark_jax.train.job_config import UsageError, parse_config
-
-        try:
-            c = parse_config([prog, f"--config={args.config}", *overrides],
-                             require_target=False)
-        except UsageError as e:
-            raise AotError(str(e)) from None
-        if args.decode:
-            shape = DecodeShape(args.requests or 1, args.max_len, args.capacity)
-            report = decode_floor_report(c, args.chip, shape,
-                                         [p for p in args.programs.split(",") if p])
-            text = format_floor_report(report)
-        else:
-            from dspark_jax.aot.training import chip_train_report, format_report
-
-            report = chip_train_report(c, args.chip)
-            text = format_report(report)
-    except AotError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(text, flush=True)
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    if args.decode:
+    if args.chip and args.decode:   # the floor report holds no memory verdict
         return 0
     code, message = verdict(report)
     if code:
         print(f"error: {message}", file=sys.stderr)
     return code
+
+
+def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]:
+    """(report, its text) of what the arguments ask for: a topology's training step or serving
+    round, or one chip's training step or decoding programs against their floor."""
+    if args.topology and not has_libtpu():
+        raise AotError(f"compiling for a TPU topology needs libtpu: {INSTALL_HINT}")
+    from dspark_jax.aot.decode import DecodeShape
+    from dspark_jax.train.job_config import UsageError, parse_config
+
+    try:
+        c = parse_config([prog, f"--config={args.config}", *overrides], require_target=False)
+    except UsageError as e:
+        raise AotError(str(e)) from None
+    if args.chip and args.decode:
+        from dspark_jax.aot.decode_floor import decode_floor_report, format_floor_report
+
+        shape = DecodeShape(args.requests or 1, args.max_len, args.capacity)
+        report = decode_floor_report(c, args.chip, shape,
+                                     [p for p in args.programs.split(",") if p])
+        return report, format_floor_report(report)
+    if args.chip:
+        from dspark_jax.aot.training import chip_train_report, format_report
+
+        report = chip_train_report(c, args.chip)
+        return report, format_report(report)
+    if args.decode:
+        from dspark_jax.aot.decode import decode_report, format_decode_report
+
+        shape = DecodeShape(args.requests or 64, args.max_len, args.capacity)
+        report = decode_report(c, args.topology, shape, args.num_slices,
+                               default_mesh=not args.no_preset)
+        return report, format_decode_report(report)
+    from dspark_jax.aot.training import format_report, train_report
+
+    report = train_report(c, args.topology, args.num_slices, preset=not args.no_preset)
+    return report, format_report(report)

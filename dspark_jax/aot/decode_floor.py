@@ -63,7 +63,7 @@ def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape
     rnd = build_abstract_round(c, devices, shape, layer_buffers=True)
     arrays, state, params = rnd.verify_args[:3]
     t_gd, t_abs, stop_ids = arrays.target_graphdef, arrays.target_state, arrays.stop_ids
-    R, S = shape.requests, shape.max_len
+    R = shape.requests
     rep = jax.sharding.NamedSharding(rnd.mesh, jax.sharding.PartitionSpec())
 
     def arr(shp: tuple[int, ...], dt: Any) -> Any:
@@ -84,7 +84,6 @@ def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape
         "verify": (rnd.verify_lower, rnd.verify_args, {}),
         "round": (rnd.round_lower, rnd.round_args, {}),
     }
-    del S
     return programs, rnd.mesh, rnd
 
 

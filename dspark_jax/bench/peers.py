@@ -321,6 +321,12 @@ def table_rows(runs: Sequence[SystemRun], max_new: int,
 # ----------------------------------------------------------------------------- DSpark loop
 
 
+
+def _shared_eval_data() -> str:
+    """The benchmark's default prompt data: ../shared/eval_datasets beside the checkout
+    (optional; `--data-dir` names another)."""
+    return str(pathlib.Path(__file__).resolve().parents[3] / "shared" / "eval_datasets")
+
 def dspark_loop_row(a: argparse.Namespace, peers_dir: pathlib.Path) -> tuple[str, str]:
     """llama.cpp's DSpark loop with `--dspark-draft` against our speculative_generate, by
     `interop.llamacpp_loop` (its first `--dspark-prompts` prompts of `--dataset`)."""
@@ -337,7 +343,7 @@ def dspark_loop_row(a: argparse.Namespace, peers_dir: pathlib.Path) -> tuple[str
             "--draft", a.dspark_draft, "--prompts", str(a.dspark_prompts),
             "--max-new-tokens", str(a.max_new_tokens),
             "--work", str(a.dspark_work or peers_dir / "interop-bench"),
-            "--data-dir", a.data_dir or li.default_data_dir(), "--dataset", a.dataset]
+            "--data-dir", a.data_dir or _shared_eval_data(), "--dataset", a.dataset]
     if a.threads:
         argv += ["--threads", str(a.threads)]
     try:

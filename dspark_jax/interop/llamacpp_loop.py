@@ -60,7 +60,7 @@ a converter venv with torch, sentencepiece, safetensors, transformers):
       --build /work/peers/llama-build --convert-python /work/peers/venv-convert/bin/python \\
       --draft runs/smollm2_dspark/export --draft runs/smollm2_dspark/export-deepspec-fullvocab \\
       --prompts 4 --max-new-tokens 64 --threads 1 --work /tmp/lcpp-interop \\
-      --json /tmp/lcpp-interop.json
+      --data-dir EVAL_DATA --json /tmp/lcpp-interop.json
 tests/interop/test_llamacpp_loop.py runs it (slow; LLAMA_CPP_DIR / LLAMA_CPP_BUILD).
 """
 
@@ -513,11 +513,6 @@ def bench_prompts(data_dir: str, dataset: str, n: int, tokenizer: Any) -> list[l
     return [render_prompt(c.messages, tokenizer).tolist() for c in convs]
 
 
-def default_data_dir() -> str:
-    here = pathlib.Path(__file__).resolve().parents[2]
-    return str(here.parent / "shared" / "eval_datasets")
-
-
 # ----------------------------------------------------------------------------- one drafter
 
 
@@ -708,11 +703,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "sentencepiece, safetensors, transformers)")
     p.add_argument("--target-hf", default=None,
                    help="an existing HF directory of the target (default: written to WORK)")
-    p.add_argument("--data-dir", default=default_data_dir())
+    p.add_argument("--data-dir", required=True,
+                   help="a directory of evaluation prompt files (DATASET.jsonl, evaluate's format)")
     p.add_argument("--dataset", default="mbpp")
     p.add_argument("--threads", type=int, default=None,
-                   help="llama.cpp -t (default: its own, one per core). On a machine busy with "
-                   "other jobs -t 1 can be far faster: 6.9 against 0.5 tok/s on 2 loaded cores")
+                   help="llama.cpp -t (default: its own, one per core; on a machine busy with "
+                   "other jobs -t 1 can be far faster)")
     p.add_argument("--no-plain", action="store_true",
                    help="skip the plain (prompt-only) llama.cpp runs; no llama.cpp tok/s then")
     p.add_argument("--reconvert", action="store_true", help="redo cached GGUF conversions")

@@ -450,3 +450,23 @@ def test_export_gives_deepspec_block_logits(target, feats, tmp_path):
     assert np.abs(ours["logits"] - ours["base_logits"]).max() > 1e-3
     np.testing.assert_allclose(ours["logits"], logits, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(ours["confidence_logits"], conf, atol=1e-4, rtol=1e-4)
+
+
+def test_our_safetensors_writer_writes_the_librarys_file(tmp_path):
+    """`hf.write_safetensors` (which reports each tensor as it is written) produces the very
+    bytes `safetensors.numpy.save_file` does: same layout order, header and alignment."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from dspark_jax.models.io import hf
+
+    tensors = {"b.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+               "a.bias": np.ones(5, np.float16), "c": np.zeros((2, 2), np.int64),
+               "m": np.array([True, False]), "z": np.ones(3, ml_dtypes.bfloat16),
+               "aa": np.arange(3, dtype=np.float32), "s": np.array(3.0, np.float32)}
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    seen = []
+    hf.write_safetensors(tmp_path / "ours.safetensors", tensors,
+                         progress=lambda name, n, total: seen.append(name))
+    assert (tmp_path / "ours.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert sorted(seen) == sorted(tensors)

@@ -68,13 +68,19 @@ _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bf
                        "int32": "I32", "int16": "I16", "int8": "I8", "uint64": "U64",
                        "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL"}
 
+# the safetensors library's layout order: wider dtypes first (its `Dtype` enum, descending), so
+# every tensor's data stays aligned to its element size; then by name
+_SAFETENSORS_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16",
+                      "I32", "U32", "F32", "F64", "I64", "U64")
+
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
                       metadata: Mapping[str, str] | None = None,
                       progress: Callable[[str, int, int], None] | None = None) -> None:
     """Writes tensors in the safetensors format (an 8-byte little-endian header length, the
-    JSON header padded to 8 bytes, then each tensor's little-endian bytes in order), one
-    tensor after another into a temp file that is synced and renamed onto `path`.
+    JSON header padded to 8 bytes, then each tensor's little-endian bytes, laid out in the
+    library's order, so the file is the one `safetensors.numpy.save_file` writes), one tensor
+    after another into a temp file that is synced and renamed onto `path`.
     `progress(name, nbytes, total_bytes)` follows each tensor written."""
     import struct
 
@@ -85,12 +91,15 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         arrays[k] = a
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    total = 0
     for k, a in arrays.items():
         if a.dtype.name not in _SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path}: tensor {k!r} has dtype {a.dtype}, which "
                                   "safetensors cannot hold")
+    rank = lambda k: -_SAFETENSORS_ORDER.index(_SAFETENSORS_DTYPES[arrays[k].dtype.name])  # noqa: E731
+    arrays = {k: arrays[k] for k in sorted(arrays, key=lambda k: (rank(k), k))}
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    total = 0
+    for k, a in arrays.items():
         header[k] = {"dtype": _SAFETENSORS_DTYPES[a.dtype.name], "shape": list(a.shape),
                      "data_offsets": [total, total + a.nbytes]}
         total += a.nbytes
