@@ -26,6 +26,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.tree import DraftTree, grow_tree, markov_child_logits
 from dspark_jax.models.decoder import grown_positions
 from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
 
@@ -90,6 +91,42 @@ class DSparkAdapter:
         h = model.draft_slots(h)
         return model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn,
                                   vocab_weights=vocab_weights)
+
+    @staticmethod
+    def propose_tree(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
+                     anchor_pos: jax.Array, keys: jax.Array, temperature: jax.Array,
+                     top_k: jax.Array, top_p: jax.Array, *, budget: int, branching: int,
+                     depth_limit: jax.Array | None = None, vocab_weights: Any = None
+                     ) -> tuple[DraftTree, jax.Array]:
+        """A draft tree of `budget` nodes a request (`decoding.tree.grow_tree`: one backbone
+        pass, then the sequential head's bias per parent; DFlash branches on U alone), and the
+        confidence logits [B, γ] of its chain. `keys` [B]: per-request keys; `depth_limit` [B]:
+        no node deeper (a request's remaining budget)."""
+        S = cache.k.shape[2]
+        B = anchor.shape[0]
+        visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
+        h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
+                           jnp.ones((B, 1), bool))[:, 0]
+        h = model.draft_slots(h)                                            # [B,γ,D]
+        ids = model.vocab_ids()
+        if ids is not None and vocab_weights is None:
+            vocab_weights = model.draft_vocab_weights()
+        base = model.draft_vocab_logits(h, vocab_weights)                   # [B,γ,Vd]
+        state0 = (model.markov.init_state((B,), h.dtype) if model.cfg.has_markov
+                  else jnp.zeros((B, 1), h.dtype))
+        tree = grow_tree(markov_child_logits(model, vocab_weights), h, base, anchor, state0,
+                         keys, temperature, top_k, top_p, budget=budget, branching=branching,
+                         depth_limit=depth_limit, vocab_ids=ids,
+                         vocab_size=model.cfg.target.vocab_size)
+        g = h.shape[1]
+        chain = tree.tokens[:, :g]
+        if model.cfg.has_confidence:
+            prev = jnp.concatenate([anchor[:, None].astype(jnp.int32), chain[:, :-1]], axis=1)
+            emb = model.markov.embed_prev(prev, h.dtype) if model.cfg.has_markov else None
+            conf = model.confidence(h, emb)
+        else:
+            conf = jnp.zeros(chain.shape, jnp.float32)
+        return tree, conf
 
     @staticmethod
     def vocab_weights(model: DSparkDraft) -> Any:

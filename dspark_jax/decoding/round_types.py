@@ -37,7 +37,9 @@ class RoundConfig:
     budget (off: DeepSpec's protocol, always γ); `tap_layer_ids`: the target layers whose
     features feed the drafter; `buckets`: the verification capacities K (ascending);
     `rounds_per_call` / `plain_rounds_per_call`: the most drafting rounds / rounds that skip
-    drafting one device call runs."""
+    drafting one device call runs; `tree_budget`: draft trees of that many nodes
+    (`decoding.tree`; 0: the chain of γ drafts) with `tree_branching` children a node at
+    most."""
 
     mode: str = "fixed"
     verifier: str = "jax"
@@ -48,6 +50,8 @@ class RoundConfig:
     buckets: tuple[int, ...] = ()
     rounds_per_call: int = 8
     plain_rounds_per_call: int = 16
+    tree_budget: int = 0
+    tree_branching: int = 4
 
     def __post_init__(self) -> None:
         if self.budget_rule not in BUDGET_RULES:
@@ -55,6 +59,9 @@ class RoundConfig:
                              f"{list(BUDGET_RULES)}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"unknown sampler {self.sampler!r}; choose from {list(SAMPLERS)}")
+        if self.tree_budget < 0 or self.tree_branching < 1:
+            raise ValueError(f"tree_budget must be ≥ 0 and tree_branching ≥ 1, got "
+                             f"{self.tree_budget} and {self.tree_branching}")
 
 
 @flax.struct.dataclass
@@ -159,14 +166,15 @@ class ScheduleState:
 class DraftOutputs:
     """One drafting + scheduling step (`draft_and_schedule`)."""
 
-    tokens: jax.Array        # [R, γ] drafted tokens
-    probs: jax.Array         # [R, γ, V] the drafter's distributions p_d
+    tokens: jax.Array        # [R, γ] drafted tokens (a tree's: its chain)
+    probs: jax.Array | None  # [R, γ, V] the drafter's distributions p_d (a tree: None)
     confidence: jax.Array    # [R, γ] confidence logits (zeros without a confidence head)
-    lengths: jax.Array       # [R] int32 ℓ_r: drafts admitted to verification
+    lengths: jax.Array       # [R] int32 ℓ_r: drafts (a tree: nodes) admitted to verification
     n_tokens: jax.Array      # () int32 Σ_active(1 + ℓ_r)
     capacity_new: jax.Array  # () int32 K for two rounds later (production / adaptive)
     gain_new: jax.Array      # () f32 G: expected accepted drafts among those K
     predicted: jax.Array     # () f32 expected accepted drafts of what is admitted
+    tree: Any = None         # the draft trees (`decoding.tree.DraftTree`) or None
 
 
 @flax.struct.dataclass

@@ -49,6 +49,7 @@ from dspark_jax.decoding.round_types import (BUDGET_RULES, SAMPLERS, DraftChoice
                                              RoundsResult, ScheduleRecord, ScheduleState,
                                              SlotSettings)
 from dspark_jax.decoding.sampling import filtered_probs
+from dspark_jax.decoding.tree_verification import verify_tree
 from dspark_jax.decoding.verification import (commit, flatten_plan, no_writes,  # noqa: F401
                                               row_keys, row_uniforms, verify)
 from dspark_jax.models.decoder import prefill
@@ -102,12 +103,37 @@ PROPOSERS: dict[str, Callable[..., dict[str, jax.Array]]] = {
     "jax": _propose_scan, "pallas": _propose_kernel}
 
 
+def _draft_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
+                slots: SlotSettings) -> DraftOutputs:
+    """A draft tree of `config.tree_budget` nodes for every slot (`decoding.tree`), all of
+    its nodes admitted (with `config.cap_budget` none deeper than the request's budget)."""
+    draft = _draft_model(arrays)
+    num_drafts = draft.cfg.num_drafts
+    depth_limit = (jnp.minimum(slots.remaining - 1, num_drafts) if config.cap_budget
+                   else jnp.full(slots.remaining.shape, num_drafts, jnp.int32))
+    tree, conf_logits = adapter_for(draft.cfg.model_type).propose_tree(
+        draft, state.draft_cache, state.anchor, state.cache.lengths, row_keys(slots, 0),
+        slots.temperature, slots.top_k, slots.top_p, budget=config.tree_budget,
+        branching=config.tree_branching, depth_limit=depth_limit.astype(jnp.int32),
+        vocab_weights=arrays.vocab_weights)
+    lengths = jnp.where(slots.active, tree.num_nodes, 0).astype(jnp.int32)
+    n_tokens = jnp.sum(jnp.where(slots.active, 1 + lengths, 0)).astype(jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    return DraftOutputs(tokens=tree.tokens[:, :num_drafts], probs=None,
+                        confidence=conf_logits.astype(jnp.float32), lengths=lengths,
+                        n_tokens=n_tokens, capacity_new=zero, gain_new=jnp.zeros((), jnp.float32),
+                        predicted=jnp.zeros((), jnp.float32), tree=tree)
+
+
 def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: EngineState,
                         slots: SlotSettings, capacity: jax.Array) -> DraftOutputs:
     """Drafts γ tokens for every slot (`PROPOSERS[config.sampler]`) and schedules them
     (`scheduler.schedule_lengths`; `capacity`: the K the stale-capacity modes admit; the
     capacity and gain for two rounds later are searched on `arrays.sps_draft`). With
-    `config.cap_budget` no draft past a request's token budget is verified."""
+    `config.cap_budget` no draft past a request's token budget is verified. With
+    `config.tree_budget` every slot drafts a tree instead (`_draft_tree`)."""
+    if config.tree_budget:
+        return _draft_tree(config, arrays, state, slots)
     draft = _draft_model(arrays)
     num_drafts = draft.cfg.num_drafts
     proposal = PROPOSERS[config.sampler](draft, arrays, state, slots)
@@ -280,6 +306,10 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
         bucket = jnp.searchsorted(buckets, jnp.maximum(drafted.n_tokens, 1), side="left")
 
         def verify_in(capacity: int) -> Callable[[EngineState], Any]:
+            if drafted.tree is not None:
+                return lambda state: verify_tree(config, arrays, state, slots, drafted.tree,
+                                                 drafted.lengths, capacity=capacity,
+                                                 width=config.buckets[-1])
             return lambda state: verify(config, arrays, state, slots, drafted.tokens,
                                         drafted.probs, drafted.lengths, capacity=capacity,
                                         width=config.buckets[-1])

@@ -236,7 +236,8 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
                    position_k: jax.Array, valid_k: jax.Array, cache: KVCache,
                    tap_layer_ids: Sequence[int] = (),
                    grid: tuple[jax.Array, jax.Array] | None = None,
-                   defer_writes: bool = False) -> RaggedOutput:
+                   defer_writes: bool = False,
+                   own_mask: jax.Array | None = None) -> RaggedOutput:
     """The verification forward of load-aware decoding (paper §5.2–5.3; SPEC §9).
 
     The admitted tokens of all requests are flattened along one token axis of static capacity
@@ -259,6 +260,10 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     branch). Otherwise each layer writes its rows into the cache before it attends over it,
     and `new_kv` is None (`decoding.plain_steps` with one slot; from two slots up plain
     steps run the dense cached forward).
+
+    `own_mask` [R, Q, Q] (with `grid` and `defer_writes`): which of its request's cells each
+    cell sees among the call's own tokens, for a draft tree its ancestor matrix (default: the
+    chain's lower triangle).
     """
     cfg = model.cfg
     K = tokens_k.shape[0]
@@ -267,13 +272,17 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
     rows = L.RaggedRows(read_k=slot_r, write_k=jnp.where(valid_k, slot_r, R),  # R = drop
                         valid_k=valid_k.astype(bool),
                         grid_rq=None if grid is None else grid[0].astype(jnp.int32),
-                        cell_k=None if grid is None else grid[1].astype(jnp.int32))
+                        cell_k=None if grid is None else grid[1].astype(jnp.int32),
+                        own_mask_rqq=own_mask)
     tokens_1k = tokens_k.astype(jnp.int32)[None]
     h = model.embed_tokens(tokens_1k)                                         # [1,K,D]
     tap_ids = model.tap_slots(tap_layer_ids)
     kv = _cast((cache.k, cache.v), model.dtype)
     family = family_of(cfg)
     defer = bool(defer_writes and grid is not None and family.defers_writes)
+    if own_mask is not None and not defer:
+        raise ValueError(f"an own-token mask (draft trees) needs the per-request grid and a "
+                         f"family that defers its cache writes; {cfg.model_type!r} does not")
     extra = dict(defer_writes=True) if defer else {}
     h, taps, kv = family.ragged_forward(model.layers, cfg, tokens_1k, h,
                                         position_k.astype(jnp.int32)[None], kv, rows,

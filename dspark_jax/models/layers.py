@@ -415,13 +415,18 @@ class RaggedRows:
     cells a request. `grid_rq[r, q]` is the token in cell q of request r (≥ K: an empty cell)
     and `cell_k[k] = r·Q + q` the cell of token k. With them the Llama family attends request by
     request ([R, Q] queries against the [R, S] cache, each cache row read once) instead of
-    gathering an [S] row for every token; the result is the same."""
+    gathering an [S] row for every token; the result is the same.
+
+    `own_mask_rqq` (optional, with the grid and deferred writes): which of its request's cells
+    each cell sees among this call's own tokens, [R, Q, Q] (default: the cells up to its own,
+    a chain). A draft tree passes its ancestor matrix, its tokens placed at their depths."""
 
     read_k: jax.Array
     write_k: jax.Array
     valid_k: jax.Array
     grid_rq: jax.Array | None = None
     cell_k: jax.Array | None = None
+    own_mask_rqq: jax.Array | None = None
 
 
 def project_q(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float) -> jax.Array:

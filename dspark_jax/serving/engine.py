@@ -93,7 +93,9 @@ class Engine:
         self.draft = draft if self.mode_traits.drafts else None
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.V = int(target.config.vocab_size)
-        self.buckets = cost_profile.capacity_buckets(self.R, self.gamma,
+        # a request verifies its anchor and γ drafts, or N tree nodes
+        per_request = int(settings.tree_budget) or self.gamma
+        self.buckets = cost_profile.capacity_buckets(self.R, per_request,
                                                      settings.capacity_buckets)
         if self.buckets[-1] > self.max_len * self.R:
             raise ValueError("capacity_buckets exceed what max_len can hold")
@@ -103,7 +105,8 @@ class Engine:
             tap_layer_ids=(tuple(self.draft.config.target_layer_ids)
                            if self.draft is not None else ()),
             buckets=self.buckets, rounds_per_call=self.rounds_per_call,
-            plain_rounds_per_call=self.plain_steps_per_call)
+            plain_rounds_per_call=self.plain_steps_per_call,
+            tree_budget=int(settings.tree_budget), tree_branching=int(settings.tree_branching))
         self.arrays = self._engine_arrays()
         self.stop_ids = self.arrays.stop_ids
         self.costs = cost_profile.engine_costs(self)

@@ -95,7 +95,9 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     # one engine per call, compiled for this batch alone: keep the stacked layers (one buffer
     # per layer compiles much slower on XLA:CPU and a one-shot batch does not earn it back;
     # figures: BENCHMARKS.md)
-    kw = dict(capacity_buckets=[R * (g + 1)], prefill_chunk=chunk, budget_rule="deepspec",
+    per_request = int(engine_kw.get("tree_budget") or g)   # drafts or tree nodes
+    kw = dict(capacity_buckets=[R * (per_request + 1)], prefill_chunk=chunk,
+              budget_rule="deepspec",
               layer_buffers=False)
     kw.update(engine_kw)
     eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,

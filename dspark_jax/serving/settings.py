@@ -17,6 +17,7 @@ from dspark_jax.decoding.pallas_backend import check_offered
 from dspark_jax.decoding.round_types import BUDGET_RULES, SAMPLERS
 from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.models.drafters.config import validate_against_target
+from dspark_jax.models.families import family_of
 from dspark_jax.serving.policy import MODES as MODE_TABLE
 
 
@@ -41,6 +42,11 @@ class EngineSettings:
     dots read the weights where they lie (a scanned stack has them copied out every step);
     False the stacked layers (faster to compile); the prefill always runs on the stacked
     layers.
+
+    Draft trees (`tree_budget` N > 0, docs/TREES.md): every round drafts a tree of N nodes a
+    request (at most `tree_branching` children a node, the chain of γ drafts always among
+    them) and verifies all of it in one target forward; N ≥ γ, the `fixed` scheduler, the
+    "jax" sampler and verifier, and a DSpark or DFlash drafter.
 
     Token budget: `budget_rule="serving"` (default) ends a request as soon as it has emitted
     `max_new_tokens`, and `cap_to_budget` (default True) never verifies drafts past that budget.
@@ -75,6 +81,8 @@ class EngineSettings:
     rounds_per_call: int = 8
     len_bucket: int = 64
     layer_buffers: bool | None = None       # decoding layout (`Target.decoding_layout`)
+    tree_budget: int = 0                    # draft trees of N nodes (`decoding.tree`); 0: chain
+    tree_branching: int = 4                 # a tree node's most children
 
     @property
     def caps_budget(self) -> bool:
@@ -97,6 +105,14 @@ class EngineSettings:
             raise ValueError(f"plain_steps_per_call, rounds_per_call and len_bucket must be "
                              f"≥ 1, got {self.plain_steps_per_call}, {self.rounds_per_call} "
                              f"and {self.len_bucket}")
+        if self.tree_budget < 0 or self.tree_branching < 1:
+            raise ValueError(f"tree_budget must be ≥ 0 and tree_branching ≥ 1, got "
+                             f"{self.tree_budget} and {self.tree_branching}")
+        if self.tree_budget and (self.scheduler != "fixed" or self.sampler != "jax"
+                                 or self.verifier != "jax"):
+            raise ValueError("tree_budget drafts whole trees: it needs scheduler='fixed', "
+                             f"sampler='jax' and verifier='jax', got {self.scheduler!r}, "
+                             f"{self.sampler!r} and {self.verifier!r}")
         if self.scheduler == "threshold" and not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         self._check_costs()
@@ -138,6 +154,8 @@ class EngineSettings:
             raise ValueError(f"scheduler={self.scheduler!r} needs the drafter's confidence "
                              f"head, but this {model_type} drafter has none; use "
                              "scheduler='fixed' (or 'none')")
+        if self.tree_budget:
+            self._check_tree(target, draft)
         markov_kernel = getattr(adapter_for(model_type), "supports_markov_kernel",
                                 lambda m: False)
         if self.sampler == "pallas" and not markov_kernel(draft.model):
@@ -146,6 +164,19 @@ class EngineSettings:
                 f"{model_type} drafter has markov_head_type="
                 f"{getattr(draft.config, 'markov_head_type', None)!r} (rank "
                 f"{getattr(draft.config, 'markov_rank', 0)}); use sampler='jax'")
+
+    def _check_tree(self, target: Any, draft: Any) -> None:
+        model_type, gamma = draft.config.model_type, int(draft.config.num_drafts)
+        if not hasattr(adapter_for(model_type), "propose_tree"):
+            raise ValueError(f"tree_budget: a {model_type} drafter drafts one chain (a tree "
+                             "would cost a drafter pass per level and branch); use a DSpark "
+                             "or DFlash drafter, or tree_budget=0")
+        if self.tree_budget < gamma:
+            raise ValueError(f"tree_budget {self.tree_budget} is below the drafter's block "
+                             f"of {gamma} drafts (the tree holds its chain)")
+        if not family_of(target.config).defers_writes:
+            raise ValueError(f"tree_budget: a {target.config.model_type} target cannot verify "
+                             "a tree (its ragged forward takes no tree mask)")
 
     def confidence_temperatures_for(self, draft: Any, gamma: int) -> list[float] | None:
         """The calibration temperatures [γ] (these settings', else the drafter's), checked."""

@@ -303,3 +303,53 @@ def test_appendix_a_counterexample():
     assert abs(p_a["global"] - 0.85) < tol, p_a        # detectably biased
     assert abs(p_a["algorithm1"] - 0.7) < tol, p_a
     assert abs(p_a["adaptive"] - 0.7) < tol, p_a
+
+
+def _sample_tree_groups(target, draft):
+    n, budget = FN, 4
+    eng = Engine(target, draft, max_requests=n, max_len=len(FPROMPT) + FNEW + FG + 1,
+                 scheduler="fixed", capacity_buckets=[n * (budget + 1)],
+                 prefill_chunk=n * len(FPROMPT), stop_token_ids=[], tree_budget=budget,
+                 tree_branching=3)
+    temps, ks, ps = zip(*(GROUPS[i % len(GROUPS)] for i in range(n)))
+    res = eng.generate([FPROMPT] * n, max_new_tokens=FNEW, temperature=list(temps),
+                       top_k=list(ks), top_p=list(ps), seed=11)
+    toks = np.asarray(res.tokens)
+    return [toks[g::len(GROUPS)] for g in range(len(GROUPS))], res
+
+
+def test_trees_sample_the_target_with_top_k_top_p(tiny, monkeypatch):
+    """Draft trees (4 nodes, up to 3 children a node, γ 2) verified by recursive rejection
+    sampling: the joint of the first 4 tokens matches the target's in both sampling groups;
+    a rule that draws the correction from p instead of the residual fails the same check."""
+    from dspark_jax.decoding import tree_acceptance, tree_verification
+
+    target, draft, exact = tiny
+    groups, res = _sample_tree_groups(target, draft)
+    acc = np.mean([a for r in res.per_request for a in r["accepted"]])
+    assert 0 < acc < FG, acc
+    for toks, joint in zip(groups, exact):
+        stat, df, outside = joint_chi2(toks, joint)
+        assert outside == 0, f"{outside} requests emitted a token outside top-k / top-p"
+        assert stat < chi2_isf(df), (stat, df, chi2_isf(df))
+    true_rule = tree_acceptance.tree_rejection_verify_with_uniforms
+
+    def residual_is_target(accept_u, sample_u, tp, dp, tokens, children, num_nodes):
+        """After every child of a node is rejected, the correction is drawn from p there
+        instead of the residual."""
+        res = true_rule(accept_u, sample_u, tp, dp, tokens, children, num_nodes)
+        rows = jnp.arange(tokens.shape[0])
+        kids = children[rows, res.last_cell]
+        rejected = jnp.any((kids >= 1) & (kids <= num_nodes[:, None]), axis=1)
+        redraw = acceptance_rule.inverse_cdf_sample(tp[rows, res.last_cell], sample_u)
+        return res._replace(next_token=jnp.where(rejected, redraw, res.next_token))
+
+    monkeypatch.setattr(tree_verification, "tree_rejection_verify_with_uniforms",
+                        residual_is_target)
+    jax.clear_caches()   # the rounds compiled with the true rule would be reused
+    try:
+        bad, _ = _sample_tree_groups(target, draft)
+    finally:
+        jax.clear_caches()   # and no later test may reuse the broken ones
+    checks = [joint_chi2(toks, joint) for toks, joint in zip(bad, exact)]
+    assert any(o > 0 or s > chi2_isf(df) for s, df, o in checks), checks

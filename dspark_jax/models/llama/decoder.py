@@ -150,11 +150,14 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         cell_k = jnp.clip(rows.cell_k, 0, R * Q - 1)
         if defer_writes:   # committed prefix from the cache ⊕ the request's own new tokens
             start_r = jnp.where(cell_ok[:, 0], pos_rq[:, 0], 0)
-            own_mask = ((jnp.arange(Q)[None, :, None] >= jnp.arange(Q)[None, None, :])
-                        & cell_ok[:, None, :] & cell_ok[:, :, None])            # [R,Q,Q]
+            own_mask = (jnp.arange(Q)[None, :, None] >= jnp.arange(Q)[None, None, :]
+                        if rows.own_mask_rqq is None else rows.own_mask_rqq)
+            own_mask = own_mask & cell_ok[:, None, :] & cell_ok[:, :, None]     # [R,Q,Q]
             mask_rs = key_pos[None, :] < start_r[:, None]                      # [R,S]
     elif defer_writes:
         raise ValueError("ragged_forward: defer_writes needs the per-request grid")
+    if rows.own_mask_rqq is not None and not (by_request and defer_writes):
+        raise ValueError("ragged_forward: an own-token mask needs the grid and defer_writes")
     else:
         mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & rows.valid_k[:, None])[:, None, :]
     n_taps = len(tap_ids)

@@ -1,0 +1,245 @@
+"""Draft trees: a static-shape token tree grown from a block drafter's per-position logits
+(docs/TREES.md §1–2; beyond the paper's chain of γ drafts, paper §3.2).
+
+A tree of budget N holds N nodes below the anchor. Cell 0 is the anchor and cell i + 1 node i;
+node i has a parent cell, a depth in 1..γ, a sibling rank and a token. The nodes are stored in
+priority order, so every prefix of them is itself a tree (closed under parents and under earlier
+siblings): admitting the first n nodes of a request admits a smaller tree.
+
+Growing it (`grow_tree`) needs one function from the drafter: the logits of the children of a
+batch of parents (`ChildLogits`). For DSpark that is U_k + the Markov head's rank-r bias on the
+parent's token (a rank-r product per parent, no backbone pass); for DFlash U_k alone. Depth by
+depth, every frontier node proposes `branching` children:
+  - T > 0: a sample without replacement from the request's drafter distribution q (top-k / top-p
+    and temperature applied), in sampling order: the top of log q plus Gumbel noise;
+  - T ≤ 0: the top tokens of the logits (the first is the argmax: the greedy chain).
+A child's score is its parent's times the mass of its sibling rank: the rank-th largest
+probability of the parent's distribution (softmax of the logits at T ≤ 0), which does not
+depend on which token that rank drew. The rank-0 path (the chain a chain drafter samples) is
+always kept, so the tree contains the chain. The frontier keeps the `budget` best candidates of
+each depth, and the tree the `budget` best nodes of all depths.
+
+Lossless at T > 0 (`tree_acceptance`): whether a node is kept depends only on scores that do not
+depend on its own token (nor on those of its later siblings and descendants, which rank below
+it), so a node that is kept is still a draw from q without the siblings drawn before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.decoding.sampling import filtered_probs
+
+# the priority bonus of the chain's nodes (log scores are above −1e3)
+_CHAIN_BONUS = 1e4
+
+# (h [R, F, D], U [R, F, Vd], parent tokens [R, F] (target ids), parent states [R, F, r])
+#   → (children's logits [R, F, Vd] f32, the children's states [R, F, r])
+ChildLogits = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+@flax.struct.dataclass
+class DraftTree:
+    """A batch of draft trees, nodes in priority order (cell i + 1 is node i, cell 0 the
+    anchor). `probs[r, c]` is the drafter's distribution q of cell c's children over the
+    target vocabulary (what they were drawn from; zeros past depth γ − 1)."""
+
+    tokens: jax.Array      # [R, N] int32 node tokens (target vocabulary ids)
+    parent: jax.Array      # [R, N] int32 parent cell (0: the anchor)
+    depth: jax.Array       # [R, N] int32 in 1..γ (0 for invalid nodes)
+    rank: jax.Array        # [R, N] int32 sibling rank
+    valid: jax.Array       # [R, N] bool (the valid nodes are a prefix)
+    score: jax.Array       # [R, N] f32 log score (rank masses along the path)
+    children: jax.Array    # [R, N + 1, c] int32 cells of each cell's children by rank (−1: none)
+    probs: jax.Array       # [R, N + 1, V] f32 q of each cell's children
+
+    @property
+    def num_nodes(self) -> jax.Array:
+        """[R] int32 valid nodes."""
+        return jnp.sum(self.valid, axis=-1).astype(jnp.int32)
+
+
+def cell_depths(tree: DraftTree) -> jax.Array:
+    """[R, N + 1] depth of every cell (0: the anchor)."""
+    return jnp.concatenate([jnp.zeros_like(tree.depth[:, :1]), tree.depth], axis=1)
+
+
+def ancestor_mask(parent: jax.Array, depth_limit: int) -> jax.Array:
+    """[R, N + 1, N + 1] bool: cell j sees cell i iff i is j or one of j's ancestors (the
+    attention mask of a tree's own tokens in verification). `parent` [R, N] (node i's parent
+    cell); `depth_limit` ≥ the trees' depth (γ)."""
+    R, N = parent.shape
+    up = jnp.concatenate([jnp.zeros((R, 1), jnp.int32), parent.astype(jnp.int32)], axis=1)
+    cells = jnp.arange(N + 1, dtype=jnp.int32)
+    seen = jnp.broadcast_to(cells[None, :, None] == cells[None, None, :], (R, N + 1, N + 1))
+    walk = jnp.broadcast_to(cells[None], (R, N + 1))                 # each cell's ancestor so far
+    for _ in range(depth_limit):
+        walk = jnp.take_along_axis(up, walk, axis=1)
+        seen = seen | (walk[:, :, None] == cells[None, None, :])
+    return seen
+
+
+def path_cells(tree: DraftTree, num_accepted: jax.Array, last_cell: jax.Array,
+               max_depth: int) -> jax.Array:
+    """[R, max_depth + 1] the cells of the path from the anchor to `last_cell` (cell 0 first,
+    then depth 1 …; entries past `num_accepted` repeat the last cell)."""
+    R = last_cell.shape[0]
+    up = jnp.concatenate([jnp.zeros((R, 1), jnp.int32), tree.parent.astype(jnp.int32)], axis=1)
+    out = jnp.zeros((R, max_depth + 1), jnp.int32)
+    cur = last_cell.astype(jnp.int32)
+    for d in range(max_depth, -1, -1):
+        here = d <= num_accepted
+        out = out.at[:, d].set(jnp.where(here, cur, 0))
+        cur = jnp.where(here, jnp.take_along_axis(up, cur[:, None], axis=1)[:, 0], cur)
+    last = jnp.take_along_axis(out, num_accepted[:, None], axis=1)
+    position = jnp.arange(max_depth + 1)[None]
+    return jnp.where(position <= num_accepted[:, None], out, last)
+
+
+def _stable_top(key: jax.Array, n: int) -> jax.Array:
+    """Indices [..., n] of the n largest keys along the last axis, ties to the lower index."""
+    return jnp.argsort(-key, axis=-1, stable=True)[..., :n].astype(jnp.int32)
+
+
+def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [R, F, ...] gathered along axis 1 with idx [R, G] → [R, G, ...]."""
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: jax.Array,
+              state0: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+              top_p: jax.Array, *, budget: int, branching: int,
+              depth_limit: jax.Array | None = None, vocab_ids: jax.Array | None = None,
+              vocab_size: int | None = None) -> DraftTree:
+    """Grows a batch of draft trees of `budget` nodes (module docstring).
+
+    h [R, γ, D] the drafter's block outputs and base [R, γ, Vd] its per-position logits U (over
+    the draft vocabulary `vocab_ids` [Vd] when pruned, else Vd = V); anchor [R]; state0 [R, r]
+    the sequential head's initial state; keys [R] per-request keys; temperature, top_k, top_p
+    [R] each request's sampling settings (q is `filtered_probs` of the children's logits);
+    depth_limit [R] (default γ): no node deeper (nodes past a request's token budget).
+    """
+    R, gamma, _ = base.shape
+    N, c = int(budget), int(branching)
+    if N < gamma:
+        raise ValueError(f"tree budget {N} is below the block's {gamma} drafts")
+    sampled = temperature > 0                                                   # [R]
+    if depth_limit is None:
+        depth_limit = jnp.full((R,), gamma, jnp.int32)
+    t = temperature[:, None]
+
+    def expand(k: int, tokens: jax.Array, states: jax.Array, score: jax.Array,
+               chain: jax.Array) -> tuple[jax.Array, ...]:
+        """Children of the F frontier nodes [R, F] at block position k → candidates [R, F·c]."""
+        F = tokens.shape[1]
+        hk = jnp.broadcast_to(h[:, k][:, None], (R, F, h.shape[-1]))
+        uk = jnp.broadcast_to(base[:, k][:, None], (R, F, base.shape[-1]))
+        logits, child_states = child_logits(hk, uk, tokens, states)             # [R,F,Vd]
+        q = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
+        soft = jax.nn.softmax(logits, axis=-1)
+        scoring = jnp.where(sampled[:, None, None], q, soft)
+        mass = jax.lax.top_k(scoring, c)[0]                                     # [R,F,c]
+        noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
+                                                       logits.shape[1:], jnp.float32))(keys)
+        perturbed = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + noise, -jnp.inf)
+        pick = jnp.where(sampled[:, None, None], perturbed, logits)
+        top_val, child = jax.lax.top_k(pick, c)                                 # [R,F,c]
+        if vocab_ids is not None:   # draft-vocabulary positions → target ids
+            child = vocab_ids[child]
+        ok = (jnp.isfinite(top_val) & (mass > 0) & jnp.isfinite(score)[..., None]
+              & (k < depth_limit)[:, None, None])
+        child_score = jnp.where(ok, score[..., None] + jnp.log(jnp.maximum(mass, 1e-38)),
+                                -jnp.inf)
+        rank = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (R, F, c))
+        child_chain = chain[..., None] & (rank == 0) & ok
+        parent = jnp.broadcast_to(jnp.arange(F, dtype=jnp.int32)[:, None], (R, F, c))
+        states_c = jnp.broadcast_to(child_states[:, :, None], (R, F, c, child_states.shape[-1]))
+        flat = lambda x: x.reshape((R, F * c) + x.shape[3:])                    # noqa: E731
+        return (flat(child), flat(child_score), flat(child_chain), flat(rank), flat(parent),
+                flat(states_c))
+
+    # the frontier: the anchor, then each depth's best `budget` candidates
+    tokens = anchor.astype(jnp.int32)[:, None]
+    states = state0[:, None]
+    score = jnp.zeros((R, 1), jnp.float32)
+    chain = jnp.ones((R, 1), bool)
+    pool: dict[str, list[jax.Array]] = {k: [] for k in ("token", "score", "chain", "rank",
+                                                         "parent", "state", "depth")}
+    offset = 0
+    for k in range(gamma):
+        child, child_score, child_chain, rank, parent, child_states = expand(
+            k, tokens, states, score, chain)
+        priority = child_score + jnp.where(child_chain, _CHAIN_BONUS, 0.0)
+        keep = _stable_top(priority, min(N, child.shape[1]))                   # [R, F']
+        token_ids = _take(child, keep)
+        # parents as pool indices (−1: the anchor)
+        parent_pool = (offset - tokens.shape[1] + _take(parent, keep)) if k else \
+            jnp.full(keep.shape, -1, jnp.int32)
+        pool["token"].append(token_ids)
+        pool["score"].append(_take(child_score, keep))
+        pool["chain"].append(_take(child_chain, keep))
+        pool["rank"].append(_take(rank, keep))
+        pool["parent"].append(parent_pool)
+        pool["state"].append(_take(child_states, keep))
+        pool["depth"].append(jnp.full(keep.shape, k + 1, jnp.int32))
+        offset += keep.shape[1]
+        tokens, states = _take(child, keep), _take(child_states, keep)
+        score, chain = pool["score"][-1], pool["chain"][-1]
+    merged = {k: jnp.concatenate(v, axis=1) for k, v in pool.items()}
+    priority = merged["score"] + jnp.where(merged["chain"], _CHAIN_BONUS, 0.0)
+    chosen = _stable_top(priority, N)                                           # [R, N] pool idx
+    valid = jnp.isfinite(_take(priority, chosen))
+    cell_of_pool = jnp.full((R, offset), -1, jnp.int32).at[
+        jnp.arange(R)[:, None], chosen].set(jnp.arange(1, N + 1, dtype=jnp.int32))
+    parent_pool = _take(merged["parent"], chosen)
+    parent_cell = jnp.where(parent_pool < 0, 0, jnp.take_along_axis(
+        cell_of_pool, jnp.maximum(parent_pool, 0), axis=1))
+    valid = valid & (parent_cell >= 0)
+    parent_cell = jnp.where(valid, parent_cell, 0)
+    node_tokens = jnp.where(valid, _take(merged["token"], chosen), 0)
+    depth = jnp.where(valid, _take(merged["depth"], chosen), 0)
+    rank = jnp.where(valid, _take(merged["rank"], chosen), 0)
+    children = jnp.full((R, N + 1, c), -1, jnp.int32).at[
+        jnp.arange(R)[:, None], jnp.where(valid, parent_cell, N + 1), rank].set(
+        jnp.arange(1, N + 1, dtype=jnp.int32)[None], mode="drop")
+    # q of every cell's children, recomputed for the cells the tree kept
+    cell_tokens = jnp.concatenate([anchor.astype(jnp.int32)[:, None],
+                                   jnp.where(valid, _take(merged["token"], chosen), 0)], 1)
+    cell_states = jnp.concatenate([state0[:, None], _take(merged["state"], chosen)], axis=1)
+    next_position = jnp.clip(jnp.concatenate([jnp.zeros((R, 1), jnp.int32), depth], 1), 0,
+                             gamma - 1)
+    logits, _ = child_logits(_take(h, next_position), _take(base, next_position), cell_tokens,
+                             cell_states)
+    probs = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
+    has_children = jnp.concatenate([jnp.ones((R, 1), bool), depth < gamma], axis=1) & \
+        jnp.concatenate([jnp.ones((R, 1), bool), valid], axis=1)
+    probs = jnp.where(has_children[..., None], probs, 0.0)
+    if vocab_ids is not None:
+        probs = jnp.zeros(probs.shape[:2] + (int(vocab_size),), probs.dtype).at[
+            ..., vocab_ids].set(probs)
+    return DraftTree(tokens=node_tokens, parent=parent_cell.astype(jnp.int32),
+                     depth=depth.astype(jnp.int32), rank=rank.astype(jnp.int32), valid=valid,
+                     score=jnp.where(valid, _take(merged["score"], chosen), -jnp.inf),
+                     children=children, probs=probs.astype(jnp.float32))
+
+
+def markov_child_logits(model: Any, vocab_weights: Any = None) -> ChildLogits:
+    """`ChildLogits` of a DSpark drafter: U plus the sequential head's bias on the parent's
+    token (any head kind: the state is carried per node); U alone without a Markov head
+    (DFlash)."""
+    if not model.cfg.has_markov:
+        return lambda h, u, tokens, states: (u.astype(jnp.float32), states)
+    ids = model.vocab_ids()
+    w2 = None if vocab_weights is None else vocab_weights.get("markov_w2")
+
+    def fn(h: jax.Array, u: jax.Array, tokens: jax.Array, states: jax.Array):
+        bias, new_states = model.markov.step(h, tokens, states.astype(h.dtype), rows=ids,
+                                             w2_rows=w2)
+        return u.astype(jnp.float32) + bias, new_states
+
+    return fn

@@ -1,0 +1,80 @@
+"""Draft trees through the serving engine (docs/TREES.md): greedy tree decoding equals greedy
+autoregressive decoding token for token (every DSpark head kind, DFlash, a pruned draft
+vocabulary; a stop token inside the output and the budget cut mid-round), a tree never accepts
+less than the chain it holds, and settings a tree cannot serve are refused. The sampled
+distribution test is `test_engine_distribution.test_trees_sample_the_target_with_top_k_top_p`."""
+
+from __future__ import annotations
+
+import pytest
+
+from dspark_jax.decoding import autoregressive_generate
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.serving import Engine, speculative_generate
+from draft_fitting import fit_draft
+from hf_tiny import save_tiny_hf
+from tests.serving.test_generation import DRAFTS, PROMPTS
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16,
+                                    layers=4, seed=1))
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(target):
+    return autoregressive_generate(target, PROMPTS, max_new_tokens=16, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("kind,budget,branching", [
+    ("dspark_vanilla", 8, 4),
+    ("dspark_pruned_vocab", 12, 3),
+    ("dspark_rnn", 8, 2), ("dspark_gated", 16, 4), ("dflash", 8, 4)])
+def test_greedy_tree_equals_autoregressive(target, greedy_ref, kind, budget, branching):
+    draft = init_draft(target, DRAFTS[kind], seed=3)
+    res = speculative_generate(target, draft, PROMPTS, max_new_tokens=16, stop_token_ids=[],
+                               tree_budget=budget, tree_branching=branching)
+    assert res.tokens == greedy_ref
+    for proposed, accepted in zip(res.proposed, res.accepted):
+        assert all(0 <= a <= 4 and p == budget for a, p in zip(accepted, proposed))
+
+
+def test_trained_tree_beats_its_chain_and_stays_exact(target):
+    """A fitted drafter: with a stop token inside the output and the budget cut mid-round, the
+    tree's tokens are the greedy ones, and its τ is at least its chain's."""
+    draft, prompts, outs = fit_draft(target, DRAFTS["dspark_rnn"])
+    stop = outs[0][9]
+    ref = autoregressive_generate(target, prompts, max_new_tokens=23, stop_token_ids=[stop])
+    chain = speculative_generate(target, draft, prompts, max_new_tokens=23,
+                                 stop_token_ids=[stop])
+    tree = speculative_generate(target, draft, prompts, max_new_tokens=23,
+                                stop_token_ids=[stop], tree_budget=12, tree_branching=3)
+    assert chain.tokens == ref and tree.tokens == ref
+    assert tree.tau >= chain.tau > 1.5, (tree.tau, chain.tau)
+
+
+def test_serving_engine_caps_trees_at_the_budget(target, greedy_ref):
+    """The serving budget rule: no node deeper than a request's remaining budget is drafted,
+    and the requests end exactly at their budgets."""
+    draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
+    eng = Engine(target, draft, max_requests=2, max_len=64, scheduler="fixed",
+                 stop_token_ids=[], tree_budget=8)
+    for budget in (5, 1, 9):
+        res = eng.generate(PROMPTS, max_new_tokens=budget)
+        assert res.tokens == [g[:budget] for g in greedy_ref]
+        for proposed in (p for r in res.per_request for p in r["proposed"]):
+            assert proposed <= 8
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(tree_budget=2), "below the drafter's block"),
+    (dict(tree_budget=8, scheduler="adaptive"), "scheduler='fixed'"),
+    (dict(tree_budget=8, tree_branching=0), "tree_branching"),
+    (dict(tree_budget=8, kind="eagle3"), "drafts one chain")])
+def test_settings_a_tree_cannot_serve_are_refused(target, kw, match):
+    kw = dict(kw)
+    draft = init_draft(target, DRAFTS[kw.pop("kind", "dspark_vanilla")], seed=3)
+    kw.setdefault("scheduler", "fixed")
+    with pytest.raises(ValueError, match=match):
+        Engine(target, draft, max_requests=2, max_len=64, **kw)
