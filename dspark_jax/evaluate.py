@@ -172,6 +172,8 @@ class _Settings:
     stop_token_ids: Sequence[int] | None
     save_outputs: bool
     progress: bool
+    tree_budget: int = 0
+    tree_branching: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +335,9 @@ def _decode_datasets(models: _Models, prepared: Mapping[str, runner.PreparedData
     """Speculative decoding of every dataset through the serving engine."""
     from dspark_jax.serving.generation import SpecSettings
 
-    settings = SpecSettings(verifier=s.verifier, record_confidence=models.has_conf)
+    # a tree's accepted path need not be the chain its confidences score: no calibration
+    settings = SpecSettings(verifier=s.verifier,
+                            record_confidence=models.has_conf and not s.tree_budget)
     total = sum(len(p.keep) for p in prepared.values())
     bar = runner.Progress(total, "speculative", enabled=s.progress)
     run = _Run(started=time.perf_counter())
@@ -341,7 +345,9 @@ def _decode_datasets(models: _Models, prepared: Mapping[str, runner.PreparedData
         bar.dataset(name)
         dec = runner.decode(models.target, models.draft, p.prompts,
                             batch_seed=functools.partial(_batch_seed, s.seed, name),
-                            settings=settings, scheduler=s.scheduler, progress=bar, **run_kw)
+                            settings=settings, scheduler=s.scheduler, progress=bar,
+                            tree_budget=s.tree_budget, tree_branching=s.tree_branching,
+                            **run_kw)
         _add_dataset(run, name, p, dec, models, s.save_outputs)
     bar.close()
     return run
@@ -454,6 +460,8 @@ def _config(s: _Settings, models: _Models, cache_len: int) -> dict[str, Any]:
         "cache_len": int(cache_len),
         "verifier": s.verifier,
         "scheduler": s.scheduler,
+        "tree_budget": int(s.tree_budget),
+        "tree_branching": int(s.tree_branching),
         "baseline": bool(s.baseline),
         "first_turn_only": True,
         "add_generation_prompt": True,
@@ -496,12 +504,17 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
              stop_token_ids: Sequence[int] | None = None, tokenizer: Any = None,
              dtype: str | None = None, paper_reference: str | None = "auto",
              save_outputs: bool = False, progress: bool = True, plots: bool = True,
-             scheduler: str = "fixed") -> dict[str, Any]:
+             scheduler: str = "fixed", tree_budget: int = 0,
+             tree_branching: int = 4) -> dict[str, Any]:
     """Evaluates `draft` on `target` over DeepSpec-format prompt files; returns results.json.
 
     Decoding runs through the serving engine (`dspark_jax.serving.Engine`, one slot per prompt
     of a batch) with `scheduler` ("fixed" = DeepSpec's protocol: verify all γ drafts; any
-    engine mode works, e.g. "adaptive").
+    engine mode works, e.g. "adaptive"). `tree_budget` > 0 drafts trees of that many nodes
+    (at most `tree_branching` children a node; docs/TREES.md) instead of the chain, under
+    DeepSpec's protocol otherwise: τ is then the tree's accepted length + 1 per round, and no
+    calibration is reported (a tree's accepted path need not be the chain its confidences
+    score).
 
     `target`: a loaded `Target` or a name/directory for `load_target`; `draft`: a `Draft` or a
     DeepSpec-format checkpoint directory (`load_draft`). `dtype`: the dtype a name/directory
@@ -527,7 +540,8 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
         temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size,
         verifier=verifier, scheduler=scheduler, baseline=baseline,
         enable_thinking=enable_thinking, system_prompt=system_prompt,
-        stop_token_ids=stop_token_ids, save_outputs=save_outputs, progress=progress)
+        stop_token_ids=stop_token_ids, save_outputs=save_outputs, progress=progress,
+        tree_budget=int(tree_budget), tree_branching=int(tree_branching))
     models = _load_models(target, draft, tokenizer=tokenizer, dtype=dtype,
                           max_cache_len=max_cache_len)
     prepared = runner.prepare(data_dir, names, models.tokenizer, max_samples=s.max_samples,
@@ -772,6 +786,11 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=MODES,
                    help="verification scheduler of the serving engine (default: DeepSpec's "
                         "fixed γ)")
+    p.add_argument("--tree-budget", type=int, default=0,
+                   help="draft trees of this many nodes instead of the chain (0: chain; "
+                        "scheduler fixed)")
+    p.add_argument("--tree-branching", type=int, default=4,
+                   help="a tree node's most children (default %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="target compute/param dtype")
     p.add_argument("--enable-thinking", action="store_true",
@@ -798,7 +817,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_samples=args.max_samples, seed=args.seed, temperature=args.temperature,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, out_dir=args.out,
             baseline=args.baseline, verifier=args.verifier, max_cache_len=args.max_cache_len,
-            scheduler=args.scheduler,
+            scheduler=args.scheduler, tree_budget=args.tree_budget,
+            tree_branching=args.tree_branching,
             enable_thinking=args.enable_thinking, system_prompt=args.system_prompt,
             dtype=args.dtype, paper_reference=args.paper_ref, save_outputs=args.save_outputs,
             progress=not args.no_progress,

@@ -33,6 +33,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="sample from the smallest nucleus of mass ≥ top-p (1: all); plain and "
                    "speculative")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree-budget", type=int, default=0,
+                   help="with --draft: draft trees of this many nodes (0: the chain)")
+    p.add_argument("--tree-branching", type=int, default=4,
+                   help="a tree node's most children (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -62,7 +66,9 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         settings = SpecSettings(top_k=args.top_k, top_p=args.top_p, record_confidence=False)
         res = speculative_generate(target, draft, prompts, max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, seed=args.seed,
-                                   settings=settings, progress=not args.no_progress)
+                                   settings=settings, progress=not args.no_progress,
+                                   tree_budget=args.tree_budget,
+                                   tree_branching=args.tree_branching)
         outs, extra = res.tokens, f", τ = {res.tau:.2f} over {res.rounds} rounds"
     else:
         from dspark_jax.decoding import autoregressive_generate

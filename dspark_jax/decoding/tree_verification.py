@@ -79,7 +79,8 @@ def verify_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
     """Verification of each request's first `num_nodes` [R] tree nodes in `capacity` K,
     without touching the state: → (per-slot outputs, the writes `verification.commit`
     applies; token axis `width` ≥ K). Outputs as a chain round's: the accepted path's tokens
-    then the correction / bonus, [R, γ + 1]; `proposed` counts the nodes verified."""
+    then the correction / bonus, [R, γ + 1]; `proposed` is the depth the admitted nodes reach
+    (the positions verified, as a chain's ℓ)."""
     target = nnx.merge(arrays.target_graphdef, arrays.target_state)
     R, N = tree.tokens.shape
     gamma = arrays_gamma(arrays)
@@ -99,7 +100,9 @@ def verify_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
     position = jnp.arange(gamma + 1, dtype=jnp.int32)[None]
     tokens = jnp.where(position < verdict.num_accepted[:, None],
                        jnp.pad(path_tokens, ((0, 0), (0, 1))), verdict.next_token[:, None])
-    outputs = emit_and_finish(tokens, verdict.num_accepted, num_nodes, slots.active,
+    admitted_depth = jnp.max(jnp.where(jnp.arange(N)[None] < num_nodes[:, None], tree.depth,
+                                       0), axis=1)
+    outputs = emit_and_finish(tokens, verdict.num_accepted, admitted_depth, slots.active,
                               slots.remaining, arrays.stop_ids, config.budget_rule)
     # the path's cells, flattened; a token is committed iff its cell is on the path
     on_path = jnp.zeros((R, N + 1), bool).at[jnp.arange(R)[:, None], path].set(True)

@@ -336,6 +336,20 @@ def test_greedy_speculative_equals_autoregressive_baseline(env, tmp_path):
     assert not (tmp_path / "tau.png").exists()
 
 
+def test_tree_budget_evaluates_trees_losslessly(env, tmp_path):
+    """--tree-budget: greedy tree decoding equals the baseline, results.json records the
+    budget, τ is the tree's and no calibration is claimed for it."""
+    res = evaluate(env["target"], env["draft"], env["data"], datasets="alpha,beta",
+                   temperature=0.0, baseline=True, save_outputs=True, out_dir=tmp_path,
+                   plots=False, tree_budget=8, tree_branching=3, **RUN_KW)
+    assert res["config"]["tree_budget"] == 8 and res["config"]["tree_branching"] == 3
+    assert env["results"]["config"]["tree_budget"] == 0
+    for r in _records(tmp_path):
+        assert r["output_ids"] == r["baseline_output_ids"]
+    assert res["calibration"] is None
+    assert all(ds["tau"] >= 1.0 for ds in res["datasets"].values())
+
+
 # ------------------------------------------------------------------------------------------
 # the driver (eval.runner) and reading a run back (eval.results)
 # ------------------------------------------------------------------------------------------

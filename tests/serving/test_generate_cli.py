@@ -1,6 +1,7 @@
 """`python -m dspark_jax.generate --draft CKPT` honours `--top-k` / `--top-p` on the speculative
 path: at temperature 1, top-k 1 (or a nucleus of one token) is greedy decoding, while plain
-temperature-1 sampling with the same seed is not (so a dropped flag fails the test)."""
+temperature-1 sampling with the same seed is not (so a dropped flag fails the test); and
+`--tree-budget` drafts trees."""
 
 from __future__ import annotations
 
@@ -45,3 +46,12 @@ def test_speculative_cli_honours_top_k_and_top_p(cli_args, capsys):
     assert sampled != greedy, "T = 1 sampling should leave greedy decoding (else no test)"
     assert _reply(capsys, cli_args + ["--temperature", "1", "--top-k", "1"]) == (greedy, n)
     assert _reply(capsys, cli_args + ["--temperature", "1", "--top-p", "0.01"]) == (greedy, n)
+
+
+def test_speculative_cli_drafts_trees(cli_args, capsys):
+    """--tree-budget: the greedy reply is the chain's (both lossless), and a budget below the
+    drafter's block is refused by name."""
+    greedy = _reply(capsys, cli_args)
+    assert _reply(capsys, cli_args + ["--tree-budget", "8", "--tree-branching", "3"]) == greedy
+    with pytest.raises(ValueError, match="tree_budget 2"):
+        generate.main(cli_args + ["--tree-budget", "2"])

@@ -36,8 +36,8 @@ def test_greedy_tree_equals_autoregressive(target, greedy_ref, kind, budget, bra
     res = speculative_generate(target, draft, PROMPTS, max_new_tokens=16, stop_token_ids=[],
                                tree_budget=budget, tree_branching=branching)
     assert res.tokens == greedy_ref
-    for proposed, accepted in zip(res.proposed, res.accepted):
-        assert all(0 <= a <= 4 and p == budget for a, p in zip(accepted, proposed))
+    for proposed, accepted in zip(res.proposed, res.accepted):   # depths verified: γ = 4
+        assert all(0 <= a <= p == 4 for a, p in zip(accepted, proposed))
 
 
 def test_trained_tree_beats_its_chain_and_stays_exact(target):
@@ -63,8 +63,8 @@ def test_serving_engine_caps_trees_at_the_budget(target, greedy_ref):
     for budget in (5, 1, 9):
         res = eng.generate(PROMPTS, max_new_tokens=budget)
         assert res.tokens == [g[:budget] for g in greedy_ref]
-        for proposed in (p for r in res.per_request for p in r["proposed"]):
-            assert proposed <= 8
+        for r in res.per_request:   # no node deeper than the tokens still to emit
+            assert all(p <= budget for p in r["proposed"])
 
 
 @pytest.mark.parametrize("kw,match", [
