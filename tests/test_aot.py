@@ -152,3 +152,25 @@ def test_v5e_plain_step_and_round_read_the_weights_where_they_lie(tmp_path):
         assert p["weight_copy_bytes"] == 0, (name, p["weight_copies"])
         assert p["weights_bytes"] > 0 and p["cache_bytes"] > 0 and p["kernels_per_step"] > 0
         assert p["bytes_accessed"] >= p["floor_bytes"] * 0.5, name
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+                    "pip install -e '.[tpu]'")
+def test_v5e_tree_round_compiles(tmp_path):
+    """`--decode --tree-budget N`: the round that drafts and verifies trees compiles for one
+    TPU v5e chip and copies no weight matrix; the chain's separate verification step is not
+    compiled."""
+    target = save_tiny_hf(tmp_path / "target", "qwen3")
+    out = tmp_path / "tree.json"
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "v5e", "--decode",
+                   "--programs", "draft,verify,round", "--max-len", "200", "--tree-budget",
+                   "8", "--json", str(out), f"--config.target={target}",
+                   "--config.train.target_dtype=bfloat16"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["tree_budget"] == 8 and r["capacity"] == 9 and r["scheduler"] == "fixed"
+    assert set(r["programs"]) == {"draft", "round"}
+    for name, p in r["programs"].items():   # no weight matrix copied (a scalar bias may be)
+        assert p["weight_copy_bytes"] < 64, (name, p["weight_copies"])
+        assert p["weights_bytes"] > 0 and p["kernels_per_step"] > 0

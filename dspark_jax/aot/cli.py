@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--programs", default="decode_step,plain_step,draft,verify,round",
                     help="--chip: the programs to compile")
     ap.add_argument("--num-slices", type=int, default=1)
+    ap.add_argument("--tree-budget", type=int, default=0,
+                    help="with --decode: rounds that draft trees of this many nodes (the "
+                         "round and the draft step; 0: the chain)")
     ap.add_argument("--json", default="", help="also write the report as one JSON object")
     ap.add_argument("--no-preset", action="store_true",
                     help="keep the config's mesh and micro_batches instead of the topology's preset")
@@ -93,7 +96,7 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
     if args.chip and args.decode:
         from dspark_jax.aot.decode_floor import decode_floor_report, format_floor_report
 
-        shape = DecodeShape(args.requests or 1, args.max_len, args.capacity)
+        shape = DecodeShape(args.requests or 1, args.max_len, args.capacity, args.tree_budget)
         report = decode_floor_report(c, args.chip, shape,
                                      [p for p in args.programs.split(",") if p])
         return report, format_floor_report(report)
@@ -105,7 +108,8 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
     if args.decode:
         from dspark_jax.aot.decode import decode_report, format_decode_report
 
-        shape = DecodeShape(args.requests or 64, args.max_len, args.capacity)
+        shape = DecodeShape(args.requests or 64, args.max_len, args.capacity,
+                            args.tree_budget)
         report = decode_report(c, args.topology, shape, args.num_slices,
                                default_mesh=not args.no_preset)
         return report, format_decode_report(report)

@@ -37,21 +37,31 @@ SCHEDULER = {"dspark": "adaptive", "dflash": "fixed", "eagle3": "fixed"}
 
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
-    """Request slots R, context tokens per slot S_max and the capacity bucket K."""
+    """Request slots R, context tokens per slot S_max, the capacity bucket K and the draft
+    trees' node budget N (0: the chain of γ drafts)."""
 
     requests: int
     max_len: int
     capacity: int
+    tree_budget: int = 0
+
+    def per_request(self, gamma: int) -> int:
+        """Tokens a request verifies besides its anchor: γ drafts or N tree nodes."""
+        return self.tree_budget or gamma
 
     def check(self, gamma: int) -> None:
         if self.requests < 1:
             raise AotError(f"--requests must be ≥ 1, got {self.requests}")
         if self.max_len < gamma + 2:
             raise AotError(f"--max-len {self.max_len} cannot hold a round of γ={gamma} drafts")
-        top = self.requests * (gamma + 1)
+        if self.tree_budget and self.tree_budget < gamma:
+            raise AotError(f"--tree-budget {self.tree_budget} is below the block's {gamma} "
+                           "drafts")
+        top = self.requests * (self.per_request(gamma) + 1)
         if not self.requests <= self.capacity <= top:
             raise AotError(f"--capacity {self.capacity} must be between --requests "
-                           f"{self.requests} (one anchor per slot) and R·(γ+1) = {top}")
+                           f"{self.requests} (one anchor per slot) and R·(γ+1) (trees: "
+                           f"R·(N+1)) = {top}")
 
 
 def decode_mesh_shape(num_chips: int, num_kv_heads: int) -> dict[str, int]:
@@ -133,8 +143,9 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
 
     mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
     gamma = int(d_cfg.num_drafts)
-    if shape.capacity == 0:     # the top bucket: every slot verifies all γ drafts
-        shape = dataclasses.replace(shape, capacity=shape.requests * (gamma + 1))
+    if shape.capacity == 0:     # the top bucket: every slot verifies all γ drafts (N nodes)
+        shape = dataclasses.replace(
+            shape, capacity=shape.requests * (shape.per_request(gamma) + 1))
     shape.check(gamma)
     dtype = resolve_dtype(c.train.target_dtype)       # serving: bf16 weights and caches
     R, S, K, V = shape.requests, shape.max_len, shape.capacity, t_cfg.vocab_size
@@ -171,17 +182,17 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                        key_data=arr((R, 2), jnp.uint32))
     stop_ids = arr((max(1, len(t_cfg.stop_token_ids or ())),), jnp.int32)
     t_abs, d_abs = abstract_on_mesh(t_state, mesh), abstract_on_mesh(d_state, mesh)
-    mode = SCHEDULER[d_cfg.model_type]
+    mode = "fixed" if shape.tree_budget else SCHEDULER[d_cfg.model_type]
     conf_temps = arr((gamma,), jnp.float32) if mode == "adaptive" else None
     # the engine's fused call: whole rounds (draft → schedule → verify → commit), one program
     replicated = NamedSharding(mesh, PartitionSpec())
     vocab_w = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
         jax.eval_shape(lambda st: adapter.vocab_weights(nnx.merge(d_gd, st)), d_abs))
-    sps = arr((R * (gamma + 1) + 1,), jnp.float32)
+    sps = arr((R * (shape.per_request(gamma) + 1) + 1,), jnp.float32)
     config = R_.RoundConfig(mode=mode, verifier="jax", sampler="jax", budget_rule="serving",
                             cap_budget=True, tap_layer_ids=tuple(d_cfg.target_layer_ids),
-                            buckets=(K,), rounds_per_call=8)
+                            buckets=(K,), rounds_per_call=8, tree_budget=shape.tree_budget)
     arrays = R_.EngineArrays(target_graphdef=t_gd, draft_graphdef=d_gd, target_state=t_abs,
                              draft_state=d_abs, stop_ids=stop_ids,
                              confidence_temperatures=conf_temps,
@@ -249,17 +260,19 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
     shape = rnd.shape
     n = len(devices)
     draft = _program_report(rnd.draft_fn, rnd.draft_lower, rnd.draft_args, rnd.mesh, n, chip)
-    verify = _program_report(rnd.verify_fn, rnd.verify_lower, rnd.verify_args, rnd.mesh, n,
-                             chip)
     fused = _program_report(rnd.round_fn, rnd.round_lower, rnd.round_args, rnd.mesh, n, chip)
+    # a tree's verification runs only inside the round (the separate step verifies chains)
+    verify = fused if shape.tree_budget else _program_report(
+        rnd.verify_fn, rnd.verify_lower, rnd.verify_args, rnd.mesh, n, chip)
     peak = max(draft["peak_bytes_per_chip"], verify["peak_bytes_per_chip"],
                fused["peak_bytes_per_chip"])
-    bound = draft["step_time_lower_bound_s"] + verify["step_time_lower_bound_s"]
+    bound = (fused["step_time_lower_bound_s"] if shape.tree_budget
+             else draft["step_time_lower_bound_s"] + verify["step_time_lower_bound_s"])
     return {
         "mode": "decode", "config": c.name, "topology": topology, "num_slices": num_slices,
         "num_chips": n, "chip": chip.name, "mesh": dict(rnd.mesh.shape),
         "requests": shape.requests, "max_len": shape.max_len, "capacity": shape.capacity,
-        "gamma": rnd.gamma, "scheduler": rnd.scheduler,
+        "gamma": rnd.gamma, "scheduler": rnd.scheduler, "tree_budget": shape.tree_budget,
         "hbm_bytes_per_chip": chip.hbm_bytes, "hbm_bytes_per_s_per_chip": chip.hbm_bytes_per_s,
         "peak_bytes_per_chip": int(peak), "headroom_bytes_per_chip": int(chip.hbm_bytes - peak),
         "fits": bool(peak <= chip.hbm_bytes),

@@ -143,6 +143,9 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
         "hbm_bytes_per_s": facts.hbm_bytes_per_s, "requests": shape.requests,
         "max_len": shape.max_len, "capacity": rnd.shape.capacity, "gamma": rnd.gamma,
         "scheduler": rnd.scheduler, "jax": jax.__version__, "programs": {}}
+    if shape.tree_budget and "verify" in programs:   # trees verify inside the round only
+        programs = [p for p in programs if p != "verify"]
+    report["tree_budget"] = shape.tree_budget
     for name in programs:
         if name not in built:
             raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
