@@ -4,7 +4,8 @@ Closed loop: for each concurrency c, an engine with c request slots decodes `--r
 × c prompts (a finished request's slot is refilled at once, so c requests stay in flight), for
 each scheduler mode (default: every mode of `decoding.scheduler.MODES`, side by side: none,
 fixed, threshold, algorithm1, production — the paper's §5.2 schedule alone — and adaptive, that
-schedule plus our switch to plain decoding). Every mode's engine is built, compiled and run once
+schedule plus our switch to plain decoding; `treeN`, e.g. `tree16`, is `fixed` drafting trees of
+N nodes, docs/TREES.md). Every mode's engine is built, compiled and run once
 over c prompts first (a served engine is warm: `adaptive` keeps what its policy learned there,
 `serving.policy`); then `--repeats` measured passes run with the modes interleaved, the order
 rotating each pass, so the machine's drift hits every mode alike. `--sequential` runs one mode
@@ -67,7 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     from dspark_jax.decoding.scheduler import MODES
 
     p.add_argument("--modes", default=",".join(MODES),
-                   help="comma-separated scheduler modes, run side by side (default: all)")
+                   help="comma-separated scheduler modes, run side by side (default: all); "
+                        "treeN: fixed with draft trees of N nodes")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -132,13 +134,26 @@ def _load_draft(target: Any, spec: str, layers: int = 2, rank: int = 64) -> Any:
                                    mask_token_id=min(16, target.config.vocab_size - 1)), seed=0)
 
 
+def engine_mode(mode: str) -> tuple[str, int]:
+    """A `--modes` entry → (scheduler, tree budget): `treeN` is the fixed scheduler drafting
+    trees of N nodes, any other entry a scheduler mode drafting chains."""
+    if mode.startswith("tree"):
+        try:
+            return "fixed", int(mode[4:])
+        except ValueError:
+            raise ValueError(f"--modes {mode!r}: a tree mode is treeN, e.g. tree16") from None
+    return mode, 0
+
+
 def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[int]],
                  a: argparse.Namespace) -> Any:
     """An engine with c slots for `mode`, compiled (warm-up) and run once over c prompts."""
     from dspark_jax.serving import Engine
 
+    scheduler, tree_budget = engine_mode(mode)
     eng = Engine(target, draft if mode != "none" else None, max_requests=c,
-                 max_len=a.max_len, scheduler=mode, threshold=a.threshold,
+                 max_len=a.max_len, scheduler=scheduler, tree_budget=tree_budget,
+                 threshold=a.threshold,
                  prefill_chunk=a.prefill_chunk, sampler=a.sampler, verifier=a.verifier,
                  sps_cache_dir=a.sps_cache_dir, explore=a.explore)
     eng.warmup(max(len(x) for x in prompts) + a.max_new_tokens)
@@ -340,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     draft = _load_draft(target, a.draft, a.draft_layers, a.rank)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not draft.config.has_confidence:
-        modes = [m for m in modes if m in ("none", "fixed")]
+        modes = [m for m in modes if m in ("none", "fixed") or m.startswith("tree")]
     conc = [int(x) for x in a.concurrency.split(",")]
     if a.sps_cache_dir is None:   # fresh: the SPS profiling below is measured, not cached
         import tempfile

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.decoding import scheduler as sched
+from dspark_jax.decoding import tree as tree_mod
 from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
@@ -104,9 +105,12 @@ PROPOSERS: dict[str, Callable[..., dict[str, jax.Array]]] = {
 
 
 def _draft_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
-                slots: SlotSettings) -> DraftOutputs:
-    """A draft tree of `config.tree_budget` nodes for every slot (`decoding.tree`), all of
-    its nodes admitted (with `config.cap_budget` none deeper than the request's budget)."""
+                slots: SlotSettings, capacity: jax.Array) -> DraftOutputs:
+    """A draft tree of `config.tree_budget` nodes for every slot (`decoding.tree`; with
+    `config.cap_budget` none deeper than the request's budget), scheduled as the chain's
+    drafts are: `fixed` admits every node, the other modes admit a prefix of each tree by the
+    nodes' survival estimates (`tree.node_survival`) with the scheduler of `config.mode`
+    (`capacity`, K, and the search for two rounds later count tree nodes)."""
     draft = _draft_model(arrays)
     num_drafts = draft.cfg.num_drafts
     depth_limit = (jnp.minimum(slots.remaining - 1, num_drafts) if config.cap_budget
@@ -116,13 +120,24 @@ def _draft_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
         slots.temperature, slots.top_k, slots.top_p, budget=config.tree_budget,
         branching=config.tree_branching, depth_limit=depth_limit.astype(jnp.int32),
         vocab_weights=arrays.vocab_weights)
-    lengths = jnp.where(slots.active, tree.num_nodes, 0).astype(jnp.int32)
+    has_conf = draft.cfg.has_confidence
+    survival = tree_mod.node_survival(
+        tree, sched.confidence_probs(conf_logits, arrays.confidence_temperatures)
+        if has_conf else None, num_drafts)                                     # [R, N]
+    previous = jnp.pad(survival[:, :-1], ((0, 0), (1, 0)), constant_values=1.0)
+    step_conf = jnp.where(previous > 0, survival / jnp.maximum(previous, 1e-30), 0.0)
+    lengths, capacity_new, gain_new = sched.schedule_lengths(
+        config.mode, step_conf, slots.active, config.tree_budget, arrays.threshold, arrays.sps,
+        capacity, arrays.sps_draft)
+    lengths = jnp.where(slots.active, jnp.minimum(lengths, tree.num_nodes), 0).astype(jnp.int32)
     n_tokens = jnp.sum(jnp.where(slots.active, 1 + lengths, 0)).astype(jnp.int32)
-    zero = jnp.zeros((), jnp.int32)
+    admitted = jnp.arange(config.tree_budget)[None] < lengths[:, None]
+    predicted = jnp.sum(jnp.where(admitted, survival, 0.0))
     return DraftOutputs(tokens=tree.tokens[:, :num_drafts], probs=None,
                         confidence=conf_logits.astype(jnp.float32), lengths=lengths,
-                        n_tokens=n_tokens, capacity_new=zero, gain_new=jnp.zeros((), jnp.float32),
-                        predicted=jnp.zeros((), jnp.float32), tree=tree)
+                        n_tokens=n_tokens, capacity_new=capacity_new.astype(jnp.int32),
+                        gain_new=gain_new.astype(jnp.float32),
+                        predicted=predicted.astype(jnp.float32), tree=tree)
 
 
 def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: EngineState,
@@ -133,7 +148,7 @@ def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: Engine
     `config.cap_budget` no draft past a request's token budget is verified. With
     `config.tree_budget` every slot drafts a tree instead (`_draft_tree`)."""
     if config.tree_budget:
-        return _draft_tree(config, arrays, state, slots)
+        return _draft_tree(config, arrays, state, slots, capacity)
     draft = _draft_model(arrays)
     num_drafts = draft.cfg.num_drafts
     proposal = PROPOSERS[config.sampler](draft, arrays, state, slots)
@@ -331,7 +346,7 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
         choice = schedule.choice
         return sched.drafting_pays(schedule.capacities[0], choice.gain[0], choice.n_then[0],
                                    jnp.sum(live), choice.ratio(), arrays.sps_draft,
-                                   choice.plain_sps, num_drafts)
+                                   choice.plain_sps, config.tree_budget or num_drafts)
 
     records = RoundRecord.zeros(config.rounds_per_call, num_slots, num_drafts,
                                 num_drafts + 1, scheduled=True)

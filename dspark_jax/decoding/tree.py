@@ -54,6 +54,7 @@ class DraftTree:
     rank: jax.Array        # [R, N] int32 sibling rank
     valid: jax.Array       # [R, N] bool (the valid nodes are a prefix)
     score: jax.Array       # [R, N] f32 log score (rank masses along the path)
+    chain: jax.Array       # [R, N] bool: on the rank-0 path (the chain)
     children: jax.Array    # [R, N + 1, c] int32 cells of each cell's children by rank (−1: none)
     probs: jax.Array       # [R, N + 1, V] f32 q of each cell's children
 
@@ -225,7 +226,34 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
     return DraftTree(tokens=node_tokens, parent=parent_cell.astype(jnp.int32),
                      depth=depth.astype(jnp.int32), rank=rank.astype(jnp.int32), valid=valid,
                      score=jnp.where(valid, _take(merged["score"], chosen), -jnp.inf),
+                     chain=valid & _take(merged["chain"], chosen),
                      children=children, probs=probs.astype(jnp.float32))
+
+
+def node_survival(tree: DraftTree, chain_conf: jax.Array | None, max_depth: int) -> jax.Array:
+    """[R, N] an estimate of each node's probability of being on the accepted path, made
+    non-increasing along the nodes' order (a running minimum), so that admitting the nodes of
+    highest estimate admits a prefix (a tree), as the chain's prefix survival does (SPEC §8).
+
+    A node's estimate is its parent's times its edge's: a chain node at depth k takes the
+    confidence head's σ(c_k) (`chain_conf` [R, γ], calibrated; None: the rank mass), any other
+    node its rank mass (the drafter's probability of its sibling rank, `score` differences);
+    `max_depth` ≥ the trees' depth (γ).
+    None of them depends on the node's own token, nor the running minimum on later nodes', so
+    an admission by these estimates keeps the rule lossless (`scheduler`, Appendix A)."""
+    R, N = tree.tokens.shape
+    cell_score = jnp.concatenate([jnp.zeros((R, 1), jnp.float32), tree.score], axis=1)
+    parent_score = jnp.take_along_axis(cell_score, tree.parent, axis=1)
+    edge = jnp.exp(jnp.where(tree.valid, tree.score - parent_score, -jnp.inf))
+    if chain_conf is not None:
+        conf = jnp.take_along_axis(chain_conf.astype(jnp.float32),
+                                   jnp.clip(tree.depth - 1, 0, chain_conf.shape[1] - 1), axis=1)
+        edge = jnp.where(tree.chain, conf, edge)
+    edge = jnp.where(tree.valid, jnp.clip(jnp.nan_to_num(edge), 0.0, 1.0), 0.0)
+    reach = jnp.ones((R, N + 1), jnp.float32)
+    for _ in range(max_depth):
+        reach = reach.at[:, 1:].set(edge * jnp.take_along_axis(reach, tree.parent, axis=1))
+    return jax.lax.cummin(reach[:, 1:], axis=1)
 
 
 def markov_child_logits(model: Any, vocab_weights: Any = None) -> ChildLogits:

@@ -94,8 +94,8 @@ class Engine:
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.V = int(target.config.vocab_size)
         # a request verifies its anchor and γ drafts, or N tree nodes
-        per_request = int(settings.tree_budget) or self.gamma
-        self.buckets = cost_profile.capacity_buckets(self.R, per_request,
+        self.per_request = int(settings.tree_budget) or self.gamma
+        self.buckets = cost_profile.capacity_buckets(self.R, self.per_request,
                                                      settings.capacity_buckets)
         if self.buckets[-1] > self.max_len * self.R:
             raise ValueError("capacity_buckets exceed what max_len can hold")
@@ -224,7 +224,7 @@ class Engine:
         return policy.policy_for(
             self.mode, verify_seconds=self.costs.verify_seconds,
             draft_seconds=self.costs.draft_seconds, plain_seconds=self.costs.plain_seconds,
-            gamma=self.gamma, initial_capacity=self.R * self.gamma,
+            gamma=self.per_request, initial_capacity=self.R * self.per_request,
             probe_interval=int(st.probe_interval), max_probe_interval=int(st.max_probe_interval),
             explore=None if st.explore is None else float(st.explore))
 
@@ -277,7 +277,7 @@ class Engine:
         The one-prompt warm-up generate only ever runs a call's first round; without this, the
         first call that goes on drafting on device pays a one-off cost, once per engine, inside
         the first timed pass (figures: BENCHMARKS.md)."""
-        R, top = self.R, self.R * self.gamma
+        R, top = self.R, self.R * self.per_request
         choice = round_.DraftChoice(
             gain=jnp.full((2,), float(top), jnp.float32), n_then=jnp.full((2,), R, jnp.int32),
             predicted=jnp.zeros((), jnp.float32), realised=jnp.zeros((), jnp.float32),

@@ -21,6 +21,12 @@ from dspark_jax.models.families import family_of
 from dspark_jax.serving.policy import MODES as MODE_TABLE
 
 
+# the modes that schedule draft trees: all of them, or a prefix by the nodes' survival
+# estimates (`decoding.tree.node_survival`); `threshold` cuts per-slot confidences, which
+# a tree's nodes do not have
+TREE_SCHEDULERS = ("fixed", "algorithm1", "production", "adaptive")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class EngineSettings:
     """Every setting of `Engine` (the keywords of `Engine(target, draft, **kw)`).
@@ -45,8 +51,9 @@ class EngineSettings:
 
     Draft trees (`tree_budget` N > 0, docs/TREES.md): every round drafts a tree of N nodes a
     request (at most `tree_branching` children a node, the chain of γ drafts always among
-    them) and verifies all of it in one target forward; N ≥ γ, the `fixed` scheduler, the
-    "jax" sampler and verifier, and a DSpark or DFlash drafter.
+    them) and verifies it in one target forward: all of it (`fixed`), or the prefix the
+    scheduler admits (`TREE_SCHEDULERS`); N ≥ γ, the "jax" sampler and verifier, and a
+    DSpark or DFlash drafter.
 
     Token budget: `budget_rule="serving"` (default) ends a request as soon as it has emitted
     `max_new_tokens`, and `cap_to_budget` (default True) never verifies drafts past that budget.
@@ -108,11 +115,12 @@ class EngineSettings:
         if self.tree_budget < 0 or self.tree_branching < 1:
             raise ValueError(f"tree_budget must be ≥ 0 and tree_branching ≥ 1, got "
                              f"{self.tree_budget} and {self.tree_branching}")
-        if self.tree_budget and (self.scheduler != "fixed" or self.sampler != "jax"
-                                 or self.verifier != "jax"):
-            raise ValueError("tree_budget drafts whole trees: it needs scheduler='fixed', "
-                             f"sampler='jax' and verifier='jax', got {self.scheduler!r}, "
-                             f"{self.sampler!r} and {self.verifier!r}")
+        if self.tree_budget and (self.scheduler not in TREE_SCHEDULERS
+                                 or self.sampler != "jax" or self.verifier != "jax"):
+            raise ValueError(f"tree_budget: trees are scheduled by {list(TREE_SCHEDULERS)} "
+                             f"and sampled and verified by 'jax', got scheduler "
+                             f"{self.scheduler!r}, sampler {self.sampler!r} and verifier "
+                             f"{self.verifier!r}")
         if self.scheduler == "threshold" and not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         self._check_costs()

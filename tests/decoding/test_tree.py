@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding.acceptance_rule import rejection_verify_with_uniforms
-from dspark_jax.decoding.tree import ancestor_mask, grow_tree, path_cells
+from dspark_jax.decoding.tree import ancestor_mask, grow_tree, node_survival, path_cells
 from dspark_jax.decoding.tree_acceptance import (tree_greedy_verify,
                                                  tree_rejection_verify_with_uniforms)
 from tests.decoding.test_acceptance_rule import chi2_stat
@@ -77,6 +77,24 @@ def test_tree_holds_its_chain_and_every_prefix_is_a_tree(temperature):
             assert listed == [i + 1 for i in np.argsort(rank[r]) if par[r, i] == cell
                               and i + 1 in listed] and \
                 sorted(listed) == sorted(i + 1 for i in range(N) if par[r, i] == cell)
+
+
+def test_node_survival_is_a_prefix_estimate():
+    """Non-increasing along the nodes (admitting the best n admits a prefix), a chain node's
+    edge is its confidence, another node's its rank mass, and a child never beats its parent."""
+    gamma = 3
+    tree, _, _ = _grow(16, gamma, 9, 3, 1.0)
+    conf = jnp.full((16, gamma), 0.5)
+    s = np.asarray(node_survival(tree, conf, gamma))
+    assert (np.diff(s, axis=1) <= 1e-7).all() and (s > 0).all() and (s <= 1).all()
+    np.testing.assert_allclose(s[:, :gamma], np.broadcast_to(0.5 ** np.arange(1, gamma + 1),
+                                                            (16, gamma)), rtol=1e-6)
+    raw = np.asarray(node_survival(tree, None, gamma))
+    par = np.asarray(tree.parent)
+    for r in range(16):
+        cell = np.concatenate([[1.0], raw[r]])
+        assert (raw[r] <= cell[par[r]] + 1e-7).all()
+    np.testing.assert_allclose(raw[:, 0], np.exp(np.asarray(tree.score)[:, 0]), rtol=1e-6)
 
 
 def test_depth_limit_and_small_support():

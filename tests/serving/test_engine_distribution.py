@@ -305,10 +305,12 @@ def test_appendix_a_counterexample():
     assert abs(p_a["adaptive"] - 0.7) < tol, p_a
 
 
-def _sample_tree_groups(target, draft):
+def _sample_tree_groups(target, draft, mode="fixed"):
     n, budget = FN, 4
+    top = n * (budget + 1)
+    sps = (1.0 / (1.0 + 0.6 * np.arange(top + 1) / n)).astype(np.float32)  # prunes partly
     eng = Engine(target, draft, max_requests=n, max_len=len(FPROMPT) + FNEW + FG + 1,
-                 scheduler="fixed", capacity_buckets=[n * (budget + 1)],
+                 scheduler=mode, sps=sps, capacity_buckets=[top],
                  prefill_chunk=n * len(FPROMPT), stop_token_ids=[], tree_budget=budget,
                  tree_branching=3)
     temps, ks, ps = zip(*(GROUPS[i % len(GROUPS)] for i in range(n)))
@@ -318,20 +320,27 @@ def _sample_tree_groups(target, draft):
     return [toks[g::len(GROUPS)] for g in range(len(GROUPS))], res
 
 
-def test_trees_sample_the_target_with_top_k_top_p(tiny, monkeypatch):
+@pytest.mark.parametrize("mode", ["fixed", "algorithm1", "adaptive"])
+def test_trees_sample_the_target_with_top_k_top_p(tiny, monkeypatch, mode):
     """Draft trees (4 nodes, up to 3 children a node, γ 2) verified by recursive rejection
-    sampling: the joint of the first 4 tokens matches the target's in both sampling groups;
-    a rule that draws the correction from p instead of the residual fails the same check."""
+    sampling, every node admitted (`fixed`) or a prefix by the nodes' survival estimates: the
+    joint of the first 4 tokens matches the target's in both sampling groups; a rule that draws
+    the correction from p instead of the residual fails the same check."""
     from dspark_jax.decoding import tree_acceptance, tree_verification
 
     target, draft, exact = tiny
-    groups, res = _sample_tree_groups(target, draft)
+    groups, res = _sample_tree_groups(target, draft, mode)
     acc = np.mean([a for r in res.per_request for a in r["accepted"]])
     assert 0 < acc < FG, acc
+    if mode != "fixed":
+        ver = np.mean([v for r in res.per_request for v in r["proposed"]])
+        assert ver < FG, "the scheduler should cut some trees short"
     for toks, joint in zip(groups, exact):
         stat, df, outside = joint_chi2(toks, joint)
         assert outside == 0, f"{outside} requests emitted a token outside top-k / top-p"
         assert stat < chi2_isf(df), (stat, df, chi2_isf(df))
+    if mode != "fixed":   # one control is enough
+        return
     true_rule = tree_acceptance.tree_rejection_verify_with_uniforms
 
     def residual_is_target(accept_u, sample_u, tp, dp, tokens, children, num_nodes):

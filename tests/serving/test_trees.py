@@ -6,6 +6,7 @@ distribution test is `test_engine_distribution.test_trees_sample_the_target_with
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dspark_jax.decoding import autoregressive_generate
@@ -54,6 +55,23 @@ def test_trained_tree_beats_its_chain_and_stays_exact(target):
     assert tree.tau >= chain.tau > 1.5, (tree.tau, chain.tau)
 
 
+@pytest.mark.parametrize("mode", ["algorithm1", "production", "adaptive"])
+def test_scheduled_trees_stay_greedy(target, greedy_ref, mode):
+    """The scheduler admits a prefix of each tree by the nodes' survival estimates (an SPS
+    that falls with the load prunes some): still the greedy tokens."""
+    draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
+    R, budget = len(PROMPTS), 8
+    top = R * (budget + 1)
+    sps = (1.0 / (1.0 + 0.5 * np.arange(top + 1) / R)).astype(np.float32)
+    eng = Engine(target, draft, max_requests=R, max_len=64, scheduler=mode, sps=sps,
+                 stop_token_ids=[], tree_budget=budget, tree_branching=3,
+                 draft_seconds=0.0, plain_seconds=1.0)
+    res = eng.generate(PROMPTS, max_new_tokens=16)
+    assert res.tokens == greedy_ref
+    verified = [p for r in res.per_request for p in r["proposed"]]
+    assert min(verified) < 4, "the scheduler should cut some trees short"
+
+
 def test_serving_engine_caps_trees_at_the_budget(target, greedy_ref):
     """The serving budget rule: no node deeper than a request's remaining budget is drafted,
     and the requests end exactly at their budgets."""
@@ -69,7 +87,7 @@ def test_serving_engine_caps_trees_at_the_budget(target, greedy_ref):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(tree_budget=2), "below the drafter's block"),
-    (dict(tree_budget=8, scheduler="adaptive"), "scheduler='fixed'"),
+    (dict(tree_budget=8, scheduler="threshold"), "trees are scheduled by"),
     (dict(tree_budget=8, tree_branching=0), "tree_branching"),
     (dict(tree_budget=8, kind="eagle3"), "drafts one chain")])
 def test_settings_a_tree_cannot_serve_are_refused(target, kw, match):
