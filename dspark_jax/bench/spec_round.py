@@ -16,6 +16,9 @@ users run), one table gives, in ms and as a ratio to the plain step:
   * host overhead per round = whole round − (draft + verify at K = γ+1);
   * the sequential (Markov) stage's share of the round and the steady-state recompilations of
     the round (compilations during the timed rounds);
+  * with `--tree-budgets N,…`, for each draft-tree budget N (docs/TREES.md): the tree's draft
+    call and the whole tree round under `fixed` (every node verified: R·(N+1) tokens), next to
+    verification at K = N + 1 (the chain's step at the same token count);
   * rows with `sampler="pallas"` / `verifier="pallas"` where the engine offers them (CPU, where
     the kernels are interpreted: those rows are labelled and are not kernel timings;
     `--no-pallas-rows` skips them);
@@ -379,6 +382,7 @@ def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileCounte
                              interpreted=interpreted))
     verify_ms = {k: 1e3 * med[f"verify_{k}"] for k in ks}
     draft_ms = 1e3 * med["draft"]
+    trees = [tree_anatomy(target, draft, prompts, n, a, kw) for n in a.tree_budgets]
     return dict(requests=R, context=C, max_len=max_len, gamma=g, round_k=g + 1,
                 plain_step_ms=1e3 * med["plain"],
                 plain_step_in_generate_ms=(None if med["plain_gen"] is None
@@ -388,8 +392,27 @@ def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileCounte
                 verify_ms=verify_ms, draft_ms=draft_ms, round_ms=1e3 * round_s,
                 host_ms=1e3 * round_s - draft_ms - verify_ms[g + 1],
                 sequential_stage_ms=1e3 * seq_s, sequential_share=seq_s / round_s,
-                steady_state_recompiles=recompiles, engine_rounds=rows,
+                steady_state_recompiles=recompiles, engine_rounds=rows, trees=trees,
                 samples_ms={k: [round(1e3 * x, 3) for x in v] for k, v in samples.items()})
+
+
+def tree_anatomy(target, draft, prompts, budget: int, a: argparse.Namespace, kw: dict
+                  ) -> dict:
+    """A draft-tree round of `budget` nodes a request (engine `fixed`): its draft call, the
+    chain's verification step at the same R·(N+1) tokens and the whole round, ms (medians of
+    `a.repeats` passes)."""
+    from dspark_jax.serving import Engine
+
+    R = len(prompts)
+    eng = Engine(target, draft, scheduler="fixed", tree_budget=budget, **kw)
+    calls = {"draft": functools.partial(cost_profile.draft_step_fn(eng), 0),
+             "verify": functools.partial(cost_profile.verify_step_fn(eng), R * (budget + 1))}
+    samples: dict[str, list[float]] = {"draft": [], "verify": [], "round": []}
+    for rep in range(max(int(a.repeats), 1)):
+        for k, v in profile_calls(calls, repeats=1, warmup=int(rep == 0)).items():
+            samples[k].append(v)
+        samples["round"] += round_seconds(eng, prompts, a.rounds, temperature=a.temperature)
+    return dict(budget=budget, **{f"{k}_ms": 1e3 * median(v) for k, v in samples.items()})
 
 
 def bars(backend: str, pruned_vocab: bool) -> dict:
@@ -450,6 +473,13 @@ def anatomy_table(res: dict) -> str:
         n = x["steady_state_recompiles"]
         cells += [str(n), "pass" if n == 0 else "FAIL"]
     lines.append("| steady-state recompiles (timed rounds) | " + " | ".join(cells) + " | 0 |")
+    for i, tree in enumerate(an[0].get("trees", [])):
+        N = tree["budget"]
+        row(f"tree of {N} nodes: draft", [x["trees"][i]["draft_ms"] for x in an])
+        row(f"tree of {N} nodes: verify K = {N + 1} a request (the chain's step)",
+            [x["trees"][i]["verify_ms"] for x in an])
+        row(f"tree of {N} nodes: whole round (engine `fixed`)",
+            [x["trees"][i]["round_ms"] for x in an])
     for sampler, verifier in ENGINE_ROWS[1:]:
         vals = []
         for x in an:
@@ -515,6 +545,8 @@ def main(argv=None) -> dict:
     p.add_argument("--verify-ks", type=int_list, default=None,
                    help="tokens per request to time verification at (default 1,2,4,… below "
                         "γ+1); γ+1 is always timed")
+    p.add_argument("--tree-budgets", type=int_list, default=[],
+                   help="draft-tree budgets N whose round to time too (e.g. 16,32)")
     p.add_argument("--no-pallas-rows", action="store_true",
                    help="skip the engine rows with sampler/verifier='pallas'")
     p.add_argument("--temperature", type=float, default=1.0)

@@ -103,7 +103,7 @@ def test_anatomy_on_cpu_with_a_saved_drafter(tiny, tmp_path, capsys):
     out = tmp_path / "r.json"
     main(["--target", str(tdir), "--dtype", "float32", "--draft", str(export),
           "--requests", "2", "--context", "6", "--verify-ks", "1", "--rounds", "3",
-          "--repeats", "1", "--no-kernels", "--json", str(out)])
+          "--repeats", "1", "--no-kernels", "--tree-budgets", "4", "--json", str(out)])
     r = json.loads(out.read_text())
     (an,) = r["anatomy"]
     assert an["requests"] == 2 and an["gamma"] == 2 and an["round_k"] == 3
@@ -125,3 +125,6 @@ def test_anatomy_on_cpu_with_a_saved_drafter(tiny, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "interpreted on CPU" in text and "whole round at K = 3" in text
     assert "verify K = 1 token a request" in text and "device call alone" in text
+    (tree,) = an["trees"]
+    assert tree["budget"] == 4 and min(tree["draft_ms"], tree["verify_ms"], tree["round_ms"]) > 0
+    assert "tree of 4 nodes: whole round" in text
