@@ -5,7 +5,8 @@ Closed loop: for each concurrency c, an engine with c request slots decodes `--r
 each scheduler mode (default: every mode of `decoding.scheduler.MODES`, side by side: none,
 fixed, threshold, algorithm1, production — the paper's §5.2 schedule alone — and adaptive, that
 schedule plus our switch to plain decoding; `treeN`, e.g. `tree16`, is `fixed` drafting trees of
-N nodes, docs/TREES.md). Every mode's engine is built, compiled and run once
+N nodes, `adaptive+tree32` adaptive sizing trees of up to 32 nodes, docs/TREES.md). Every
+mode's engine is built, compiled and run once
 over c prompts first (a served engine is warm: `adaptive` keeps what its policy learned there,
 `serving.policy`); then `--repeats` measured passes run with the modes interleaved, the order
 rotating each pass, so the machine's drift hits every mode alike. `--sequential` runs one mode
@@ -69,7 +70,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated scheduler modes, run side by side (default: all); "
-                        "treeN: fixed with draft trees of N nodes")
+                        "treeN: fixed with draft trees of N nodes; MODE+treeN: MODE sizing "
+                        "trees of up to N nodes")
     p.add_argument("--concurrency", default="1,2,4,8,16,32")
     p.add_argument("--requests-per-slot", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -136,13 +138,16 @@ def _load_draft(target: Any, spec: str, layers: int = 2, rank: int = 64) -> Any:
 
 def engine_mode(mode: str) -> tuple[str, int]:
     """A `--modes` entry → (scheduler, tree budget): `treeN` is the fixed scheduler drafting
-    trees of N nodes, any other entry a scheduler mode drafting chains."""
-    if mode.startswith("tree"):
-        try:
-            return "fixed", int(mode[4:])
-        except ValueError:
-            raise ValueError(f"--modes {mode!r}: a tree mode is treeN, e.g. tree16") from None
-    return mode, 0
+    trees of N nodes, `MODE+treeN` scheduler MODE sizing trees of up to N nodes, any other
+    entry a scheduler mode drafting chains."""
+    scheduler, _, tree = mode.rpartition("+") if "+" in mode else ("fixed", "", mode)
+    if not tree.startswith("tree"):
+        return mode, 0
+    try:
+        return scheduler, int(tree[4:])
+    except ValueError:
+        raise ValueError(f"--modes {mode!r}: a tree mode is treeN or MODE+treeN, e.g. "
+                         "adaptive+tree32") from None
 
 
 def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[int]],
@@ -355,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     draft = _load_draft(target, a.draft, a.draft_layers, a.rank)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not draft.config.has_confidence:
-        modes = [m for m in modes if m in ("none", "fixed") or m.startswith("tree")]
+        modes = [m for m in modes if engine_mode(m)[0] in ("none", "fixed")]
     conc = [int(x) for x in a.concurrency.split(",")]
     if a.sps_cache_dir is None:   # fresh: the SPS profiling below is measured, not cached
         import tempfile
