@@ -145,8 +145,11 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
         soft = jax.nn.softmax(logits, axis=-1)
         scoring = jnp.where(sampled[:, None, None], q, soft)
         mass = jax.lax.top_k(scoring, c)[0]                                     # [R,F,c]
-        noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
-                                                       logits.shape[1:], jnp.float32))(keys)
+        noise = jax.lax.cond(   # Gumbel noise only when a request samples (T > 0)
+            jnp.any(sampled),
+            lambda: jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
+                                                           logits.shape[1:], jnp.float32))(keys),
+            lambda: jnp.zeros(logits.shape, jnp.float32))
         perturbed = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + noise, -jnp.inf)
         pick = jnp.where(sampled[:, None, None], perturbed, logits)
         top_val, child = jax.lax.top_k(pick, c)                                 # [R,F,c]
@@ -216,7 +219,9 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
                              gamma - 1)
     logits, _ = child_logits(_take(h, next_position), _take(base, next_position), cell_tokens,
                              cell_states)
-    probs = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
+    probs = jax.lax.cond(   # q matters to the rule only when a request samples
+        jnp.any(sampled), lambda: filtered_probs(logits, t, top_k[:, None], top_p[:, None]),
+        lambda: jnp.zeros(logits.shape, jnp.float32))
     has_children = jnp.concatenate([jnp.ones((R, 1), bool), depth < gamma], axis=1) & \
         jnp.concatenate([jnp.ones((R, 1), bool), valid], axis=1)
     probs = jnp.where(has_children[..., None], probs, 0.0)
