@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dspark_jax.bench.common import print_table
 
 BUDGETS = (0, 8, 16, 32, 64)
 
@@ -103,10 +102,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tree_tau.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "tree_tau.png")
-    print_table(["dataset", "T", "budget", "τ", "× chain", "rounds", "tok/s"],
-                [[r["dataset"], f"{r['temperature']:g}", r["budget"] or "chain",
-                  f"{r['tau']:.3f}", "" if r["vs_chain"] is None else f"{r['vs_chain']:.3f}",
-                  r["rounds"], f"{r['tokens_per_s']:.1f}"] for r in rows])
+    print(markdown(rows))
+
+
+def markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a markdown table."""
+    lines = ["| dataset | T | budget | τ | × chain | rounds | tok/s |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['budget'] or 'chain'} | "
+                     f"{r['tau']:.3f} | "
+                     + ("" if r["vs_chain"] is None else f"{r['vs_chain']:.3f}")
+                     + f" | {r['rounds']} | {r['tokens_per_s']:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
