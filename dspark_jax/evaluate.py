@@ -69,6 +69,7 @@ import numpy as np
 from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES
 from dspark_jax.decoding.pallas_backend import check_offered
 from dspark_jax.decoding.scheduler import MODES
+from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.eval import runner
 from dspark_jax.eval.acceptance import (PAPER_DATASETS, PAPER_TABLE1_TAU, AcceptanceStats,
                                         acceptance_stats, macro_mean)
@@ -173,7 +174,7 @@ class _Settings:
     save_outputs: bool
     progress: bool
     tree_budget: int = 0
-    tree_branching: int = 4
+    tree_branching: int = DEFAULT_BRANCHING
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,7 +506,7 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
              dtype: str | None = None, paper_reference: str | None = "auto",
              save_outputs: bool = False, progress: bool = True, plots: bool = True,
              scheduler: str = "fixed", tree_budget: int = 0,
-             tree_branching: int = 4) -> dict[str, Any]:
+             tree_branching: int = DEFAULT_BRANCHING) -> dict[str, Any]:
     """Evaluates `draft` on `target` over DeepSpec-format prompt files; returns results.json.
 
     Decoding runs through the serving engine (`dspark_jax.serving.Engine`, one slot per prompt
@@ -789,7 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree-budget", type=int, default=0,
                    help="draft trees of this many nodes instead of the chain (0: chain; "
                         "scheduler fixed)")
-    p.add_argument("--tree-branching", type=int, default=4,
+    p.add_argument("--tree-branching", type=int, default=DEFAULT_BRANCHING,
                    help="a tree node's most children (default %(default)s)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="target compute/param dtype")

@@ -35,8 +35,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tree-budget", type=int, default=0,
                    help="with --draft: draft trees of this many nodes (0: the chain)")
-    p.add_argument("--tree-branching", type=int, default=4,
-                   help="a tree node's most children (default %(default)s)")
+    p.add_argument("--tree-branching", type=int, default=None,
+                   help="a tree node's most children (default: the engine's, 16)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -68,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                                    temperature=args.temperature, seed=args.seed,
                                    settings=settings, progress=not args.no_progress,
                                    tree_budget=args.tree_budget,
-                                   tree_branching=args.tree_branching)
+                                   **({} if args.tree_branching is None
+                                      else {"tree_branching": args.tree_branching}))
         outs, extra = res.tokens, f", τ = {res.tau:.2f} over {res.rounds} rounds"
     else:
         from dspark_jax.decoding import autoregressive_generate

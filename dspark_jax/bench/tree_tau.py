@@ -22,8 +22,8 @@ BUDGETS = (0, 8, 16, 32, 64)
 
 
 def run(target: Any, draft: Any, data: Sequence[tuple[str, str]], *, budgets: Sequence[int],
-        temperatures: Sequence[float], branching: int, max_samples: int, max_new_tokens: int,
-        batch_size: int) -> list[dict[str, Any]]:
+        temperatures: Sequence[float], branching: int | None, max_samples: int,
+        max_new_tokens: int, batch_size: int) -> list[dict[str, Any]]:
     """One evaluation per (dataset, temperature, budget); budget 0 is the chain."""
     from dspark_jax.evaluate import evaluate
 
@@ -35,8 +35,8 @@ def run(target: Any, draft: Any, data: Sequence[tuple[str, str]], *, budgets: Se
                 res = evaluate(target, draft, data_dir, datasets=[name],
                                max_samples=max_samples, temperature=temperature,
                                max_new_tokens=max_new_tokens, batch_size=batch_size,
-                               tree_budget=budget, tree_branching=branching, plots=False,
-                               progress=False)
+                               tree_budget=budget, plots=False, progress=False,
+                               **({} if branching is None else {"tree_branching": branching}))
                 ds = res["datasets"][name]
                 chain_tau = ds["tau"] if budget == 0 else chain_tau
                 rows.append({"dataset": name, "temperature": temperature, "budget": budget,
@@ -79,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="DIR:NAME, a DeepSpec-format prompt file DIR/NAME.jsonl (repeatable)")
     p.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     p.add_argument("--temperatures", default="0,1")
-    p.add_argument("--branching", type=int, default=4)
+    p.add_argument("--branching", type=int, default=None,
+                   help="a tree node's most children (default: the engine's)")
     p.add_argument("--max-samples", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--batch-size", type=int, default=16)

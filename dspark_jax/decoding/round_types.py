@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.models.decoder import KVCache
 
 # how a request's token budget ends it (`emission.finished`): "serving" once it has emitted its
@@ -51,7 +52,7 @@ class RoundConfig:
     rounds_per_call: int = 8
     plain_rounds_per_call: int = 16
     tree_budget: int = 0
-    tree_branching: int = 4
+    tree_branching: int = DEFAULT_BRANCHING
 
     def __post_init__(self) -> None:
         if self.budget_rule not in BUDGET_RULES:

@@ -34,6 +34,9 @@ import jax.numpy as jnp
 
 from dspark_jax.decoding.sampling import filtered_probs
 
+# a node's most children by default: wide trees accept more than deep ones where the drafter's
+# first choice is often wrong (BENCHMARKS.md, "Draft trees")
+DEFAULT_BRANCHING = 16
 # the priority bonus of the chain's nodes (log scores are above −1e3)
 _CHAIN_BONUS = 1e4
 
@@ -126,7 +129,7 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
     depth_limit [R] (default γ): no node deeper (nodes past a request's token budget).
     """
     R, gamma, _ = base.shape
-    N, c = int(budget), int(branching)
+    N, c = int(budget), min(int(branching), base.shape[-1])
     if N < gamma:
         raise ValueError(f"tree budget {N} is below the block's {gamma} drafts")
     sampled = temperature > 0                                                   # [R]

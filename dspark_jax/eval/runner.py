@@ -263,11 +263,12 @@ def decode(target: Any, draft: Any, prompts: Sequence[Sequence[int]], *, batch_s
            batch_seed: Callable[[int], int], max_new_tokens: int, temperature: float,
            cache_len: int, settings: Any = None, stop_token_ids: Sequence[int] | None = None,
            scheduler: str = "fixed", progress: Progress | None = None,
-           tree_budget: int = 0, tree_branching: int = 4) -> Decoded:
+           tree_budget: int = 0, tree_branching: int | None = None) -> Decoded:
     """Speculative decoding of `prompts` (token-id lists) in length-sorted batches of
     `batch_size`; batch b (in decoding order) samples with seed `batch_seed(b)`. `settings`:
     `serving.SpecSettings` (its `record_confidence` decides whether confidence rows come back).
-    `tree_budget` > 0: draft trees of that many nodes (`Engine(tree_budget=…)`).
+    `tree_budget` > 0: draft trees of that many nodes (`Engine(tree_budget=…)`), at most
+    `tree_branching` children a node (None: the engine's default).
     """
     from dspark_jax.serving.generation import speculative_generate
 
@@ -280,7 +281,9 @@ def decode(target: Any, draft: Any, prompts: Sequence[Sequence[int]], *, batch_s
                                    temperature=temperature, seed=batch_seed(b),
                                    stop_token_ids=stop_token_ids, max_cache_len=cache_len,
                                    settings=settings, scheduler=scheduler,
-                                   tree_budget=tree_budget, tree_branching=tree_branching)
+                                   tree_budget=tree_budget,
+                                   **({} if tree_branching is None
+                                      else {"tree_branching": tree_branching}))
         outs = []
         for j in range(len(batch)):
             alen = (res.acceptance[j] if res.acceptance is not None

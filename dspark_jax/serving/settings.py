@@ -16,6 +16,7 @@ from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.pallas_backend import check_offered
 from dspark_jax.decoding.round_types import BUDGET_RULES, SAMPLERS
 from dspark_jax.decoding.scheduler import MODES
+from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.models.families import family_of
 from dspark_jax.serving.policy import MODES as MODE_TABLE
@@ -89,7 +90,7 @@ class EngineSettings:
     len_bucket: int = 64
     layer_buffers: bool | None = None       # decoding layout (`Target.decoding_layout`)
     tree_budget: int = 0                    # draft trees of N nodes (`decoding.tree`); 0: chain
-    tree_branching: int = 4                 # a tree node's most children
+    tree_branching: int = DEFAULT_BRANCHING  # a tree node's most children
 
     @property
     def caps_budget(self) -> bool:
