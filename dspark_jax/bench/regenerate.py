@@ -11,6 +11,10 @@ excluded on both sides. The table also names the host (processor, logical CPUs, 
 bandwidth a numpy copy reaches) and the CPU time stolen by other guests during the run: the same
 code measures different ratios on different VMs (figures: BENCHMARKS.md). Example:
   python -m dspark_jax.bench.regenerate --prompts 64 --batch 32 --max-new-tokens 128
+Greedy on DeepSpec's MBPP prompts (the setting of `bench.short_jobs`, which times the whole
+regeneration process instead):
+  python -m dspark_jax.bench.regenerate --source ../shared/eval_datasets/mbpp.jsonl \
+      --temperature 0 --prompts 64 --batch 32 --max-new-tokens 128
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from dspark_jax.bench.common import StealMeter, host_facts, print_table, save_js
 
 
 def bench_prompts(n: int, source: str) -> list:
-    """The first `n` conversations of a named prompt source (`data.prompt_sources.load_named_prompts`)."""
-    from dspark_jax.data.prompt_sources import load_named_prompts
+    """The first `n` conversations of a named prompt source
+    (`data.prompt_sources.load_named_prompts`) or of a prompt file (a DeepSpec `{"turns"}`
+    file or training conversations: `data.regeneration.load_prompt_files`)."""
+    from dspark_jax.data.regeneration import load_prompt_files
 
-    convs = load_named_prompts(source)[:n]
+    convs = load_prompt_files([source])[:n]
     if len(convs) < n:
         raise ValueError(f"prompt source {source!r} has only {len(convs)} prompts, {n} requested")
     return convs
@@ -94,7 +100,8 @@ def _host_line(host: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", default="offline-mix", help="named prompt source")
+    p.add_argument("--source", default="offline-mix",
+                   help="named prompt source or prompt file (e.g. a DeepSpec eval file)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128)

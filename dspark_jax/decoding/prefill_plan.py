@@ -6,7 +6,7 @@ plus `KVCache.put_rows`."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Collection, Sequence
 
 
 def round_up(x: int, m: int) -> int:
@@ -43,4 +43,46 @@ def prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int, chunk
     return groups[::-1]
 
 
-__all__ = ["round_up", "prefill_length", "prefill_groups"]
+def pow2_rows(n: int) -> int:
+    """A group of n prompts is prefilled as the next power of two of rows (padding rows)."""
+    return 1 << (int(n) - 1).bit_length()
+
+
+def shaped_prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int, chunk: int,
+                          cache_len: int, compiled: Collection[tuple[int, int]],
+                          new_shape_tokens: int, group_tokens: int = 64
+                          ) -> list[tuple[list[int], int, int]]:
+    """`prefill_groups` for a caller that pays to compile every new prefill shape: each group
+    also gets its shape → [(prompt indices, rows, width)]. A group may run in a larger shape
+    already compiled (`compiled`: (rows, width) pairs; more padding rows, or a wider width),
+    and a shape not compiled yet counts `new_shape_tokens` more padded tokens (its
+    compilation), so a short job prefills its prompts in the few shapes it has instead of
+    compiling one per length group."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    n = len(order)
+    known = set(compiled)
+
+    def shape(size: int, width: int) -> tuple[int, int, int]:
+        """(cost, rows, width) of the cheapest shape for `size` prompts of ≤ `width` tokens."""
+        rows = pow2_rows(size)
+        options = [(rows, width)] + [(r, P) for r, P in known if r >= size and P >= width]
+        return min((r * P + (0 if (r, P) in known else int(new_shape_tokens)), r, P)
+                   for r, P in options)
+
+    best: list = [(0, None)] + [None] * n
+    for j in range(1, n + 1):
+        width = prefill_length(lengths[order[j - 1]], len_bucket, chunk, cache_len)
+        for i in range(max(0, j - max_rows), j):
+            cost, rows, P = shape(j - i, width)
+            total = best[i][0] + cost + group_tokens
+            if best[j] is None or total < best[j][0]:
+                best[j] = (total, (i, rows, P))
+    groups, j = [], n
+    while j > 0:
+        i, rows, P = best[j][1]
+        groups.append((order[i:j], rows, P))
+        j = i
+    return groups[::-1]
+
+
+__all__ = ["round_up", "prefill_length", "prefill_groups", "pow2_rows", "shaped_prefill_groups"]

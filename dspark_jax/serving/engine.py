@@ -88,8 +88,8 @@ class Engine:
         self.rounds_per_call = int(settings.rounds_per_call)
         self.budget_rule, self.cap_to_budget = settings.budget_rule, settings.caps_budget
         # decoding steps and verification run on the target in `layer_buffers`' layout (one
-        # buffer per layer by default); the prefill's long forwards keep the stacked one
-        self.step_target = target.decoding_layout(settings.layer_buffers)
+        # buffer per layer on accelerators); the prefill's long forwards keep the stacked one
+        self.step_target = target.decoding_layout(settings.layer_buffers_for(target))
         self.draft = draft if self.mode_traits.drafts else None
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.V = int(target.config.vocab_size)
@@ -107,6 +107,8 @@ class Engine:
             buckets=self.buckets, rounds_per_call=self.rounds_per_call,
             plain_rounds_per_call=self.plain_steps_per_call,
             tree_budget=int(settings.tree_budget), tree_branching=int(settings.tree_branching))
+        self.reached_buckets = 1   # buckets[:n] the rounds programs have been asked for
+        self.prefill_shapes: dict[tuple[int, int], set[tuple[int, int]]] = {}   # compiled
         self.arrays = self._engine_arrays()
         self.stop_ids = self.arrays.stop_ids
         self.costs = cost_profile.engine_costs(self)
@@ -242,6 +244,24 @@ class Engine:
                                         plain_sps=jnp.asarray(self.costs.plain_sps))
         return ScheduleState(capacities=jnp.asarray(capacities, jnp.int32), choice=choice)
 
+    def rounds_config(self, max_active: int | None = None) -> RoundConfig:
+        """The config of the drafting rounds' program (`speculative_rounds`) for a call that
+        never holds more than `max_active` requests at once (None: R). Its capacity buckets
+        stop at the smallest one that holds the largest verification so many requests can ask
+        for (each at most its share of the top bucket), so a call with few requests compiles
+        no verification branch it cannot reach; the device picks the same bucket as with every
+        bucket compiled (the smallest that holds the round's tokens). The buckets an earlier
+        call reached (after `warmup`: all) stay, so a run of calls compiles at most one rounds
+        program per bucket and a call never recompiles for fewer requests."""
+        top = self.buckets[-1]
+        n = self.R if max_active is None else max(1, min(int(max_active), self.R))
+        need = -(-top * n // self.R)
+        reach = 1 + self.buckets.index(cost_profile.bucket_for(self.buckets, need))
+        self.reached_buckets = max(self.reached_buckets, reach)
+        if self.reached_buckets == len(self.buckets):
+            return self.config
+        return dataclasses.replace(self.config, buckets=self.buckets[:self.reached_buckets])
+
     # ------------------------------------------------------------------ warm-up
     def warmup(self, max_tokens: int | None = None) -> None:
         """Compiles the programs the engine runs: the verification step of every bucket (what
@@ -249,6 +269,7 @@ class Engine:
         the one that `max_tokens` (the longest prompt + max_new_tokens to be served; default: up
         to max_len) needs, the rounds (and for `adaptive` the plain stretches at each bucket a
         load needs) and a one-prompt prefill, so growing the cache compiles no round program."""
+        self.reached_buckets = len(self.buckets)   # every bucket: no call compiles again
         step = cost_profile.verify_step_fn(self)
         for K in self.buckets:
             jax.block_until_ready(step(K))
@@ -329,7 +350,8 @@ class Engine:
             raise ValueError(f"arrivals: {len(arr_t)} values for {n} prompts")
         reqs = [Request(prompts[i], kd[i], temps[i], tks[i], tps[i], arr_t[i], handle=i)
                 for i in range(n)]
-        run = _Run(self, max_new_tokens, progress=progress, total=n * max_new_tokens)
+        run = _Run(self, max_new_tokens, progress=progress, total=n * max_new_tokens,
+                   max_active=n)
         for i in sorted(range(n), key=lambda i: (arr_t[i], i)):
             run.add(reqs[i], i)
         return run.loop()
@@ -347,7 +369,8 @@ class Engine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         run = _Run(self, max_new_tokens, progress=progress, on_reply=on_reply,
-                   after_replies=after_replies)
+                   after_replies=after_replies,
+                   max_active=len(requests) if on_reply is None else None)
         for req in requests:
             run.add(req)
         return run.loop()

@@ -17,7 +17,7 @@ import numpy as np
 
 from dspark_jax.decoding import speculative_round as round_
 from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
-from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length
+from dspark_jax.decoding.prefill_plan import shaped_prefill_groups
 from dspark_jax.decoding.round_types import EngineState, RoundOutputs, RoundsResult
 from dspark_jax.decoding.sampling import top_k_cap_for
 from dspark_jax.serving import cost_profile, policy
@@ -56,6 +56,12 @@ class Request:
 
 
 
+# What compiling one more prefill shape is worth, in padded prompt tokens: a join prefills in a
+# shape already compiled, or in fewer groups, unless that pads more tokens than this
+# (`prefill_plan.shaped_prefill_groups`).
+NEW_PREFILL_SHAPE_TOKENS = 1024
+
+
 class Run:
     """Host bookkeeping of one `Engine.generate` / `Engine.serve` call: the request queue,
     admission into free slots, the per-request records and the run loop."""
@@ -63,8 +69,11 @@ class Run:
     def __init__(self, eng: Any, max_new: int, *, fresh_policy: bool = False,
                  progress: bool = False, total: int | None = None,
                  on_reply: Callable[[Request, list[int]], Sequence[Request]] | None = None,
-                 after_replies: Callable[[], None] | None = None):
+                 after_replies: Callable[[], None] | None = None,
+                 max_active: int | None = None):
         self.eng, self.max_new = eng, int(max_new)
+        # the drafting rounds' program: the buckets `max_active` requests can reach
+        self.config = eng.rounds_config(max_active) if eng.mode_traits.drafts else eng.config
         self.requests: list[Request] = []
         self.prompts: list[list[int]] = []
         self.out: list[list[int]] = []
@@ -140,19 +149,20 @@ class Run:
         speculative: `speculative_round.prefill_prompts`, which also feeds the drafter's
         context), in groups of at most R padded to a power-of-two size (padding rows write
         nothing) and to a `len_bucket` multiple of tokens (a `prefill_chunk` multiple past it,
-        run chunk by chunk), so few shapes compile; `prefill_groups` splits the joiners by
-        length where that computes fewer padded tokens."""
+        run chunk by chunk), so few shapes compile; `shaped_prefill_groups` splits the joiners
+        by length where that computes fewer padded tokens, counting a shape not compiled yet
+        as `NEW_PREFILL_SHAPE_TOKENS` more, and may run a group in a larger compiled shape."""
         eng, st = self.eng, self.eng.settings
         state = self._fit_cache(state, slots)
         settings = eng.slot_settings(self.host)
         cap = top_k_cap_for([int(self.host["top_k"][r]) for r in slots], eng.V)
         lengths = [len(self.prompts[self.slot_req[r]]) for r in slots]
-        for idx in prefill_groups(lengths, eng.R, st.len_bucket, st.prefill_chunk,
-                                  state.cache.max_len):
+        compiled = eng.prefill_shapes.setdefault((int(state.cache.max_len), cap), set())
+        for idx, n, width in shaped_prefill_groups(lengths, eng.R, st.len_bucket,
+                                                   st.prefill_chunk, state.cache.max_len,
+                                                   compiled, NEW_PREFILL_SHAPE_TOKENS):
+            compiled.add((n, width))
             group = [slots[i] for i in idx]
-            n = 1 << (len(group) - 1).bit_length()
-            width = prefill_length(max(lengths[i] for i in idx), st.len_bucket,
-                                   st.prefill_chunk, state.cache.max_len)
             tokens = np.zeros((n, width), np.int32)
             lens = np.ones((n,), np.int32)
             rows = np.full((n,), eng.R, np.int32)     # R: a padding row, dropped
@@ -276,7 +286,7 @@ class Run:
             return self._anchor_rounds(state, n_active, t_start)
         rounds, min_done = self._call_budget(max_steps, eng.rounds_per_call)
         state, result = round_.speculative_rounds(
-            eng.config, eng.arrays, state, eng.slot_settings(host),
+            self.config, eng.arrays, state, eng.slot_settings(host),
             eng.schedule_state(*self.policy.device_schedule(capacity)),
             jnp.asarray(rounds, jnp.int32), jnp.asarray(min_done, jnp.int32))
         result, now, seconds = self._fetch_rounds(result, t_start)
@@ -349,7 +359,15 @@ class Run:
         return state
 
     def start_state(self) -> EngineState:
-        return self.eng.fresh_state(self.eng.cache_lengths()[0])
+        """Empty slots whose caches hold what the requests joining first need (`_fit_cache`
+        for the first R queued at the start), so a run starts with no cache to grow."""
+        first = [i for i in list(self.pending)[:self.eng.R]
+                 if self.requests[i].arrival_s <= 0]
+        if not first:
+            return self.eng.fresh_state(self.eng.cache_lengths()[0])
+        need = (max(len(self.prompts[i]) for i in first) + self.max_new + 1
+                + (0 if self.plain else self.eng.gamma))
+        return self.eng.fresh_state(self.eng.cache_length_for(need))
 
     def loop(self) -> EngineResult:
         state = self.start_state()

@@ -88,10 +88,10 @@ def test_eagle3_greedy_and_chain_stops_at_drafted_stop(target):
 
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 def test_caches_grow_as_longer_requests_join(target, draft, greedy_ref, kind, monkeypatch):
-    """With len_bucket 8 the caches start at 8 positions and grow (8, 16, 24, 32: powers of
-    two and 1.5× them) as longer requests join: the first two need 16 (prompt + budget + one
-    verified block), the 13-token prompt joining mid-run 24. Target and drafter caches grow
-    together; the output stays autoregressive."""
+    """With len_bucket 8 the caches grow through 8, 16, 24, 32 (powers of two and 1.5× them)
+    as longer requests join: they start at what the first two need, 16 (prompt + budget + one
+    verified block), and grow to 24 when the 13-token prompt joins mid-run. Target and drafter
+    caches grow together; the output stays autoregressive."""
     dr = draft if kind == "dspark" else init_draft(
         target, dict(BASE, model_type="eagle3", draft_num_hidden_layers=1, ttt_length=3), seed=4)
     eng = Engine(target, dr, scheduler="fixed", len_bucket=8, **ENGINE_KW)
@@ -106,7 +106,8 @@ def test_caches_grow_as_longer_requests_join(target, draft, greedy_ref, kind, mo
     monkeypatch.setattr(eng, "_grown", record)
     res = eng.generate(PROMPTS, max_new_tokens=4)
     assert res.tokens == [t[:4] for t in greedy_ref]
-    assert grown == [(16, 16), (24, 24)]
+    assert grown == [(24, 24)]
+    assert engine_mod._Run(eng, 4).start_state().cache.max_len == 8   # nothing queued yet
     # the drafter's context survives the growth: the rounds are those of caches of max_len
     # from the start, to the drafts accepted and (DSpark) the confidence of every proposal
     whole = Engine(target, dr, scheduler="fixed", **ENGINE_KW).generate(PROMPTS, max_new_tokens=4)

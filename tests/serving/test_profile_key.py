@@ -12,6 +12,7 @@ import pytest
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.serving import Engine
 from dspark_jax.serving import cost_profile
+from dspark_jax.serving.settings import EngineSettings
 from hf_tiny import save_tiny_hf
 
 BASE = dict(block_size=3, num_draft_layers=1, target_layer_ids=(-1, 0), mask_token_id=96,
@@ -55,7 +56,8 @@ def test_profile_keys_name_verifier_sampler_and_draft_vocabulary(target, monkeyp
     variants = {
         "verifier": _keys(monkeypatch, target, draft, verifier="pallas"),
         "sampler": _keys(monkeypatch, target, draft, sampler="pallas"),
-        "decoding layout": _keys(monkeypatch, target, draft, layer_buffers=False),
+        "decoding layout": _keys(monkeypatch, target, draft, layer_buffers=not EngineSettings(
+            ).layer_buffers_for(target)),
         "draft_vocab_size": _keys(monkeypatch, target, init_draft(
             target, dict(BASE, draft_vocab_size=48, draft_vocab=tuple(range(0, 96, 2))),
             seed=3)),
