@@ -519,3 +519,16 @@ def test_read_gguf_metadata(gguf_path: pathlib.Path) -> None:
     assert md["general.architecture"] == "llama" and md["tokenizer.ggml.pre"] == "smollm"
     assert len(md["tokenizer.ggml.tokens"]) == 49152 and md["tokenizer.ggml.tokens"][2] == "<|im_end|>"
     assert not any(key.startswith("GGUF.") for key in md)
+
+
+def test_one_parse_per_unchanged_file(gguf_path: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    """The checkpoint and the tokenizer of one file share one reader; a rewritten file (another
+    size or modification time) is parsed again, and a file that stopped being a GGUF says so."""
+    assert gguf_io.open_gguf(gguf_path) is gguf_io.open_gguf(gguf_path)
+    copy = tmp_path / "m.gguf"
+    copy.write_bytes(gguf_path.read_bytes())
+    first = gguf_io.open_gguf(copy)
+    assert gguf_io.open_gguf(copy) is first
+    copy.write_bytes(b"NOPE" + b"\0" * 64)
+    with pytest.raises(gguf_io.GGUFError, match="not a GGUF file"):
+        gguf_io.open_gguf(copy)

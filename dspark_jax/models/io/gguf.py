@@ -93,19 +93,37 @@ def locate_smollm2_gguf() -> pathlib.Path:
     )
 
 
+# readers already opened, by (resolved path, modification time, size): the checkpoint and the
+# tokenizer of one file share one parse (the reader parses every metadata field up front)
+_READERS: dict[tuple[str, int, int], Any] = {}
+_MAX_READERS = 2
+
+
 def open_gguf(path: str | os.PathLike[str]) -> Any:
-    """Open ``path`` as a memory-mapped ``gguf.GGUFReader``, with errors that name the file.
+    """Open ``path`` as a memory-mapped, read-only ``gguf.GGUFReader``, with errors that name
+    the file. A file opened before and unchanged since (same modification time and size)
+    gives the same reader.
 
     ``GGUFReader`` itself says e.g. just "GGUF magic invalid"; callers several layers up
     (a CLI flag, a config file) need to know *which* file was wrong.
     """
-    import gguf  # local import: keeps `import dspark_jax.models` cheap
-
     p = pathlib.Path(path)
     if not p.exists():
         raise FileNotFoundError(f"GGUF file not found: {p}")
     if not p.is_file():
         raise GGUFError(f"GGUF path is not a regular file: {p}")
+    stat = p.stat()
+    key = (str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _READERS:
+        while len(_READERS) >= _MAX_READERS:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = _parse(p)
+    return _READERS[key]
+
+
+def _parse(p: pathlib.Path) -> Any:
+    import gguf  # local import: keeps `import dspark_jax.models` cheap
+
     # Check the magic ourselves first so a non-GGUF file gives one clear message instead of
     # whatever numpy/mmap happens to raise (e.g. "cannot mmap an empty file").
     with open(p, "rb") as fh:
