@@ -144,18 +144,28 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
         hk = jnp.broadcast_to(h[:, k][:, None], (R, F, h.shape[-1]))
         uk = jnp.broadcast_to(base[:, k][:, None], (R, F, base.shape[-1]))
         logits, child_states = child_logits(hk, uk, tokens, states)             # [R,F,Vd]
-        q = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
-        soft = jax.nn.softmax(logits, axis=-1)
-        scoring = jnp.where(sampled[:, None, None], q, soft)
-        mass = jax.lax.top_k(scoring, c)[0]                                     # [R,F,c]
-        noise = jax.lax.cond(   # Gumbel noise only when a request samples (T > 0)
-            jnp.any(sampled),
-            lambda: jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
-                                                           logits.shape[1:], jnp.float32))(keys),
-            lambda: jnp.zeros(logits.shape, jnp.float32))
-        perturbed = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + noise, -jnp.inf)
-        pick = jnp.where(sampled[:, None, None], perturbed, logits)
-        top_val, child = jax.lax.top_k(pick, c)                                 # [R,F,c]
+
+        def greedy() -> tuple[jax.Array, jax.Array, jax.Array]:
+            """The top tokens and their softmax mass: one top-k and one log-sum-exp."""
+            top_val, child = jax.lax.top_k(logits, c)
+            mass = jnp.exp(top_val - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+            return top_val, child, mass
+
+        def mixed() -> tuple[jax.Array, jax.Array, jax.Array]:
+            """Sampling rows: Gumbel-top-c of log q and the rank masses of q; greedy rows
+            as `greedy`."""
+            q = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
+            noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
+                                                           logits.shape[1:], jnp.float32))(keys)
+            perturbed = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + noise, -jnp.inf)
+            top_val, child = jax.lax.top_k(perturbed, c)
+            mass = jax.lax.top_k(q, c)[0]
+            g_val, g_child, g_mass = greedy()
+            row = sampled[:, None, None]
+            return (jnp.where(row, top_val, g_val), jnp.where(row, child, g_child),
+                    jnp.where(row, mass, g_mass))
+
+        top_val, child, mass = jax.lax.cond(jnp.any(sampled), mixed, greedy)   # [R,F,c]
         if vocab_ids is not None:   # draft-vocabulary positions → target ids
             child = vocab_ids[child]
         ok = (jnp.isfinite(top_val) & (mass > 0) & jnp.isfinite(score)[..., None]
