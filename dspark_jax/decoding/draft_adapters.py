@@ -37,6 +37,29 @@ def _grown_kv(cache: Any, max_len: int) -> Any:
                          v=grown_positions(cache.v, max_len))
 
 
+def _block_outputs(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
+                   anchor_pos: jax.Array) -> jax.Array:
+    """The block's draft-slot outputs [B, γ, D]: one backbone pass from the anchors over the
+    context cached strictly before them."""
+    S = cache.k.shape[2]
+    B = anchor.shape[0]
+    visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]       # [B,1,S]
+    h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
+                       jnp.ones((B, 1), bool))[:, 0]
+    return model.draft_slots(h)
+
+
+def _chain_confidence(model: DSparkDraft, h: jax.Array, anchor: jax.Array,
+                      tokens: jax.Array) -> jax.Array:
+    """Confidence logits [B, γ] of a drafted chain `tokens` [B, γ] (slot k conditioned on the
+    token before it); zeros without a confidence head."""
+    if not model.cfg.has_confidence:
+        return jnp.zeros(tokens.shape, jnp.float32)
+    prev = jnp.concatenate([anchor[:, None].astype(jnp.int32), tokens[:, :-1]], axis=1)
+    emb = model.markov.embed_prev(prev, h.dtype) if model.cfg.has_markov else None
+    return model.confidence(h, emb)
+
+
 class DSparkAdapter:
     """DSpark (Markov/gated/RNN head + confidence) and DFlash (no sequential head)."""
 
@@ -83,12 +106,7 @@ class DSparkAdapter:
                 ) -> dict[str, jax.Array]:
         """`vocab_weights`: `vocab_weights(model)`, gathered once per engine."""
         del stop_ids  # a parallel block has no chain to stop
-        S = cache.k.shape[2]
-        B = anchor.shape[0]
-        visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
-        h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
-                           jnp.ones((B, 1), bool))[:, 0]                     # [B,γ,D]
-        h = model.draft_slots(h)
+        h = _block_outputs(model, cache, anchor, anchor_pos)                 # [B,γ,D]
         return model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn,
                                   vocab_weights=vocab_weights)
 
@@ -102,12 +120,8 @@ class DSparkAdapter:
         pass, then the sequential head's bias per parent; DFlash branches on U alone), and the
         confidence logits [B, γ] of its chain. `keys` [B]: per-request keys; `depth_limit` [B]:
         no node deeper (a request's remaining budget)."""
-        S = cache.k.shape[2]
+        h = _block_outputs(model, cache, anchor, anchor_pos)                 # [B,γ,D]
         B = anchor.shape[0]
-        visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
-        h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
-                           jnp.ones((B, 1), bool))[:, 0]
-        h = model.draft_slots(h)                                            # [B,γ,D]
         ids = model.vocab_ids()
         if ids is not None and vocab_weights is None:
             vocab_weights = model.draft_vocab_weights()
@@ -118,15 +132,7 @@ class DSparkAdapter:
                          keys, temperature, top_k, top_p, budget=budget, branching=branching,
                          depth_limit=depth_limit, vocab_ids=ids,
                          vocab_size=model.cfg.target.vocab_size)
-        g = h.shape[1]
-        chain = tree.tokens[:, :g]
-        if model.cfg.has_confidence:
-            prev = jnp.concatenate([anchor[:, None].astype(jnp.int32), chain[:, :-1]], axis=1)
-            emb = model.markov.embed_prev(prev, h.dtype) if model.cfg.has_markov else None
-            conf = model.confidence(h, emb)
-        else:
-            conf = jnp.zeros(chain.shape, jnp.float32)
-        return tree, conf
+        return tree, _chain_confidence(model, h, anchor, tree.tokens[:, :h.shape[1]])
 
     @staticmethod
     def vocab_weights(model: DSparkDraft) -> Any:
@@ -148,22 +154,13 @@ class DSparkAdapter:
         oracle) instead of the model's per-slot scan. The drafter samples softmax(·/T) of its
         logits (no top-k/top-p: verification is lossless for any p_d it reports). The confidence
         head then runs on all slots at once from the sampled previous tokens."""
-        S = cache.k.shape[2]
-        B = anchor.shape[0]
-        visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]   # [B,1,S]
-        h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
-                           jnp.ones((B, 1), bool))[:, 0]
-        h = model.draft_slots(h)                                            # [B,γ,D]
+        h = _block_outputs(model, cache, anchor, anchor_pos)                 # [B,γ,D]
         base = model.base_logits(h)                                         # [B,γ,V] f32
         toks, probs = markov_sample_fn(uniforms, base, model.markov.w1.get_value(),
                                        model.markov.w2.get_value(), anchor.astype(jnp.int32),
                                        temperature)
-        if model.cfg.has_confidence:
-            prev = jnp.concatenate([anchor[:, None].astype(jnp.int32), toks[:, :-1]], axis=1)
-            conf = model.confidence(h, model.markov.embed_prev(prev, h.dtype))   # [B,γ]
-        else:
-            conf = jnp.zeros(toks.shape, jnp.float32)
-        return {"tokens": toks, "probs": probs, "confidence": conf}
+        return {"tokens": toks, "probs": probs,
+                "confidence": _chain_confidence(model, h, anchor, toks)}
 
 
 class Eagle3Adapter:

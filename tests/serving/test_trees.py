@@ -10,22 +10,10 @@ import numpy as np
 import pytest
 
 from dspark_jax.decoding import autoregressive_generate
-from dspark_jax.models import init_draft, load_target
+from dspark_jax.models import init_draft
 from dspark_jax.serving import Engine, speculative_generate
 from draft_fitting import fit_draft
-from hf_tiny import save_tiny_hf
-from tests.serving.test_generation import DRAFTS, PROMPTS
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16,
-                                    layers=4, seed=1))
-
-
-@pytest.fixture(scope="module")
-def greedy_ref(target):
-    return autoregressive_generate(target, PROMPTS, max_new_tokens=16, stop_token_ids=[])
+from tests.serving.test_generation import DRAFTS, PROMPTS, greedy_ref, target  # noqa: F401
 
 
 @pytest.mark.parametrize("kind,budget,branching", [
