@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.models.drafters.block_attention import ContextMask
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.train.anchors import (AnchorBlocks, build_blocks, position_weights, sample_anchors,
                                      sampler_stats)
@@ -153,12 +154,10 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
     blocks = build_blocks(input_ids, loss_mask, anchors, valid, g, segment_ids)
 
     ctx_k, ctx_v = draft.context_kv(feats, positions)
-    s_idx = jnp.arange(S)
-    visible = s_idx[None, None, :] < anchors[..., None]                       # [B,A,S]
-    if segment_ids is not None:
-        seg_a = jnp.take_along_axis(segment_ids, anchors, axis=1)
-        visible = visible & (segment_ids[:, None, :] == seg_a[..., None])
-    visible = visible & valid[..., None]
+    # context strictly before each anchor, in its own packed sequence (none for a pad anchor)
+    visible = ContextMask(jnp.where(valid, anchors, 0),
+                          None if segment_ids is None
+                          else jnp.take_along_axis(segment_ids, anchors, axis=1), segment_ids)
     anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
     anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)
     h = draft.draft_slots(draft.backbone(anchor_tok, anchor_pos, ctx_k, ctx_v, visible, valid,

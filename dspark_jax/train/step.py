@@ -138,8 +138,8 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
     drafter's layers and each anchor chunk's logits in the backward pass (memory ∝ one chunk)
     instead of keeping them (one LM-head matmul fewer per chunk: faster where memory allows).
     `attn_key_chunk`: the drafter attention's memory chunk — context keys per online-softmax
-    chunk of the DSpark/DFlash block attention, query rows per chunk of the Eagle3 TTT
-    attention (None: dense scores)."""
+    chunk of the DSpark/DFlash block attention (compiled for a GPU, the fused Triton kernel
+    instead), query rows per chunk of the Eagle3 TTT attention (None: dense scores)."""
 
     def fn(params, frozen, target_state, mb, key):
         draft = nnx.merge(draft_graphdef, params, frozen)

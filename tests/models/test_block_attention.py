@@ -1,11 +1,14 @@
-"""Chunked (online-softmax) block attention against the dense oracle: values and gradients."""
+"""Chunked (online-softmax) and fused (Triton kernel, interpreted) block attention against the
+dense oracle: values and gradients."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.models.drafters.block_attention import chunked_block_attend, dense_block_attend
+from dspark_jax.models.drafters.block_attention import (ContextMask, block_attend,
+                                                        chunked_block_attend, dense_block_attend,
+                                                        fused_block_attend)
 
 B, A, T, N, K, H, S = 2, 5, 3, 4, 2, 8, 19
 
@@ -64,6 +67,56 @@ def test_chunked_bf16_close_to_dense():
     out = chunked_block_attend(*args, key_chunk=5).astype(jnp.float32)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def _packed_inputs(seed: int):
+    """`_inputs` with two packed sequences a row (keys 0–9 and 10–18) and limits per anchor."""
+    q, ck, cv, bk, bv, _, valid = _inputs(seed)
+    anchors = jnp.array([[0, 4, 9, 13, 18], [2, 3, 7, 11, 16]])
+    key_seg = (jnp.arange(S) >= 10).astype(jnp.int32)[None].repeat(B, 0)
+    mask = ContextMask(jnp.where(valid, anchors, 0), (anchors >= 10).astype(jnp.int32), key_seg)
+    return q, ck, cv, bk, bv, mask, valid
+
+
+def _fused(*args):
+    return fused_block_attend(*args, interpret=True)
+
+
+def test_context_mask_is_the_dense_mask():
+    *_, mask, valid = _packed_inputs(0)
+    vis = np.asarray(mask.dense(S))
+    assert vis[0, 3, 10:13].all() and not vis[0, 3, :10].any()     # anchor 13: its own sequence
+    assert not vis[1, 2].any()                                      # the invalid anchor
+    lim, aseg, kseg = ContextMask(mask.limit_ba).arrays(S)          # no packing: zero segments
+    assert not np.asarray(aseg).any() and kseg.shape == (B, S)
+
+
+def test_fused_matches_dense_values_and_gradients():
+    q, ck, cv, bk, bv, mask, valid = _packed_inputs(4)
+    vis = mask.dense(S)
+    w = jax.random.normal(jax.random.key(8), (B, A, T, N, H))
+    ref = dense_block_attend(q, ck, cv, bk, bv, vis, valid)
+    out = _fused(q, ck, cv, bk, bv, mask, valid)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert np.all(np.asarray(out[1, 2]) == 0.0) and np.abs(np.asarray(out[0, 0])).max() > 0.0
+
+    g_ref = jax.grad(lambda *xs: jnp.sum(w * dense_block_attend(*xs, vis, valid)),
+                     argnums=(0, 1, 2, 3, 4))(q, ck, cv, bk, bv)
+    g_out = jax.grad(lambda *xs: jnp.sum(w * _fused(*xs, mask, valid)),
+                     argnums=(0, 1, 2, 3, 4))(q, ck, cv, bk, bv)
+    for name, a, b in zip(("q", "ctx_k", "ctx_v", "blk_k", "blk_v"), g_out, g_ref):
+        assert np.abs(np.asarray(b)).max() > 1e-3, name
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=name)
+
+
+def test_block_attend_takes_the_chunked_path_off_gpu():
+    """On CPU a `ContextMask` runs the chunked path (the kernel only where compiled for CUDA)."""
+    q, ck, cv, bk, bv, mask, valid = _packed_inputs(5)
+    ref = dense_block_attend(q, ck, cv, bk, bv, mask.dense(S), valid)
+    np.testing.assert_allclose(block_attend(q, ck, cv, bk, bv, mask, valid, key_chunk=4), ref,
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(block_attend(q, ck, cv, bk, bv, mask, valid), ref,
+                               atol=1e-5, rtol=1e-5)
 
 
 def _largest_intermediate(fn, *args) -> int:

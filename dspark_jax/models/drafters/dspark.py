@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models import layers as L
-from dspark_jax.models.drafters.block_attention import block_attend
+from dspark_jax.models.drafters.block_attention import ContextMask, block_attend
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
@@ -140,7 +140,7 @@ class DSparkDraft(nnx.Module):
         return L.attn_out_and_mlp(lp, h, attn, self.cfg.target.rms_norm_eps)
 
     def backbone(self, anchor_tokens_ba: jax.Array, anchor_pos_ba: jax.Array,
-                 ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array,
+                 ctx_k: jax.Array, ctx_v: jax.Array, ctx_visible_bas: jax.Array | ContextMask,
                  blk_valid_ba: jax.Array, remat: bool = False,
                  key_chunk: int | None = None) -> jax.Array:
         """Final-normed block hidden states h [B, A, γ, D]. `key_chunk`: context keys per
