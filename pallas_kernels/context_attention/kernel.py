@@ -49,6 +49,11 @@ _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b accumulated in f32 (bf16 tiles on the tensor cores)."""
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
 def _visible(lim, qseg, kseg, start_k, block_k):
     """[bq, bk]: key start_k + j is below the row's limit and in the row's segment."""
     span = start_k * block_k + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
@@ -71,12 +76,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, o_ref, lse_ref
         acc, m, l = carry
         ks = pl.ds(j * block_k, block_k)
         mask = _visible(lim, qseg, kseg_ref[ks], j, block_k)
-        s = jnp.where(mask, pl.dot(q, k_ref[ks, :].T) * qk_scale, _MASKED)
+        s = jnp.where(mask, _dot(q, k_ref[ks, :].T) * qk_scale, _MASKED)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
         corr = jnp.exp2(m - m_new)
         v = v_ref[ks, :]
-        acc = acc * corr[:, None] + pl.dot(p.astype(v.dtype), v)
+        acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), _MASKED, jnp.float32),
@@ -98,9 +103,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, do_ref, lse_ref
         ks = pl.ds(j * block_k, block_k)
         k, v = k_ref[ks, :], v_ref[ks, :]
         mask = _visible(lim, qseg, kseg_ref[ks], j, block_k)
-        p = jnp.where(mask, jnp.exp2(pl.dot(q, k.T) * qk_scale - lse2[:, None]), 0.0)
-        ds = p * (pl.dot(do, v.T) - delta[:, None])
-        return dq + pl.dot(ds.astype(k.dtype), k)
+        p = jnp.where(mask, jnp.exp2(_dot(q, k.T) * qk_scale - lse2[:, None]), 0.0)
+        ds = p * (_dot(do, v.T) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
 
     dq = lax.fori_loop(0, _key_tiles(lim, block_k, n_k), body,
                        jnp.zeros(q.shape, jnp.float32))
@@ -129,10 +134,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, do_ref, lse_re
             q, do = q_ref[qs, g, :], do_ref[qs, g, :]
             mask = _visible(lim_ref[qs], qseg_ref[qs], kseg, start_k, block_k)
             lse2 = lse_ref[g, qs] * _LOG2E
-            p = jnp.where(mask, jnp.exp2(pl.dot(q, k.T) * qk_scale - lse2[:, None]), 0.0)
-            dv = dv + pl.dot(p.astype(do.dtype).T, do)
-            ds = p * (pl.dot(do, v.T) - delta_ref[g, qs][:, None])
-            return dk + pl.dot(ds.astype(q.dtype).T, q), dv
+            p = jnp.where(mask, jnp.exp2(_dot(q, k.T) * qk_scale - lse2[:, None]), 0.0)
+            dv = dv + _dot(p.astype(do.dtype).T, do)
+            ds = p * (_dot(do, v.T) - delta_ref[g, qs][:, None])
+            return dk + _dot(ds.astype(q.dtype).T, q), dv
 
         dk, dv = lax.fori_loop(lo, hi, body, (dk, dv))
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
