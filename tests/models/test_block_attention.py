@@ -192,3 +192,31 @@ def test_training_loss_and_grads_chunked_equal_dense(tmp_path):
     assert any(np.abs(np.asarray(g)).max() > 1e-4 for g in flat_ref)
     for a, b in zip(flat_out, flat_ref):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_block_attention_compiles_to_the_context_kernel_for_an_h200():
+    """Compiled for an H200 (no device), the training-time block attention and its gradient
+    run the Triton context-attention kernels (forward, dq, dk/dv), not XLA score tiles."""
+    from jax.sharding import SingleDeviceSharding
+
+    from dspark_jax.aot import decode_floor, gpu
+
+    if not gpu.has_cuda_plugin():
+        pytest.skip(f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
+    devices, _ = decode_floor.single_chip_devices("h200")
+    sh = SingleDeviceSharding(devices[0])
+    b, a, t, n, kh, h, s = 1, 8, 4, 4, 2, 64, 128
+    spec = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+
+    def loss(q, ck, cv, bk, bv, limit, valid):
+        return jnp.sum(block_attend(q, ck, cv, bk, bv, ContextMask(limit), valid, key_chunk=64)
+                       .astype(jnp.float32))
+
+    args = (spec((b, a, t, n, h)), spec((b, s, kh, h)), spec((b, s, kh, h)),
+            spec((b, a, t, kh, h)), spec((b, a, t, kh, h)), spec((b, a), jnp.int32),
+            spec((b, a), jnp.bool_))
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args).compile() \
+        .as_text()
+    for name in ("context_attention_fwd", "context_attention_dq", "context_attention_dkv"):
+        assert name in text, name
