@@ -327,8 +327,9 @@ def draft_step_fn(eng: Any, steps: int = 1, arrays: Any = None) -> Callable[[int
 def profile_key(eng: Any, **extra: Any) -> str:
     """Disk-cache key of a profile of engine `eng`: everything the timed calls depend on —
     device, target shapes and dtype, slots, max_len, buckets, the decoding layout, the verifier
-    and the sampler, and the drafter's shapes including its draft vocabulary (the verification
-    step also feeds the drafter's context) — plus `extra`."""
+    and the sampler, the drafter's shapes including its draft vocabulary (the verification
+    step also feeds the drafter's context) and the draft tree's budget and branching (a tree's
+    drafting call costs more than a chain's) — plus `extra`."""
     drafter = None
     if eng.draft is not None:
         dc = eng.draft.config
@@ -339,7 +340,9 @@ def profile_key(eng: Any, **extra: Any) -> str:
     layout = "layer_buffers" if eng.step_target is not eng.target else "stacked"
     return cache_key(eng.target.config, eng.target.dtype, eng.R, eng.max_len, eng.buckets,
                      extra=dict(drafter=drafter, layout=layout, verifier=eng.settings.verifier,
-                                sampler=eng.settings.sampler, **extra))
+                                sampler=eng.settings.sampler,
+                                tree=(int(eng.settings.tree_budget),
+                                      int(eng.settings.tree_branching)), **extra))
 
 
 def profile_buckets(eng: Any, cache_dir: str | None = None, repeats: int | None = None

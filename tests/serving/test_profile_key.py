@@ -1,7 +1,7 @@
 """The disk-cache keys of the engine's profiles (`cost_profile.profile_key`): the SPS profile
 (`profile_buckets`) and the adaptive costs (`profile_costs`) are cached under a key that changes
 with what the timed calls depend on — the verifier, the sampler, the drafter's draft vocabulary,
-the decoding layout (one buffer per layer or the stacked layers) — and stays the same for the
+the decoding layout (one buffer per layer or the stacked layers), the draft tree — and stays the same for the
 same settings (a rebuilt engine, a drafter with other weights)."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def target(tmp_path_factory):
 def _keys(monkeypatch, target, draft, **kw) -> tuple[str, str]:
     """(SPS key, costs key) that `profile_buckets` / `profile_costs` look up, read by a stand-in
     for `cost_profile.load_or_profile` (nothing is timed or written)."""
-    eng = Engine(target, draft, max_requests=R, max_len=32, scheduler="adaptive", sps=SPS,
+    kw.setdefault("sps", SPS)
+    eng = Engine(target, draft, max_requests=R, max_len=32, scheduler="adaptive",
                  stop_token_ids=[], **kw)
     seen = []
 
@@ -68,6 +69,18 @@ def test_profile_keys_name_verifier_sampler_and_draft_vocabulary(target, monkeyp
     every = [k for keys in variants.values() for k in keys]
     assert len(set(every)) == len(every), "two different settings share a key"
 
+
+
+def test_profile_keys_name_the_draft_tree(target, monkeypatch):
+    """A tree's drafting call costs more than a chain's: trees of other shapes never share a
+    profile, even where their verification buckets coincide."""
+    draft = init_draft(target, BASE, seed=3)
+    sps = np.ones(R * 5 + 1, np.float32)      # the buckets of a 4-node tree
+    keys = [_keys(monkeypatch, target, draft, sps=sps, tree_budget=4, tree_branching=c)
+            for c in (2, 3)]
+    assert _keys(monkeypatch, target, draft, sps=sps, tree_budget=4, tree_branching=2) == keys[0]
+    assert keys[0][0] != keys[1][0] and keys[0][1] != keys[1][1]
+    assert _keys(monkeypatch, target, draft)[1] not in (keys[0][1], keys[1][1])
 
 def test_profiles_time_steps_inside_one_device_call(target, monkeypatch):
     """The SPS profile and the drafter's cost are a step's share of one device call of
