@@ -52,7 +52,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
     from dspark_jax.models.drafters.draft import create_draft_module
     from dspark_jax.models.target import resolve_dtype
     from dspark_jax.sharding import abstract_on_mesh
-    from dspark_jax.train.job_config import attn_key_chunk
+    from dspark_jax.train.job_config import attn_kernel, attn_key_chunk
     from dspark_jax.train.step import (BATCH_KEYS_ONLINE, BATCH_KEYS_OFFLINE, OptimConfig,
                                        abstract_train_state, build_train_step, make_optimizer,
                                        make_loss_sums_fn, make_schedule, split_draft)
@@ -76,7 +76,8 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
                            target_graphdef=t_graphdef if online else None, mesh=mesh,
                            state_sh=state_sh, frozen=frozen, target_state=t_state if online
                            else None, micro_batches=micro, anchor_chunk=c.train.anchor_chunk,
-                           attn_key_chunk=attn_key_chunk(c), remat=bool(c.train.remat))
+                           attn_key_chunk=attn_key_chunk(c), remat=bool(c.train.remat),
+                           attn_kernel=attn_kernel(c))
     B, S = int(c.train.global_batch_size), int(c.data.max_length)
     sh: NamedSharding = fns.batch_sharding
     batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=sh) for k in BATCH_KEYS_ONLINE}
@@ -88,7 +89,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
         assert set(batch) == set(BATCH_KEYS_OFFLINE)
     sums_fn = make_loss_sums_fn(graphdef, d_cfg, t_graphdef if online else None,
                                 c.train.anchor_chunk, attn_key_chunk=attn_key_chunk(c),
-                                remat=bool(c.train.remat))
+                                remat=bool(c.train.remat), attn_kernel=attn_kernel(c))
 
     def target_fn(ts, mb):
         out = nnx.merge(t_graphdef, ts)(mb["input_ids"], positions_bt=mb["positions"],
@@ -172,7 +173,8 @@ def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices
         "global_batch_size": int(c.train.global_batch_size), "seq_len": int(c.data.max_length),
         "micro_batches": job.micro_batches, "num_anchors": int(c.draft.num_anchors),
         "block_size": int(c.draft.block_size), "features": c.data.features,
-        "attn_key_chunk": int(c.train.attn_key_chunk), "remat": bool(c.train.remat),
+        "attn_key_chunk": int(c.train.attn_key_chunk),
+        "attn_kernel": bool(c.train.get("attn_kernel", True)), "remat": bool(c.train.remat),
         "hbm_bytes_per_chip": chip.hbm_bytes,
         "argument_bytes_per_chip": int(mem["argument"]),
         "output_bytes_per_chip": int(mem["output"]),

@@ -55,7 +55,8 @@ def run(a: argparse.Namespace) -> dict:
                            target_graphdef=target.graphdef if online else None, mesh=mesh,
                            state_sh=sh, frozen=frozen, target_state=target.state,
                            micro_batches=a.micro_batches, anchor_chunk=a.anchor_chunk,
-                           attn_key_chunk=a.attn_key_chunk or None, remat=not a.no_remat)
+                           attn_key_chunk=a.attn_key_chunk or None, remat=not a.no_remat,
+                           attn_kernel=not a.no_attn_kernel)
     B, S = a.batch, a.seq
     rng = np.random.RandomState(0)
     batch = dict(input_ids=rng.randint(0, cfg.vocab_size - 1, (B, S)).astype(np.int32),
@@ -83,6 +84,7 @@ def run(a: argparse.Namespace) -> dict:
         flops -= 2 * n_target * B * S
     return {"target": a.target, "device": device_name(), "dtype": a.dtype, "batch": B, "seq": S,
             "features": a.features, "attn_key_chunk": a.attn_key_chunk, "remat": not a.no_remat,
+            "attn_kernel": not a.no_attn_kernel,
             "draft_layers": a.draft_layers, "anchors": a.anchors, "gamma": a.gamma,
             "draft_vocab": a.draft_vocab or cfg.vocab_size,
             "trainable_params_m": n_train / 1e6, "step_s": t, "tokens_per_s": B * S / t,
@@ -112,6 +114,9 @@ def main(argv=None) -> dict:
                    help="keep activations and chunk logits for the backward pass (train.remat=False)")
     p.add_argument("--attn-key-chunk", type=int, default=512,
                    help="keys per online-softmax chunk of the block attention; 0: dense scores")
+    p.add_argument("--no-attn-kernel", action="store_true",
+                   help="on a GPU, XLA's chunked block attention instead of the Triton kernel "
+                        "(train.attn_kernel=False)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="device peak (bf16 dense) for MFU; H200 ≈ 989")
@@ -126,6 +131,7 @@ def main(argv=None) -> dict:
                   f"vocabulary {r['draft_vocab']}"),
         ("features, block attention", f"{r['features']}, "
          + (f"key chunk {r['attn_key_chunk']}" if r["attn_key_chunk"] else "dense")
+         + ("" if r.get("attn_kernel", True) else ", no attention kernel")
          + (", remat" if r["remat"] else ", no remat")),
         ("step time", f"{r['step_s'] * 1e3:.1f} ms"),
         ("tokens/s", f"{r['tokens_per_s']:.0f}"),

@@ -153,10 +153,11 @@ def get_base_config() -> ml_collections.ConfigDict:
         target_dtype="bfloat16",   # frozen target (features / soft labels)
         anchor_chunk=64,
         attn_key_chunk=512,        # context keys per online-softmax chunk of the drafter's block
-                                   # attention (memory ∝ anchors·γ·chunk; compiled for a GPU,
-                                   # any value > 0 takes the fused Triton kernel, which tiles on
-                                   # its own); Eagle3: query rows per chunk of its TTT attention
-                                   # (∝ chunk·S); 0 = dense
+                                   # attention (memory ∝ anchors·γ·chunk); Eagle3: query rows
+                                   # per chunk of its TTT attention (∝ chunk·S); 0 = dense
+        attn_kernel=True,          # compiled for a GPU, with attn_key_chunk > 0: the drafter's
+                                   # block attention in its fused Triton kernel (scores stay on
+                                   # chip); False keeps XLA's chunked online softmax there too
         remat=True,                # recompute drafter layers + chunk logits in the backward pass
                                    # (memory ∝ one anchor chunk); False keeps them: one LM-head
                                    # matmul fewer per chunk (faster where memory allows)

@@ -10,7 +10,7 @@ import json
 import pathlib
 from typing import Any, Callable
 
-from dspark_jax.train.job_config import attn_key_chunk
+from dspark_jax.train.job_config import attn_kernel, attn_key_chunk
 
 
 def barrier(name: str) -> None:
@@ -40,7 +40,8 @@ def heldout_evaluator(c, fns_mesh, draft_cfg, target, records: list
     if not records:
         return None
     sums_fn = make_loss_sums_fn(graphdef, draft_cfg, target.graphdef, c.train.anchor_chunk,
-                                attn_key_chunk=attn_key_chunk(c))
+                                attn_key_chunk=attn_key_chunk(c),
+                                attn_kernel=attn_kernel(c))
 
     @jax.jit
     def eval_sums(params, frozen, target_state, batch, key):

@@ -130,6 +130,8 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
             bad(f"train.{key}", f"{t[key]!r} is not float32 or bfloat16")
     if t.attn_key_chunk < 0:
         bad("train.attn_key_chunk", "must be ≥ 1 (keys per chunk) or 0 (dense scores)")
+    if not isinstance(t.get("attn_kernel", True), bool):
+        bad("train.attn_kernel", f"{t.attn_kernel!r} is not True or False")
     if t.log_every < 1:
         bad("train.log_every", "must be ≥ 1")
     if t.init_from_target and c.draft.get("model_type") not in ("dspark", "dflash"):
@@ -163,6 +165,11 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
 def attn_key_chunk(c: ml_collections.ConfigDict) -> int | None:
     """`train.attn_key_chunk` (0: the dense block attention)."""
     return int(c.train.attn_key_chunk) or None
+
+
+def attn_kernel(c: ml_collections.ConfigDict) -> bool:
+    """`train.attn_kernel` (True where a config predates it)."""
+    return bool(c.train.get("attn_kernel", True))
 
 
 def maybe_initialize_distributed(c: ml_collections.ConfigDict) -> None:

@@ -137,9 +137,12 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
                      input_ids: jax.Array, loss_mask: jax.Array, key: jax.Array, *,
                      positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                      anchor_chunk: int = 64, remat: bool = True, max_segments: int = 1,
-                     key_chunk: int | None = 512) -> dict[str, jax.Array]:
+                     key_chunk: int | None = 512, attn_kernel: bool = True
+                     ) -> dict[str, jax.Array]:
     """Sums of loss terms and metric numerators for one (micro-)batch. `key_chunk`: context
-    keys per online-softmax chunk of the block attention (None: the dense oracle).
+    keys per online-softmax chunk of the block attention (None: the dense oracle);
+    `attn_kernel`: compiled for a GPU, the block attention's fused Triton kernel instead of the
+    chunks (block_attention.py).
 
     feats [B, S, n·d] target taps; target_hidden [B, S, d] final-normed target hidden;
     `max_segments` (static) bounds the packed sequences per row: each gets up to num_anchors.
@@ -158,6 +161,8 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
     visible = ContextMask(jnp.where(valid, anchors, 0),
                           None if segment_ids is None
                           else jnp.take_along_axis(segment_ids, anchors, axis=1), segment_ids)
+    if not attn_kernel:             # a dense mask takes the chunked path on every platform
+        visible = visible.dense(S)
     anchor_tok = jnp.take_along_axis(input_ids, anchors, axis=1)
     anchor_pos = jnp.take_along_axis(positions, anchors, axis=1)
     h = draft.draft_slots(draft.backbone(anchor_tok, anchor_pos, ctx_k, ctx_v, visible, valid,

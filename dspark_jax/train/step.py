@@ -131,15 +131,17 @@ def micro_batches_of(x: jax.Array, m: int) -> jax.Array:
 
 def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
                       anchor_chunk: int, max_segments: int = 1,
-                      attn_key_chunk: int | None = 512, remat: bool = True) -> Callable:
+                      attn_key_chunk: int | None = 512, remat: bool = True,
+                      attn_kernel: bool = True) -> Callable:
     """(params, frozen, target_state, micro_batch, key) → sums. The objective numerator is
     `sums["objective"]` (divide by Σw = `sums["weight"]` for the loss). `max_segments`: the most
     packed sequences in a row (each gets up to num_anchors anchors). `remat`: recompute the
     drafter's layers and each anchor chunk's logits in the backward pass (memory ∝ one chunk)
     instead of keeping them (one LM-head matmul fewer per chunk: faster where memory allows).
     `attn_key_chunk`: the drafter attention's memory chunk — context keys per online-softmax
-    chunk of the DSpark/DFlash block attention (compiled for a GPU, the fused Triton kernel
-    instead), query rows per chunk of the Eagle3 TTT attention (None: dense scores)."""
+    chunk of the DSpark/DFlash block attention, query rows per chunk of the Eagle3 TTT
+    attention (None: dense scores). `attn_kernel`: compiled for a GPU, the DSpark/DFlash block
+    attention runs its fused Triton kernel instead of the chunks."""
 
     def fn(params, frozen, target_state, mb, key):
         draft = nnx.merge(draft_graphdef, params, frozen)
@@ -159,7 +161,7 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
         sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
                                 positions=mb["positions"], segment_ids=mb["segment_ids"],
                                 anchor_chunk=anchor_chunk, max_segments=max_segments,
-                                key_chunk=attn_key_chunk, remat=remat)
+                                key_chunk=attn_key_chunk, remat=remat, attn_kernel=attn_kernel)
         obj = cfg.ce_loss_alpha * sums["ce"] + cfg.l1_loss_alpha * sums["l1"]
         if cfg.model_type == "dflash":
             obj = sums["ce"]
@@ -193,10 +195,11 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                      mesh: jax.sharding.Mesh, state_sh: TrainState, frozen: Any,
                      target_state: Any | None, micro_batches: int = 1,
                      anchor_chunk: int = 64, max_segments: int = 1,
-                     attn_key_chunk: int | None = 512, remat: bool = True) -> StepFns:
+                     attn_key_chunk: int | None = 512, remat: bool = True,
+                     attn_kernel: bool = True) -> StepFns:
     """Returns the jitted train/eval functions with explicit shardings (donating the state)."""
     sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk, max_segments,
-                                attn_key_chunk, remat)
+                                attn_key_chunk, remat, attn_kernel)
     to_metrics = metrics_fn(cfg)
     per_micro_step = cfg.loss_normalization == "deepspec"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import ml_collections
 
-from dspark_jax.train.job_config import UsageError, attn_key_chunk
+from dspark_jax.train.job_config import UsageError, attn_kernel, attn_key_chunk
 
 
 def job_mesh(c: ml_collections.ConfigDict):
@@ -155,6 +155,7 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
                            state_sh=state_sh, frozen=frozen, target_state=target_state,
                            micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk,
                            attn_key_chunk=attn_key_chunk(c), remat=bool(c.train.remat),
+                           attn_kernel=attn_kernel(c),
                            max_segments=(max_segments_per_row(record_lengths(data.source), pc)
                                          if c.data.pack else 1))
 

@@ -101,6 +101,7 @@ def test_unknown_keys_and_bad_values_are_clear_errors(tiny):
              ("--config.data.features=cached", "data.features"),
              ("--config.train.micro_batches=3", "train.micro_batches"),
              ("--config.mesh.tensor=0", "mesh.tensor"),
+             ("--config.train.attn_kernel=maybe", "train.attn_kernel|could not convert"),
              ("--config.eval.speculative_temperatures=(-1.0,)", "eval.speculative_temperatures")]
     for arg, msg in cases:
         with pytest.raises(cli.UsageError, match=msg):
