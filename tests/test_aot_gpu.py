@@ -67,6 +67,23 @@ def test_traffic_of_a_loop_free_program_agrees_with_xla_cost_analysis():
     assert ours == pytest.approx(xla, rel=0.1)
 
 
+
+def test_a_conditional_counts_its_costliest_or_its_cheapest_branch():
+    """A step pays one branch of a `cond`: the summary counts the costlier (an upper bound),
+    `branch="cheapest"` the other (the greedy path where sampling sits behind a `cond`)."""
+    big = jnp.ones((64, 1024))
+
+    def fn(flag, x, w):
+        return jax.lax.cond(flag, lambda: jnp.sum(jnp.exp(w) @ jnp.exp(w).T),
+                            lambda: jnp.sum(x))
+
+    text = jax.jit(fn).lower(True, jnp.ones((4,)), big).compile().as_text()
+    costly = Program(text, lambda _: None).summary()["bytes_accessed"]
+    cheap = Program(text, lambda _: None, branch="cheapest").summary()["bytes_accessed"]
+    assert costly >= big.size * 4 > 100 * cheap > 0
+    with pytest.raises(ValueError, match="branch"):
+        Program(text, lambda _: None, branch="median")
+
 _TPU_PREFETCH_HLO = """HloModule m, entry_computation_layout={(bf16[32,128,256]{2,1,0})->f32[]}
 
 %add (a: f32[], b: f32[]) -> f32[] {

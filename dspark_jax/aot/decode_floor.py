@@ -106,12 +106,17 @@ def must_read_bytes(param_bytes: dict[str, float], weights: float, cache: float,
 
 
 def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
-    """A lowered program compiled → its traffic summary (`hlo_traffic.Program.summary`), the
-    floor it is held to (`must_read_bytes`) and its temporary memory."""
+    """A lowered program compiled → its traffic summary (`hlo_traffic.Program.summary`: each
+    conditional's costliest branch), the bytes with each conditional's cheapest branch
+    (`bytes_cheapest`: e.g. greedy requests, where sampling sits behind a `cond`), the floor it
+    is held to (`must_read_bytes`) and its temporary memory."""
     t0 = time.perf_counter()
     compiled = lowered.compile()
-    prog = Program(compiled.as_text(), weights_or_cache(WEIGHT_ARGS, CACHE_ARGS))
+    text = compiled.as_text()
+    prog = Program(text, weights_or_cache(WEIGHT_ARGS, CACHE_ARGS))
     out = prog.summary()
+    out["bytes_cheapest"] = Program(text, weights_or_cache(WEIGHT_ARGS, CACHE_ARGS),
+                                    branch="cheapest").summary()["bytes_accessed"]
     mem = compiled.memory_analysis()
     floor, gathered, per_slot = must_read_bytes(prog.param_bytes, out["weights_bytes"],
                                                 out["cache_bytes"], draft_slots)
@@ -164,10 +169,12 @@ def format_floor_report(r: dict[str, Any]) -> str:
     lines = [f"{r['config']} decoding programs on one {r['chip']} (jax {r['jax']}): "
              f"{r['requests']} request slots x {r['max_len']} tokens, capacity {r['capacity']}, "
              f"gamma {r['gamma']}, scheduler {r['scheduler']}",
-             f"  {'program':12s}{'bytes GB':>10s}{'weights':>9s}{'cache':>8s}{'floor x':>9s}"
-             f"{'w-copy GB':>11s}{'kernels':>9s}{'temp MB':>9s}  floor ms"]
+             f"  {'program':12s}{'bytes GB':>10s}{'cheapest':>10s}{'weights':>9s}{'cache':>8s}"
+             f"{'floor x':>9s}{'w-copy GB':>11s}{'kernels':>9s}{'temp MB':>9s}  floor ms"]
     for name, p in r["programs"].items():
-        lines.append(f"  {name:12s}{p['bytes_accessed'] / gb:10.3f}{p['weights_bytes'] / gb:9.3f}"
+        lines.append(f"  {name:12s}{p['bytes_accessed'] / gb:10.3f}"
+                     f"{p.get('bytes_cheapest', p['bytes_accessed']) / gb:10.3f}"
+                     f"{p['weights_bytes'] / gb:9.3f}"
                      f"{p['cache_bytes'] / gb:8.3f}{p['bytes_over_floor']:9.3f}"
                      f"{p['weight_copy_bytes'] / gb:11.3f}{p['kernels_per_step']:9d}"
                      f"{p['temp_bytes'] / 1e6:9.1f}  {p['floor_s'] * 1e3:8.3f}")

@@ -4,8 +4,10 @@ accelerator, and whether it reads the weights where they lie.
 
 The compiled program is a tree of computations: the entry, while bodies (scaled by their known
 trip count; a loop whose trip count the compiler does not know is counted once, so a program
-whose outer loop runs decoding steps is reported per step), conditional branches (the most
-expensive branch is counted, as the step pays at most that) and asynchronous wrappers. Every
+whose outer loop runs decoding steps is reported per step), conditional branches (the
+costliest branch is counted, as the step pays at most that; with `branch="cheapest"` the least
+costly, a lower bound: the path of greedy requests where sampling sits behind a `cond`) and
+asynchronous wrappers. Every
 top-level instruction that launches work (a fusion, a custom call such as a cuBLAS GEMM, a
 copy, a sort, ...) is one kernel; its traffic is the bytes of its operands it reads plus the
 bytes it writes, where a fused operand that is only sliced counts as the slices it reads
@@ -214,7 +216,11 @@ class Program:
     step, and the weight copies among them. `classify(op_name) -> "weights" | "cache" |
     None` names each entry parameter's role from its argument path."""
 
-    def __init__(self, hlo_text: str, classify: Callable[[str], str | None]):
+    def __init__(self, hlo_text: str, classify: Callable[[str], str | None],
+                 branch: str = "costliest"):
+        if branch not in ("costliest", "cheapest"):
+            raise ValueError(f"branch must be 'costliest' or 'cheapest', got {branch!r}")
+        self.branch = branch
         self.comps = parse_hlo(hlo_text)
         entries = [c for c in self.comps.values() if c.is_entry]
         if len(entries) != 1:
@@ -278,7 +284,7 @@ class Program:
                         moved += self._walk(self.comps[c], times * (trips or 1), inner)
                 origin[ins.name] = list(init)
             elif ins.opcode == "conditional":
-                moved += self._most_expensive_branch(ins, src, times)
+                moved += self._chosen_branch(ins, src, times)
                 origin[ins.name] = [_NONE] * n_out
             elif ins.opcode == "call":
                 c = ins.attr("to_apply")
@@ -298,9 +304,11 @@ class Program:
                 moved += (read + written) * times
         return moved
 
-    def _most_expensive_branch(self, ins: Instr, src: list[Origin], times: int) -> float:
-        """Walks each branch of a conditional and keeps the kernels of the costliest."""
-        best, best_kernels = -1.0, []
+    def _chosen_branch(self, ins: Instr, src: list[Origin], times: int) -> float:
+        """Walks each branch of a conditional and keeps the kernels of the costliest (or, with
+        `branch="cheapest"`, the least costly)."""
+        sign = 1.0 if self.branch == "costliest" else -1.0
+        best, best_cost, best_kernels = None, 0.0, []
         for i, c in enumerate(b for b in ins.called() if b in self.comps):
             start = len(self.kernels)
             ps = self._params_in_order(self.comps[c])
@@ -308,10 +316,10 @@ class Program:
             cost = self._walk(self.comps[c], times, inner)
             ks = self.kernels[start:]
             del self.kernels[start:]
-            if cost > best:
-                best, best_kernels = cost, ks
+            if best is None or sign * cost > best:
+                best, best_cost, best_kernels = sign * cost, cost, ks
         self.kernels.extend(best_kernels)
-        return max(best, 0.0)
+        return max(best_cost, 0.0)
 
     def _out_bytes(self, ins: Instr) -> float:
         if ins.opcode.endswith("-start"):   # ((operands), result, context): the result;
