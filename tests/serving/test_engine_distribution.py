@@ -320,8 +320,7 @@ def _sample_tree_groups(target, draft, mode="fixed"):
     return [toks[g::len(GROUPS)] for g in range(len(GROUPS))], res
 
 
-@pytest.mark.parametrize("mode", ["fixed", pytest.param("algorithm1", marks=pytest.mark.slow),
-                                  "adaptive"])
+@pytest.mark.parametrize("mode", ["fixed", "algorithm1", "production", "adaptive"])
 def test_trees_sample_the_target_with_top_k_top_p(tiny, monkeypatch, mode):
     """Draft trees (4 nodes, up to 3 children a node, γ 2) verified by recursive rejection
     sampling, every node admitted (`fixed`) or a prefix by the nodes' survival estimates: the
