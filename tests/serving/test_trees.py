@@ -1,7 +1,8 @@
 """Draft trees through the serving engine (docs/TREES.md): greedy tree decoding equals greedy
 autoregressive decoding token for token (every DSpark head kind, DFlash, a pruned draft
 vocabulary; a stop token inside the output and the budget cut mid-round), a tree never accepts
-less than the chain it holds, and settings a tree cannot serve are refused. The sampled
+less than the chain it holds, a warmed-up tree engine compiles nothing more, and settings a tree
+cannot serve are refused. The sampled
 distribution test is `test_engine_distribution.test_trees_sample_the_target_with_top_k_top_p`."""
 
 from __future__ import annotations
@@ -86,3 +87,33 @@ def test_settings_a_tree_cannot_serve_are_refused(target, kw, match):
     kw.setdefault("scheduler", "fixed")
     with pytest.raises(ValueError, match=match):
         Engine(target, draft, max_requests=2, max_len=64, **kw)
+
+
+def test_tree_engine_does_not_recompile_after_warmup(target):
+    """Static shapes: once warmed up, a tree engine serves other prompts, join patterns and
+    sampling settings without compiling again."""
+    import jax
+
+    draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
+    R, budget = 2, 8
+    sps = (1.0 / (1.0 + 0.5 * np.arange(R * (budget + 1) + 1) / R)).astype(np.float32)
+    eng = Engine(target, draft, max_requests=R, max_len=48, scheduler="adaptive", sps=sps,
+                 stop_token_ids=[], tree_budget=budget, tree_branching=3,
+                 draft_seconds=0.0, plain_seconds=1.0)
+    eng.warmup()
+    eng.generate(PROMPTS[:2], max_new_tokens=8)
+    events = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        res = eng.generate(PROMPTS[::-1], max_new_tokens=6, temperature=[0.0, 1.0, 0.7, 0.0],
+                           top_k=[0, 5, 0, 0], top_p=[1.0, 1.0, 0.9, 1.0], seed=[1, 2, 3, 4],
+                           arrivals=[0.0, 0.0, 0.01, 0.02])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert events == [], f"{len(events)} compilations after warm-up"
+    assert len(res.tokens) == len(PROMPTS) and all(len(t) >= 1 for t in res.tokens)
