@@ -112,11 +112,10 @@ def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
     is held to (`must_read_bytes`) and its temporary memory."""
     t0 = time.perf_counter()
     compiled = lowered.compile()
-    text = compiled.as_text()
-    prog = Program(text, weights_or_cache(WEIGHT_ARGS, CACHE_ARGS))
+    text, classify = compiled.as_text(), weights_or_cache(WEIGHT_ARGS, CACHE_ARGS)
+    prog = Program(text, classify)
     out = prog.summary()
-    out["bytes_cheapest"] = Program(text, weights_or_cache(WEIGHT_ARGS, CACHE_ARGS),
-                                    branch="cheapest").summary()["bytes_accessed"]
+    out["bytes_cheapest"] = Program(text, classify, branch="cheapest").summary()["bytes_accessed"]
     mem = compiled.memory_analysis()
     floor, gathered, per_slot = must_read_bytes(prog.param_bytes, out["weights_bytes"],
                                                 out["cache_bytes"], draft_slots)
@@ -173,7 +172,7 @@ def format_floor_report(r: dict[str, Any]) -> str:
              f"{'floor x':>9s}{'w-copy GB':>11s}{'kernels':>9s}{'temp MB':>9s}  floor ms"]
     for name, p in r["programs"].items():
         lines.append(f"  {name:12s}{p['bytes_accessed'] / gb:10.3f}"
-                     f"{p.get('bytes_cheapest', p['bytes_accessed']) / gb:10.3f}"
+                     f"{p['bytes_cheapest'] / gb:10.3f}"
                      f"{p['weights_bytes'] / gb:9.3f}"
                      f"{p['cache_bytes'] / gb:8.3f}{p['bytes_over_floor']:9.3f}"
                      f"{p['weight_copy_bytes'] / gb:11.3f}{p['kernels_per_step']:9d}"

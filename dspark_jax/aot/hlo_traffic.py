@@ -307,19 +307,20 @@ class Program:
     def _chosen_branch(self, ins: Instr, src: list[Origin], times: int) -> float:
         """Walks each branch of a conditional and keeps the kernels of the costliest (or, with
         `branch="cheapest"`, the least costly)."""
-        sign = 1.0 if self.branch == "costliest" else -1.0
-        best, best_cost, best_kernels = None, 0.0, []
+        walked = []   # (cost, kernels) per branch
         for i, c in enumerate(b for b in ins.called() if b in self.comps):
             start = len(self.kernels)
             ps = self._params_in_order(self.comps[c])
             inner = {ps[0].name: list(src[i + 1])} if ps and i + 1 < len(src) else {}
             cost = self._walk(self.comps[c], times, inner)
-            ks = self.kernels[start:]
+            walked.append((cost, self.kernels[start:]))
             del self.kernels[start:]
-            if best is None or sign * cost > best:
-                best, best_cost, best_kernels = sign * cost, cost, ks
-        self.kernels.extend(best_kernels)
-        return max(best_cost, 0.0)
+        if not walked:
+            return 0.0
+        pick = max if self.branch == "costliest" else min
+        cost, kernels = pick(walked, key=lambda w: w[0])
+        self.kernels.extend(kernels)
+        return max(cost, 0.0)
 
     def _out_bytes(self, ins: Instr) -> float:
         if ins.opcode.endswith("-start"):   # ((operands), result, context): the result;

@@ -141,6 +141,8 @@ def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices
             traffic: bool = False) -> dict[str, Any]:
     import jax
 
+    from dspark_jax.train.job_config import attn_kernel
+
     job = build_abstract_job(c, devices)
     t0 = time.perf_counter()
     lowered = job.fns.train.lower(*job.args)
@@ -174,7 +176,7 @@ def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices
         "micro_batches": job.micro_batches, "num_anchors": int(c.draft.num_anchors),
         "block_size": int(c.draft.block_size), "features": c.data.features,
         "attn_key_chunk": int(c.train.attn_key_chunk),
-        "attn_kernel": bool(c.train.get("attn_kernel", True)), "remat": bool(c.train.remat),
+        "attn_kernel": attn_kernel(c), "remat": bool(c.train.remat),
         "hbm_bytes_per_chip": chip.hbm_bytes,
         "argument_bytes_per_chip": int(mem["argument"]),
         "output_bytes_per_chip": int(mem["output"]),

@@ -180,6 +180,25 @@ def _check(q, k, v, limit, q_seg, k_seg):
             raise ValueError(f"{name} must be {want}, got {x.shape}")
 
 
+def _row_tile_specs(block_q: int, Sp: int, Hp: int, G: int) -> dict[str, pl.BlockSpec]:
+    """Block specs of the forward and dq grids (batch, query head, row tile): a row tile of
+    [B, R, N, H] arrays, the whole context of the head's key head, a row tile of [B, R] and
+    [B, N, R] arrays, the key segments."""
+    return dict(
+        q_tile=pl.BlockSpec((None, block_q, None, Hp), lambda b, n, i: (b, i, n, 0)),
+        kv_all=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
+        rows=pl.BlockSpec((None, block_q), lambda b, n, i: (b, i)),
+        head_rows=pl.BlockSpec((None, None, block_q), lambda b, n, i: (b, n, i)),
+        keys=pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0)))
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return None if interpret else plgpu.CompilerParams(num_warps=num_warps,
+                                                       num_stages=num_stages)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret",
                                              "num_warps", "num_stages"))
 def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, limit: jax.Array,
@@ -188,28 +207,19 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, limit: jax.Array
                       interpret: bool = False, num_warps: int = DEFAULT_NUM_WARPS,
                       num_stages: int = DEFAULT_NUM_STAGES) -> tuple[jax.Array, jax.Array]:
     """(o [B, R, N, H] f32 normalised over the visible context keys, lse [B, N, R] f32)."""
-    from jax.experimental.pallas import triton as plgpu
-
     _check(q, k, v, limit, q_seg, k_seg)
     B, R, N, H = q.shape
-    G = N // k.shape[2]
     qp, kp, vp, lim, qseg, kseg = _padded(q, k, v, limit, q_seg, k_seg, block_q, block_k)
     Rp, Sp, Hp = qp.shape[1], kp.shape[1], qp.shape[3]
-    row = lambda b, n, i: (b, i)  # noqa: E731
+    sp = _row_tile_specs(block_q, Sp, Hp, N // k.shape[2])
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, qk_scale=scale * _LOG2E, block_k=block_k),
         grid=(B, N, Rp // block_q),
-        in_specs=[pl.BlockSpec((None, block_q, None, Hp), lambda b, n, i: (b, i, n, 0)),
-                  pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
-                  pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
-                  pl.BlockSpec((None, block_q), row), pl.BlockSpec((None, block_q), row),
-                  pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0))],
-        out_specs=[pl.BlockSpec((None, block_q, None, Hp), lambda b, n, i: (b, i, n, 0)),
-                   pl.BlockSpec((None, None, block_q), lambda b, n, i: (b, n, i))],
+        in_specs=[sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["rows"], sp["rows"], sp["keys"]],
+        out_specs=[sp["q_tile"], sp["head_rows"]],
         out_shape=[jax.ShapeDtypeStruct((B, Rp, N, Hp), jnp.float32),
                    jax.ShapeDtypeStruct((B, N, Rp), jnp.float32)],
-        compiler_params=None if interpret else plgpu.CompilerParams(
-            num_warps=num_warps, num_stages=num_stages),
+        compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret, name="context_attention_fwd",
     )(qp, kp, vp, lim, qseg, kseg)
     return o[:, :R, :, :H], lse[:, :, :R]
@@ -227,8 +237,6 @@ def context_attention_bwd(q: jax.Array, k: jax.Array, v: jax.Array, limit: jax.A
     """dq [B, R, N, H], dk, dv [B, S, Kh, H] (the inputs' dtypes) of the context part of a
     softmax whose (merged) log-sum-exp is `lse` [B, N, R] and whose output O has
     delta = rowsum(dO · O) [B, N, R]; `do` [B, R, N, H] is dO."""
-    from jax.experimental.pallas import triton as plgpu
-
     _check(q, k, v, limit, q_seg, k_seg)
     B, R, N, H = q.shape
     Kh = k.shape[2]
@@ -240,22 +248,16 @@ def context_attention_bwd(q: jax.Array, k: jax.Array, v: jax.Array, limit: jax.A
     delta_p = _pad_axis(delta.astype(jnp.float32), 2, Rp)
     n_q = Rp // block_q
     tile_max = _pad_axis(jnp.max(lim.reshape(B, n_q, block_q), axis=2), 1, _next_pow2(n_q))
-    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps,
-                                                         num_stages=num_stages)
+    params = _compiler_params(interpret, num_warps, num_stages)
     qk = dict(qk_scale=scale * _LOG2E, scale=scale)
 
-    row = lambda b, n, i: (b, i)  # noqa: E731
-    q_tile = pl.BlockSpec((None, block_q, None, Hp), lambda b, n, i: (b, i, n, 0))
-    kv_all = pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0))
-    head_rows = pl.BlockSpec((None, None, block_q), lambda b, n, i: (b, n, i))
+    sp = _row_tile_specs(block_q, Sp, Hp, G)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, block_k=block_k, **qk),
         grid=(B, N, n_q),
-        in_specs=[q_tile, kv_all, kv_all, pl.BlockSpec((None, block_q), row),
-                  pl.BlockSpec((None, block_q), row),
-                  pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0)), q_tile, head_rows,
-                  head_rows],
-        out_specs=q_tile, out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        in_specs=[sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["rows"], sp["rows"], sp["keys"],
+                  sp["q_tile"], sp["head_rows"], sp["head_rows"]],
+        out_specs=sp["q_tile"], out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         compiler_params=params, interpret=interpret, name="context_attention_dq",
     )(qp, kp, vp, lim, qseg, kseg, dop, lse_p, delta_p)
 

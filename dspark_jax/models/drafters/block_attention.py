@@ -221,6 +221,14 @@ class ContextMask(NamedTuple):
         return lim, self.anchor_seg_ba.astype(jnp.int32), self.key_seg_bs.astype(jnp.int32)
 
 
+def _kernel_rows(q, lim, aseg):
+    """The kernel's query rows (one per draft slot, heads ungrouped) with their anchor's key
+    limit and segment: (q [B, A·T, N, H], limit [B, A·T], segment [B, A·T])."""
+    B, A, T, K, G, H = q.shape
+    return (q.reshape(B, A * T, K * G, H), jnp.repeat(lim, T, axis=1),
+            jnp.repeat(aseg, T, axis=1))
+
+
 def _fused_forward(q, ctx_k, ctx_v, blk_k, blk_v, lim, aseg, kseg, valid, interpret):
     """`_forward`'s outputs, the context part from the Triton kernel (one row per draft slot,
     the anchor's limit and segment repeated over its γ slots) merged with the own block's
@@ -229,9 +237,9 @@ def _fused_forward(q, ctx_k, ctx_v, blk_k, blk_v, lim, aseg, kseg, valid, interp
 
     B, A, T, K, G, H = q.shape
     scale = H ** -0.5
-    o_c, lse_c = context_attention(
-        q.reshape(B, A * T, K * G, H), ctx_k, ctx_v, jnp.repeat(lim, T, axis=1),
-        jnp.repeat(aseg, T, axis=1), kseg, scale=scale, interpret=interpret)
+    q_r, lim_r, seg_r = _kernel_rows(q, lim, aseg)
+    o_c, lse_c = context_attention(q_r, ctx_k, ctx_v, lim_r, seg_r, kseg, scale=scale,
+                                   interpret=interpret)
     o_c = jnp.einsum("BATKGH->BAKGTH", o_c.reshape(B, A, T, K, G, H))
     lse_c = jnp.einsum("BKGAT->BAKGT", lse_c.reshape(B, K, G, A, T))
     s_b = _blk_scores(q, blk_k, valid, scale)
@@ -266,9 +274,9 @@ def _fused_bwd(interpret, res, d_out):
     dq, d_blk_k, d_blk_v = _own_block_grads(q, blk_k, blk_v, valid, do, delta, lse, scale)
     heads = lambda x: jnp.einsum("BAKGT->BKGAT", x).reshape(B, K * G, A * T)  # noqa: E731
     do_rows = jnp.einsum("BAKGTH->BATKGH", do).reshape(B, A * T, K * G, H)
+    q_r, lim_r, seg_r = _kernel_rows(q, lim, aseg)
     dq_c, dk, dv = context_attention_bwd(
-        q.reshape(B, A * T, K * G, H), ctx_k, ctx_v, jnp.repeat(lim, T, axis=1),
-        jnp.repeat(aseg, T, axis=1), kseg, do_rows.astype(q.dtype), heads(lse), heads(delta),
+        q_r, ctx_k, ctx_v, lim_r, seg_r, kseg, do_rows.astype(q.dtype), heads(lse), heads(delta),
         scale=scale, interpret=interpret)
     dq = dq + dq_c.reshape(B, A, T, K, G, H).astype(jnp.float32)
     return (dq.astype(q.dtype), dk, dv, d_blk_k.astype(blk_k.dtype),
