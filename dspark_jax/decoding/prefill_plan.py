@@ -29,18 +29,33 @@ def prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int, chunk
     longest (16 chat prompts of 41-308 tokens: 5,120 tokens for 1,305); this pays ~1,900."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     n = len(order)
-    best, cut = [0] + [None] * n, [0] * (n + 1)
+    best, cut = [0] * (n + 1), [0] * (n + 1)
     for j in range(1, n + 1):
         P = prefill_length(lengths[order[j - 1]], len_bucket, chunk, cache_len)
-        for i in range(max(0, j - max_rows), j):
-            cost = best[i] + (1 << (j - i - 1).bit_length()) * P + group_tokens
-            if best[j] is None or cost < best[j]:
-                best[j], cut[j] = cost, i
+        best[j], cut[j] = min((best[i] + pow2_rows(j - i) * P + group_tokens, i)
+                              for i in _last_group_starts(j, max_rows, ()))
     groups, j = [], n
     while j > 0:
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+def _last_group_starts(j: int, max_rows: int, rows: Collection[int]) -> set[int]:
+    """Where the last group of the first j sorted prompts may start, for a split search whose
+    cost is the best cost of the prompts before it (never less for more prompts: dropping the
+    longest prompt of a split never makes it dearer) plus a cost that depends on the group's
+    size only through its row count. For each row count, the largest group that fits is the
+    cheapest, and the earliest start among equal costs is the one a scan over every start
+    keeps: the power-of-two row counts up to `max_rows`, and each of `rows`, give the only
+    starts to try (O(log max_rows) instead of O(max_rows) a prompt)."""
+    most = min(max_rows, j)
+    sizes = {most} | {min(r, most) for r in rows}
+    r = 1
+    while r < most:
+        sizes.add(r)
+        r *= 2
+    return {j - s for s in sizes if s >= 1}
 
 
 def pow2_rows(n: int) -> int:
@@ -70,13 +85,12 @@ def shaped_prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int
                    for r, P in options)
 
     best: list = [(0, None)] + [None] * n
+    known_rows = {r for r, _ in known}
     for j in range(1, n + 1):
         width = prefill_length(lengths[order[j - 1]], len_bucket, chunk, cache_len)
-        for i in range(max(0, j - max_rows), j):
-            cost, rows, P = shape(j - i, width)
-            total = best[i][0] + cost + group_tokens
-            if best[j] is None or total < best[j][0]:
-                best[j] = (total, (i, rows, P))
+        total, i = min((best[i][0] + shape(j - i, width)[0] + group_tokens, i)
+                       for i in _last_group_starts(j, max_rows, known_rows))
+        best[j] = (total, (i, *shape(j - i, width)[1:]))
     groups, j = [], n
     while j > 0:
         i, rows, P = best[j][1]

@@ -57,3 +57,66 @@ def test_shaped_groups_reuse_compiled_shapes_and_count_new_ones():
     assert sorted(i for g, _, _ in groups for i in g) == list(range(40))
     assert all(len(g) <= rows <= 8 and max(lengths[i] for i in g) <= width
                for g, rows, width in groups)
+
+
+def _every_start_oracle(lengths, max_rows, bucket, chunk, cache_len, compiled, new_tokens,
+                        group_tokens=64):
+    """The split search trying every start of the last group (O(n · max_rows)): the cost of a
+    group is its cheapest shape, a power-of-two rows at its own width or a compiled shape
+    that holds it, a new shape counting `new_tokens` more; the earliest start wins a tie."""
+    from dspark_jax.decoding.prefill_plan import pow2_rows
+
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = [(0, None)]
+    for j in range(1, len(order) + 1):
+        width = prefill_length(lengths[order[j - 1]], bucket, chunk, cache_len)
+        cands = []
+        for i in range(max(0, j - max_rows), j):
+            opts = [(pow2_rows(j - i), width)] + [(r, p) for r, p in compiled
+                                                    if r >= j - i and p >= width]
+            cost, r, p = min((r * p + (0 if (r, p) in compiled else new_tokens), r, p)
+                             for r, p in opts)
+            cands.append((best[i][0] + cost + group_tokens, i, r, p))
+        total, i, r, p = min(cands, key=lambda c: (c[0], c[1]))
+        best.append((total, (i, r, p)))
+    groups, j = [], len(order)
+    while j > 0:
+        i, r, p = best[j][1]
+        groups.append((order[i:j], r, p))
+        j = i
+    return groups[::-1]
+
+
+def test_split_search_equals_trying_every_start():
+    """The planners try O(log R) starts for the last group; the same splits and shapes as
+    trying all R, on random lengths, row caps (powers of two and not) and compiled shapes."""
+    from dspark_jax.decoding.prefill_plan import shaped_prefill_groups
+
+    rng = np.random.RandomState(2)
+    for trial in range(60):
+        n = int(rng.randint(1, 70))
+        lengths = rng.randint(1, 400, n).tolist()
+        max_rows = int(rng.choice([1, 3, 6, 8, 16, 64]))
+        compiled = {(int(2 ** rng.randint(0, 6)), int(64 * rng.randint(1, 8)))
+                    for _ in range(rng.randint(0, 4))}
+        new_tokens = int(rng.choice([0, 256, 1024]))
+        want = _every_start_oracle(lengths, max_rows, 64, 128, 512, compiled, new_tokens)
+        got = shaped_prefill_groups(lengths, max_rows, 64, 128, 512, compiled, new_tokens)
+        assert got == want, (trial, lengths, max_rows, compiled, new_tokens)
+        plain = _every_start_oracle(lengths, max_rows, 64, 128, 512, set(), 0)
+        assert prefill_groups(lengths, max_rows, 64, 128, 512) == [g for g, _, _ in plain]
+
+
+def test_thousands_of_joining_prompts_cost_a_few_evaluations_each(monkeypatch):
+    """4096 prompts joining at once into 4096 rows: a few dozen cost evaluations a prompt
+    (trying every start would be 4096 a prompt, 16.8 million in all)."""
+    from dspark_jax.decoding import prefill_plan
+
+    calls = []
+    real = prefill_plan.pow2_rows
+    monkeypatch.setattr(prefill_plan, "pow2_rows", lambda n: calls.append(n) or real(n))
+    lengths = np.random.RandomState(3).randint(1, 500, 4096).tolist()
+    groups = prefill_plan.shaped_prefill_groups(lengths, 4096, 64, 128, 1024, {(4096, 64)}, 1024)
+    prefill_plan.prefill_groups(lengths, 4096, 64, 128, 1024)
+    assert 0 < len(calls) < 50 * len(lengths)
+    assert sorted(i for g, _, _ in groups for i in g) == list(range(4096))
