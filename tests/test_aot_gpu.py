@@ -131,16 +131,18 @@ def h200_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "h200.json"
     rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--decode",
                    "--max-len", "256", "--json", str(out), f"--config.target={path}",
-                   "--config.train.target_dtype=bfloat16"])
+                   "--config.train.target_dtype=bfloat16", "--programs",
+                   "decode_step,plain_step,round"])
     assert rc == 0
-    return json.loads(out.read_text())
+    return json.loads(out.read_text()), path
 
 
 @pytest.mark.gpu
 @needs_plugin
 def test_h200_plain_steps_read_the_weights_where_they_lie(h200_report):
-    progs = h200_report["programs"]
-    assert set(progs) == {"decode_step", "plain_step", "draft", "verify", "round"}
+    progs = h200_report[0]["programs"]
+    assert h200_report[0]["layout"] == "per-layer"
+    assert set(progs) == {"decode_step", "plain_step", "round"}
     for name in ("decode_step", "plain_step"):
         p = progs[name]
         for key in ("bytes_accessed", "weights_bytes", "cache_bytes", "weight_copy_bytes",
@@ -156,12 +158,34 @@ def test_h200_plain_steps_read_the_weights_where_they_lie(h200_report):
 def test_h200_round_copies_no_target_weight(h200_report):
     # the only copies: XLA merges the drafter's projections that share an input (its layers'
     # context k|v, a layer's q and k|v) into one dot by concatenating their weights
-    r = h200_report["programs"]["round"]
+    r = h200_report[0]["programs"]["round"]
     assert r["weight_copies"], "the merged context k|v is gone: tighten this test to 0"
     for c in r["weight_copies"]:
         sources = c.split(" of ")[1].split(", ")
         assert all(s.startswith("arrays.draft_state") and ("['w_kv']" in s or "['wq']" in s)
                    for s in sources), c
+
+
+@pytest.mark.gpu
+@needs_plugin
+def test_h200_stacked_layers_copy_the_weights(h200_report, tmp_path):
+    """`--stacked-layers` compiles the layout the engine avoids on a GPU, where XLA:GPU copies
+    weight slices out of the stack (at the tiny config's sizes only the k and v projections,
+    transposed; at Qwen3's every matrix of every layer) and the per-layer layout copies none."""
+    from dspark_jax.aot import cli
+
+    out = tmp_path / "stacked.json"
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--decode",
+                   "--max-len", "256", "--json", str(out), f"--config.target={h200_report[1]}",
+                   "--config.train.target_dtype=bfloat16", "--programs", "decode_step",
+                   "--stacked-layers"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["layout"] == "stacked"
+    step = r["programs"]["decode_step"]
+    assert step["weight_copy_bytes"] > 0, step
+    assert all("state['layers']" in c for c in step["weight_copies"]), step["weight_copies"]
+    assert h200_report[0]["programs"]["decode_step"]["weight_copy_bytes"] == 0
 
 
 def test_a_chip_excludes_a_topology():

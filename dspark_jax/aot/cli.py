@@ -42,6 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "decoding programs against their floor")
     ap.add_argument("--programs", default="decode_step,plain_step,draft,verify,round",
                     help="--chip: the programs to compile")
+    ap.add_argument("--stacked-layers", action="store_true",
+                    help="--chip --decode: compile the layers stacked (the CPU's and training's "
+                         "layout) instead of one buffer per layer, to compare")
     ap.add_argument("--num-slices", type=int, default=1)
     ap.add_argument("--tree-budget", type=int, default=0,
                     help="with --decode: rounds that draft trees of this many nodes (the "
@@ -98,7 +101,8 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
 
         shape = DecodeShape(args.requests or 1, args.max_len, args.capacity, args.tree_budget)
         report = decode_floor_report(c, args.chip, shape,
-                                     [p for p in args.programs.split(",") if p])
+                                     [p for p in args.programs.split(",") if p],
+                                     layer_buffers=not args.stacked_layers)
         return report, format_floor_report(report)
     if args.chip:
         from dspark_jax.aot.training import chip_train_report, format_report

@@ -51,16 +51,17 @@ def single_chip_devices(chip: str) -> tuple[list[Any], Any]:
                    f"{sorted(topology.CHIPS)} (TPU)")
 
 
-def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape
+def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape, layer_buffers: bool = True
               ) -> tuple[dict[str, tuple[Callable[..., Any], tuple]], Any, Any]:
-    """name → (lower function, abstract arguments), the mesh and the abstract round."""
+    """name → (lower function, abstract arguments), the mesh and the abstract round, in the
+    engine's layout on an accelerator (one buffer per layer) or the stacked one."""
     import jax
     import jax.numpy as jnp
 
     from dspark_jax.decoding.autoregressive import ARState, ar_decode
     from dspark_jax.decoding.plain_steps import plain_steps
 
-    rnd = build_abstract_round(c, devices, shape, layer_buffers=True)
+    rnd = build_abstract_round(c, devices, shape, layer_buffers=layer_buffers)
     arrays, state, params = rnd.verify_args[:3]
     t_gd, t_abs, stop_ids = arrays.target_graphdef, arrays.target_state, arrays.stop_ids
     R = shape.requests
@@ -128,9 +129,12 @@ def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
 
 
 def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
-                        programs: Sequence[str] = PROGRAMS) -> dict[str, Any]:
+                        programs: Sequence[str] = PROGRAMS, layer_buffers: bool = True
+                        ) -> dict[str, Any]:
     """Compiles `programs` of config `c` for one `chip` → report (per program: bytes_accessed,
-    weights_bytes, cache_bytes, weight_copy_bytes, kernels_per_step, temp_bytes, ...)."""
+    weights_bytes, cache_bytes, weight_copy_bytes, kernels_per_step, temp_bytes, ...), in the
+    layout the engine decodes in on an accelerator (`layer_buffers`: one buffer per layer) or,
+    to compare, with the layers stacked as the CPU and training keep them."""
     import jax
 
     from dspark_jax.models.decoder import aligned_length
@@ -141,12 +145,13 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
     # the engine's cache for `max_len` (`Engine.cache_lengths`)
     shape = dataclasses.replace(shape, max_len=aligned_length(shape.max_len))
     devices, facts = single_chip_devices(chip)
-    built, mesh, rnd = _programs(c, devices, shape)
+    built, mesh, rnd = _programs(c, devices, shape, layer_buffers)
     report: dict[str, Any] = {
         "mode": "decode_floor", "config": c.name, "chip": chip,
         "hbm_bytes_per_s": facts.hbm_bytes_per_s, "requests": shape.requests,
         "max_len": shape.max_len, "capacity": rnd.shape.capacity, "gamma": rnd.gamma,
-        "scheduler": rnd.scheduler, "jax": jax.__version__, "programs": {}}
+        "scheduler": rnd.scheduler, "jax": jax.__version__,
+        "layout": "per-layer" if layer_buffers else "stacked", "programs": {}}
     if shape.tree_budget and "verify" in programs:   # trees verify inside the round only
         programs = [p for p in programs if p != "verify"]
     report["tree_budget"] = shape.tree_budget
@@ -167,7 +172,7 @@ def format_floor_report(r: dict[str, Any]) -> str:
     gb = 1e9
     lines = [f"{r['config']} decoding programs on one {r['chip']} (jax {r['jax']}): "
              f"{r['requests']} request slots x {r['max_len']} tokens, capacity {r['capacity']}, "
-             f"gamma {r['gamma']}, scheduler {r['scheduler']}",
+             f"gamma {r['gamma']}, scheduler {r['scheduler']}, {r['layout']} layers",
              f"  {'program':12s}{'bytes GB':>10s}{'cheapest':>10s}{'weights':>9s}{'cache':>8s}"
              f"{'floor x':>9s}{'w-copy GB':>11s}{'kernels':>9s}{'temp MB':>9s}  floor ms"]
     for name, p in r["programs"].items():

@@ -1,5 +1,7 @@
-"""The decoding Pallas kernels against their pure-JAX paths, compiled for one chip without it
-(paper §3.2 Markov sampling, SPEC §1 verification; `pallas_kernels/`).
+"""The Pallas kernels against their pure-JAX paths, compiled for one chip without it: the
+decoding kernels (paper §3.2 Markov sampling, SPEC §1 verification; `pallas_kernels/`) and the
+flash attention of the target's forward over training rows (online features, SPEC §4;
+`models.layers.causal_attention`).
 
 For each chip (a TPU through libtpu, the H200 through the CUDA plugin: `aot.decode_floor.
 single_chip_devices`) and batch size, the Markov sampler and the verification rule are compiled
@@ -9,7 +11,10 @@ call whose operands and results the HLO shows once; what it streams inside is it
 so the table adds the kernel's modelled traffic: the Markov kernel reads W2 twice a slot (its two
 passes) in each of its B / block_b programs and the logits twice, and writes the probabilities
 once; the verification kernel reads a row's probabilities once for the ratio test and twice for
-the residual's two passes.
+the residual's two passes; the causal flash attention reads q once, writes the output once and
+streams each head's K/V tiles on and below the diagonal once per query tile (the 128 × 128
+tiles of both JAX kernels; tiles above the diagonal are neither computed nor fetched), where
+the dense path writes and re-reads the [N, T, T] scores.
   python -m dspark_jax.bench.kernel_traffic --chips v5e,v5p --batches 1,16
 """
 
@@ -71,6 +76,27 @@ def verify_rows(device: Any, backend: str, B: int, gamma: int, V: int) -> list[d
                  kernels=k_k, modelled_gb=modelled / 1e9)]
 
 
+def attention_rows(device: Any, backend: str, T: int, N: int, Kh: int, H: int) -> list[dict]:
+    """The target's causal attention over one T-token row (forward only: the target is frozen):
+    the dense oracle against the flash kernel of the chip's backend."""
+    from dspark_jax.models import layers
+
+    args = (jnp.zeros((1, T, N, H), jnp.bfloat16), jnp.zeros((1, T, Kh, H), jnp.bfloat16),
+            jnp.zeros((1, T, Kh, H), jnp.bfloat16))
+    dense = lambda q, k, v: layers.attend(q, k, v, layers.causal_mask(1, T))  # noqa: E731
+    kern = layers.flash_attention_tpu if backend == "mosaic" else layers.flash_attention_gpu
+    ref_bytes, ref_k = _traffic(dense, args, device)
+    k_bytes, k_k = _traffic(kern, args, device)
+    tiles = T // layers.FLASH_BLOCK
+    tile_bytes = layers.FLASH_BLOCK * H * 2
+    modelled = 2 * T * N * H * 2 + N * 2 * tile_bytes * tiles * (tiles + 1) // 2
+    common = dict(kernel="causal_attention", batch=1, shape=f"T={T} N={N} Kh={Kh} H={H}")
+    return [dict(common, path="pure JAX", hlo_gb=ref_bytes / 1e9, kernels=ref_k,
+                 modelled_gb=None),
+            dict(common, path=f"Pallas ({backend})",
+                 hlo_gb=k_bytes / 1e9, kernels=k_k, modelled_gb=modelled / 1e9)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chips", default="v5e,v5p", help="v5e, v5p, v6e (Mosaic); h200 (Triton)")
@@ -78,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--attention", default="4096,32,8,128",
+                    help="T,N,Kh,H of the causal attention rows (Qwen3-4B: 4096,32,8,128); "
+                         "empty: none")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
     from dspark_jax.aot.decode_floor import single_chip_devices
@@ -90,12 +119,19 @@ def main(argv: list[str] | None = None) -> int:
             for row in (markov_rows(devices[0], backend, B, a.gamma, a.vocab, a.rank)
                         + verify_rows(devices[0], backend, B, a.gamma, a.vocab)):
                 rows.append(dict(chip=chip, **row))
+        if a.attention:
+            T, N, Kh, H = (int(x) for x in a.attention.split(","))
+            rows += [dict(chip=chip, **row)
+                     for row in attention_rows(devices[0], backend, T, N, Kh, H)]
     fmt = lambda x: "-" if x is None else f"{x:.3f} GB"  # noqa: E731
-    print_table([(f"{r['chip']} {r['kernel']} B={r['batch']} {r['path']}",
+    label = lambda r: r.get("shape") or f"B={r['batch']}"  # noqa: E731
+    print_table([(f"{r['chip']} {r['kernel']} {label(r)} {r['path']}",
                   f"HLO {fmt(r['hlo_gb'])}, modelled {fmt(r['modelled_gb'])}, "
                   f"{r['kernels']} kernels") for r in rows],
-                f"decoding kernels vs pure JAX (γ {a.gamma}, V {a.vocab}, r {a.rank})")
-    save_json(dict(rows=rows, gamma=a.gamma, vocab=a.vocab, rank=a.rank), a.json)
+                f"Pallas kernels vs pure JAX (γ {a.gamma}, V {a.vocab}, r {a.rank}; "
+                f"attention T,N,Kh,H {a.attention or '-'})")
+    save_json(dict(rows=rows, gamma=a.gamma, vocab=a.vocab, rank=a.rank,
+                   attention=a.attention), a.json)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""`bench.kernel_traffic` compiles both decoding kernels and their pure-JAX paths for one TPU chip
-and reports each program's HBM traffic, the kernels' modelled inner traffic beside it."""
+"""`bench.kernel_traffic` compiles the decoding kernels and the target's flash attention, and their
+pure-JAX paths, for one TPU chip and reports each program's HBM traffic, the kernels' modelled
+inner traffic beside it."""
 
 import json
 
@@ -15,12 +16,21 @@ def test_kernel_traffic_table_for_a_v5e(tmp_path, capsys):
 
     out = tmp_path / "k.json"
     assert kernel_traffic.main(["--chips", "v5e", "--batches", "1", "--vocab", "1024",
-                                "--rank", "16", "--gamma", "3", "--json", str(out)]) == 0
+                                "--rank", "16", "--gamma", "3", "--attention", "2048,8,2,128",
+                                "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     paths = {(r["kernel"], r["path"]) for r in rows}
     assert paths == {("markov_sample", "pure JAX"), ("markov_sample", "Pallas (mosaic)"),
-                     ("verify", "pure JAX"), ("verify", "Pallas (mosaic)")}
+                     ("verify", "pure JAX"), ("verify", "Pallas (mosaic)"),
+                     ("causal_attention", "pure JAX"), ("causal_attention", "Pallas (mosaic)")}
     for r in rows:
         assert r["hlo_gb"] > 0 and r["kernels"] > 0
         assert (r["modelled_gb"] is None) == (r["path"] == "pure JAX")
-    assert "markov_sample B=1 Pallas (mosaic)" in capsys.readouterr().out
+    dense, flash = sorted((r for r in rows if r["kernel"] == "causal_attention"),
+                          key=lambda r: r["path"] != "pure JAX")
+    # the dense path writes and re-reads the [8, 2048, 2048] f32 scores (too large to stay on
+    # chip); the kernel keeps them in VMEM and streams the K/V tiles on and below the diagonal
+    assert 2 * (flash["hlo_gb"] + flash["modelled_gb"]) < dense["hlo_gb"]
+    printed = capsys.readouterr().out
+    assert "markov_sample B=1 Pallas (mosaic)" in printed
+    assert "causal_attention T=2048 N=8 Kh=2 H=128 Pallas (mosaic)" in printed
