@@ -11,6 +11,7 @@ Times one batched decode step at batch B and context C from inside an on-device
 from __future__ import annotations
 
 import argparse
+from typing import Sequence
 
 import jax.numpy as jnp
 
@@ -52,7 +53,8 @@ def run(target_name: str, batch: int, context: int, steps: int, dtype: str,
             "hbm_floor_ms": floor_s * 1e3, "ratio_to_floor": step_s / floor_s}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (`bench.suite`'s presets and the GPU check pass theirs)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct",
@@ -65,7 +67,11 @@ def main(argv=None) -> dict:
                    help="memory bandwidth for the floor (H200: 4300 GB/s)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None, help="also write the result here")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    a = parse_args(argv)
     r = run(a.target, a.batch, a.context, a.steps, a.dtype, a.bandwidth_gbs, a.repeats)
     save_json(r, a.json)
     print_table([

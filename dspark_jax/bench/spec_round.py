@@ -53,6 +53,7 @@ import argparse
 import functools
 import os
 import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -523,7 +524,8 @@ def int_list(s: str) -> list[int]:
     return out
 
 
-def main(argv=None) -> dict:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (`bench.suite`'s presets and the GPU check pass theirs)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct",
@@ -561,7 +563,11 @@ def main(argv=None) -> dict:
     p.add_argument("--vocab", type=int, default=None,
                    help="kernel section vocabulary (default: the target's; 151936 with "
                         "--kernels-only)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    a = parse_args(argv)
     if a.requests is None:
         a.requests = [a.batch] if a.batch is not None else [1, 4, 16]
     if a.kernels_only:

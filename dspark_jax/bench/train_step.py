@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -93,7 +94,8 @@ def run(a: argparse.Namespace) -> dict:
             "peak_memory_gb": peak_memory_gb()}
 
 
-def main(argv=None) -> dict:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (`bench.suite`'s presets and the GPU check pass theirs)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -121,7 +123,11 @@ def main(argv=None) -> dict:
     p.add_argument("--peak-tflops", type=float, default=0.0,
                    help="device peak (bf16 dense) for MFU; H200 ≈ 989")
     p.add_argument("--json", default=None)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    a = parse_args(argv)
     r = run(a)
     save_json(r, a.json)
     print_table([

@@ -34,3 +34,33 @@ def test_load_preset_parses_and_its_headline_is_rendered(tmp_path):
     ok = {"status": "ok", "wall_s": 3.0, "result": {"headline": head}}
     table = suite.markdown("cpu-smoke", {"load": ok}, "cpu")
     assert "| load | ok | 3.0 | none@c2 20, adaptive@c2 19, adaptive_over_none@c2 0.95 |" in table
+
+
+def _check_sh_commands() -> list[tuple[str, list[str]]]:
+    """(module, arguments) of each `$B.MODULE ...` step of the shared GPU check, if present."""
+    import pathlib
+    import shlex
+
+    path = pathlib.Path(__file__).resolve().parents[2].parent / "shared/tools/gpu/check.sh"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        words = shlex.split(line) if line.startswith("step ") else []
+        if len(words) > 3 and words[3].startswith("$B."):
+            out.append((words[3][3:], [w.replace("$OUT", "/tmp/out") for w in words[4:]]))
+    return out
+
+
+def test_the_gpu_check_and_presets_parse_in_their_benchmarks():
+    """The GPU check (`../shared/tools/gpu/check.sh`, where present) and the `gpu-h200` and
+    `cpu-smoke` presets call the four benchmarks with flags each benchmark accepts."""
+    import importlib
+
+    calls = [(name, [x.replace("{out}", "/tmp/out") for x in argv])
+             for preset in ("gpu-h200", "cpu-smoke") for name, argv in suite.PRESETS[preset].items()]
+    check = _check_sh_commands()
+    assert not check or {m for m, _ in check} == {"decode_step", "spec_round", "train_step", "load"}
+    for name, argv in calls + check:
+        a = importlib.import_module(f"dspark_jax.bench.{name}").parse_args(argv)
+        assert a.repeats >= 1, (name, argv)
