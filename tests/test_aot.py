@@ -174,3 +174,28 @@ def test_v5e_tree_round_compiles(tmp_path):
     for name, p in r["programs"].items():   # no weight matrix copied (a scalar bias may be)
         assert p["weight_copy_bytes"] < 64, (name, p["weight_copies"])
         assert p["weights_bytes"] > 0 and p["kernels_per_step"] > 0
+
+
+def test_optimized_text_falls_back_to_the_compilers_dump():
+    """Where `compiled.as_text()` cannot read the program's HLO proto back (a RET_CHECK in
+    libtpu), `compile_with_text` compiles again with XLA's text dump and reads the module."""
+    import jax
+
+    from dspark_jax.aot.hlo_traffic import compile_with_text
+
+    class Compiled:
+        def as_text(self):
+            raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure: async-update arity")
+
+    class Lowered:
+        def compile(self, options=None):
+            if options:
+                d = options["xla_dump_to"]
+                for name, text in (("module_0001.small", "HloModule s"),
+                                   ("module_0002.jit_step", "HloModule jit_step\\nENTRY e {}")):
+                    with open(f"{d}/{name}.after_optimizations.txt", "w") as f:
+                        f.write(text)
+            return Compiled()
+
+    compiled, text = compile_with_text(Lowered())
+    assert isinstance(compiled, Compiled) and text.startswith("HloModule jit_step")

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from dspark_jax.aot.decode import DecodeShape, build_abstract_round
-from dspark_jax.aot.hlo_traffic import Program, weights_or_cache
+from dspark_jax.aot.hlo_traffic import Program, compile_with_text, weights_or_cache
 from dspark_jax.aot.topology import AotError
 
 # argument paths (JAX's op_name of each entry parameter) of the weights and of the caches
@@ -112,8 +112,8 @@ def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
     (`bytes_cheapest`: e.g. greedy requests, where sampling sits behind a `cond`), the floor it
     is held to (`must_read_bytes`) and its temporary memory."""
     t0 = time.perf_counter()
-    compiled = lowered.compile()
-    text, classify = compiled.as_text(), weights_or_cache(WEIGHT_ARGS, CACHE_ARGS)
+    compiled, text = compile_with_text(lowered)
+    classify = weights_or_cache(WEIGHT_ARGS, CACHE_ARGS)
     prog = Program(text, classify)
     out = prog.summary()
     out["bytes_cheapest"] = Program(text, classify, branch="cheapest").summary()["bytes_accessed"]

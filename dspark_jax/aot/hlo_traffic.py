@@ -442,6 +442,32 @@ class Program:
                  "weight_copy": k.weight_copy} for k in ks]
 
 
+def compile_with_text(lowered: Any) -> tuple[Any, str]:
+    """(compiled program, its optimized HLO text). The text is `compiled.as_text()`, which
+    re-reads the program's HLO proto; where that round trip fails (libtpu writes some async
+    instructions it cannot read back), the program is compiled again with XLA's own text dump
+    (`xla_dump_to`), which prints the same optimized module."""
+    import glob
+    import os
+    import tempfile
+
+    import jax
+
+    compiled = lowered.compile()
+    try:
+        return compiled, compiled.as_text()
+    except jax.errors.JaxRuntimeError as e:
+        if "RET_CHECK" not in str(e):
+            raise
+    with tempfile.TemporaryDirectory() as d:
+        compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_as_text": True})
+        dumps = sorted(glob.glob(f"{d}/*after_optimizations.txt"), key=os.path.getsize)
+        if not dumps:
+            raise RuntimeError("the compiler wrote no optimized HLO text")
+        with open(dumps[-1]) as f:   # the program itself: the largest module
+            return compiled, f.read()
+
+
 def weights_or_cache(weight_prefixes: Iterable[str], cache_prefixes: Iterable[str]
                      ) -> Callable[[str], str | None]:
     """A `classify` for `Program`: argument paths starting with one of `weight_prefixes` are

@@ -148,11 +148,11 @@ def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices
     lowered = job.fns.train.lower(*job.args)
     extra: dict[str, Any] = {}
     if traffic:
-        from dspark_jax.aot.hlo_traffic import Program, weights_or_cache
+        from dspark_jax.aot.hlo_traffic import Program, compile_with_text, weights_or_cache
 
-        compiled = lowered.compile()
+        compiled, text = compile_with_text(lowered)
         mem = memory_of(compiled.memory_analysis())
-        prog = Program(compiled.as_text(), weights_or_cache(TRAIN_WEIGHT_ARGS, ()))
+        prog = Program(text, weights_or_cache(TRAIN_WEIGHT_ARGS, ()))
         summary = prog.summary()
         extra = {k: summary[k] for k in ("bytes_accessed", "weights_bytes", "weight_copy_bytes",
                                          "kernels_per_step", "weight_copies")}

@@ -33,12 +33,12 @@ def _traffic(fn: Any, args: tuple, device: Any) -> tuple[float, int]:
     """(HBM bytes accessed, kernels) of `fn(*args)` compiled for `device`."""
     from jax.sharding import SingleDeviceSharding
 
-    from dspark_jax.aot.hlo_traffic import Program
+    from dspark_jax.aot.hlo_traffic import Program, compile_with_text
 
     sh = SingleDeviceSharding(device)
     abstract = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args)
-    compiled = jax.jit(fn).lower(*abstract).compile()
-    summary = Program(compiled.as_text(), lambda name: None).summary()
+    _, text = compile_with_text(jax.jit(fn).lower(*abstract))
+    summary = Program(text, lambda name: None).summary()
     return float(summary["bytes_accessed"]), int(summary["kernels_per_step"])
 
 
