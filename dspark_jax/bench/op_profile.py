@@ -86,6 +86,39 @@ def worker_events(trace_dir: str) -> list[Event]:
     return events
 
 
+def skip_mismatched_plugin_profilers() -> list[str]:
+    """Keeps JAX from registering the profiler of a PJRT plugin built for another jaxlib (the
+    CUDA plugin installed to compile for a GPU without one: `jax-cuda13-pjrt` of the lent GPU's
+    JAX beside an older jaxlib), whose profiler API jaxlib's tracer reads wrongly and crashes
+    on when a trace starts. The plugin still compiles. Call it before JAX first picks a
+    backend (that is when it loads its plugins). → the mismatched distributions."""
+    from importlib import metadata
+
+    import jaxlib
+    from jax._src import xla_bridge
+
+    mismatched = [f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+                  if (d.metadata["Name"] or "").startswith(("jax-cuda", "jax-rocm"))
+                  and d.metadata["Name"].endswith("-pjrt") and d.version != jaxlib.__version__]
+    real = xla_bridge._profiler
+    if mismatched and not isinstance(real, _NoPluginProfilers):
+        xla_bridge._profiler = _NoPluginProfilers(real)
+    return mismatched
+
+
+class _NoPluginProfilers:
+    """jaxlib's profiler module as `xla_bridge` sees it, less plugin profiler registration."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def register_plugin_profiler(self, c_api: Any) -> None:
+        del c_api
+
+
 def profile(fn: Callable[[], Any], calls: int) -> tuple[list[Event], float]:
     """Runs `fn` (warm) `calls` times under the profiler → (worker events, wall seconds)."""
     jax.block_until_ready(fn())
@@ -171,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not os.path.isdir(a.draft):
         raise SystemExit(f"--draft: no drafter export at {a.draft!r} (run the main job, or "
                          "pass --draft DIR)")
+    skip_mismatched_plugin_profilers()
     r = run(a)
     save_json(r, a.json)
     h = r["host"]

@@ -43,3 +43,24 @@ def test_summary_is_per_step_in_ms_with_the_byte_floor():
     assert no_floor["floor_ms"] is None
     assert "| draft | 4.0 | 0.0 | 2.0 | 1.0 | 2.0 | 2.0 | – | – |" in op_profile.table(
         {"parts": {"draft": dict(no_floor, weight_mb=None)}})
+
+
+def test_a_trace_starts_beside_a_plugin_built_for_another_jaxlib(tmp_path):
+    """With the CUDA plugin of another JAX installed (the test command installs one, to compile
+    for an H200), `jax.profiler` crashes when a trace starts unless the plugin's profiler is
+    kept out: a fresh process profiles a computation after `skip_mismatched_plugin_profilers`."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        from dspark_jax.bench import op_profile
+        print(op_profile.skip_mismatched_plugin_profilers())
+        import jax, jax.numpy as jnp
+        events, wall = op_profile.profile(lambda: jnp.arange(512.0) @ jnp.arange(512.0), 2)
+        print(isinstance(events, list), wall > 0)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True True", out.stdout
