@@ -2,20 +2,24 @@
 behind the one-request bars).
 
 `bench.matmul_rows` times the target's matmuls alone; this benchmark profiles the calls of a
-speculative round as the engine builds them, with one request in flight: the plain decode step
-(engine `none`), verification of K tokens (`cost_profile.verify_step_fn`, K = 2 and γ + 1)
-and the draft (`cost_profile.draft_step_fn`), each `--steps` steps a device call as the
-rounds' loop runs them. `jax.profiler` records every op the runtime executes on its worker
+speculative round as the engine builds them, with `--requests` in flight (default one): the
+plain decode step (engine `none`), verification of K tokens (`cost_profile.verify_step_fn`,
+K = 2 and γ + 1) and the draft (`cost_profile.draft_step_fn`), each `--steps` steps a device
+call as the rounds' loop runs them (`--draft ''`: the plain step only, e.g. regeneration's
+batch of 32 requests). `jax.profiler` records every op the runtime executes on its worker
 threads; per call the table gives the wall time a step, the time with no op / one op / two or
 more ops running (the host's cores kept busy), and the thread time of the dots (YNNPACK /
 oneDNN / Eigen matmul fusions) against every other op, beside the weight bytes a step reads and
-the byte floor at the host's copy bandwidth (`bench.common.host_facts`).
+the byte floor at the host's copy bandwidth (`bench.common.host_facts`); for the plain step,
+the thread time of each kind of op (the dots; the copies of a layer's weights and cache out of
+the stacked layers; ...).
 
 On XLA:CPU the dots run one op at a time on one thread each, so one core's bandwidth, not the
 host's, sets a step's time: a plain step spends most of its time with a single op running,
 and its dots read the weights at about one core's copy bandwidth (figures: BENCHMARKS.md).
 
   JAX_PLATFORMS=cpu python -m dspark_jax.bench.op_profile --draft runs/smollm2_dspark/export
+  JAX_PLATFORMS=cpu python -m dspark_jax.bench.op_profile --draft '' --requests 32 --max-len 256
 
 (With libtpu installed, the profiler needs JAX_PLATFORMS=cpu on a CPU host: libtpu's profiler
 plugin crashes otherwise.)
@@ -150,32 +154,48 @@ def run(a: argparse.Namespace) -> dict:
     from dspark_jax.serving import Engine, cost_profile
 
     target = build_target(a.target, a.dtype)
-    draft = load_draft(a.draft, target=target)
-    g = int(draft.config.num_drafts)
-    kw = dict(max_requests=1, max_len=a.max_len, stop_token_ids=[])
+    kw = dict(max_requests=a.requests, max_len=a.max_len, stop_token_ids=[])
     plain = Engine(target, None, scheduler="none", **kw)
-    eng = Engine(target, draft, scheduler="fixed", **kw)
-    verify = cost_profile.verify_step_fn(eng, a.steps)
-    drafting = cost_profile.draft_step_fn(eng, a.steps)
     plain_fn = plain_device_step_fn(plain, steps=a.steps)
-    calls = {"plain step": (plain_fn, weight_bytes(target)),
-             "verify K = 2": (lambda: verify(2), weight_bytes(target)),
-             f"verify K = {g + 1}": (lambda: verify(g + 1), weight_bytes(target)),
-             "draft": (lambda: drafting(0), None)}   # reads only the draft vocabulary's rows
+    calls = {"plain step": (plain_fn, weight_bytes(target))}
+    if a.draft:
+        draft = load_draft(a.draft, target=target)
+        g = int(draft.config.num_drafts)
+        eng = Engine(target, draft, scheduler="fixed", **kw)
+        verify = cost_profile.verify_step_fn(eng, a.steps)
+        drafting = cost_profile.draft_step_fn(eng, a.steps)
+        calls |= {"verify K = 2": (lambda: verify(2), weight_bytes(target)),
+                  f"verify K = {g + 1}": (lambda: verify(g + 1), weight_bytes(target)),
+                  "draft": (lambda: drafting(0), None)}   # reads the draft vocabulary's rows
+    ops: dict[str, float] = {}
     facts = host_facts()
     parts = {}
     for name, (fn, wb) in calls.items():
-        parts[name] = dict(summarise(*profile(fn, a.calls), a.steps * a.calls, wb,
+        events, wall = profile(fn, a.calls)
+        parts[name] = dict(summarise(events, wall, a.steps * a.calls, wb,
                                      facts["memory_copy_gbs"]),
                            weight_mb=None if wb is None else wb / 1e6)
+        if name == "plain step":
+            ops = op_kinds(events, a.steps * a.calls)
     return {"target": a.target, "device": device_name(), "backend": jax.default_backend(),
             "host": facts, "dtype": a.dtype, "draft": a.draft, "steps": a.steps,
-            "calls": a.calls, "max_len": a.max_len, "parts": parts}
+            "calls": a.calls, "max_len": a.max_len, "requests": a.requests, "parts": parts,
+            "plain_step_ops_ms": ops}
+
+
+def op_kinds(events: Iterable[Event], steps: int, top: int = 8) -> dict[str, float]:
+    """Thread ms a step of the `top` costliest kinds of op (an op's name less its number:
+    `ynn_fusion`, `dynamic-slice_bitcast_fusion`, ...)."""
+    out: dict[str, float] = {}
+    for a, b, name in events:
+        kind = name.split(".")[0]
+        out[kind] = out.get(kind, 0.0) + (b - a) * 1e-6 / steps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
 
 
 def table(r: dict) -> str:
     """The result as a markdown table, each part's ms a step."""
-    lines = ["| call (R = 1) | wall | no op running | one op | ≥ 2 ops | dots thread-ms | "
+    lines = [f"| call (R = {r.get('requests', 1)}) | wall | no op running | one op | ≥ 2 ops | dots thread-ms | "
              "other ops thread-ms | weight MB | byte floor |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in r["parts"].items():
@@ -193,15 +213,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--draft", default=os.path.join("runs", "smollm2_dspark", "export"),
-                   help="a drafter export directory (default: the main job's)")
+                   help="a drafter export directory (default: the main job's); empty: the "
+                        "plain step only")
+    p.add_argument("--requests", type=int, default=1, help="requests in flight R")
     p.add_argument("--max-len", type=int, default=512, help="the cache's positions")
     p.add_argument("--steps", type=int, default=4, help="steps a device call")
     p.add_argument("--calls", type=int, default=3, help="profiled calls a part")
     p.add_argument("--json", default=None, help="also write the result here")
     a = p.parse_args(argv)
-    if a.steps < 1 or a.calls < 1 or a.max_len < 16:
-        raise SystemExit("--steps and --calls must be >= 1, --max-len >= 16")
-    if not os.path.isdir(a.draft):
+    if a.steps < 1 or a.calls < 1 or a.requests < 1 or a.max_len < 16:
+        raise SystemExit("--steps, --calls and --requests must be >= 1, --max-len >= 16")
+    if a.draft and not os.path.isdir(a.draft):
         raise SystemExit(f"--draft: no drafter export at {a.draft!r} (run the main job, or "
                          "pass --draft DIR)")
     skip_mismatched_plugin_profilers()
@@ -211,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{a.target} {a.dtype}, {r['device']}, {h['cpu']}, {h['logical_cpus']} CPUs, copy "
           f"{h['memory_copy_gbs']} GB/s; cache {a.max_len}, {a.steps} steps a call; ms a step")
     print(table(r))
+    print("plain step, thread ms a step by kind of op: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in r["plain_step_ops_ms"].items()))
     return r
 
 

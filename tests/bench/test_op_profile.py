@@ -64,3 +64,11 @@ def test_a_trace_starts_beside_a_plugin_built_for_another_jaxlib(tmp_path):
                          timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True True", out.stdout
+
+
+def test_op_kinds_sum_each_kind_per_step_costliest_first():
+    events = [(0, 4_000_000, "ynn_fusion.1"), (0, 2_000_000, "ynn_fusion.7"),
+              (1_000_000, 3_000_000, "dynamic-slice_bitcast_fusion.12"), (0, 1_000_000, "copy")]
+    assert op_profile.op_kinds(events, steps=2) == {
+        "ynn_fusion": 3.0, "dynamic-slice_bitcast_fusion": 1.0, "copy": 0.5}
+    assert list(op_profile.op_kinds(events, steps=2, top=1)) == ["ynn_fusion"]
