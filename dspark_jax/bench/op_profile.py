@@ -104,8 +104,8 @@ def skip_mismatched_plugin_profilers() -> list[str]:
     mismatched = [f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
                   if (d.metadata["Name"] or "").startswith(("jax-cuda", "jax-rocm"))
                   and d.metadata["Name"].endswith("-pjrt") and d.version != jaxlib.__version__]
-    real = xla_bridge._profiler
-    if mismatched and not isinstance(real, _NoPluginProfilers):
+    real = getattr(xla_bridge, "_profiler", None) if mismatched else None
+    if real is not None and not isinstance(real, _NoPluginProfilers):
         xla_bridge._profiler = _NoPluginProfilers(real)
     return mismatched
 
