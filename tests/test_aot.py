@@ -176,26 +176,32 @@ def test_v5e_tree_round_compiles(tmp_path):
         assert p["weights_bytes"] > 0 and p["kernels_per_step"] > 0
 
 
-def test_optimized_text_falls_back_to_the_compilers_dump():
+def test_optimized_text_falls_back_to_the_compilers_dump(monkeypatch):
     """Where `compiled.as_text()` cannot read the program's HLO proto back (a RET_CHECK in
-    libtpu), `compile_with_text` compiles again with XLA's text dump and reads the module."""
+    libtpu), `compile_with_text` compiles again with XLA's text dump and reads the program's
+    module: the same traffic as the normal path (compiled here for the CPU); any other error
+    is raised."""
     import jax
+    import jax.numpy as jnp
 
-    from dspark_jax.aot.hlo_traffic import compile_with_text
+    from dspark_jax.aot.hlo_traffic import Program, compile_with_text
 
-    class Compiled:
-        def as_text(self):
-            raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure: async-update arity")
+    lowered = jax.jit(lambda w, x: jnp.tanh(x @ w).sum()).lower(
+        jnp.zeros((64, 32)), jnp.zeros((8, 64)))
+    _, text = compile_with_text(lowered)
+    want = Program(text, lambda name: None).summary()["bytes_accessed"]
 
-    class Lowered:
-        def compile(self, options=None):
-            if options:
-                d = options["xla_dump_to"]
-                for name, text in (("module_0001.small", "HloModule s"),
-                                   ("module_0002.jit_step", "HloModule jit_step\\nENTRY e {}")):
-                    with open(f"{d}/{name}.after_optimizations.txt", "w") as f:
-                        f.write(text)
-            return Compiled()
+    def ret_check(self):
+        raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure: async-update arity")
 
-    compiled, text = compile_with_text(Lowered())
-    assert isinstance(compiled, Compiled) and text.startswith("HloModule jit_step")
+    monkeypatch.setattr(jax.stages.Compiled, "as_text", ret_check)
+    _, dumped = compile_with_text(lowered)
+    assert "jit__lambda" in dumped.splitlines()[0]
+    assert Program(dumped, lambda name: None).summary()["bytes_accessed"] == want
+
+    def other(self):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(jax.stages.Compiled, "as_text", other)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        compile_with_text(lowered)

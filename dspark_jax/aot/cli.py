@@ -67,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unrecognised arguments: {bad}")
     if bool(args.chip) == bool(args.topology):
         ap.error("give one of --topology (a TPU slice) or --chip (one chip)")
+    if args.stacked_layers and not (args.chip and args.decode):
+        ap.error("--stacked-layers compares decoding layouts: it needs --chip and --decode")
     try:
         report, text = _compile(argv[0], args, overrides)
     except AotError as e:

@@ -459,12 +459,16 @@ def compile_with_text(lowered: Any) -> tuple[Any, str]:
     except jax.errors.JaxRuntimeError as e:
         if "RET_CHECK" not in str(e):
             raise
+    name = re.search(r"module @([\w.\-]+)", lowered.as_text()[:4096])
     with tempfile.TemporaryDirectory() as d:
         compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_as_text": True})
-        dumps = sorted(glob.glob(f"{d}/*after_optimizations.txt"), key=os.path.getsize)
+        dumps = glob.glob(f"{d}/*after_optimizations.txt")
+        # the program itself: the module named as the lowered one, the largest if several
+        named = [f for f in dumps if name and f".{name.group(1)}." in os.path.basename(f)]
+        dumps = sorted(named or dumps, key=os.path.getsize)
         if not dumps:
             raise RuntimeError("the compiler wrote no optimized HLO text")
-        with open(dumps[-1]) as f:   # the program itself: the largest module
+        with open(dumps[-1]) as f:
             return compiled, f.read()
 
 

@@ -21,6 +21,7 @@ the dense path writes and re-reads the [N, T, T] scores.
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 import jax
@@ -109,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                          "empty: none")
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
+    if a.attention:
+        from dspark_jax.models.layers import FLASH_BLOCK
+
+        dims = [int(x) for x in a.attention.split(",")] if re.fullmatch(
+            r"\d+,\d+,\d+,\d+", a.attention) else []
+        if not dims or dims[0] % FLASH_BLOCK or dims[1] % dims[2] or dims[3] > 256:
+            ap.error(f"--attention {a.attention!r}: T,N,Kh,H with T a multiple of "
+                     f"{FLASH_BLOCK}, N a multiple of Kh and H ≤ 256 (the kernels' shapes)")
     from dspark_jax.aot.decode_floor import single_chip_devices
 
     rows = []

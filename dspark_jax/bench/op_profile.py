@@ -96,16 +96,28 @@ def skip_mismatched_plugin_profilers() -> list[str]:
     JAX beside an older jaxlib), whose profiler API jaxlib's tracer reads wrongly and crashes
     on when a trace starts. The plugin still compiles. Call it before JAX first picks a
     backend (that is when it loads its plugins). → the mismatched distributions."""
+    import re
+    import warnings
     from importlib import metadata
 
     import jaxlib
     from jax._src import xla_bridge
 
+    def norm(name: str | None) -> str:
+        return re.sub(r"[-_.]+", "-", name or "").lower()
+
     mismatched = [f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
-                  if (d.metadata["Name"] or "").startswith(("jax-cuda", "jax-rocm"))
-                  and d.metadata["Name"].endswith("-pjrt") and d.version != jaxlib.__version__]
-    real = getattr(xla_bridge, "_profiler", None) if mismatched else None
-    if real is not None and not isinstance(real, _NoPluginProfilers):
+                  if norm(d.metadata["Name"]).startswith(("jax-cuda", "jax-rocm"))
+                  and norm(d.metadata["Name"]).endswith("-pjrt")
+                  and d.version != jaxlib.__version__]
+    if not mismatched:
+        return mismatched
+    real = getattr(xla_bridge, "_profiler", None)
+    if real is None or getattr(xla_bridge, "_backends", None):
+        warnings.warn(f"{', '.join(mismatched)} beside jaxlib {jaxlib.__version__}: its "
+                      "profiler could not be kept out (JAX's internals differ, or a backend "
+                      "already started); a trace may crash", RuntimeWarning, stacklevel=2)
+    elif not isinstance(real, _NoPluginProfilers):
         xla_bridge._profiler = _NoPluginProfilers(real)
     return mismatched
 

@@ -72,3 +72,33 @@ def test_op_kinds_sum_each_kind_per_step_costliest_first():
     assert op_profile.op_kinds(events, steps=2) == {
         "ynn_fusion": 3.0, "dynamic-slice_bitcast_fusion": 1.0, "copy": 0.5}
     assert list(op_profile.op_kinds(events, steps=2, top=1)) == ["ynn_fusion"]
+
+
+def test_the_guard_wraps_the_profiler_once_and_only_for_a_mismatched_plugin(monkeypatch):
+    """A fake `jax_cuda13_pjrt` of another version: plugin profiler registration becomes a
+    no-op, everything else passes through, and a second call does not wrap twice; with the
+    versions equal nothing changes."""
+    from importlib import metadata
+    from types import SimpleNamespace
+
+    import jaxlib
+    from jax._src import xla_bridge
+
+    calls = []
+    fake = SimpleNamespace(register_plugin_profiler=calls.append, other=lambda: "passed")
+    monkeypatch.setattr(xla_bridge, "_profiler", fake)
+    monkeypatch.setattr(xla_bridge, "_backends", {})
+
+    def dists(version):
+        return lambda: [SimpleNamespace(metadata={"Name": "jax_cuda13_pjrt"}, version=version)]
+
+    monkeypatch.setattr(metadata, "distributions", dists(jaxlib.__version__))
+    assert op_profile.skip_mismatched_plugin_profilers() == []
+    assert xla_bridge._profiler is fake
+    monkeypatch.setattr(metadata, "distributions", dists("0.0.1"))
+    assert op_profile.skip_mismatched_plugin_profilers() == ["jax_cuda13_pjrt==0.0.1"]
+    op_profile.skip_mismatched_plugin_profilers()
+    guard = xla_bridge._profiler
+    assert isinstance(guard, op_profile._NoPluginProfilers) and guard._real is fake
+    guard.register_plugin_profiler("c_api")
+    assert calls == [] and guard.other() == "passed"

@@ -41,9 +41,12 @@ def _check_sh_commands() -> list[tuple[str, list[str]]]:
     import pathlib
     import shlex
 
-    path = pathlib.Path(__file__).resolve().parents[2].parent / "shared/tools/gpu/check.sh"
-    if not path.exists():
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    found = [p for p in (repo.parent / "shared", repo / "shared")
+             if (p / "tools/gpu/check.sh").exists()]
+    if not found:
         return []
+    path = found[0] / "tools/gpu/check.sh"
     out = []
     for line in path.read_text().splitlines():
         words = shlex.split(line) if line.startswith("step ") else []

@@ -97,8 +97,8 @@ def test_split_search_equals_trying_every_start():
         n = int(rng.randint(1, 70))
         lengths = rng.randint(1, 400, n).tolist()
         max_rows = int(rng.choice([1, 3, 6, 8, 16, 64]))
-        compiled = {(int(2 ** rng.randint(0, 6)), int(64 * rng.randint(1, 8)))
-                    for _ in range(rng.randint(0, 4))}
+        compiled = {(int(rng.choice([2 ** rng.randint(0, 6), rng.randint(1, 70)])),
+                     int(64 * rng.randint(1, 8))) for _ in range(rng.randint(0, 4))}
         new_tokens = int(rng.choice([0, 256, 1024]))
         want = _every_start_oracle(lengths, max_rows, 64, 128, 512, compiled, new_tokens)
         got = shaped_prefill_groups(lengths, max_rows, 64, 128, 512, compiled, new_tokens)
