@@ -14,9 +14,11 @@ the byte floor at the host's copy bandwidth (`bench.common.host_facts`); for the
 the thread time of each kind of op (the dots; the copies of a layer's weights and cache out of
 the stacked layers; ...).
 
-On XLA:CPU the dots run one op at a time on one thread each, so one core's bandwidth, not the
-host's, sets a step's time: a plain step spends most of its time with a single op running,
-and its dots read the weights at about one core's copy bandwidth (figures: BENCHMARKS.md).
+With one request in flight, XLA:CPU runs the dots one op at a time on one thread each, so one
+core's bandwidth, not the host's, sets a step's time: a plain step spends most of its time with
+a single op running, and its dots read the weights at about one core's copy bandwidth; at 32
+requests the copies of each layer's weight and cache slices run beside the dots (figures:
+BENCHMARKS.md and its log).
 
   JAX_PLATFORMS=cpu python -m dspark_jax.bench.op_profile --draft runs/smollm2_dspark/export
   JAX_PLATFORMS=cpu python -m dspark_jax.bench.op_profile --draft '' --requests 32 --max-len 256
