@@ -3,7 +3,10 @@
 XLA's `cost_analysis()` counts a while-loop body once, whatever its trip count, so a step made of
 scans (micro-batches, layers, anchor and key chunks) reports a small fraction of its work. This
 walks the jaxpr instead: 2·M·N·K per `dot_general`, sub-jaxprs (jit, remat, custom VJP rules)
-counted where they run, `scan` bodies times their length. Elementwise work is ignored: it is
+counted where they run, `scan` bodies times their length, a Pallas kernel's body times its grid
+(a block a kernel skips, as causal flash attention does, counted as run; a loop inside a Triton
+kernel's body counted once, as `while` is), a `shard_map` body, traced on one device's shards,
+times the devices that run it. Elementwise work is ignored: it is
 memory-bound and not what MFU measures. The count is global (all devices together).
 """
 
@@ -41,6 +44,14 @@ def jaxpr_matmul_flops(jaxpr: Any) -> int:
             total += _dot_flops(eqn)
         elif name == "scan":
             total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"].jaxpr)
+        elif name == "pallas_call":
+            grid = eqn.params["grid_mapping"].grid
+            total += math.prod(int(g) for g in grid) * jaxpr_matmul_flops(eqn.params["jaxpr"])
+        elif name == "shard_map":   # the body sees one device's shards and runs on each
+            mesh = eqn.params["mesh"]
+            manual = eqn.params.get("newly_manual_axes") or mesh.axis_names
+            copies = math.prod(int(mesh.shape[a]) for a in manual)
+            total += copies * jaxpr_matmul_flops(eqn.params["jaxpr"])
         elif name == "cond":
             total += max(jaxpr_matmul_flops(b.jaxpr) for b in eqn.params["branches"])
         else:   # pjit, remat, custom_jvp/vjp calls, while (body once: none in our steps)

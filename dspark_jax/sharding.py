@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -191,6 +191,58 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, named(mesh, axes, x.shape))
+
+
+def active_mesh() -> Mesh | None:
+    """The mesh `use_mesh` activated for the code being traced, or None."""
+    return _active_mesh.get()
+
+
+Axes = Sequence[str | None]
+
+
+def kernel_specs(shapes: Sequence[Sequence[int]], axes: Sequence[Axes], mesh: Mesh
+                 ) -> dict[str, Any]:
+    """logical axis name → the mesh axes (or None) that split it for one kernel call: the
+    `LOGICAL_RULES` entry where it divides that dimension of every argument that carries the
+    name, else None (that dimension is whole on every device). One entry per name, so the
+    arguments and the outputs of the call are split alike."""
+    chosen: dict[str, Any] = {}
+    for shape, names in zip(shapes, axes):
+        spec = _fit_spec(logical_to_spec(names), shape, mesh)
+        for name, entry in zip(names, tuple(spec) + (None,) * (len(names) - len(spec))):
+            if name is not None:
+                chosen[name] = entry if chosen.get(name, entry) == entry else None
+    return chosen
+
+
+def shard_kernel(fn: Callable[..., Any], args: Sequence[jax.Array], in_axes: Sequence[Axes],
+                 out_axes: Any) -> Any:
+    """`fn(*args)` for a Pallas / Mosaic / Triton kernel (or code around one) traced inside a
+    sharded program: run in `jax.shard_map` over the mesh `use_mesh` activated, each argument
+    split by its logical axes (`in_axes`, one tuple of names per argument; `out_axes` the same
+    for the output, or a tuple of them for several outputs) as `LOGICAL_RULES` splits the
+    activations around it. XLA cannot partition a kernel's custom call (a Mosaic kernel under
+    automatic partitioning does not compile; a Triton one is gathered whole to every device),
+    while in `shard_map` each device runs the kernel on its own rows and heads with no
+    collective in front of it. A dimension no rule splits evenly stays whole on every device.
+    `fn` must compute each output block from the same blocks of the arguments: batch rows and
+    heads, never a reduction across a split axis. Without an active mesh of several devices,
+    `fn(*args)` as it is."""
+    mesh = _active_mesh.get()
+    if mesh is None or mesh.size == 1:
+        return fn(*args)
+    chosen = kernel_specs([a.shape for a in args], in_axes, mesh)
+
+    def spec(names: Axes) -> P:
+        return P(*(chosen.get(n) if n is not None else None for n in names))
+
+    is_axes = lambda x: isinstance(x, tuple) and all(isinstance(n, (str, type(None)))  # noqa: E731
+                                                    for n in x)
+    out_specs = jax.tree.map(spec, out_axes, is_leaf=is_axes)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in in_axes),
+                           out_specs=out_specs, check_vma=False)
+    return mapped(*args)
 
 
 def put_on_mesh(tree: Any, shardings: Any) -> Any:

@@ -31,6 +31,52 @@ def test_flops_count_loop_trips_and_gradients():
     assert matmul_flops(jax.grad(jax.checkpoint(f), argnums=(0, 1)), x, w) == 4 * fwd
 
 
+def test_flops_count_kernel_grids_and_shard_map_bodies():
+    """A Pallas kernel's body counts once per grid step and a shard_map body once per device:
+    the flash kernel, alone or mapped over 8 devices, counts what the dense attention does."""
+    from dspark_jax.models import layers as L
+    from dspark_jax.sharding import make_mesh, use_mesh
+
+    q = jax.ShapeDtypeStruct((8, 256, 4, 64), jnp.float32)
+    k = jax.ShapeDtypeStruct((8, 256, 2, 64), jnp.float32)
+    dense = matmul_flops(lambda q, k, v: L.attend(q, k, v, L.causal_mask(8, 256)), q, k, k)
+    assert dense == 2 * 2 * 8 * 4 * 256 * 256 * 64
+    assert matmul_flops(lambda q, k, v: L.flash_attention_tpu(q, k, v), q, k, k) == dense
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+
+    def sharded(q, k, v):
+        with use_mesh(mesh):
+            return L.causal_attention(q, k, v)
+
+    assert "shard_map" in str(jax.make_jaxpr(sharded)(q, k, k))
+    assert matmul_flops(sharded, q, k, k) == dense
+
+
+def test_collectives_feeding_a_kernel_are_found_through_data_movement_only():
+    """An all-gather that reaches a kernel's operand through a copy and a bitcast is reported;
+    one whose result passes through arithmetic first (a projection) is not."""
+    from dspark_jax.aot.hlo_traffic import collectives_feeding_kernels, pallas_kernels
+
+    text = """HloModule m, entry_computation_layout={()->f32[4,8]{1,0}}
+
+ENTRY %main (p0: f32[1,8], p1: f32[4,8]) -> f32[4,8] {
+  %p0 = f32[1,8]{1,0} parameter(0)
+  %p1 = f32[4,8]{1,0} parameter(1)
+  %all-gather.1 = f32[4,8]{1,0} all-gather(%p0), dimensions={0}
+  %copy.1 = f32[4,8]{0,1} copy(%all-gather.1)
+  %bitcast.1 = f32[4,8]{1,0} bitcast(%copy.1)
+  %all-gather.2 = f32[4,8]{1,0} all-gather(%p0), dimensions={0}
+  %add.1 = f32[4,8]{1,0} add(%all-gather.2, %p1)
+  ROOT %k = f32[4,8]{1,0} custom-call(%bitcast.1, %add.1), custom_call_target="tpu_custom_call"
+}
+"""
+    assert [i.name for i in pallas_kernels(text)] == ["k"]
+    found = collectives_feeding_kernels(text)
+    assert [(f["kernel"], f["operand"]) for f in found] == [("k", "bitcast.1")]
+    assert found[0]["collective"].startswith("all-gather all-gather.1")
+    assert collectives_feeding_kernels(text.replace("tpu_custom_call", "cublas")) == []
+
+
 @pytest.mark.tpu
 @pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
@@ -52,6 +98,38 @@ def test_tiny_config_compiles_for_v5e_2x2(tmp_path, capsys):
     assert r["model_flops_per_step"] <= r["flops_per_step"]
     assert 0 < r["mfu_ceiling"] <= 1
     assert "fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("topo,mesh,min_kernels", [
+    pytest.param("v5p:2x2x2", (2, 2, 2), 1, marks=pytest.mark.tpu),
+    pytest.param("h200:4", (2, 2, 1), 4, marks=pytest.mark.gpu)])
+def test_training_step_with_kernels_compiles_for_several_chips(topo, mesh, min_kernels,
+                                                               tmp_path):
+    """The training step with its Pallas kernels (the target's flash attention over 128-token
+    rows; on GPUs also the drafter's context attention, forward and backward) compiles for a
+    multi-chip slice with data parallelism and FSDP both 2 (and tensor 2 on the TPU), and
+    every kernel reads its own shards: no collective feeds one."""
+    from dspark_jax.aot import gpu
+
+    if topo.startswith("v5p") and not topology.has_libtpu():
+        pytest.skip("needs libtpu: pip install -e '.[tpu]'")
+    if topo.startswith("h200") and not gpu.has_cuda_plugin():
+        pytest.skip(f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
+    target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2)
+    out = tmp_path / "aot.json"
+    data, fsdp, tensor = mesh
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--topology", topo, "--no-preset",
+                   "--json", str(out), f"--config.target={target}",
+                   "--config.data.max_length=128", "--config.draft.num_draft_layers=1",
+                   f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}",
+                   f"--config.mesh.tensor={tensor}", "--config.mesh.num_devices=-1",
+                   "--config.train.global_batch_size=8", "--config.train.micro_batches=2"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["mesh"] == {"data": data, "fsdp": fsdp, "tensor": tensor}
+    assert r["num_chips"] == data * fsdp * tensor and r["fits"] is True
+    assert r["pallas_kernels"] >= min_kernels
+    assert r["kernel_gathers"] == []
 
 
 def test_shortfall_is_reported():

@@ -59,3 +59,42 @@ def test_two_slices_put_data_parallelism_over_dcn():
     assert (slices[0] == 0).all() and (slices[1] == 1).all()
     with pytest.raises(ValueError, match="multiple of the 2 slices"):
         make_mesh(data=1, fsdp=8, devices=devs)
+
+
+def test_kernel_specs_split_a_name_alike_or_not_at_all():
+    """One mesh entry per logical name for all of a kernel's arguments: batch over (data,
+    fsdp) where every argument's batch divides by 4, KV heads over tensor; a dimension one
+    argument cannot split stays whole in all of them."""
+    from dspark_jax.sharding import kernel_specs
+
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+    q, kv = ("batch", "seq", "kv_heads", None, "head_dim"), ("batch", "seq", "kv_heads", "head_dim")
+    got = kernel_specs([(8, 16, 2, 2, 8), (8, 16, 2, 8)], [q, kv], mesh)
+    assert got["batch"] == ("data", "fsdp") and got["kv_heads"] == "tensor"
+    assert got["seq"] is None and got["head_dim"] is None
+    # 6 rows do not split 4 ways; 3 KV heads do not split 2 ways in the second argument
+    got = kernel_specs([(8, 16, 2, 2, 8), (6, 16, 3, 8)], [q, kv], mesh)
+    assert got["batch"] is None and got["kv_heads"] is None
+
+
+def test_shard_kernel_maps_over_the_active_mesh_only():
+    """Without an active mesh the function is called as it is; under one it runs in shard_map
+    on each device's block, and its result equals the unsharded call."""
+    import jax.numpy as jnp
+
+    from dspark_jax.sharding import shard_kernel, use_mesh
+
+    x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4)
+    seen = []
+
+    def fn(a):
+        seen.append(a.shape)
+        return a * 2.0
+
+    axes = [("batch", None)]
+    np.testing.assert_array_equal(shard_kernel(fn, (x,), axes, ("batch", None)), x * 2.0)
+    assert seen == [(8, 4)]
+    with use_mesh(make_mesh(data=2, fsdp=2, tensor=2)):
+        out = jax.jit(lambda a: shard_kernel(fn, (a,), axes, ("batch", None)))(x)
+    assert seen[-1] == (2, 4)                                  # a quarter of the rows a device
+    np.testing.assert_array_equal(out, x * 2.0)

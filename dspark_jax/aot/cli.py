@@ -8,6 +8,9 @@ tokens each and capacity bucket K, on a tensor × fsdp serving mesh; paper §5.2
 `decode.py`). Prints the per-chip report (and writes it as JSON with `--json`). Exits 1 with
 the shortfall when the program does not fit, 2 on a usage error (e.g. libtpu missing).
 
+`--topology h200:8` compiles for the eight H200s of one host instead (no GPU needed: the CUDA
+plugin's compile-only devices; mesh preset: FSDP over the host's GPUs).
+
 `--chip h200` compiles for one chip: a GPU without one (`h200`, `h100`: the CUDA plugin, which
 the test command installs) or one TPU chip (`v5e`, `v5p`, `v6e`). Alone it compiles the
 training step and adds the compiled program's traffic to the report (bytes accessed a step,
@@ -28,14 +31,16 @@ import sys
 from typing import Sequence
 
 from dspark_jax.aot.memory import verdict
-from dspark_jax.aot.topology import INSTALL_HINT, AotError, has_libtpu
+from dspark_jax.aot.topology import INSTALL_HINT, AotError, gpu_topology, has_libtpu
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     ap = argparse.ArgumentParser(prog="python -m dspark_jax.aot", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="configs/NAME.py")
-    ap.add_argument("--topology", default="", help="TPU topology, e.g. v5e:2x2, v5p:2x4x4")
+    ap.add_argument("--topology", default="",
+                    help="TPU topology, e.g. v5e:2x2, v5p:2x4x4, or the GPUs of one host, "
+                         "e.g. h200:8 (compiled without a GPU)")
     ap.add_argument("--chip", default="",
                     help="one chip (h200, h100: compiled without a GPU; v5e, v5p, v6e: one TPU "
                          "chip): the training step with its traffic, or with --decode the "
@@ -89,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple[dict, str]:
     """(report, its text) of what the arguments ask for: a topology's training step or serving
     round, or one chip's training step or decoding programs against their floor."""
-    if args.topology and not has_libtpu():
+    if args.topology and gpu_topology(args.topology) is None and not has_libtpu():
         raise AotError(f"compiling for a TPU topology needs libtpu: {INSTALL_HINT}")
     from dspark_jax.aot.decode import DecodeShape
     from dspark_jax.train.job_config import UsageError, parse_config

@@ -26,9 +26,9 @@ import functools
 import time
 from typing import Any, Sequence
 
-from dspark_jax.aot.memory import fmt_bytes, memory_report
+from dspark_jax.aot.memory import fmt_bytes, memory_and_kernels
 from dspark_jax.aot.shapes import mesh_and_configs, target_hf_dict
-from dspark_jax.aot.topology import AotError, GiB, chip_for, libtpu_version, topology_devices
+from dspark_jax.aot.topology import AotError, GiB, libtpu_version, slice_devices
 
 # the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
 # DFlash and Eagle3 verify every draft ("fixed")
@@ -228,7 +228,8 @@ def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: A
 
     t0 = time.perf_counter()
     with use_mesh(mesh):
-        mem = memory_report(lower(*args))
+        mem = memory_and_kernels(lower(*args),
+                                 via_dump=mesh.devices.flat[0].platform == "tpu")
         flops = matmul_flops(fn, *args)
     peak = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
     flops_s = flops / (n * chip.peak_bf16_flops)
@@ -240,6 +241,7 @@ def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: A
             "peak_bytes_per_chip": int(peak), "fits": bool(peak <= chip.hbm_bytes),
             "flops_per_step": int(flops), "flops_bound_s": flops_s,
             "hbm_traffic_bound_s": traffic_s, "step_time_lower_bound_s": max(flops_s, traffic_s),
+            "pallas_kernels": mem["pallas_kernels"], "kernel_gathers": mem["kernel_gathers"],
             "compile_error": mem.get("error", ""),
             "compile_s": round(time.perf_counter() - t0, 1)}
 
@@ -250,8 +252,7 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
     `default_mesh`: the serving mesh of `decode_mesh_shape` (else the config's mesh.*)."""
     import jax
 
-    devices = topology_devices(topology, num_slices)
-    chip = chip_for(devices[0].device_kind)
+    devices, chip = slice_devices(topology, num_slices)
     if default_mesh:
         kv_heads = int(target_hf_dict(c)["num_key_value_heads"])
         for k, v in decode_mesh_shape(len(devices), kv_heads).items():
@@ -282,7 +283,8 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         "draft_step": draft, "verify_step": verify, "round_call": fused,
         "compile_error": (draft["compile_error"] or verify["compile_error"]
                           or fused["compile_error"]),
-        "jax": jax.__version__, "libtpu": libtpu_version(),
+        "jax": jax.__version__,
+        "libtpu": libtpu_version() if devices[0].platform == "tpu" else "",
     }
 
 
@@ -305,6 +307,12 @@ def format_decode_report(r: dict[str, Any]) -> str:
                  + f", headroom {g(r['headroom_bytes_per_chip']).strip()}; round ≥ "
                  f"{r['step_time_lower_bound_s'] * 1e3:.3f} ms (≤ "
                  f"{r['tokens_per_s_upper_bound']:.0f} verified tokens/s)")
+    kernels = {name: r[name]["pallas_kernels"] for name in ("draft_step", "verify_step",
+                                                              "round_call")}
+    gathers = sum(len(r[name]["kernel_gathers"]) for name in kernels)
+    lines.append("  Pallas kernels: " + ", ".join(f"{k} {v}" for k, v in kernels.items())
+                 + ("; none fed by a collective" if not gathers
+                    else f"; {gathers} operands gathered in front of one"))
     return "\n".join(lines)
 
 

@@ -48,8 +48,8 @@ def has_cuda_plugin() -> bool:
     return importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
 
 
-def gpu_devices(chip: str) -> list[Any]:
-    """One compile-only device of GPU `chip` (no GPU is opened)."""
+def gpu_devices(chip: str, count: int = 1) -> list[Any]:
+    """`count` compile-only devices of GPU `chip`, the GPUs of one host (no GPU is opened)."""
     if chip not in GPU_CHIPS:
         raise AotError(f"--chip {chip!r}: known GPUs {sorted(GPU_CHIPS)}")
     if not has_cuda_plugin():
@@ -64,7 +64,7 @@ def gpu_devices(chip: str) -> list[Any]:
         try:
             topo = topologies.get_topology_desc(platform="cuda",
                                                 target_config=GPU_CHIPS[chip].config_text(),
-                                                topology="1x1x1")
+                                                topology=f"1x1x{count}")
         except Exception as e:   # the plugin names the problem (version, config)
             raise AotError(f"--chip {chip}: the CUDA plugin could not describe the device: "
                            f"{e}") from None

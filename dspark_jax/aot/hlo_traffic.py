@@ -442,23 +442,81 @@ class Program:
                  "weight_copy": k.weight_copy} for k in ks]
 
 
-def compile_with_text(lowered: Any) -> tuple[Any, str]:
+# custom-call targets of Pallas kernels: Mosaic (TPU) and Triton (GPU)
+KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+_COLLECTIVE = re.compile(r"^(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute|"
+                         r"collective-broadcast|ragged-all-to-all)")
+# ops that only carry an operand on to the kernel (no arithmetic)
+_CARRY = _MOVES | {"copy-start", "copy-done", "optimization-barrier"}
+
+
+def pallas_kernels(hlo_text: str) -> list[Instr]:
+    """The Pallas kernel calls (Mosaic or Triton custom calls) of a compiled program."""
+    return [i for c in parse_hlo(hlo_text).values() for i in c.instrs
+            if i.opcode == "custom-call" and _call_target(i) in KERNEL_TARGETS]
+
+
+def _call_target(ins: Instr) -> str:
+    m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
+def collectives_feeding_kernels(hlo_text: str) -> list[dict[str, str]]:
+    """The collectives (all-gather, all-to-all, ...) whose result reaches a Pallas kernel's
+    operand through data movement alone (bitcasts, copies, transposes, converts, fusions of
+    those): the gathers XLA adds where a kernel runs outside `shard_map` and its sharded
+    inputs must be made whole first. One row per (kernel, operand, collective); empty where
+    every kernel reads its operands where they lie."""
+    comps = parse_hlo(hlo_text)
+    found = []
+    for comp in comps.values():
+        by = comp.by_name()
+        for ins in comp.instrs:
+            if ins.opcode != "custom-call" or _call_target(ins) not in KERNEL_TARGETS:
+                continue
+            for operand in ins.operands:
+                stack, seen = [operand], set()
+                while stack:
+                    name = stack.pop()
+                    src = by.get(name)
+                    if src is None or name in seen:
+                        continue
+                    seen.add(name)
+                    if _COLLECTIVE.match(src.opcode):
+                        found.append({"kernel": ins.name, "operand": operand,
+                                      "collective": f"{src.opcode} {src.name} {src.shape}"})
+                    elif src.opcode in _CARRY or (src.opcode == "fusion"
+                                                  and _moves_only(comps, src)):
+                        stack.extend(src.operands)
+    return found
+
+
+def _moves_only(comps: dict[str, Computation], fusion: Instr) -> bool:
+    called = [comps[c] for c in fusion.called() if c in comps]
+    return bool(called) and all(i.opcode in _CARRY or (i.opcode == "fusion" and
+                                                       _moves_only(comps, i))
+                                for c in called for i in c.instrs)
+
+
+def compile_with_text(lowered: Any, via_dump: bool = False) -> tuple[Any, str]:
     """(compiled program, its optimized HLO text). The text is `compiled.as_text()`, which
     re-reads the program's HLO proto; where that round trip fails (libtpu writes some async
     instructions it cannot read back), the program is compiled again with XLA's own text dump
-    (`xla_dump_to`), which prints the same optimized module."""
+    (`xla_dump_to`), which prints the same optimized module. `via_dump` takes the dump at the
+    first compile (for TPU programs, whose round trip mostly fails: one compile, not two)."""
     import glob
     import os
     import tempfile
 
     import jax
 
-    compiled = lowered.compile()
-    try:
-        return compiled, compiled.as_text()
-    except jax.errors.JaxRuntimeError as e:
-        if "RET_CHECK" not in str(e):
-            raise
+    if not via_dump:
+        compiled = lowered.compile()
+        try:
+            return compiled, compiled.as_text()
+        except jax.errors.JaxRuntimeError as e:
+            if "RET_CHECK" not in str(e):
+                raise
     name = re.search(r"module @([\w.\-]+)", lowered.as_text()[:4096])
     with tempfile.TemporaryDirectory() as d:
         compiled = lowered.compile({"xla_dump_to": d, "xla_dump_hlo_as_text": True})

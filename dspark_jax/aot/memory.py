@@ -30,16 +30,26 @@ def _compile_time_oom(message: str) -> dict[str, Any] | None:
             "temp": int(float(m.group(1)) * scale), "error": message.splitlines()[0][:300]}
 
 
-def memory_report(lowered: Any) -> dict[str, Any]:
+def memory_and_kernels(lowered: Any, via_dump: bool = False) -> dict[str, Any]:
     """Compiles a lowered program → its per-chip byte counts (`memory_of`), or the temporaries
-    of a compile-time HBM OOM (with `error`)."""
+    of a compile-time HBM OOM (with `error`), and its Pallas kernels read off its optimized HLO:
+    `pallas_kernels` (how many custom calls) and `kernel_gathers` (the collectives that feed a
+    kernel's operands, `hlo_traffic.collectives_feeding_kernels`: empty where every kernel runs
+    per device on its own shards). After a compile-time HBM OOM both are unknown (-1, []).
+    `via_dump`: read the text off XLA's dump (`hlo_traffic.compile_with_text`; TPU programs)."""
+    from dspark_jax.aot.hlo_traffic import (collectives_feeding_kernels, compile_with_text,
+                                            pallas_kernels)
+
     try:
-        return memory_of(lowered.compile().memory_analysis())
+        compiled, text = compile_with_text(lowered, via_dump)
     except Exception as e:   # the TPU compiler refuses a program whose temporaries exceed HBM
         mem = _compile_time_oom(str(e))
         if mem is None:
             raise
-        return mem
+        return mem | {"pallas_kernels": -1, "kernel_gathers": []}
+    return memory_of(compiled.memory_analysis()) | {
+        "pallas_kernels": len(pallas_kernels(text)),
+        "kernel_gathers": collectives_feeding_kernels(text)}
 
 
 def fmt_bytes(b: float) -> str:

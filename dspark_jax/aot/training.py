@@ -20,9 +20,9 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-from dspark_jax.aot.memory import memory_of, fmt_bytes, memory_report
+from dspark_jax.aot.memory import fmt_bytes, memory_and_kernels, memory_of
 from dspark_jax.aot.shapes import mesh_and_configs
-from dspark_jax.aot.topology import AotError, GiB, chip_for, libtpu_version, topology_devices
+from dspark_jax.aot.topology import AotError, GiB, libtpu_version, slice_devices
 
 
 # argument paths of the training step's weights (its arguments are positional): the drafter's
@@ -49,6 +49,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
     from jax.sharding import NamedSharding
 
     from dspark_jax.models.decoder import TargetDecoder
+    from dspark_jax.models.layers import flash_kernels
     from dspark_jax.models.drafters.draft import create_draft_module
     from dspark_jax.models.target import resolve_dtype
     from dspark_jax.sharding import abstract_on_mesh
@@ -91,10 +92,11 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
                                 c.train.anchor_chunk, attn_key_chunk=attn_key_chunk(c),
                                 remat=bool(c.train.remat), attn_kernel=attn_kernel(c))
 
-    def target_fn(ts, mb):
-        out = nnx.merge(t_graphdef, ts)(mb["input_ids"], positions_bt=mb["positions"],
-                                        segment_ids_bt=mb["segment_ids"],
-                                        tap_layer_ids=d_cfg.target_layer_ids)
+    def target_fn(ts, mb):   # the target's forward as the step runs it (kernels or not)
+        with flash_kernels(attn_kernel(c)):
+            out = nnx.merge(t_graphdef, ts)(mb["input_ids"], positions_bt=mb["positions"],
+                                            segment_ids_bt=mb["segment_ids"],
+                                            tap_layer_ids=d_cfg.target_layer_ids)
         return out.taps, out.hidden
 
     return AbstractJob(fns=fns, args=(state, frozen_abs, t_state_abs, batch), sums_fn=sums_fn,
@@ -120,8 +122,8 @@ def step_flops(job: AbstractJob) -> tuple[int, int]:
 
 def compile_report(c: Any, topology: str, num_slices: int = 1) -> dict[str, Any]:
     """Compiles the train step of config `c` for `topology` and returns the report dict."""
-    devices = topology_devices(topology, num_slices)
-    return _report(c, devices, chip_for(devices[0].device_kind), topology, num_slices)
+    devices, chip = slice_devices(topology, num_slices)
+    return _report(c, devices, chip, topology, num_slices)
 
 
 def chip_train_report(c: Any, chip: str) -> dict[str, Any]:
@@ -150,8 +152,12 @@ def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices
     if traffic:
         from dspark_jax.aot.hlo_traffic import Program, compile_with_text, weights_or_cache
 
-        compiled, text = compile_with_text(lowered)
-        mem = memory_of(compiled.memory_analysis())
+        from dspark_jax.aot.hlo_traffic import collectives_feeding_kernels, pallas_kernels
+
+        compiled, text = compile_with_text(lowered, via_dump=devices[0].platform == "tpu")
+        mem = memory_of(compiled.memory_analysis()) | {
+            "pallas_kernels": len(pallas_kernels(text)),
+            "kernel_gathers": collectives_feeding_kernels(text)}
         prog = Program(text, weights_or_cache(TRAIN_WEIGHT_ARGS, ()))
         summary = prog.summary()
         extra = {k: summary[k] for k in ("bytes_accessed", "weights_bytes", "weight_copy_bytes",
@@ -159,7 +165,7 @@ def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices
         extra["top_kernels"] = prog.top_kernels(12)
         extra["hbm_bytes_per_s"] = chip.hbm_bytes_per_s
     else:
-        mem = memory_report(lowered)
+        mem = memory_and_kernels(lowered, via_dump=devices[0].platform == "tpu")
     compile_s = time.perf_counter() - t0
     executed, model = step_flops(job)
     n = len(devices)
@@ -189,6 +195,7 @@ def _report(c: Any, devices: Sequence[Any], chip: Any, topology: str, num_slices
         "peak_flops_per_chip": chip.peak_bf16_flops,
         "step_time_lower_bound_s": lower_bound,
         "mfu_ceiling": model / executed if executed else 0.0,
+        "pallas_kernels": mem["pallas_kernels"], "kernel_gathers": mem["kernel_gathers"],
         "compile_error": mem.get("error", ""),
         "compile_s": round(compile_s, 1), "jax": jax.__version__,
         "libtpu": libtpu_version() if devices[0].platform == "tpu" else "",
@@ -207,6 +214,7 @@ def format_report(r: dict[str, Any]) -> str:
                  f"{g(r['hbm_bytes_per_chip']).strip()} HBM → "
                  + ("fits" if r["fits"] else "DOES NOT FIT")
                  + f", headroom {g(r['headroom_bytes_per_chip']).strip()}")
+    lines.append(kernel_line(r))
     lines.append(f"FLOPs per step {r['flops_per_step']:.3e} (model {r['model_flops_per_step']:.3e}); "
                  f"step time ≥ {r['step_time_lower_bound_s']:.3f} s at peak; MFU ceiling "
                  f"{r['mfu_ceiling']:.1%}")
@@ -220,6 +228,18 @@ def format_report(r: dict[str, Any]) -> str:
         for k in r["top_kernels"]:
             lines.append(f"    {k['mb']:10.1f}  {k['name']} x{k['times']}")
     return "\n".join(lines)
+
+
+def kernel_line(r: dict[str, Any]) -> str:
+    """The report's line on its Pallas kernels: how many, and whether any is fed by a gather."""
+    n, gathers = r["pallas_kernels"], r["kernel_gathers"]
+    if n < 0:
+        return "Pallas kernels: unknown (the program did not compile)"
+    if not gathers:
+        return f"Pallas kernels: {n}, each on its own shards (no collective feeds one)"
+    first = gathers[0]
+    return (f"Pallas kernels: {n}; {len(gathers)} operands gathered in front of one, e.g. "
+            f"{first['kernel']} ← {first['collective']}")
 
 
 def markdown_table(reports: Sequence[dict[str, Any]]) -> str:

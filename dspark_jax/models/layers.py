@@ -9,8 +9,10 @@ Parameter layouts are einsum-friendly: q_proj is [L, D, N, H] ('BTD,DNH->BTNH').
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig, RopeConfig, rope_inv_freq
-from dspark_jax.sharding import constrain
+from dspark_jax.sharding import constrain, shard_kernel
 
 NEG_INF = -1e30
 
@@ -107,6 +109,28 @@ def causal_mask(b: int, t: int, segment_ids_bt: jax.Array | None = None) -> jax.
     return mask
 
 
+_flash_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("flash_kernels",
+                                                                     default=True)
+
+
+@contextlib.contextmanager
+def flash_kernels(enabled: bool) -> Iterator[None]:
+    """Whether `causal_attention` traced inside the block may take the flash-attention kernels
+    (default yes); False keeps the dense path on every platform, to compare the two."""
+    token = _flash_kernels.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _flash_kernels.reset(token)
+
+
+# logical axes of the flash kernels' arguments: q grouped by KV head [B, T, K, G, H], so a
+# tensor-parallel mesh splits the query heads with their KV head; k / v [B, T, K, H]
+_Q_AXES = ("batch", "seq", "kv_heads", None, "head_dim")
+_KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+_SEG_AXES = ("batch", "seq")
+
+
 def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
                      segment_ids_bt: jax.Array | None = None) -> jax.Array:
     """Causal grouped-query attention of T tokens over themselves (no cache), each token seeing
@@ -116,19 +140,33 @@ def causal_attention(q_btnh: jax.Array, k_btkh: jax.Array, v_btkh: jax.Array,
     On a GPU or TPU, for T a multiple of `FLASH_BLOCK`, a flash-attention Pallas kernel
     (JAX's `pallas.ops.gpu.attention.mha`, `pallas.ops.tpu.flash_attention`) keeps the [T, T]
     scores on chip, where `attend` writes and re-reads them in HBM, several bytes per score
-    per layer; on a CPU, and for other lengths, `attend` with the dense mask. The branch is
+    per layer; on a CPU, for other lengths and inside `flash_kernels(False)`, `attend` with the
+    dense mask. The branch is
     chosen for the platform being compiled for (`lax.platform_dependent`), so an ahead-of-time
-    compile for a GPU or TPU on a CPU machine takes the kernel."""
+    compile for a GPU or TPU on a CPU machine takes the kernel. Inside a sharded program the
+    kernel runs per device on its batch rows and KV-head groups (`sharding.shard_kernel`)."""
     b, t, n, h = q_btnh.shape
-    args = (q_btnh, k_btkh, v_btkh) + (() if segment_ids_bt is None else (segment_ids_bt,))
+    kvh = k_btkh.shape[2]
+    if t % FLASH_BLOCK or h > 256 or not _flash_kernels.get():
+        return attend(q_btnh, k_btkh, v_btkh, causal_mask(b, t, segment_ids_bt))
 
-    def dense(q, k, v, seg=None):
-        return attend(q, k, v, causal_mask(b, t, seg))
+    def local(q_g, k, v, seg=None):
+        """One device's rows and KV heads: [b, T, k, G, H] queries."""
+        bl, tl, kl, g, hl = q_g.shape
+        q = q_g.reshape(bl, tl, kl * g, hl)
 
-    if t % FLASH_BLOCK or h > 256:
-        return dense(*args)
-    return jax.lax.platform_dependent(*args, cuda=flash_attention_gpu,
-                                      tpu=flash_attention_tpu, default=dense)
+        def dense(q, k, v, seg=None):
+            return attend(q, k, v, causal_mask(bl, tl, seg))
+
+        args = (q, k, v) + (() if seg is None else (seg,))
+        out = jax.lax.platform_dependent(*args, cuda=flash_attention_gpu,
+                                         tpu=flash_attention_tpu, default=dense)
+        return out.reshape(q_g.shape)
+
+    q_g = q_btnh.reshape(b, t, kvh, n // kvh, h)
+    args = (q_g, k_btkh, v_btkh) + (() if segment_ids_bt is None else (segment_ids_bt,))
+    axes = (_Q_AXES, _KV_AXES, _KV_AXES, _SEG_AXES)[:len(args)]
+    return shard_kernel(local, args, axes, _Q_AXES).reshape(b, t, n, h)
 
 
 def _heads_like_q(x: jax.Array, n: int) -> jax.Array:

@@ -46,13 +46,25 @@ MESH_PRESETS = {
 }
 
 
+def mesh_preset(topology: str) -> dict[str, int] | None:
+    """MESH_PRESETS[topology]; for the GPUs of one host, "CHIP:N" (e.g. "h200:8", no "x" in
+    N), FSDP over the N GPUs as `launch/multi_gpu.sh` trains; None for an unknown topology."""
+    if topology in MESH_PRESETS:
+        return MESH_PRESETS[topology]
+    chip, _, count = topology.partition(":")
+    if chip and count.isdigit() and int(count) > 0:
+        return dict(data=1, fsdp=int(count), tensor=1, rows_per_chip=1)
+    return None
+
+
 def apply_mesh_preset(c: ml_collections.ConfigDict, topology: str, num_slices: int = 1) -> None:
-    """Sets `c.mesh.{data,fsdp,tensor}` and `c.train.micro_batches` from MESH_PRESETS[topology]
+    """Sets `c.mesh.{data,fsdp,tensor}` and `c.train.micro_batches` from `mesh_preset(topology)`
     (micro-batches of rows_per_chip sequences per chip); a ValueError names what does not fit."""
-    if topology not in MESH_PRESETS:
+    p = mesh_preset(topology)
+    if p is None:
         raise ValueError(f"config.mesh.preset: no mesh preset for topology {topology!r}; known: "
-                         f"{sorted(MESH_PRESETS)} (or set mesh.data/fsdp/tensor)")
-    p = MESH_PRESETS[topology]
+                         f"{sorted(MESH_PRESETS)} or a GPU host CHIP:N "
+                         "(or set mesh.data/fsdp/tensor)")
     rows = p["rows_per_chip"] * p["data"] * num_slices * p["fsdp"]
     gbs = c.train.global_batch_size
     if gbs % rows:

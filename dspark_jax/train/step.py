@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.drafters.dspark import FrozenParam
+from dspark_jax.models.layers import flash_kernels
 from dspark_jax.sharding import (abstract_on_mesh, constrain, logical_to_spec, put_on_mesh,
                                  state_shardings, use_mesh)
 from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
@@ -141,14 +142,16 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
     `attn_key_chunk`: the drafter attention's memory chunk — context keys per online-softmax
     chunk of the DSpark/DFlash block attention, query rows per chunk of the Eagle3 TTT
     attention (None: dense scores). `attn_kernel`: compiled for a GPU, the DSpark/DFlash block
-    attention runs its fused Triton kernel instead of the chunks."""
+    attention runs its fused Triton kernel instead of the chunks, and on a GPU or TPU the
+    target's forward over training rows its flash-attention kernel (`layers.flash_kernels`)."""
 
     def fn(params, frozen, target_state, mb, key):
         draft = nnx.merge(draft_graphdef, params, frozen)
         if target_graphdef is not None:
             target = nnx.merge(target_graphdef, target_state)
-            out = target(mb["input_ids"], positions_bt=mb["positions"],
-                         segment_ids_bt=mb["segment_ids"], tap_layer_ids=cfg.target_layer_ids)
+            with flash_kernels(attn_kernel):
+                out = target(mb["input_ids"], positions_bt=mb["positions"],
+                             segment_ids_bt=mb["segment_ids"], tap_layer_ids=cfg.target_layer_ids)
             feats, hidden = jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.hidden)
         else:
             feats, hidden = mb["features"], mb["target_hidden"]

@@ -102,3 +102,79 @@ def test_causal_attention_compiles_to_the_flash_kernel_for_an_accelerator(chip, 
     seg = jax.ShapeDtypeStruct((2, 2 * L.FLASH_BLOCK), jnp.int32, sharding=sh)
     text = jax.jit(L.causal_attention).lower(q, k, k, seg).compile().as_text()
     assert f'custom_call_target="{call}"' in text
+
+
+def test_causal_attention_under_a_mesh_runs_per_shard_and_equals_unsharded():
+    """Inside a sharded program the attention runs in `shard_map` on each device's rows and
+    KV-head groups (data 2 × fsdp 2 × tensor 2), with the same values as unsharded."""
+    from dspark_jax.sharding import make_mesh, use_mesh
+
+    B, T, N, K, H = 4, L.FLASH_BLOCK, 4, 2, 8
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
+    k = jax.random.normal(ks[1], (B, T, K, H), jnp.float32)
+    v = jax.random.normal(ks[2], (B, T, K, H), jnp.float32)
+    seg = jnp.where(jnp.arange(T)[None] < jnp.array([[40], [128], [90], [7]]), 1, 2)
+    mesh = make_mesh(data=2, fsdp=2, tensor=2)
+
+    def sharded(*xs):
+        with use_mesh(mesh):
+            return L.causal_attention(*xs)
+
+    body = str(jax.make_jaxpr(sharded)(q, k, v, seg)).split("shard_map", 1)[1]
+    assert f"f32[1,{T},1,{N // K},{H}]" in body        # a quarter of the rows, half the heads
+    np.testing.assert_allclose(np.asarray(jax.jit(sharded)(q, k, v, seg)),
+                               np.asarray(L.attend(q, k, v, L.causal_mask(B, T, seg))),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("topo,mesh_shape,call", [
+    pytest.param("v5p:2x2x2", (2, 2, 2), "tpu_custom_call", marks=pytest.mark.tpu),
+    pytest.param("h200:4", (2, 2, 1), "__gpu$xla.gpu.triton", marks=pytest.mark.gpu)])
+def test_flash_kernel_reads_its_shards_where_they_lie_on_several_chips(topo, mesh_shape, call):
+    """Compiled for several chips (no device), the flash kernel runs on each chip's rows and
+    heads: its custom call takes the local shapes, and no collective feeds its operands. The
+    bare kernel outside `shard_map` (GPU: a TPU refuses to compile it) is gathered whole first,
+    which the same check reports; `flash_kernels(False)` compiles the dense path instead."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from dspark_jax.aot import gpu, topology
+    from dspark_jax.aot.hlo_traffic import collectives_feeding_kernels, pallas_kernels
+    from dspark_jax.sharding import MESH_AXES, use_mesh
+
+    if topo.startswith("v5p") and not topology.has_libtpu():
+        pytest.skip("needs libtpu: pip install -e '.[tpu]'")
+    if topo.startswith("h200") and not gpu.has_cuda_plugin():
+        pytest.skip(f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
+    devices, _ = topology.slice_devices(topo)
+    mesh = Mesh(np.asarray(devices).reshape(mesh_shape), MESH_AXES)
+    B, T, N, K, H = 4, 2 * L.FLASH_BLOCK, 4, 2, 128
+    rows = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16, sharding=rows)
+    k = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16, sharding=rows)
+    seg = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+
+    def compiled(fn):
+        def f(*xs):
+            with use_mesh(mesh):
+                return fn(*xs)
+        return jax.jit(f, out_shardings=rows).lower(q, k, k, seg).compile().as_text()
+
+    text = compiled(L.causal_attention)
+    kernels = pallas_kernels(text)
+    assert kernels and all(f'custom_call_target="{call}"' in i.attrs for i in kernels)
+    local = f"[1,{T},{N // mesh_shape[2]},{H}]" if call.startswith("__gpu") else \
+        f"[1,{N // mesh_shape[2]},{T},{H}]"
+    assert all(local in i.shape for i in kernels), [i.shape for i in kernels]
+    assert collectives_feeding_kernels(text) == []
+
+    def dense(*xs):
+        with L.flash_kernels(False):                    # train.attn_kernel=False
+            return L.causal_attention(*xs)
+
+    assert pallas_kernels(compiled(dense)) == []
+    if call.startswith("__gpu"):
+        bare = compiled(lambda *xs: L.flash_attention_gpu(*xs))
+        assert f"[{B},{T},{N},{H}]" in pallas_kernels(bare)[0].shape
+        assert any(g["collective"].startswith("all-gather")
+                   for g in collectives_feeding_kernels(bare))

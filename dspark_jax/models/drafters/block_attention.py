@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models.layers import NEG_INF
+from dspark_jax.sharding import shard_kernel
 
 # the Triton kernel keeps a [tile, H] accumulator per program in registers: larger heads take
 # the chunked path
@@ -286,17 +287,33 @@ def _fused_bwd(interpret, res, d_out):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+# logical axes of the fused kernel's arguments (grouped queries [B, A, T, K, G, H], context
+# keys [B, S, K, H], block keys [B, A, U, K, H], per-anchor and per-key rows) and its output
+_FUSED_Q_AXES = ("batch", None, None, "kv_heads", None, "head_dim")
+_FUSED_AXES = (_FUSED_Q_AXES, ("batch", None, "kv_heads", "head_dim"),
+               ("batch", None, "kv_heads", "head_dim"),
+               ("batch", None, None, "kv_heads", "head_dim"),
+               ("batch", None, None, "kv_heads", "head_dim"),
+               ("batch", None), ("batch", None), ("batch", None), ("batch", None))
+
+
 def fused_block_attend(q_batnh: jax.Array, ctx_k: jax.Array, ctx_v: jax.Array,
                        blk_k: jax.Array, blk_v: jax.Array, ctx_mask: ContextMask,
                        blk_valid_ba: jax.Array, interpret: bool = False) -> jax.Array:
     """Block attention whose context part runs in the Triton kernel of
     `pallas_kernels.context_attention` (forward and backward): no score tile leaves the chip,
-    and a tile of slots walks only the context below its anchors' limits. `interpret` runs the
-    kernel on any device (tests)."""
+    and a tile of slots walks only the context below its anchors' limits. Inside a sharded
+    program each device runs it on its own rows and KV heads (`sharding.shard_kernel`).
+    `interpret` runs the kernel on any device (tests)."""
     B, A, T, N, H = q_batnh.shape
     lim, aseg, kseg = ctx_mask.arrays(ctx_k.shape[1])
-    out = _fused(_grouped(q_batnh, ctx_k.shape[2]), ctx_k, ctx_v, blk_k, blk_v, lim, aseg, kseg,
-                 blk_valid_ba.astype(bool), interpret)
+
+    def local(q, ck, cv, bk, bv, lim, aseg, kseg, valid):
+        return _fused(q, ck, cv, bk, bv, lim, aseg, kseg, valid, interpret)
+
+    args = (_grouped(q_batnh, ctx_k.shape[2]), ctx_k, ctx_v, blk_k, blk_v, lim, aseg, kseg,
+            blk_valid_ba.astype(bool))
+    out = shard_kernel(local, args, _FUSED_AXES, _FUSED_Q_AXES)
     return out.reshape(B, A, T, N, H)
 
 
