@@ -235,6 +235,8 @@ def kernel_line(r: dict[str, Any]) -> str:
     n, gathers = r["pallas_kernels"], r["kernel_gathers"]
     if n < 0:
         return "Pallas kernels: unknown (the program did not compile)"
+    if n == 0:
+        return "Pallas kernels: none"
     if not gathers:
         return f"Pallas kernels: {n}, each on its own shards (no collective feeds one)"
     first = gathers[0]
