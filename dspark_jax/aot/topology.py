@@ -83,33 +83,6 @@ def topology_devices(topology: str, num_slices: int = 1) -> list[Any]:
     return devices
 
 
-def gpu_topology(topology: str) -> tuple[str, int] | None:
-    """("h200", 8) for a GPU topology "h200:8" (8 GPUs of one host), None for a TPU one."""
-    from dspark_jax.aot.gpu import GPU_CHIPS
-
-    chip, _, count = topology.partition(":")
-    if chip not in GPU_CHIPS:
-        return None
-    if not count.isdigit() or int(count) < 1:
-        raise AotError(f"--topology {topology!r}: a GPU topology is CHIP:COUNT, the GPUs of one "
-                       f"host (e.g. {chip}:8)")
-    return chip, int(count)
-
-
-def slice_devices(topology: str, num_slices: int = 1) -> tuple[list[Any], Any]:
-    """(compile-only devices, chip facts) of a TPU topology ("v5p:2x4x4", `topology_devices`)
-    or of a GPU host ("h200:8": eight H200s, compiled without a GPU, `gpu.gpu_devices`)."""
-    gpus = gpu_topology(topology)
-    if gpus is None:
-        devices = topology_devices(topology, num_slices)
-        return devices, chip_for(devices[0].device_kind)
-    from dspark_jax.aot.gpu import GPU_CHIPS, gpu_devices
-
-    if num_slices != 1:
-        raise AotError(f"--num-slices is for TPU slices, not the GPU topology {topology!r}")
-    return gpu_devices(gpus[0], gpus[1]), GPU_CHIPS[gpus[0]]
-
-
 _FLAGS_PARSED: set[str] = set()
 
 

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 from dspark_jax.aot.memory import fmt_bytes, memory_and_kernels, memory_of
 from dspark_jax.aot.shapes import mesh_and_configs
-from dspark_jax.aot.topology import AotError, GiB, libtpu_version, slice_devices
+from dspark_jax.aot.devices import slice_devices
+from dspark_jax.aot.topology import AotError, GiB, libtpu_version
 
 
 # argument paths of the training step's weights (its arguments are positional): the drafter's

@@ -146,7 +146,9 @@ def test_flash_kernel_reads_its_shards_where_they_lie_on_several_chips(topo, mes
         pytest.skip("needs libtpu: pip install -e '.[tpu]'")
     if topo.startswith("h200") and not gpu.has_cuda_plugin():
         pytest.skip(f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
-    devices, _ = topology.slice_devices(topo)
+    from dspark_jax.aot.devices import slice_devices
+
+    devices, _ = slice_devices(topo)
     mesh = Mesh(np.asarray(devices).reshape(mesh_shape), MESH_AXES)
     B, T, N, K, H = 4, 2 * L.FLASH_BLOCK, 4, 2, 128
     rows = NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))
