@@ -245,15 +245,18 @@ def _load_models(target: Any, draft: Any, *, tokenizer: Any, dtype: str | None,
     from dspark_jax.serving.generation import check_compatible
 
     target_label = str(target) if not isinstance(target, Target) else (target.name or "target")
-    if isinstance(target, Target):
-        _check_dtype(target, dtype)
-    else:
+    loaded_here = not isinstance(target, Target)
+    if loaded_here:
         target = load_target(target, dtype="float32" if dtype is None else dtype)
+    else:
+        _check_dtype(target, dtype)
     draft_label = "draft"
     if not isinstance(draft, Draft):
         draft_label = str(draft)
         draft = load_draft(draft, target=target)
     check_compatible(target, draft)  # ConfigError before any work
+    if loaded_here:   # decode in one layout, the stacked layers released (weights held once)
+        target = target.decoding_layout()
     if draft_label == "draft":
         draft_label = draft.config.model_type
     tok = tokenizer if tokenizer is not None else target.tokenizer

@@ -63,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         from dspark_jax.serving import SpecSettings, speculative_generate
 
         draft = load_draft(args.draft, target=target)
+        target = target.decoding_layout()   # one layout, the stacked layers released
         settings = SpecSettings(top_k=args.top_k, top_p=args.top_p, record_confidence=False)
         res = speculative_generate(target, draft, prompts, max_new_tokens=args.max_new_tokens,
                                    temperature=args.temperature, seed=args.seed,
@@ -74,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     else:
         from dspark_jax.decoding import autoregressive_generate
 
+        target = target.decoding_layout()   # one layout, the stacked layers released
         outs = autoregressive_generate(target, prompts, max_new_tokens=args.max_new_tokens,
                                        temperature=args.temperature, seed=args.seed,
                                        top_k=args.top_k, top_p=args.top_p, steps_per_call=16,

@@ -185,6 +185,14 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     assert gamma == 4 and r["capacity"] == 4 * (gamma + 1) and r["scheduler"] == "adaptive"
     # tensor parallel over the 2 KV heads, fsdp over the other 2 chips
     assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
+    # the engine's layout on a TPU, its weights resident once (within 2% of the parameters)
+    assert r["layout"] == "per-layer"
+    for p in (r["draft_step"], r["verify_step"], r["round_call"]):
+        for part in ("target", "draft"):
+            assert p[f"{part}_weights_bytes"] == pytest.approx(r[f"{part}_param_bytes"],
+                                                               rel=0.02), part
+        assert p["kv_cache_bytes"] > 0 and 0 < p["weights_bytes_per_chip"] < (
+            r["target_param_bytes"] + r["draft_param_bytes"] + p["draft_vocab_rows_bytes"])
     d, v = r["draft_step"], r["verify_step"]
     for p in (d, v, r["round_call"]):
         assert 0 < p["argument_bytes_per_chip"] <= p["peak_bytes_per_chip"] <= r[

@@ -31,7 +31,8 @@ import sys
 from typing import Sequence
 
 from dspark_jax.aot.memory import verdict
-from dspark_jax.aot.topology import INSTALL_HINT, AotError, gpu_topology, has_libtpu
+from dspark_jax.aot.devices import gpu_topology
+from dspark_jax.aot.topology import INSTALL_HINT, AotError, has_libtpu
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--programs", default="decode_step,plain_step,draft,verify,round",
                     help="--chip: the programs to compile")
     ap.add_argument("--stacked-layers", action="store_true",
-                    help="--chip --decode: compile the layers stacked (the CPU's and training's "
+                    help="--decode: compile the layers stacked (the CPU's and training's "
                          "layout) instead of one buffer per layer, to compare")
     ap.add_argument("--num-slices", type=int, default=1)
     ap.add_argument("--tree-budget", type=int, default=0,
@@ -72,8 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unrecognised arguments: {bad}")
     if bool(args.chip) == bool(args.topology):
         ap.error("give one of --topology (a TPU slice) or --chip (one chip)")
-    if args.stacked_layers and not (args.chip and args.decode):
-        ap.error("--stacked-layers compares decoding layouts: it needs --chip and --decode")
+    if args.stacked_layers and not args.decode:
+        ap.error("--stacked-layers compares decoding layouts: it needs --decode")
     try:
         report, text = _compile(argv[0], args, overrides)
     except AotError as e:
@@ -122,7 +123,8 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
         shape = DecodeShape(args.requests or 64, args.max_len, args.capacity,
                             args.tree_budget)
         report = decode_report(c, args.topology, shape, args.num_slices,
-                               default_mesh=not args.no_preset)
+                               default_mesh=not args.no_preset,
+                               layer_buffers=not args.stacked_layers)
         return report, format_decode_report(report)
     from dspark_jax.aot.training import format_report, train_report
 

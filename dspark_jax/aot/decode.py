@@ -28,7 +28,8 @@ from typing import Any, Sequence
 
 from dspark_jax.aot.memory import fmt_bytes, memory_and_kernels
 from dspark_jax.aot.shapes import mesh_and_configs, target_hf_dict
-from dspark_jax.aot.topology import AotError, GiB, libtpu_version, slice_devices
+from dspark_jax.aot.devices import slice_devices
+from dspark_jax.aot.topology import AotError, GiB, libtpu_version
 
 # the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
 # DFlash and Eagle3 verify every draft ("fixed")
@@ -100,6 +101,8 @@ class AbstractRound:
     scheduler: str
     gamma: int
     shape: DecodeShape
+    layer_buffers: bool = False   # the layout compiled: one buffer per layer, or the stack
+    param_bytes: dict[str, int] = dataclasses.field(default_factory=dict)   # target, draft
 
 
 def decoding_layouts(t_gd: Any, t_state: Any, d_gd: Any, d_state: Any
@@ -135,6 +138,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     from jax.sharding import NamedSharding, PartitionSpec
 
     from dspark_jax.decoding.draft_adapters import adapter_for
+    from dspark_jax.models import layers as L
     from dspark_jax.models.decoder import TargetDecoder, init_cache
     from dspark_jax.models.drafters.draft import create_draft_module
     from dspark_jax.models.target import resolve_dtype
@@ -155,7 +159,13 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     t_gd, t_state = nnx.split(target)
     draft = nnx.eval_shape(lambda: create_draft_module(d_cfg, c.seed, dtype, dtype))
     d_gd, d_state = nnx.split(draft)
-    if layer_buffers:   # as the engine decodes on one chip: one buffer per layer
+    # as the engine decodes on accelerators: one buffer per layer (a family without that
+    # layout, Gemma4, decodes stacked there too: `Target.decoding_layout`)
+    layer_buffers = layer_buffers and isinstance(target.layers, (L.DecoderLayers,
+                                                                 L.UnstackedLayers))
+    param_bytes = {name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))
+                   for name, st in (("target", t_state), ("draft", d_state))}
+    if layer_buffers:
         t_gd, t_state, d_gd, d_state = decoding_layouts(t_gd, t_state, d_gd, d_state)
     adapter = adapter_for(d_cfg.model_type)
 
@@ -218,7 +228,38 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                          verify_fn=verify_fn, verify_lower=verify_lower,
                          verify_args=verify_args, round_fn=round_fn, round_lower=round_lower,
                          round_args=round_args, mesh=mesh, scheduler=mode, gamma=gamma,
-                         shape=shape)
+                         shape=shape, layer_buffers=layer_buffers, param_bytes=param_bytes)
+
+
+def resident_bytes(args: tuple) -> dict[str, int]:
+    """The bytes of a decoding program's arguments that stay resident between calls, in all
+    and per chip (each abstract argument's shard shape): the target's weights, the drafter's,
+    the drafter's vocabulary rows (`draft_adapters.vocab_weights`, gathered once) and the KV
+    caches (target and drafter)."""
+    import math
+
+    import jax
+
+    from dspark_jax.decoding.round_types import EngineArrays
+
+    def size(tree: Any, per_chip: bool) -> int:
+        total = 0
+        for x in jax.tree.leaves(tree):
+            shape = (x.sharding.shard_shape(x.shape) if per_chip and getattr(x, "sharding", None)
+                     else x.shape)
+            total += math.prod(shape) * x.dtype.itemsize
+        return total
+
+    arrays = next(a for a in args if isinstance(a, EngineArrays))
+    state = args[list(args).index(arrays) + 1]
+    parts = {"target_weights": arrays.target_state, "draft_weights": arrays.draft_state,
+             "draft_vocab_rows": arrays.vocab_weights,
+             "kv_cache": (state.cache, state.draft_cache)}
+    out = {f"{k}_bytes": size(v, False) for k, v in parts.items()}
+    out |= {f"{k}_bytes_per_chip": size(v, True) for k, v in parts.items()}
+    out["weights_bytes_per_chip"] = sum(out[f"{k}_bytes_per_chip"] for k in
+                                        ("target_weights", "draft_weights", "draft_vocab_rows"))
+    return out
 
 
 def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: Any
@@ -234,7 +275,7 @@ def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: A
     peak = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
     flops_s = flops / (n * chip.peak_bf16_flops)
     traffic_s = mem["argument"] / chip.hbm_bytes_per_s
-    return {"argument_bytes_per_chip": int(mem["argument"]),
+    return resident_bytes(args) | {"argument_bytes_per_chip": int(mem["argument"]),
             "output_bytes_per_chip": int(mem["output"]), "alias_bytes_per_chip": int(mem["alias"]),
             "temp_bytes_per_chip": int(mem["temp"]),
             "generated_code_bytes_per_chip": int(mem["generated_code"]),
@@ -247,9 +288,11 @@ def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: A
 
 
 def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1, *,
-                  default_mesh: bool = True) -> dict[str, Any]:
+                  default_mesh: bool = True, layer_buffers: bool = True) -> dict[str, Any]:
     """Compiles the draft and verification steps of config `c` for `topology` → report.
-    `default_mesh`: the serving mesh of `decode_mesh_shape` (else the config's mesh.*)."""
+    `default_mesh`: the serving mesh of `decode_mesh_shape` (else the config's mesh.*).
+    `layer_buffers`: the engine's layout on accelerators, one buffer per layer (False: the
+    stacked layers, to compare)."""
     import jax
 
     devices, chip = slice_devices(topology, num_slices)
@@ -257,7 +300,7 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         kv_heads = int(target_hf_dict(c)["num_key_value_heads"])
         for k, v in decode_mesh_shape(len(devices), kv_heads).items():
             c.mesh[k] = v
-    rnd = build_abstract_round(c, devices, shape)
+    rnd = build_abstract_round(c, devices, shape, layer_buffers=layer_buffers)
     shape = rnd.shape
     n = len(devices)
     draft = _program_report(rnd.draft_fn, rnd.draft_lower, rnd.draft_args, rnd.mesh, n, chip)
@@ -274,6 +317,9 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         "num_chips": n, "chip": chip.name, "mesh": dict(rnd.mesh.shape),
         "requests": shape.requests, "max_len": shape.max_len, "capacity": shape.capacity,
         "gamma": rnd.gamma, "scheduler": rnd.scheduler, "tree_budget": shape.tree_budget,
+        "layout": "per-layer" if rnd.layer_buffers else "stacked",
+        "target_param_bytes": rnd.param_bytes["target"],
+        "draft_param_bytes": rnd.param_bytes["draft"],
         "hbm_bytes_per_chip": chip.hbm_bytes, "hbm_bytes_per_s_per_chip": chip.hbm_bytes_per_s,
         "peak_bytes_per_chip": int(peak), "headroom_bytes_per_chip": int(chip.hbm_bytes - peak),
         "fits": bool(peak <= chip.hbm_bytes),
@@ -293,12 +339,15 @@ def format_decode_report(r: dict[str, Any]) -> str:
 
     lines = [f"{r['config']} serving round on {r['topology']}: {r['num_chips']} {r['chip']} "
              f"chips, mesh {r['mesh']}, {r['requests']} request slots × {r['max_len']} tokens, "
-             f"capacity bucket {r['capacity']}, scheduler {r['scheduler']}",
-             f"  {'per chip':14s}{'argument':>12s}{'temp':>12s}{'peak':>12s}  "
-             f"{'GFLOPs':>10s}  FLOPs-bound   HBM-bound"]
+             f"capacity bucket {r['capacity']}, scheduler {r['scheduler']}, "
+             f"{r.get('layout', 'stacked')} layers",
+             f"  {'per chip':14s}{'weights':>12s}{'KV cache':>12s}{'argument':>12s}"
+             f"{'temp':>12s}{'peak':>12s}  {'GFLOPs':>10s}  FLOPs-bound   HBM-bound"]
     for name in ("draft_step", "verify_step", "round_call"):
         p = r[name]
-        lines.append(f"  {name:14s}{g(p['argument_bytes_per_chip'])}{g(p['temp_bytes_per_chip'])}"
+        lines.append(f"  {name:14s}{g(p['weights_bytes_per_chip'])}"
+                     f"{g(p['kv_cache_bytes_per_chip'])}{g(p['argument_bytes_per_chip'])}"
+                     f"{g(p['temp_bytes_per_chip'])}"
                      f"{g(p['peak_bytes_per_chip'])}  {p['flops_per_step'] / 1e9:10.1f}  "
                      f"{p['flops_bound_s'] * 1e3:8.3f} ms {p['hbm_traffic_bound_s'] * 1e3:8.3f} ms")
     lines.append(f"  round peak {g(r['peak_bytes_per_chip']).strip()} of "

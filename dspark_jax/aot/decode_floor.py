@@ -35,6 +35,13 @@ WEIGHT_ARGS = ("state[", "target_state[", "arrays.target_state", "arrays.draft_s
 CACHE_ARGS = ("s.cache.k", "s.cache.v", "state.cache.k", "state.cache.v", "state.draft_cache")
 PROGRAMS = ("decode_step", "plain_step", "draft", "verify", "round")
 
+# The kernel-cost model a GPU program's time is projected with, an estimate and not a timing:
+# bytes at the bandwidth one H200 achieved and a fixed cost per kernel (its ramp, tail and
+# gap), both read off the only H200 measurement of a decode step (others', at 2c31213: the
+# stacked Qwen3-8B step, 43.17 GB in 1,368 kernels, took 12.79 ms: 4.3 TB/s with 2 µs a kernel).
+ACHIEVED_BANDWIDTH_FRACTION = 4.3e12 / 4.8e12
+KERNEL_COST_S = 2e-6
+
 
 def single_chip_devices(chip: str) -> tuple[list[Any], Any]:
     """(compile-only devices, chip facts) of one GPU (`gpu.GPU_CHIPS`) or one TPU chip
@@ -146,6 +153,10 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
     shape = dataclasses.replace(shape, max_len=aligned_length(shape.max_len))
     devices, facts = single_chip_devices(chip)
     built, mesh, rnd = _programs(c, devices, shape, layer_buffers)
+    from dspark_jax.aot.shapes import target_hf_dict
+
+    # (target layers, drafter layers): a program's kernels per layer of the model it runs
+    layers = (int(target_hf_dict(c)["num_hidden_layers"]), int(c.draft.num_draft_layers))
     report: dict[str, Any] = {
         "mode": "decode_floor", "config": c.name, "chip": chip,
         "hbm_bytes_per_s": facts.hbm_bytes_per_s, "requests": shape.requests,
@@ -164,8 +175,27 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
             r = program_report(lower(*args, **kw), slots)
         r["floor_s"] = r["floor_bytes"] / facts.hbm_bytes_per_s
         r["traffic_s"] = r["bytes_accessed"] / facts.hbm_bytes_per_s
+        r["kernels_per_layer"] = r["kernels_per_step"] / layers[name == "draft"]
+        r["projected_s"] = projected_seconds(r["bytes_accessed"], r["kernels_per_step"], facts,
+                                             chip)
         report["programs"][name] = r
+    progs = report["programs"]
+    if "round" in progs and "plain_step" in progs and progs["plain_step"]["projected_s"]:
+        report["round_over_plain_step_projected"] = (progs["round"]["projected_s"]
+                                                     / progs["plain_step"]["projected_s"])
     return report
+
+
+def projected_seconds(bytes_accessed: float, kernels: int, facts: Any, chip: str
+                      ) -> float | None:
+    """A GPU program's time by the kernel-cost model (`KERNEL_COST_S`,
+    `ACHIEVED_BANDWIDTH_FRACTION`): an estimate, not a timing; None on a TPU (no calibration)."""
+    from dspark_jax.aot import gpu
+
+    if chip not in gpu.GPU_CHIPS:
+        return None
+    return (bytes_accessed / (ACHIEVED_BANDWIDTH_FRACTION * facts.hbm_bytes_per_s)
+            + kernels * KERNEL_COST_S)
 
 
 def format_floor_report(r: dict[str, Any]) -> str:
@@ -174,12 +204,29 @@ def format_floor_report(r: dict[str, Any]) -> str:
              f"{r['requests']} request slots x {r['max_len']} tokens, capacity {r['capacity']}, "
              f"gamma {r['gamma']}, scheduler {r['scheduler']}, {r['layout']} layers",
              f"  {'program':12s}{'bytes GB':>10s}{'cheapest':>10s}{'weights':>9s}{'cache':>8s}"
-             f"{'floor x':>9s}{'w-copy GB':>11s}{'kernels':>9s}{'temp MB':>9s}  floor ms"]
+             f"{'floor x':>9s}{'w-copy GB':>11s}{'kernels':>9s}{'/layer':>8s}{'temp MB':>9s}"
+             f"  floor ms  projected ms (x floor)"]
     for name, p in r["programs"].items():
         lines.append(f"  {name:12s}{p['bytes_accessed'] / gb:10.3f}"
                      f"{p['bytes_cheapest'] / gb:10.3f}"
                      f"{p['weights_bytes'] / gb:9.3f}"
                      f"{p['cache_bytes'] / gb:8.3f}{p['bytes_over_floor']:9.3f}"
                      f"{p['weight_copy_bytes'] / gb:11.3f}{p['kernels_per_step']:9d}"
-                     f"{p['temp_bytes'] / 1e6:9.1f}  {p['floor_s'] * 1e3:8.3f}")
+                     f"{p['kernels_per_layer']:8.1f}"
+                     f"{p['temp_bytes'] / 1e6:9.1f}  {p['floor_s'] * 1e3:8.3f}"
+                     + (f"  {p['projected_s'] * 1e3:8.3f} ({p['projected_s'] / p['floor_s']:.2f})"
+                        if p.get("projected_s") else ""))
+    kinds = next(iter(r["programs"].values()), {}).get("kernels_by_kind")
+    if kinds:
+        lines.append("  kernels per layer by kind (gemm / attention / norm / elementwise / copy "
+                     "/ other):")
+        for name, p in r["programs"].items():
+            per = p["kernels_per_step"] / p["kernels_per_layer"] if p["kernels_per_layer"] else 1
+            lines.append(f"    {name:12s}" + " / ".join(
+                f"{p['kernels_by_kind'][k] / per:.1f}" for k in
+                ("gemm", "attention", "norm", "elementwise", "copy", "other")))
+    if r.get("round_over_plain_step_projected"):
+        lines.append(f"  projected round / plain step: {r['round_over_plain_step_projected']:.2f} "
+                     f"(kernel-cost model: {KERNEL_COST_S * 1e6:.0f} us a kernel, "
+                     f"{ACHIEVED_BANDWIDTH_FRACTION:.0%} of the HBM bandwidth; an estimate)")
     return "\n".join(lines)

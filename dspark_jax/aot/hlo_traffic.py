@@ -206,9 +206,93 @@ class Kernel:
     written: float
     weight_copy: bool
     sources: list[str] = dataclasses.field(default_factory=list)   # the weights it copies
+    kind: str = "other"      # KERNEL_KINDS
 
 
 Origin = list[frozenset[str]]   # per tuple element: the weight arguments a value is (a copy of)
+
+# what a kernel does, by kind: matrix products, the attention (its scores, softmax and weighted
+# sum, RoPE, the cache reads and writes), RMS norms, other element-wise work, copies, the rest
+KERNEL_KINDS = ("gemm", "attention", "norm", "elementwise", "copy", "other")
+# the Python functions (innermost frames of JAX's source metadata) of each kind
+_ATTENTION_FUNCS = {"attend", "attend_cache_and_own", "masked_softmax", "apply_rope",
+                    "cache_layer", "cache_scatter", "causal_attention", "causal_mask"}
+_NORM_FUNCS = {"rms_norm", "rms_norm_noscale"}
+_GEMM_TARGETS = ("cublas", "gemm", "matmul")
+
+
+def parse_frames(hlo_text: str) -> dict[int, tuple[str, ...]]:
+    """stack_frame_id → the Python function names of that frame and its callers (innermost
+    first), from the FunctionNames / FileLocations / StackFrames tables that head an HLO module's
+    text (empty where the text has none)."""
+    tables: dict[str, dict[int, str]] = {}
+    cur = None
+    for line in hlo_text.splitlines()[:200000]:
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            cur = tables.setdefault(line, {})
+            continue
+        if cur is None:
+            continue
+        m = re.match(r"^(\d+) (.*)$", line)
+        if not m:
+            if line.startswith(("%", "ENTRY", "HloModule")) or not line.strip():
+                if tables.get("StackFrames"):
+                    break
+                cur = None
+            continue
+        cur[int(m.group(1))] = m.group(2)
+    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
+    loc_func = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        m = re.search(r"function_name_id=(\d+)", v)
+        loc_func[k] = funcs.get(int(m.group(1)), "") if m else ""
+    frames = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        loc = re.search(r"file_location_id=(\d+)", v)
+        parent = re.search(r"parent_frame_id=(\d+)", v)
+        # the text prints a frame's parent as its id + 1 (1: no parent)
+        frames[k] = (loc_func.get(int(loc.group(1)), "") if loc else "",
+                     int(parent.group(1)) - 1 if parent else 0)
+    out: dict[int, tuple[str, ...]] = {}
+    for k in frames:
+        names, seen, f = [], set(), k
+        while f in frames and f not in seen:
+            seen.add(f)
+            name, parent = frames[f]
+            names.append(name)
+            f = parent
+        out[k] = tuple(names)
+    return out
+
+
+def kernel_kind(ins: Instr, frames: tuple[str, ...], called: list["Computation"]) -> str:
+    """A kernel's kind (`KERNEL_KINDS`) from its opcode, the ops of the computations it calls
+    and the Python functions its root came from."""
+    ops = {i.opcode for c in called for i in c.instrs}
+    target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    inner = frames[0] if frames else ""
+    near = set(frames[:3])   # the function and its callers (a generator's, a helper's)
+    if ins.opcode == "custom-call" and target and target.group(1) in KERNEL_TARGETS:
+        return "attention" if _ATTENTION_FUNCS & set(frames[:6]) else "other"
+    if _ATTENTION_FUNCS & near:
+        return "attention"
+    is_gemm = ("dot" in ops or "convolution" in ops or ins.opcode in ("dot", "convolution")
+               or (ins.opcode == "custom-call" and target is not None
+                   and any(t in target.group(1).lower() for t in _GEMM_TARGETS)))
+    if is_gemm:
+        return "gemm"
+    if inner in _NORM_FUNCS:
+        return "norm"
+    if ins.opcode in ("copy", "copy-start") or (ops and ops <= _CARRY_OPS):
+        return "copy"
+    if ins.opcode == "fusion":
+        return "elementwise" if not ops & {"reduce", "sort", "scatter", "gather"} else "other"
+    return "other"
+
+
+_CARRY_OPS = {"parameter", "bitcast", "reshape", "transpose", "copy", "slice", "dynamic-slice",
+              "concatenate", "convert", "broadcast", "tuple", "get-tuple-element", "constant",
+              "pad", "dynamic-update-slice"}
 
 
 class Program:
@@ -222,6 +306,7 @@ class Program:
             raise ValueError(f"branch must be 'costliest' or 'cheapest', got {branch!r}")
         self.branch = branch
         self.comps = parse_hlo(hlo_text)
+        self.frames = parse_frames(hlo_text)
         entries = [c for c in self.comps.values() if c.is_entry]
         if len(entries) != 1:
             raise ValueError(f"expected one ENTRY computation, found {len(entries)}")
@@ -299,8 +384,12 @@ class Program:
                 # a move into on-chip memory (a TPU prefetch) writes no HBM: not a copy
                 copy = moves_only and bool(flat) and written > 0
                 origin[ins.name] = [flat if copy else _NONE] * n_out
+                frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+                frames = self.frames.get(int(frame.group(1)), ()) if frame else ()
+                called = [self.comps[c] for c in ins.called() if c in self.comps]
                 self.kernels.append(Kernel(comp.name, ins.name, ins.opcode, ins.shape, times,
-                                           read, written, copy, sorted(flat) if copy else []))
+                                           read, written, copy, sorted(flat) if copy else [],
+                                           kernel_kind(ins, frames, called)))
                 moved += (read + written) * times
         return moved
 
@@ -429,6 +518,8 @@ class Program:
             "cache_bytes": self.params["cache"],
             "weight_copy_bytes": sum(k.written * k.times for k in copies),
             "kernels_per_step": sum(k.times for k in self.kernels),
+            "kernels_by_kind": {kind: sum(k.times for k in self.kernels if k.kind == kind)
+                                for kind in KERNEL_KINDS},
             "weight_copies": [f"{k.name}: {k.shape} x{k.times} of {', '.join(k.sources)}"
                               for k in copies[:8]],
             "loops_of_unknown_trip_count": self.unknown_trip_loops,

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.precision import with_precision_policy
+from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
 from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length, round_up
@@ -107,10 +107,11 @@ def ar_prefill_rows(graphdef: Any, state: Any, s: ARState, tokens: jax.Array, le
     model = nnx.merge(graphdef, state)
     n = tokens.shape[0]
     B, max_new = s.out.shape
-    out = prefill(model, tokens, chunk, cache_dtype=jax.tree.leaves(s.cache.k)[0].dtype)
-    h_last = out.hidden[jnp.arange(n), lens - 1]                                # [n, D]
+    with model_precision(model):
+        out = prefill(model, tokens, chunk, cache_dtype=jax.tree.leaves(s.cache.k)[0].dtype)
+        logits = model.logits(out.hidden[jnp.arange(n), lens - 1])              # [n, V]
     first = sample_rows(s.key_data[jnp.clip(rows, 0, B - 1)], jnp.zeros((n,), jnp.int32),
-                        model.logits(h_last), temperature, top_k, top_p)
+                        logits, temperature, top_k, top_p)
     done = is_stop(first, stop_ids) | (max_new <= 1)
     return s.replace(cache=s.cache.put_rows(out.cache, rows, lens),
                      last_token=s.last_token.at[rows].set(first, mode="drop"),
@@ -130,6 +131,7 @@ def prefilled_state(target: Any, prompts: Sequence[Sequence[int]], key_data: Any
     engine's joins): one group of everything would pad every prompt to the longest (16 chat
     prompts of 41-308 tokens: 5,120 positions computed for 1,305)."""
     B = len(prompts) if rows is None else rows
+    target = target.decoding_layout(layer_buffers)    # the steps' weights, read once
     s = empty_state(target, jnp.asarray(key_data), cache_len=cache_len, max_new=max_new,
                     layer_buffers=layer_buffers)
     lengths = [len(p) for p in prompts]
@@ -164,9 +166,10 @@ def ar_decode(graphdef: Any, state: Any, s: ARState, temperature: jax.Array,
         return jnp.any(~s.done) & (s.steps - start < num_steps)
 
     def body(s: ARState) -> ARState:
-        hidden, cache = decode_one(model, s.last_token, s.cache, ~s.done)
-        nxt = sample_rows(s.key_data, s.num_out, model.logits(hidden), temperature, top_k,
-                          top_p)
+        with model_precision(model):
+            hidden, cache = decode_one(model, s.last_token, s.cache, ~s.done)
+            logits = model.logits(hidden)
+        nxt = sample_rows(s.key_data, s.num_out, logits, temperature, top_k, top_p)
         active = ~s.done
         buf = s.out.at[jnp.arange(B), jnp.minimum(s.num_out, max_new - 1)].set(
             jnp.where(active, nxt, s.out[jnp.arange(B), jnp.minimum(s.num_out, max_new - 1)]))
@@ -189,8 +192,8 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
 
     Generation of a request stops after its first stop token (included in the output).
     `stop_token_ids=None` uses the tokenizer's stop ids (or the config's eos); [] disables.
-    The decode steps run on `target.decoding_layout(layer_buffers)` (default: one buffer per
-    decoder layer), the prefill on the stacked layers.
+    The prefill and the decode steps run on `target.decoding_layout(layer_buffers)` (default:
+    the layout of the devices the weights live on).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.decoding.precision import with_precision_policy
+from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.sampling import sample_request_rows
 from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
 from dspark_jax.decoding.stops import is_stop
@@ -65,9 +65,11 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
 
     def body(c: dict[str, jax.Array]) -> dict[str, jax.Array]:
         live = c["live"]
-        hidden, out_cache = decode_one(target, c["anchor"], c["cache"], live)
-        nxt = sample_request_rows(p.key_data, c["counter"], target.logits(hidden),
-                                  p.temperature, p.top_k, p.top_p, top_k_cap=top_k_cap)
+        with model_precision(target):
+            hidden, out_cache = decode_one(target, c["anchor"], c["cache"], live)
+            logits = target.logits(hidden)
+        nxt = sample_request_rows(p.key_data, c["counter"], logits, p.temperature, p.top_k,
+                                  p.top_p, top_k_cap=top_k_cap)
         emit = live & (c["remaining"] > 0)
         stop = is_stop(nxt, stop_ids)
         if budget_rule == "serving":
@@ -101,11 +103,12 @@ def plain_prefill(target_gd: Any, target_state: Any, s: EngineState, p: SlotSett
     target = nnx.merge(target_gd, target_state)
     n = tokens.shape[0]
     R = s.anchor.shape[0]
-    out = prefill(target, tokens, chunk, cache_dtype=jax.tree.leaves(s.cache.k)[0].dtype)
-    h_last = out.hidden[jnp.arange(n), lens - 1]                                # [n, D]
+    with model_precision(target):
+        out = prefill(target, tokens, chunk, cache_dtype=jax.tree.leaves(s.cache.k)[0].dtype)
+        logits = target.logits(out.hidden[jnp.arange(n), lens - 1])             # [n, V]
     rows = jnp.clip(slots, 0, R - 1)
-    first = sample_request_rows(p.key_data[rows], jnp.zeros((n,), jnp.int32),
-                                target.logits(h_last), p.temperature[rows], p.top_k[rows],
-                                p.top_p[rows], top_k_cap=top_k_cap)
+    first = sample_request_rows(p.key_data[rows], jnp.zeros((n,), jnp.int32), logits,
+                                p.temperature[rows], p.top_k[rows], p.top_p[rows],
+                                top_k_cap=top_k_cap)
     return s.replace(cache=s.cache.put_rows(out.cache, slots, lens),
                      anchor=s.anchor.at[slots].set(first, mode="drop")), first

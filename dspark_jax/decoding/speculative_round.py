@@ -43,7 +43,7 @@ from dspark_jax.decoding import tree as tree_mod
 from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
-from dspark_jax.decoding.precision import with_precision_policy
+from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.round_types import (BUDGET_RULES, SAMPLERS, DraftChoice,  # noqa: F401
                                              DraftOutputs, EngineArrays, EngineState,
                                              RoundConfig, RoundOutputs, RoundRecord,
@@ -77,10 +77,11 @@ def _propose_scan(draft: Any, arrays: EngineArrays, state: EngineState,
     def probs_fn(logits: jax.Array) -> jax.Array:
         return filtered_probs(logits, slots.temperature, slots.top_k, slots.top_p)
 
-    return adapter_for(draft.cfg.model_type).propose(
-        draft, state.draft_cache, state.anchor, state.cache.lengths, salt_key,
-        slots.temperature[:, None], sample_fn, probs_fn=probs_fn, stop_ids=arrays.stop_ids,
-        vocab_weights=arrays.vocab_weights)
+    with model_precision(draft):
+        return adapter_for(draft.cfg.model_type).propose(
+            draft, state.draft_cache, state.anchor, state.cache.lengths, salt_key,
+            slots.temperature[:, None], sample_fn, probs_fn=probs_fn, stop_ids=arrays.stop_ids,
+            vocab_weights=arrays.vocab_weights)
 
 
 def _propose_kernel(draft: Any, arrays: EngineArrays, state: EngineState,
@@ -94,9 +95,10 @@ def _propose_kernel(draft: Any, arrays: EngineArrays, state: EngineState,
     salts = jax.random.key_data(jax.random.split(salt_key, draft.cfg.num_drafts))[:, -1]
     uniforms = jax.vmap(lambda k: jax.vmap(lambda salt: jax.random.uniform(
         jax.random.fold_in(k, salt), (), jnp.float32))(salts))(keys)          # [R, γ]
-    return adapter_for(draft.cfg.model_type).propose_with_uniforms(
-        draft, state.draft_cache, state.anchor, state.cache.lengths, uniforms,
-        slots.temperature, pallas_markov_sample_with_uniforms)
+    with model_precision(draft):
+        return adapter_for(draft.cfg.model_type).propose_with_uniforms(
+            draft, state.draft_cache, state.anchor, state.cache.lengths, uniforms,
+            slots.temperature, pallas_markov_sample_with_uniforms)
 
 
 # the drafter's proposal by `RoundConfig.sampler`
@@ -115,11 +117,12 @@ def _draft_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
     num_drafts = draft.cfg.num_drafts
     depth_limit = (jnp.minimum(slots.remaining - 1, num_drafts) if config.cap_budget
                    else jnp.full(slots.remaining.shape, num_drafts, jnp.int32))
-    tree, conf_logits = adapter_for(draft.cfg.model_type).propose_tree(
-        draft, state.draft_cache, state.anchor, state.cache.lengths, row_keys(slots, 0),
-        slots.temperature, slots.top_k, slots.top_p, budget=config.tree_budget,
-        branching=config.tree_branching, depth_limit=depth_limit.astype(jnp.int32),
-        vocab_weights=arrays.vocab_weights)
+    with model_precision(draft):
+        tree, conf_logits = adapter_for(draft.cfg.model_type).propose_tree(
+            draft, state.draft_cache, state.anchor, state.cache.lengths, row_keys(slots, 0),
+            slots.temperature, slots.top_k, slots.top_p, budget=config.tree_budget,
+            branching=config.tree_branching, depth_limit=depth_limit.astype(jnp.int32),
+            vocab_weights=arrays.vocab_weights)
     has_conf = draft.cfg.has_confidence
     survival = tree_mod.node_survival(
         tree, sched.confidence_probs(conf_logits, arrays.confidence_temperatures)
@@ -396,11 +399,12 @@ def prefill_prompts(config: RoundConfig, arrays: EngineArrays, state: EngineStat
     target = nnx.merge(arrays.target_graphdef, arrays.target_state)
     n, width = tokens.shape
     num_slots = state.anchor.shape[0]
-    out = prefill(target, tokens, chunk, tap_layer_ids=config.tap_layer_ids,
-                  cache_dtype=jax.tree.leaves(state.cache.k)[0].dtype)
+    with model_precision(target):
+        out = prefill(target, tokens, chunk, tap_layer_ids=config.tap_layer_ids,
+                      cache_dtype=jax.tree.leaves(state.cache.k)[0].dtype)
+        logits = target.logits(out.hidden[jnp.arange(n), lens - 1])             # [n, V]
     settings_row = jnp.clip(rows, 0, num_slots - 1)
-    last_hidden = out.hidden[jnp.arange(n), lens - 1]                           # [n, D]
-    probs = filtered_probs(target.logits(last_hidden), slots.temperature[settings_row],
+    probs = filtered_probs(logits, slots.temperature[settings_row],
                            slots.top_k[settings_row], slots.top_p[settings_row])
     keys = jax.random.wrap_key_data(slots.key_data[settings_row], impl="threefry2x32")
     first_keys = jax.vmap(jax.random.fold_in)(
@@ -429,9 +433,10 @@ def _feed_prompts(arrays: EngineArrays, state: EngineState, taps: jax.Array,
     joined = jnp.zeros((num_slots,), bool).at[rows].set(True, mode="drop")
     row_of = jnp.zeros((num_slots,), jnp.int32).at[rows].set(
         jnp.arange(n, dtype=jnp.int32), mode="drop")                              # slot → row
-    return adapter_for(draft.cfg.model_type).commit_ragged(
-        draft, state.draft_cache, taps.reshape(n * width, -1), jnp.repeat(rows, width),
-        jnp.tile(position, n), (position[None] < lens[:, None]).reshape(-1),
-        jnp.where(joined, 0, state.cache.lengths),
-        row_of[:, None] * width + position[None], jnp.where(joined, lens[row_of], 0),
-        following[row_of])
+    with model_precision(draft):
+        return adapter_for(draft.cfg.model_type).commit_ragged(
+            draft, state.draft_cache, taps.reshape(n * width, -1), jnp.repeat(rows, width),
+            jnp.tile(position, n), (position[None] < lens[:, None]).reshape(-1),
+            jnp.where(joined, 0, state.cache.lengths),
+            row_of[:, None] * width + position[None], jnp.where(joined, lens[row_of], 0),
+            following[row_of])

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dspark_jax.decoding.emission import emit_and_finish
+from dspark_jax.decoding.precision import model_precision
 from dspark_jax.decoding.round_types import (CommitWrites, EngineArrays, EngineState,
                                              RoundConfig, RoundOutputs, SlotSettings)
 from dspark_jax.decoding.sampling import filtered_probs
@@ -89,11 +90,13 @@ def verify_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
     admitted = jnp.concatenate([jnp.ones((R, 1), bool),
                                 jnp.arange(N)[None] < num_nodes[:, None]], axis=1)
     own = ancestor_mask(tree.parent, gamma) & admitted[:, None, :] & admitted[:, :, None]
-    forward: RaggedOutput = ragged_forward(
-        target, plan.tokens, plan.slot, plan.positions, plan.valid, state.cache,
-        tap_layer_ids=config.tap_layer_ids, grid=(plan.grid_rows, plan.grid_cells),
-        defer_writes=True, own_mask=own)
-    verdict = accept_tree(target.logits(forward.hidden), plan, slots, tree, num_nodes, gamma)
+    with model_precision(target):
+        forward: RaggedOutput = ragged_forward(
+            target, plan.tokens, plan.slot, plan.positions, plan.valid, state.cache,
+            tap_layer_ids=config.tap_layer_ids, grid=(plan.grid_rows, plan.grid_cells),
+            defer_writes=True, own_mask=own)
+        logits = target.logits(forward.hidden)
+    verdict = accept_tree(logits, plan, slots, tree, num_nodes, gamma)
     path = path_cells(tree, verdict.num_accepted, verdict.last_cell, gamma)     # [R, γ+1]
     cells = plan.cells
     path_tokens = jnp.take_along_axis(cells, path[:, 1:], axis=1)               # [R, γ]

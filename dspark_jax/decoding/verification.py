@@ -28,6 +28,7 @@ from dspark_jax.decoding.acceptance_rule import (VERIFIERS, VerifyResult, greedy
                                                  rejection_verify_with_uniforms)
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.emission import emit_and_finish, emitted_tokens
+from dspark_jax.decoding.precision import model_precision
 from dspark_jax.decoding.round_types import (CommitWrites, EngineArrays, EngineState,
                                              RoundConfig, RoundOutputs, SlotSettings)
 from dspark_jax.decoding.sampling import filtered_probs
@@ -231,10 +232,11 @@ def verify(config: RoundConfig, arrays: EngineArrays, state: EngineState, slots:
     num_slots, num_drafts = drafts.shape
     width = capacity if width is None else int(width)
     plan = verify_plan(state, slots.active, drafts, draft_lengths, capacity)
-    forward = forward_path(num_slots, num_drafts, width)(target, state, plan,
-                                                         config.tap_layer_ids)
-    verdict = accept(config.verifier, target.logits(forward.hidden), plan, slots, drafts,
-                     draft_probs, draft_lengths)
+    with model_precision(target):
+        forward = forward_path(num_slots, num_drafts, width)(target, state, plan,
+                                                             config.tap_layer_ids)
+        logits = target.logits(forward.hidden)
+    verdict = accept(config.verifier, logits, plan, slots, drafts, draft_probs, draft_lengths)
     tokens = emitted_tokens(drafts, verdict.num_accepted, verdict.next_token)
     outputs = emit_and_finish(tokens, verdict.num_accepted, draft_lengths, slots.active,
                               slots.remaining, arrays.stop_ids, config.budget_rule)
@@ -252,10 +254,11 @@ def commit(arrays: EngineArrays, state: EngineState, slots: SlotSettings,
     draft_cache = state.draft_cache
     if arrays.draft_graphdef is not None:
         draft = nnx.merge(arrays.draft_graphdef, arrays.draft_state)
-        draft_cache = adapter_for(draft.cfg.model_type).commit_ragged(
-            draft, draft_cache, writes.taps, writes.slot, writes.positions,
-            writes.commit_valid, state.cache.lengths, writes.dense_index, writes.n_commit,
-            writes.tokens)
+        with model_precision(draft):
+            draft_cache = adapter_for(draft.cfg.model_type).commit_ragged(
+                draft, draft_cache, writes.taps, writes.slot, writes.positions,
+                writes.commit_valid, state.cache.lengths, writes.dense_index, writes.n_commit,
+                writes.tokens)
     return EngineState(cache=cache.with_lengths(state.cache.lengths + writes.n_commit),
                        draft_cache=draft_cache,
                        anchor=jnp.where(slots.active, writes.next_anchor, state.anchor))

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.decoder import (KVCache, TargetDecoder, has_layer_buffers, init_cache,
                                       with_layer_buffers)
@@ -29,6 +30,18 @@ EMBEDDED_TARGETS = ("smollm2-135m-instruct",)
 
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
            "bf16": jnp.bfloat16}
+
+
+@functools.cache
+def _warn_stacked(family: str) -> None:
+    """Says once per family that its targets decode with the stacked layers on an
+    accelerator."""
+    import warnings
+
+    warnings.warn(f"{family} targets decode with their stacked layers on this "
+                  "accelerator (no per-layer layout): XLA copies each layer's weights out of the "
+                  "stack every step (python -m dspark_jax.aot --chip h200 --decode shows the "
+                  "bytes)", stacklevel=3)
 
 
 def resolve_dtype(dtype: Any) -> Any:
@@ -63,20 +76,47 @@ class Target:
     def dtype(self) -> Any:
         return self.model.dtype
 
-    def decoding_layout(self, layer_buffers: bool | None = None) -> "Target":
-        """This target in the parameter layout for one-token steps and small verifications.
+    def on_accelerator(self) -> bool:
+        """Whether the weights live on a GPU or TPU (else on the CPU; JAX's default backend
+        where the state holds no placed array)."""
+        leaf = jax.tree.leaves(self.state)[0]
+        platforms = ({d.platform for d in leaf.devices()} if hasattr(leaf, "devices")
+                     else {jax.default_backend()})
+        return platforms != {"cpu"}
 
-        `layer_buffers` True (and None, the default): one buffer per decoder layer
-        (`models.decoder.with_layer_buffers`), which every backend's dots read where they lie;
-        a scan over the stacked layers makes XLA:GPU and XLA:CPU copy each layer's weights out
-        of the stack before its dots read them, so a one-token step streams them three times
-        (`python -m dspark_jax.aot --chip h200 --decode` reports them). False: the stacked
-        layers (faster to compile; prefill and training run them). The per-layer copy is made
-        once per `state` and kept; the stacked state stays valid."""
+    @property
+    def supports_layer_buffers(self) -> bool:
+        """Whether this family has the per-layer decoding layout (Llama / Qwen3: one
+        `DecoderLayers` stack, or already unstacked); Gemma4's segments do not."""
+        layers = self.model.layers
+        return isinstance(layers, (L.DecoderLayers, L.UnstackedLayers))
+
+    def decoding_layout(self, layer_buffers: bool | None = None) -> "Target":
+        """This target in the parameter layout every decoding path runs: prefill, one-token
+        steps, verification and the engine alike.
+
+        `layer_buffers` None (the default) chooses from the devices the weights live on: one
+        buffer per decoder layer on a GPU or TPU (`models.decoder.with_layer_buffers`), where a
+        scan over the stacked layers makes XLA copy each layer's weights out of the stack
+        before its dots read them, so a one-token step streams them three times (`python -m
+        dspark_jax.aot --chip h200 --decode` reports them); the stacked layers on a CPU, where
+        steps and rounds run as fast on either layout and the stack compiles several times
+        faster. True / False force one. A family without the per-layer layout (Gemma4) is
+        refused for True, and decodes stacked for None with a warning naming the cost.
+
+        The per-layer buffers are copies made once per `state` and kept with it; to hold the
+        weights in device memory once, decode with the returned target and drop this one."""
         if layer_buffers is None:
-            layer_buffers = True
+            layer_buffers = self.on_accelerator()
+            if layer_buffers and not self.supports_layer_buffers:
+                _warn_stacked(self.config.family)
+                return self
         if not layer_buffers:
             return self
+        if not self.supports_layer_buffers:
+            raise ValueError(f"{self.config.family} targets have no per-layer decoding "
+                             "layout (layer_buffers=True): decode them with the stacked layers "
+                             "(layer_buffers=False or None)")
         cached = self.__dict__.get("_layer_buffers")
         if cached is not None and cached[0] is self.state:
             return cached[1]

@@ -87,9 +87,10 @@ class Engine:
         self.plain_steps_per_call = int(settings.plain_steps_per_call)
         self.rounds_per_call = int(settings.rounds_per_call)
         self.budget_rule, self.cap_to_budget = settings.budget_rule, settings.caps_budget
-        # decoding steps and verification run on the target in `layer_buffers`' layout (one
-        # buffer per layer on accelerators); the prefill's long forwards keep the stacked one
-        self.step_target = target.decoding_layout(settings.layer_buffers_for(target))
+        # prefill, decoding steps and verification run on the target in one layout
+        # (`Target.decoding_layout`: one buffer per layer on accelerators), so the engine
+        # holds the weights once
+        self.step_target = target.decoding_layout(settings.layer_buffers)
         self.draft = draft if self.mode_traits.drafts else None
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.V = int(target.config.vocab_size)
@@ -142,12 +143,6 @@ class Engine:
             confidence_temperatures=None if temps is None else jnp.asarray(temps, jnp.float32),
             threshold=jnp.asarray(float(st.threshold), jnp.float32), sps=flat, sps_draft=flat,
             vocab_weights=vocab_weights)
-
-    @property
-    def prefill_arrays(self) -> EngineArrays:
-        """The round arrays with the stacked target, which the prefill's long forwards run."""
-        return self.arrays.replace(target_graphdef=self.target.graphdef,
-                                   target_state=self.target.state)
 
     # ------------------------------------------------------------------ state
     def fresh_state(self, cache_len: int | None = None) -> EngineState:

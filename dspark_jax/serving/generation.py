@@ -71,7 +71,8 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
 
     One engine slot per prompt; `scheduler` "fixed" verifies all γ drafts, as DeepSpec's
     evaluator (any engine mode works); `engine_kw` go to `Engine` (DeepSpec's token-budget rule
-    `budget_rule="deepspec"` and the stacked layers, `layer_buffers=False`, by default).
+    `budget_rule="deepspec"` by default; the target's layout is the engine's,
+    `Target.decoding_layout`).
     `max_cache_len`: the KV cache length (default: room for the longest prompt, the output and
     one verification of γ+1). `settings`: top-k / top-p (every request; the target's and the drafter's distributions alike), the verifier and
     whether confidences are recorded. `progress`: a tqdm bar of the emitted tokens. Returns the generated ids per prompt and per-round statistics
@@ -92,13 +93,9 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     # one prefill forward holds the longest prompt, rounded up to 256 tokens so batches of
     # similar prompts share one compiled prefill (padding tokens are masked)
     chunk = min(-(-int(max(lens)) // _PREFILL_BUCKET) * _PREFILL_BUCKET, _MAX_PREFILL_CHUNK)
-    # one engine per call, compiled for this batch alone: keep the stacked layers (one buffer
-    # per layer compiles much slower on XLA:CPU and a one-shot batch does not earn it back;
-    # figures: BENCHMARKS.md)
     per_request = int(engine_kw.get("tree_budget") or g)   # drafts or tree nodes
     kw = dict(capacity_buckets=[R * (per_request + 1)], prefill_chunk=chunk,
-              budget_rule="deepspec",
-              layer_buffers=False)
+              budget_rule="deepspec")
     kw.update(engine_kw)
     eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,
                  verifier=settings.verifier, stop_token_ids=stop_token_ids, **kw)

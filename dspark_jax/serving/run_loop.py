@@ -172,10 +172,11 @@ class Run:
             args = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows))
             chunk = min(width, st.prefill_chunk)
             if self.plain:
-                state, first = plain_prefill(eng.target.graphdef, eng.target.state, state,
-                                             settings, *args, chunk=chunk, top_k_cap=cap)
+                state, first = plain_prefill(eng.step_target.graphdef, eng.step_target.state,
+                                             state, settings, *args, chunk=chunk,
+                                             top_k_cap=cap)
             else:
-                state, first = round_.prefill_prompts(eng.config, eng.prefill_arrays, state,
+                state, first = round_.prefill_prompts(eng.config, eng.arrays, state,
                                                       settings, *args, chunk=chunk)
             first = np.asarray(first)
             self._first_tokens([(r, int(first[j])) for j, r in enumerate(group)])

@@ -44,14 +44,13 @@ class EngineSettings:
     `production` (the paper's §5.2 schedule without that choice) profiles SPS only, never reads
     these costs and always drafts.
 
-    `layer_buffers`: the target layout the decoding steps and verification run on
+    `layer_buffers`: the target layout prefill, decoding steps and verification run on
     (`Target.decoding_layout`): True one buffer per decoder layer, so the dots read the
     weights where they lie (on GPUs and TPUs a scanned stack has them copied out every step);
     False the stacked layers, several times faster to compile; None (default): one buffer per
     layer on accelerators, the stacked layers on CPU, where the engine's steps and rounds run
     as fast on either (figures: BENCHMARKS.md) and a short job's time is mostly compilation.
-    Both layouts compute the same logits bit for bit. The prefill always runs on the stacked
-    layers.
+    Both layouts compute the same logits bit for bit.
 
     Draft trees (`tree_budget` N > 0, docs/TREES.md): every round drafts a tree of N nodes a
     request (at most `tree_branching` children a node, the chain of γ drafts always among
@@ -94,18 +93,6 @@ class EngineSettings:
     layer_buffers: bool | None = None       # decoding layout (`Target.decoding_layout`)
     tree_budget: int = 0                    # draft trees of N nodes (`decoding.tree`); 0: chain
     tree_branching: int = DEFAULT_BRANCHING  # a tree node's most children
-
-    def layer_buffers_for(self, target: Any) -> bool:
-        """The decoding layout on `target`'s platform (`layer_buffers`; None: per-layer
-        buffers except on CPU)."""
-        if self.layer_buffers is not None:
-            return bool(self.layer_buffers)
-        import jax
-
-        leaf = jax.tree.leaves(target.state)[0]
-        platforms = {d.platform for d in leaf.devices()} if hasattr(leaf, "devices") else {
-            jax.default_backend()}
-        return platforms != {"cpu"}
 
     @property
     def caps_budget(self) -> bool:

@@ -57,8 +57,8 @@ def test_profile_keys_name_verifier_sampler_and_draft_vocabulary(target, monkeyp
     variants = {
         "verifier": _keys(monkeypatch, target, draft, verifier="pallas"),
         "sampler": _keys(monkeypatch, target, draft, sampler="pallas"),
-        "decoding layout": _keys(monkeypatch, target, draft, layer_buffers=not EngineSettings(
-            ).layer_buffers_for(target)),
+        "decoding layout": _keys(monkeypatch, target, draft,
+                                 layer_buffers=target.decoding_layout() is target),
         "draft_vocab_size": _keys(monkeypatch, target, init_draft(
             target, dict(BASE, draft_vocab_size=48, draft_vocab=tuple(range(0, 96, 2))),
             seed=3)),

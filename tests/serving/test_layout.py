@@ -1,0 +1,132 @@
+"""One decoding layout for every path (`Target.decoding_layout`): chosen from the devices the
+weights live on, taken by the engine, `speculative_generate` and the autoregressive loop for
+prefill and steps alike, so the weights they read are held once; a family without the
+per-layer layout is refused where it is asked for and warned about where it is chosen."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.decoding import autoregressive_generate
+from dspark_jax.decoding import autoregressive as ar_mod
+from dspark_jax.decoding import speculative_round as round_
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.models import layers as L
+from dspark_jax.models.target import Target
+from dspark_jax.serving import Engine, speculative_generate
+from hf_tiny import save_tiny_gemma4, save_tiny_hf
+
+BASE = dict(block_size=3, num_draft_layers=1, target_layer_ids=(-1, 0), mask_token_id=96,
+            markov_rank=8)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+MAX_NEW = 8
+
+
+@pytest.fixture()
+def on_accelerator(monkeypatch):
+    """The layout rule as it runs on a GPU or TPU (the weights' devices say accelerator)."""
+    monkeypatch.setattr(Target, "on_accelerator", lambda self: True)
+
+
+def _qwen3(tmp_path) -> Target:
+    return load_target(save_tiny_hf(tmp_path / "t", "qwen3", head_dim=16, layers=2, seed=1))
+
+
+def test_the_rule_follows_the_devices(tmp_path, monkeypatch):
+    target = _qwen3(tmp_path)
+    assert not target.on_accelerator()                     # this test machine: a CPU
+    assert target.decoding_layout() is target              # the stack on a CPU
+    monkeypatch.setattr(Target, "on_accelerator", lambda self: True)
+    view = target.decoding_layout()
+    assert isinstance(view.model.layers, L.UnstackedLayers)
+    assert view.decoding_layout() is view                   # chosen once, kept
+
+
+def test_every_path_prefills_and_steps_on_the_chosen_layout(tmp_path, on_accelerator,
+                                                            monkeypatch):
+    """On an accelerator the engine's prefill, the rounds, `speculative_generate` and the
+    autoregressive loop all read the per-layer buffers (none reads the stack), and greedy
+    speculative output equals greedy autoregressive output."""
+    target = _qwen3(tmp_path)
+    draft = init_draft(target, BASE, seed=3)
+    seen: list[str] = []
+
+    def layout(graphdef, state) -> str:
+        return type(nnx.merge(graphdef, state).layers).__name__
+
+    real_prefill, real_ar_prefill = round_.prefill_prompts, ar_mod.ar_prefill_rows
+
+    def prefill(config, arrays, *a, **kw):
+        seen.append(layout(arrays.target_graphdef, arrays.target_state))
+        return real_prefill(config, arrays, *a, **kw)
+
+    def ar_prefill(graphdef, state, *a, **kw):
+        seen.append(layout(graphdef, state))
+        return real_ar_prefill(graphdef, state, *a, **kw)
+
+    monkeypatch.setattr(round_, "prefill_prompts", prefill)
+    monkeypatch.setattr(ar_mod, "ar_prefill_rows", ar_prefill)
+    ref = autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    res = speculative_generate(target, draft, PROMPTS, max_new_tokens=MAX_NEW,
+                               stop_token_ids=[])
+    assert res.tokens == ref
+    assert len(seen) >= 2 and set(seen) == {"UnstackedLayers"}, seen
+
+
+def test_the_weights_are_resident_once(tmp_path, on_accelerator):
+    """Decoding with the per-layer target and no reference to the stacked one leaves no
+    stacked weight alive: the resident target weights are its parameter bytes (within 2%)."""
+    target = _qwen3(tmp_path)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(target.state))
+    stacked_shapes = {x.shape for x in jax.tree.leaves(target.state) if x.ndim >= 3}
+    view = target.decoding_layout()
+    del target
+    gc.collect()
+    draft = init_draft(view, BASE, seed=3)
+    speculative_generate(view, draft, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    gc.collect()
+    live = {a.shape for a in jax.live_arrays()}
+    assert not stacked_shapes & live, stacked_shapes & live
+    resident = sum(x.nbytes for x in jax.tree.leaves(view.state))
+    assert abs(resident - param_bytes) <= 0.02 * param_bytes
+
+
+def test_a_family_without_the_per_layer_layout_is_refused_or_warned(tmp_path, monkeypatch):
+    target = load_target(save_tiny_gemma4(tmp_path / "g", "untied_plain"))
+    assert not target.supports_layer_buffers
+    with pytest.raises(ValueError, match="gemma4 targets have no per-layer decoding layout"):
+        target.decoding_layout(True)
+    assert target.decoding_layout(False) is target
+    monkeypatch.setattr(Target, "on_accelerator", lambda self: True)
+    from dspark_jax.models import target as target_mod
+
+    target_mod._warn_stacked.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert target.decoding_layout() is target
+    assert any("stacked layers on this accelerator" in str(w.message) for w in caught)
+
+
+def test_aot_compiles_the_layout_the_engine_runs(tmp_path, on_accelerator):
+    """The target and drafter states `aot --decode` compiles (abstractly) have the structure,
+    shapes and dtypes of the ones the engine decodes with on an accelerator."""
+    from dspark_jax.aot.decode import decoding_layouts
+    from dspark_jax.serving.engine import Engine
+
+    target = _qwen3(tmp_path)
+    draft = init_draft(target, BASE, seed=3)
+    eng = Engine(target, draft, max_requests=2, max_len=32, prefill_chunk=8, stop_token_ids=[],
+                 sps=np.ones(9, np.float32))
+    abstract = lambda st: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+    t_gd, t_st, d_gd, d_st = decoding_layouts(target.graphdef, abstract(target.state),
+                                              draft.graphdef, abstract(draft.state))
+    assert t_gd == eng.arrays.target_graphdef and d_gd == eng.arrays.draft_graphdef
+    assert jax.tree.structure(t_st) == jax.tree.structure(eng.arrays.target_state)
+    assert abstract(eng.arrays.target_state) == t_st
+    assert abstract(eng.arrays.draft_state) == d_st
