@@ -4,8 +4,9 @@
 # Each process gets LOCAL_DEVICES (default 2) fake CPU devices and joins the others through
 # jax.distributed (coordinator on localhost, CPU collectives over gloo), exactly as hosts of a
 # pod would. Logs: $LOG_DIR/process_<i>.log (default: a temp dir, printed). The script fails
-# (and stops the others) as soon as any process fails. EXTRA_XLA_FLAGS are appended to each
-# process's XLA_FLAGS.
+# (and stops the others) as soon as any process fails; a SIGTERM to it goes on to every process
+# (each then saves a checkpoint and exits 0, as on a pre-empted pod). EXTRA_XLA_FLAGS are
+# appended to each process's XLA_FLAGS.
 set -uo pipefail
 NUM=${1:?usage: $0 NUM_PROCESSES configs/NAME.py [--config.key=value ...]}
 CONFIG=${2:?usage: $0 NUM_PROCESSES configs/NAME.py [--config.key=value ...]}
@@ -28,12 +29,20 @@ for ((i = 0; i < NUM; i++)); do
 done
 
 stop_all() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done; }
-trap 'stop_all; exit 130' INT TERM
+# SIGTERM (a pre-emption notice) is passed on: the processes save a checkpoint and exit 0
+pass_term() {
+  echo "local_multiprocess: SIGTERM passed on to the processes (they save and exit)" >&2
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+}
+trap 'stop_all; exit 130' INT
+trap pass_term TERM
 rc=0
 live=("${pids[@]}")
 while ((${#live[@]} > 0)); do
+  done_pid=""
   wait -n -p done_pid "${live[@]}"
   status=$?
+  [[ -z ${done_pid:-} ]] && continue   # a trapped signal interrupted the wait
   live=($(for p in "${live[@]}"; do [[ $p != "$done_pid" ]] && echo "$p"; done))
   if ((status != 0)); then
     for ((i = 0; i < NUM; i++)); do [[ ${pids[$i]} == "$done_pid" ]] && who=$i; done

@@ -5,7 +5,9 @@
 #                --config.target=/mnt/ckpt/Qwen3-14B --config.mesh.fsdp=8"
 # jax.distributed.initialize() discovers the slice topology itself (DSPARK_DISTRIBUTED=1).
 # Regeneration and the offline feature cache are split across the hosts (each its share, process
-# 0 merges); the workdir must be on storage every host can read and write.
+# 0 merges); the workdir must be on storage every host can read and write. On a spot or
+# pre-emptible slice the SIGTERM reaches the trainer (exec below): every host saves a checkpoint
+# at the same step and exits 0; re-running this command resumes from it.
 set -euo pipefail
 CONFIG=${1:?usage: $0 configs/NAME.py [--config.key=value ...]}; shift
 cd "$(dirname "$0")/.."

@@ -15,9 +15,24 @@ complete, and a `commit_success.txt` marker is written inside it. We only ever r
 directory that has the marker, so a half-written or half-copied directory is ignored (and moved
 out of the way so a later save of the same step cannot collide with it). Resume is from the latest
 committed step, restored straight into abstract targets (`jax.ShapeDtypeStruct` with the current
-run's shardings), so a run may resume on a different mesh. A checkpoint whose target or drafter
-differs from the config raises `CheckpointMismatchError` naming the directory and the field; an
-unreadable one raises `CheckpointCorruptError`.
+run's shardings), so a run may resume on a different mesh of the same processes. A checkpoint
+whose target or drafter differs from the config, whose train state has another structure, or
+that was saved by another number of processes (each process's data position is its own grain
+iterator state, which cannot be split or merged) raises `CheckpointMismatchError` naming the
+directory, the field or the two process counts.
+
+A committed step that cannot be read (a truncated or damaged file) is passed over: the newest
+older step that restores is used instead, with a warning naming the step skipped and why, and the
+bad step directory is renamed `<step>.corrupt` (never deleted) so a later save of that step cannot
+collide with it. Only when no committed step restores does `restore` raise
+`CheckpointCorruptError`, and then it leaves every directory where it is.
+
+A save that fails (full disk, I/O error; with `async_save` the error surfaces at the next save or
+wait) leaves the committed steps as they were, since Orbax writes into a temporary directory and
+renames it only when complete. It raises `CheckpointSaveError` naming the step, the directory and
+the newest committed step, or, with `continue_on_save_error`, logs that as a warning and lets the
+run go on without that checkpoint. Each saved `meta` item also records the run's `counters`
+(e.g. the number of non-finite steps so far), which `Restored.counters` gives back.
 """
 
 from __future__ import annotations
@@ -49,7 +64,11 @@ class CheckpointMismatchError(CheckpointError):
 
 
 class CheckpointCorruptError(CheckpointError):
-    """A committed checkpoint directory cannot be read."""
+    """A committed checkpoint directory cannot be read (from `restore()`: none of them can)."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (the committed ones are intact)."""
 
 
 # ------------------------------------------------------------------------------------ metadata
@@ -156,16 +175,30 @@ class Restored:
     step: int
     state: TrainState
     meta: dict[str, Any]
+    skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (step, why)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The run's counters saved with this step ({} for a checkpoint without them)."""
+        return dict(self.meta.get("counters") or {})
+
+
+def run_processes() -> int:
+    """The processes of this run (`jax.process_count()`), recorded with every checkpoint."""
+    return jax.process_count()
 
 
 class TrainCheckpointer:
     """Save / resume of a training run: train state + grain iterator + metadata."""
 
     def __init__(self, directory: str | os.PathLike, meta: Mapping[str, Any], *,
-                 keep: int | None = 3, every_steps: int = 1000, async_save: bool = True):
+                 keep: int | None = 3, every_steps: int = 1000, async_save: bool = True,
+                 continue_on_save_error: bool = False):
         self.directory = pathlib.Path(directory).absolute()
         self.meta = dict(meta)
         self.every_steps = max(1, int(every_steps))
+        self.continue_on_save_error = bool(continue_on_save_error)
+        self._in_flight: int | None = None    # the step of a save not yet known to be complete
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"checkpoint directory {self.directory} exists and is not a "
                                   "directory")
@@ -208,17 +241,39 @@ class TrainCheckpointer:
         return step > 0 and step % self.every_steps == 0
 
     def save(self, step: int, state: TrainState, data_iter: Any | None = None, *,
-             force: bool = False) -> bool:
-        """Saves (asynchronously when enabled) if `step` is on the interval or `force`."""
+             force: bool = False, counters: Mapping[str, int] | None = None) -> bool:
+        """Saves (asynchronously when enabled) if `step` is on the interval or `force`;
+        `counters` go into the step's metadata. A failed save: see the module docstring."""
         import grain.checkpoint as gcp
 
         if step in self.manager.all_steps() or not (force or self.should_save(step)):
             return False
+        meta = dict(self.meta, counters={k: int(v) for k, v in (counters or {}).items()},
+                    process_count=run_processes())
         items: dict[str, Any] = {"state": ocp.args.StandardSave(to_storable(state)),
-                                 "meta": ocp.args.JsonSave(self.meta)}
+                                 "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
             items["data"] = gcp.CheckpointSave(data_iter)
-        return bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
+        self.wait()                 # a failure of the previous async save is reported as its own
+        try:
+            saved = bool(self.manager.save(step, args=ocp.args.Composite(**items), force=True))
+        except Exception as e:  # noqa: BLE001 - storage errors come in many types
+            self._save_failed(step, e)
+            return False
+        self._in_flight = step if saved else None
+        return saved
+
+    def _save_failed(self, step: int, e: BaseException) -> None:
+        latest = self.latest_step()
+        kept = (f"the last committed step, {self.directory / str(latest)}, is intact"
+                if latest is not None else "no earlier step was committed")
+        msg = (f"checkpoint step {step} could not be written to {self.directory} "
+               f"({type(e).__name__}: {e}); {kept}. Fix the storage (space, permissions) and "
+               "re-run the same command to resume from the last committed step, or set "
+               "config.checkpoint.continue_on_save_error=True to train on without it")
+        if not self.continue_on_save_error:
+            raise CheckpointSaveError(msg) from e
+        log.warning("%s (continuing: checkpoint.continue_on_save_error)", msg)
 
     # -------------------------------------------------------------------------- restore
     def read_meta(self, step: int) -> dict[str, Any]:
@@ -230,8 +285,7 @@ class TrainCheckpointer:
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(
                 f"checkpoint {where} is corrupted or incomplete: cannot read its metadata "
-                f"({type(e).__name__}: {e}). Delete {where} to resume from an earlier step "
-                f"(committed steps: {self.all_steps()}).") from e
+                f"({type(e).__name__}: {e})") from e
         if not isinstance(meta, dict) or "target" not in meta or "draft" not in meta:
             raise CheckpointCorruptError(f"checkpoint {where} has malformed metadata ({path})")
         return meta
@@ -243,16 +297,61 @@ class TrainCheckpointer:
 
     def restore(self, abstract_state: TrainState, data_iter: Any | None = None,
                 step: int | None = None) -> Restored | None:
-        """Restores `step` (default: the latest committed one) into `abstract_state` (from
+        """Restores `step`, or by default the newest committed step that can be read (passing
+        over unreadable ones, module docstring), into `abstract_state` (from
         `abstract_storable`) and, if given, sets `data_iter`'s position. None if there is
         nothing to resume."""
+        if step is not None:
+            return self._restore_step(step, abstract_state, data_iter)
+        steps = self.all_steps()
+        skipped: list[tuple[int, str]] = []
+        for s in reversed(steps):
+            try:
+                restored = self._restore_step(s, abstract_state, data_iter)
+            except CheckpointCorruptError as e:
+                skipped.append((s, str(e)))
+                if len(steps) > len(skipped):
+                    log.warning("cannot resume from checkpoint step %d, trying the one before: "
+                                "%s", s, e)
+                    continue
+                raise CheckpointCorruptError(
+                    f"no committed checkpoint in {self.directory} can be restored (steps "
+                    f"{steps}): {skipped[0][1]}. Restore the directory from a copy, or set "
+                    "config.checkpoint.directory (or move this one away) to start afresh") from e
+            for bad, why in skipped:
+                self._move_aside(bad, why)
+            restored.skipped = skipped
+            return restored
+        return None
+
+    def _move_aside(self, step: int, why: str) -> None:
+        """Renames the unreadable step directory `<step>.corrupt` (`.corrupt-N` if taken)."""
+        if jax.process_index() == 0:
+            src = self._step_dir(step)
+            dst, n = src.with_name(f"{step}.corrupt"), 1
+            while dst.exists():
+                dst, n = src.with_name(f"{step}.corrupt-{n}"), n + 1
+            src.rename(dst)
+            log.warning("checkpoint step %d skipped (%s); moved to %s", step, why, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"checkpoint_move_aside_{step}")
+        self.manager.reload()
+
+    def _restore_step(self, step: int, abstract_state: TrainState,
+                      data_iter: Any | None) -> Restored:
         import grain.checkpoint as gcp
 
-        step = self.latest_step() if step is None else step
-        if step is None:
-            return None
         meta = self.check(step)
         where = str(self._step_dir(step))
+        saved_by, now = meta.get("process_count"), run_processes()
+        if data_iter is not None and saved_by is not None and saved_by != now:
+            raise CheckpointMismatchError(
+                f"checkpoint {where} was saved by {saved_by} processes and this run has "
+                f"{now}: each process's data position (its grain iterator) "
+                f"cannot be split or merged. Resume with {saved_by} processes, or start a new "
+                "run from these weights in another config.checkpoint.directory")
         items: dict[str, Any] = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iter is not None:
             items["data"] = gcp.CheckpointRestore(data_iter)
@@ -261,23 +360,31 @@ class TrainCheckpointer:
             stored = out.state
         except Exception as e:  # noqa: BLE001
             raise CheckpointCorruptError(
-                f"checkpoint {where} is corrupted or incomplete ({type(e).__name__}: {e}). "
-                f"Delete {where} to resume from an earlier step (committed steps: "
-                f"{self.all_steps()}).") from e
+                f"checkpoint {where} is corrupted or incomplete ({type(e).__name__}: "
+                f"{e})") from e
         got, want = jax.tree.structure(stored), jax.tree.structure(abstract_state)
         if got != want:
-            raise CheckpointCorruptError(f"checkpoint {where}: saved state has another structure "
-                                         "than this run's train state")
+            raise CheckpointMismatchError(f"checkpoint {where}: saved state has another "
+                                          "structure than this run's train state")
         return Restored(step=step, state=from_storable(stored, meta["key_impl"]), meta=meta)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Waits for an async save to commit; its failure is handled as in `save`."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            step, self._in_flight = self._in_flight, None
+            self._save_failed(step if step is not None else -1, e)
+        self._in_flight = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 __all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointCorruptError",
+           "CheckpointSaveError",
            "TrainCheckpointer", "make_checkpoint_manager", "make_meta", "check_meta",
            "abstract_storable", "to_storable", "from_storable", "config_hash", "key_impl_name"]

@@ -26,7 +26,9 @@ overrides, checks), data_stage.py (a)–(c), train_stage.py (d), eval_stage.py (
 
 `main(argv)` is the in-process entry point (argv[0] is the program name); it returns the summary.
 `train.max_steps=0` stops after data preparation (e.g. to regenerate once before a multi-host
-run). Multi-host: `config.distributed=True` (or env DSPARK_DISTRIBUTED=1) calls
+run). On SIGTERM the run saves a checkpoint at the step it is on and exits with status 0 (before
+export and evaluation); the same command resumes it. A run stopped by
+`train.max_nonfinite_steps` exits with status 2 and one line naming the step. Multi-host: `config.distributed=True` (or env DSPARK_DISTRIBUTED=1) calls
 `jax.distributed.initialize()` first; see launch/.
 """
 
@@ -89,6 +91,11 @@ def run(c: ml_collections.ConfigDict) -> dict[str, Any]:
     # (d)
     tr = train_stage.train_loop(c, target, draft_cfg, mesh, data, pc, total, workdir, is_main)
     lap("training")
+    if tr.preempted:            # a checkpoint at tr.end is committed; the same command resumes
+        tr.logger.close(final=False)
+        return {"workdir": str(workdir), "steps": total, "preempted_at_step": tr.end,
+                "resumed_from_step": tr.start if tr.resumed else None,
+                "checkpoints": str(tr.ckpt_dir)}
     # (e)
     exports = eval_stage.export_draft(tr.graphdef, tr.state.params, tr.frozen,
                                       workdir / "export",
@@ -180,15 +187,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def entry() -> None:
-    """`python -m dspark_jax.train`: errors in the config and checkpoint errors are one line,
-    not a traceback (exit status 2); compiled programs persist across runs
-    (`cli_support.run_main`)."""
+    """`python -m dspark_jax.train`: errors in the config, checkpoint errors and a stop for
+    non-finite steps are one line, not a traceback (exit status 2); compiled programs persist
+    across runs (`cli_support.run_main`)."""
     from dspark_jax.cli_support import run_main
     from dspark_jax.models.config import ConfigError
+    from dspark_jax.train.run_guards import NonFiniteStepsError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if any(a in ("-h", "--help", "-help") for a in sys.argv[1:]):
         print(__doc__)
         print("Config keys: see dspark_jax/train/config_base.py; experiments: configs/*.py")
         return
-    run_main(lambda: main(sys.argv), errors=(UsageError, ConfigError))
+    run_main(lambda: main(sys.argv), errors=(UsageError, ConfigError, NonFiniteStepsError))

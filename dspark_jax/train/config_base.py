@@ -13,7 +13,7 @@ Layout (all overridable as `--config.<section>.<key>=value`):
                     row past the tokenizer's vocabulary), markov_rank, …)
   data.*            prompts → regeneration by the target → rendered records (→ feature cache)
   train.*           optimizer / schedule / batch / dtypes of the jitted step
-  checkpoint.*      Orbax: every_steps, keep, async_save, directory
+  checkpoint.*      Orbax: every_steps, keep, async_save, directory, continue_on_save_error
   mesh.*            (data, fsdp, tensor) mesh; data=-1 takes the remaining devices
   eval.*            held-out teacher-forced acceptance; `speculative` hook
   logging.*         tqdm / TensorBoard / JSONL
@@ -174,6 +174,9 @@ def get_base_config() -> ml_collections.ConfigDict:
                                    # (memory ∝ one anchor chunk); False keeps them: one LM-head
                                    # matmul fewer per chunk (faster where memory allows)
         log_every=10,              # fetch device metrics every N steps (fingerprints: every step)
+        max_nonfinite_steps=10,    # a step with a non-finite loss / grad norm is skipped (no
+                                   # update) and counted; this many in a row stop the run with a
+                                   # checkpoint of the last good state
         init_from_target=False,    # DSpark/DFlash: start the backbone from the target's layers
                                    # after the last tap, fc = identity on that tap, final norm
                                    # copied (models/draft.target_layers_init); False: DeepSpec's
@@ -182,7 +185,8 @@ def get_base_config() -> ml_collections.ConfigDict:
 
     c.checkpoint = ml_collections.ConfigDict(dict(
         directory="",              # default: <workdir>/checkpoints
-        every_steps=3000, keep=3, async_save=True))
+        every_steps=3000, keep=3, async_save=True,
+        continue_on_save_error=False))  # a failed save: warn and train on (False: stop, exit 2)
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,
                                             num_devices=-1,   # -1: all devices
@@ -211,6 +215,8 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.debug = ml_collections.ConfigDict(dict(
         sigkill_at_step=-1,        # fault injection for the resume test: SIGKILL self after step N
         sigkill_process=-1,        # … only in this process (-1: every process)
+        sigterm_at_step=-1,        # fault injection for the pre-emption test: SIGTERM self after
+                                   # step N, and again while that checkpoint is being saved
     ))
     c.lock()
     return c

@@ -134,6 +134,9 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
         bad("train.attn_kernel", f"{t.attn_kernel!r} is not True or False")
     if t.log_every < 1:
         bad("train.log_every", "must be ≥ 1")
+    if t.max_nonfinite_steps < 1:
+        bad("train.max_nonfinite_steps", f"{t.max_nonfinite_steps} must be ≥ 1 (non-finite "
+            "steps in a row that stop the run)")
     if t.init_from_target and c.draft.get("model_type") not in ("dspark", "dflash"):
         bad("train.init_from_target", f"only DSpark / DFlash drafters start from the target's "
             f"layers, not draft.model_type={c.draft.get('model_type')!r}")

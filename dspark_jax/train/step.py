@@ -13,6 +13,11 @@ accumulation. How the loss is normalised over them is `DraftConfig.loss_normaliz
                         the result equal to one big batch.
 Target features are computed inside the step from the frozen target (online) or read from the
 batch (offline cache).
+
+A step whose loss or gradient norm is not finite changes nothing: the new params, optimizer
+state and RNG key are selected with `jnp.where` against the old ones (only `step` advances), so
+the run goes on exactly as if that batch had not been there. Its metrics carry `nonfinite` = 1
+(0 otherwise); the training loop counts, reports and bounds such steps (train_stage.py).
 """
 
 from __future__ import annotations
@@ -244,11 +249,18 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep_if_finite = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o),
+                                                       new, old)
         metrics = to_metrics(sums)
         metrics["loss"] = loss     # the objective this step optimised
         metrics["grad_norm"] = grad_norm
         metrics["lr"] = schedule(state.step)
-        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, key=key)
+        metrics["nonfinite"] = jnp.logical_not(finite).astype(jnp.int32)
+        new_state = TrainState(step=state.step + 1,
+                               params=keep_if_finite(params, state.params),
+                               opt_state=keep_if_finite(opt_state, state.opt_state),
+                               key=jnp.where(finite, key, state.key))
         return new_state, metrics
 
     def eval_step(params, frozen, target_state, batch, key):

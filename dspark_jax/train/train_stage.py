@@ -1,6 +1,15 @@
 """Stage 2 of the training job, the training loop (SPEC §4 optimisation): the (data, fsdp,
 tensor) mesh, the drafter and its train state, the jitted sharded step, the Orbax checkpointer
 (automatic exact resume, grain iterator included) and metrics logging, step by step.
+
+Between steps the loop also (run_guards.py):
+- counts the steps the jitted step skipped for a non-finite loss or gradient norm
+  (`nonfinite_steps` in metrics.jsonl and TensorBoard, a log line per such step with its batch
+  fingerprint) and, after `train.max_nonfinite_steps` of them in a row, saves the state (the
+  last good parameters: skipped steps change none) and raises `NonFiniteStepsError`;
+- on SIGTERM (one process) or at JAX's pre-emption sync point (several), saves a checkpoint at
+  the step just done, waits for it to commit and returns `TrainResult(preempted=True)`, after
+  which the job exits with status 0; re-running the same command resumes from that step.
 """
 
 from __future__ import annotations
@@ -123,6 +132,8 @@ class TrainResult:
     start: int               # the step training resumed from (0: fresh)
     resumed: bool
     ckpt_dir: pathlib.Path
+    preempted: bool = False  # stopped early on SIGTERM / pre-emption, a checkpoint at `end`
+    end: int = 0             # the last step trained
 
 
 def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: Any, data: Any,
@@ -136,6 +147,7 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
     from dspark_jax.train.checkpoint import (TrainCheckpointer, abstract_storable,
                                              key_impl_name, make_meta)
     from dspark_jax.train.metrics_log import MetricsLogger
+    from dspark_jax.train.run_guards import NonFiniteGuard, PreemptionWatch
     from dspark_jax.train.step import (OptimConfig, build_train_step, init_train_state,
                                        make_optimizer, make_schedule, split_draft)
 
@@ -166,37 +178,75 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
                             "data_seed": c.data.data_seed})
     ckpt = TrainCheckpointer(ckpt_dir, meta, keep=c.checkpoint.keep,
                              every_steps=c.checkpoint.every_steps,
-                             async_save=c.checkpoint.async_save)
+                             async_save=c.checkpoint.async_save,
+                             continue_on_save_error=c.checkpoint.continue_on_save_error)
     it = iter(make_dataset(data.source, pc))
     restored = ckpt.restore(abstract_storable(state, state_sh), it)
     start = 0
+    counters: dict[str, int] = {}
     if restored is not None:
-        state, start = restored.state, restored.step
+        state, start, counters = restored.state, restored.step, restored.counters
+        for bad, why in restored.skipped:
+            print(f"warning: checkpoint step {bad} skipped ({why}); moved aside as "
+                  f"{ckpt_dir / str(bad)}.corrupt*", flush=True)
         print(f"resumed from {ckpt_dir / str(start)} (step {start} of {total})", flush=True)
 
     logger = MetricsLogger(workdir, total, start, enabled=is_main,
                            progress=c.logging.progress, tensorboard=c.logging.tensorboard,
                            jsonl=c.logging.jsonl)
+    guard = NonFiniteGuard(c.train.max_nonfinite_steps,
+                           total=counters.get("nonfinite_steps", 0),
+                           in_a_row=counters.get("nonfinite_in_a_row", 0),
+                           write=logger.write)
+    watch = PreemptionWatch(ckpt.manager)
     periodic = periodic_heldout_eval(c, (mesh, fns.batch_sharding, graphdef), draft_cfg, target,
                                      data.held_records)
     n_proc = jax.process_count()
-    for step in range(start, total):
-        local = next(it)
-        fingerprint = global_batch_fingerprint(local, jax.process_index(), n_proc)
-        tokens = _global_tokens(local, n_proc)
-        batch = to_global_batch(local, fns.batch_sharding)
-        state, metrics = fns.train(state, frozen, target_state, batch)
-        done = step + 1
-        fetch = done % c.train.log_every == 0 or done == total or step == start
-        logger.log(done, jax.device_get(metrics) if fetch else None, tokens=tokens,
-                   batch_hash=fingerprint)
-        if periodic is not None and done % c.eval.every_steps == 0 and done < total:
-            logger.log_eval(done, periodic(state.params, frozen))   # the run's end: cli.py
-        ckpt.save(done, state, it)
-        if done == c.debug.sigkill_at_step and c.debug.sigkill_process in (
-                -1, jax.process_index()):
-            os.kill(os.getpid(), signal.SIGKILL)
-    ckpt.save(total, state, it, force=True)
-    ckpt.close()
+    done, preempted = start, False
+    try:
+        for step in range(start, total):
+            local = next(it)
+            fingerprint = global_batch_fingerprint(local, jax.process_index(), n_proc)
+            tokens = _global_tokens(local, n_proc)
+            batch = to_global_batch(local, fns.batch_sharding)
+            state, metrics = fns.train(state, frozen, target_state, batch)
+            done = step + 1
+            guard.defer(done, metrics.pop("nonfinite"), fingerprint)
+            fetch = done % c.train.log_every == 0 or done == total or step == start
+            host = None
+            if fetch:
+                host = jax.device_get(metrics)
+                guard.resolve()
+                host["nonfinite_steps"] = guard.total
+            logger.log(done, host, tokens=tokens, batch_hash=fingerprint)
+            if periodic is not None and done % c.eval.every_steps == 0 and done < total:
+                logger.log_eval(done, periodic(state.params, frozen))   # the run's end: cli.py
+            if done == c.debug.sigterm_at_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            preempted = watch.reached(done)
+            if guard.tripped or preempted or ckpt.should_save(done):
+                guard.resolve()
+            if guard.tripped:
+                ckpt.save(done, state, it, force=True, counters=guard.counters())
+                ckpt.close()
+                logger.close(final=False)
+                raise guard.error(str(ckpt_dir / str(ckpt.latest_step())))
+            if preempted:
+                break
+            ckpt.save(done, state, it, counters=guard.counters())
+            if done == c.debug.sigkill_at_step and c.debug.sigkill_process in (
+                    -1, jax.process_index()):
+                os.kill(os.getpid(), signal.SIGKILL)
+        guard.resolve()
+        ckpt.save(done, state, it, force=True, counters=guard.counters())
+        if preempted and done == c.debug.sigterm_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)    # a second SIGTERM while the save is in flight
+        ckpt.close()
+    finally:
+        watch.close()
+    if preempted:
+        logger.write(f"pre-empted: checkpoint {ckpt_dir / str(done)} committed after step "
+                     f"{done} of {total}; run the same command again to resume")
     return TrainResult(graphdef=graphdef, state=state, frozen=frozen, fns=fns, logger=logger,
-                       start=start, resumed=restored is not None, ckpt_dir=ckpt_dir)
+                       start=start, resumed=restored is not None, ckpt_dir=ckpt_dir,
+                       preempted=preempted, end=done)

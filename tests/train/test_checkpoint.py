@@ -1,6 +1,8 @@
 """Checkpointing of training runs: round trip into abstract targets with other shardings, the
 grain iterator position, keep-N, uncommitted directories ignored, mismatch and corruption errors,
-and a SIGKILLed run that resumes to exactly the uninterrupted result on exactly the same batches."""
+resuming past an unreadable latest step, a failed save that keeps the committed steps; and whole
+runs: a SIGKILLed and a SIGTERMed run that resume to exactly the uninterrupted result on exactly
+the same batches, and a run stopped by non-finite steps."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import pytest
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.sharding import make_mesh
 from dspark_jax.train.checkpoint import (COMMIT_MARKER, CheckpointCorruptError,
-                                         CheckpointMismatchError, TrainCheckpointer,
+                                         CheckpointMismatchError, CheckpointSaveError,
+                                         TrainCheckpointer,
                                          abstract_storable, key_impl_name, make_meta)
 from dspark_jax.train.metrics_log import read_jsonl
 from dspark_jax.train.step import OptimConfig, init_train_state, make_optimizer, split_draft
@@ -173,6 +176,97 @@ def test_corrupted_checkpoint_is_a_clear_error(target, tmp_path, damage):
     assert str(step_dir) in str(e.value) and "corrupt" in str(e.value)
 
 
+def _largest_state_file(step_dir: pathlib.Path) -> pathlib.Path:
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+
+
+def test_resume_passes_over_an_unreadable_latest_step(target, tmp_path, caplog):
+    mesh = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, mesh)
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state), every_steps=2, async_save=False)
+    for s in (2, 4):
+        ck.save(s, _advance(state, s))
+    ck.close()
+    bad = _largest_state_file(tmp_path / "4")            # a tensor file of the latest step
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    files = sorted(str(p.relative_to(tmp_path / "4")) for p in (tmp_path / "4").rglob("*"))
+
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state), every_steps=2, async_save=False)
+    with caplog.at_level("WARNING", logger="dspark_jax.train.checkpoint"):
+        r = ck.restore(abstract_storable(state, sh))
+    assert r.step == 2 and [s for s, _ in r.skipped] == [4]
+    np.testing.assert_array_equal(_leaves(r.state.params)[0], _leaves(_advance(state, 2).params)[0])
+    assert "step 4" in caplog.text and "corrupt" in caplog.text
+    # moved aside whole, not deleted; the step can be written again
+    aside = tmp_path / "4.corrupt"
+    assert not (tmp_path / "4").exists()
+    assert sorted(str(p.relative_to(aside)) for p in aside.rglob("*")) == files
+    assert ck.all_steps() == [2] and ck.save(4, _advance(state, 4))
+    ck.close()
+
+    # nothing restorable: today's error, and nothing moved
+    for step in (2, 4):
+        f = _largest_state_file(tmp_path / str(step))
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    ck = TrainCheckpointer(tmp_path, _meta(target, draft, state))
+    with pytest.raises(CheckpointCorruptError) as e:
+        ck.restore(abstract_storable(state, sh))
+    assert str(tmp_path / "4") in str(e.value) and "corrupt" in str(e.value)
+    assert (tmp_path / "2").is_dir() and (tmp_path / "4").is_dir()
+
+
+# the failed step's state writes are abandoned by Orbax: their futures end unraised
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("async_save", [False, True])
+@pytest.mark.parametrize("go_on", [False, True])
+def test_a_failed_save_keeps_the_committed_steps(target, tmp_path, monkeypatch, caplog,
+                                                 async_save, go_on):
+    """The write of a step fails (as on a full disk) after its state was written: the committed
+    step stays readable; the save raises a clear error or, with continue_on_save_error, warns
+    and later saves work."""
+    import orbax.checkpoint as ocp
+
+    mesh = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, mesh)
+    meta = _meta(target, draft, state)
+    ck = TrainCheckpointer(tmp_path, meta, every_steps=2, async_save=async_save,
+                           continue_on_save_error=go_on)
+    assert ck.save(2, _advance(state, 2))
+    ck.wait()
+
+    class FullDisk:                  # the write of `meta` fails where it would finish
+        def result(self, timeout=None):
+            raise OSError(28, "No space left on device")
+
+    async def full_disk(self, directory, *args, **kwargs):
+        return [FullDisk()]
+
+    with monkeypatch.context() as m:
+        m.setattr(ocp.handlers.JsonCheckpointHandler, "async_save", full_disk)
+        if go_on:
+            with caplog.at_level("WARNING", logger="dspark_jax.train.checkpoint"):
+                ck.save(4, _advance(state, 4))
+                ck.wait()
+            msg = caplog.text
+        else:
+            with pytest.raises(CheckpointSaveError) as e:
+                ck.save(4, _advance(state, 4))
+                ck.wait()
+            msg = str(e.value)
+    assert "step 4" in msg and "No space left" in msg and str(tmp_path / "2") in msg
+    assert "checkpoint.continue_on_save_error" in msg
+    if go_on:
+        assert ck.save(6, _advance(state, 6))
+    ck.close()
+
+    ck = TrainCheckpointer(tmp_path, meta)
+    assert ck.all_steps() == ([2, 6] if go_on else [2])
+    r = ck.restore(abstract_storable(state, sh), step=2)
+    np.testing.assert_array_equal(_leaves(r.state.params)[0], _leaves(_advance(state, 2).params)[0])
+    ck.close()
+
+
 # ------------------------------------------------------------------------- kill -9 and resume
 
 
@@ -207,17 +301,38 @@ def _params(workdir) -> dict[str, np.ndarray]:
     return load_file(workdir / "export" / "model.safetensors")
 
 
-def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
-    """Regeneration is exercised by test_cli; here all runs train on one regenerated file.
-    The three subprocesses share a JAX compilation cache, so only the first one compiles."""
-    tgt = make_tiny_target(tmp_path / "target")
-    data = write_regenerated(tmp_path / "regenerated.jsonl")
-    cache = tmp_path / "jax_cache"
-    ref, run = tmp_path / "uninterrupted", tmp_path / "killed"
-
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny target, one regenerated file, a shared JAX compilation cache (only the first run
+    compiles) and the uninterrupted 10-step reference run. Regeneration is exercised by
+    test_cli; here all runs train on the same file."""
+    root = tmp_path_factory.mktemp("runs")
+    tgt = make_tiny_target(root / "target")
+    data = write_regenerated(root / "regenerated.jsonl")
+    cache = root / "jax_cache"
+    ref = root / "uninterrupted"
     a = _train(tgt, ref, data, cache)
     assert a.returncode == 0, a.stderr[-3000:]
+    return tgt, data, cache, ref
 
+
+def _assert_same_run(ref: pathlib.Path, run: pathlib.Path) -> None:
+    """Same batch at every step, the same per-step losses and the same final parameters."""
+    want, got = _batches(ref), _batches(run)
+    assert sorted(want) == list(range(1, 11))
+    assert got == want
+    assert len(set(want.values())) > 1
+    loss = lambda w: {r["step"]: r["loss"] for r in read_jsonl(w / "metrics.jsonl") if "loss" in r}
+    assert loss(run) == pytest.approx(loss(ref), abs=1e-6)
+    pa, pb = _params(ref), _params(run)
+    assert pa.keys() == pb.keys()
+    worst = max(float(np.abs(pa[k].astype(np.float64) - pb[k]).max()) for k in pa)
+    assert worst <= 1e-6, worst
+
+
+def test_sigkill_mid_run_then_resume_equals_uninterrupted(tiny_run, tmp_path):
+    tgt, data, cache, ref = tiny_run
+    run = tmp_path / "killed"
     b = _train(tgt, run, data, cache, "--config.debug.sigkill_at_step=7")
     assert b.returncode == -9, (b.returncode, b.stderr[-3000:])
     assert not (run / "export").exists()
@@ -231,13 +346,65 @@ def test_sigkill_mid_run_then_resume_equals_uninterrupted(tmp_path):
     assert resumed in (3, 6), resumed               # the last committed checkpoint before the kill
     steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl")]
     assert steps == list(range(1, 8)) + list(range(resumed + 1, 11))
+    _assert_same_run(ref, run)
 
-    # same batches at every step, and the same final parameters
-    want, got = _batches(ref), _batches(run)
-    assert sorted(want) == list(range(1, 11))
-    assert got == want
-    assert len(set(want.values())) > 1
-    pa, pb = _params(ref), _params(run)
-    assert pa.keys() == pb.keys()
-    worst = max(float(np.abs(pa[k].astype(np.float64) - pb[k]).max()) for k in pa)
-    assert worst <= 1e-6, worst
+
+def test_sigterm_saves_the_step_and_the_same_command_resumes_exactly(tiny_run, tmp_path):
+    """SIGTERM after step 5 (off the every-3-steps interval), and a second one while that
+    checkpoint is being written (async): exit status 0 with step 5 committed; the re-run
+    resumes there and ends exactly as the uninterrupted run."""
+    tgt, data, cache, ref = tiny_run
+    run = tmp_path / "preempted"
+    b = _train(tgt, run, data, cache, "--config.debug.sigterm_at_step=5")
+    assert b.returncode == 0, (b.returncode, b.stderr[-3000:])
+    assert "SIGTERM again" in b.stderr and "pre-empted" in b.stdout
+    assert not (run / "export").exists()
+    assert (run / "checkpoints" / "5" / COMMIT_MARKER).is_file()
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 6))
+
+    c = _train(tgt, run, data, cache)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 5
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 11))
+    _assert_same_run(ref, run)
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run_with_a_checkpoint(tiny_run, tmp_path):
+    """lr 1e30: step 2 (the first with lr > 0) makes the parameters huge, every later loss is
+    not finite. Those steps are skipped, logged with their batch and counted; the second in a
+    row stops the run with one line naming the step, after a checkpoint of that step."""
+    tgt, data, cache, _ = tiny_run
+    run = tmp_path / "diverged"
+    b = _train(tgt, run, data, cache, "--config.train.lr=1e30",
+               "--config.train.max_nonfinite_steps=2")
+    assert b.returncode == 2, (b.returncode, b.stderr[-3000:])
+    last = b.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stopped at step 4: steps 3-4"), last
+    assert "train.max_nonfinite_steps" in last
+    rows = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}
+    assert [rows[s]["nonfinite_steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert f"step 3: non-finite loss or gradient norm, update skipped (batch " \
+           f"{rows[3]['batch_hash']}" in b.stdout
+    assert (run / "checkpoints" / "4" / COMMIT_MARKER).is_file()
+    assert not (run / "export").exists()
+
+
+def test_another_process_count_is_refused_naming_both(target, tmp_path, monkeypatch):
+    """A run saved by one process and resumed by two (simulated: `jax.process_count` as the
+    checkpointer sees it) is refused in one line naming both counts, with nothing moved aside;
+    the weights alone (no data position) still restore."""
+    from dspark_jax.train import checkpoint as ck_mod
+
+    one = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, one)
+    ck = TrainCheckpointer(tmp_path / "ck", _meta(target, draft, state), every_steps=1,
+                           async_save=False)
+    assert ck.save(2, state, _iterator())
+    ck.close()
+    monkeypatch.setattr(ck_mod, "run_processes", lambda: 2)
+    ck2 = TrainCheckpointer(tmp_path / "ck", _meta(target, draft, state))
+    with pytest.raises(CheckpointMismatchError, match="saved by 1 processes and this run has 2"):
+        ck2.restore(abstract_storable(state, sh), _iterator())
+    assert (tmp_path / "ck" / "2").is_dir() and not list((tmp_path / "ck").glob("*.corrupt*"))
+    assert ck2.restore(abstract_storable(state, sh)).step == 2
+    ck2.close()

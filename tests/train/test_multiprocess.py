@@ -118,3 +118,20 @@ def test_two_processes_regenerate_and_cache_features_as_one_does(job):
                                        rtol=2 ** -7, atol=1e-3, err_msg=f)
     assert hashes(one) == hashes(two) and len(hashes(one)) == 4
     assert_same_params(one, two, atol=1e-5)
+
+
+def test_two_processes_save_on_sigterm_at_one_step_and_resume_exactly(job):
+    """Both processes get SIGTERM after step 1: JAX's pre-emption sync point picks one step for
+    both, both save it and exit 0; the same command resumes and ends where the uninterrupted
+    two-process run did."""
+    _, ref = launch(job, "two_x2_ref", 2, 2)
+    proc, run = launch(job, "sigterm", 2, 2, "--config.debug.sigterm_at_step=1")
+    logs = [(job[2] / "logs_sigterm" / f"process_{i}.log").read_text() for i in (0, 1)]
+    assert "pre-empted" in logs[0] and "Reached preemption sync point" in logs[1]
+    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and 1 < saved[-1] < 4 and not (run / "export").exists()
+    launch(job, "sigterm", 2, 2)
+    assert f"resumed from {run / 'checkpoints' / str(saved[-1])}" in (
+        job[2] / "logs_sigterm" / "process_0.log").read_text()
+    assert hashes(run) == hashes(ref) and len(hashes(ref)) == 4
+    assert_same_params(run, ref)
