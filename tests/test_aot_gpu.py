@@ -58,6 +58,28 @@ def test_a_scan_over_stacked_weights_copies_them_and_per_layer_buffers_do_not():
     assert stacked["kernels_per_step"] >= L
 
 
+def test_kernels_are_classified_by_what_they_compute():
+    """A program's kernels take their kind from the ops they run and the Python functions their
+    root came from (the source frames XLA keeps in the HLO text): an RMS norm, a GEMM and the
+    attention's softmax each show up under their own kind, and every kernel has one."""
+    from dspark_jax.aot.hlo_traffic import parse_frames
+    from dspark_jax.models import layers as L
+
+    def f(x, w, g, k, v):
+        q = (L.rms_norm(x, g, 1e-6) @ w).reshape(1, 4, 2, 8)
+        return jnp.tanh(L.attend(q, k, v, L.causal_mask(1, 4)))
+
+    args = (jnp.ones((1, 4, 16)), jnp.ones((16, 16)), jnp.ones((16,)), jnp.ones((1, 4, 2, 8)),
+            jnp.ones((1, 4, 2, 8)))
+    text = jax.jit(f).lower(*args).compile().as_text()
+    frames = parse_frames(text)
+    assert any(fr[0] == "rms_norm" and fr[1].endswith("f") for fr in frames.values())
+    s = Program(text, weights_or_cache([], [])).summary()
+    kinds = s["kernels_by_kind"]
+    assert sum(kinds.values()) == s["kernels_per_step"]
+    assert kinds["gemm"] >= 1 and kinds["norm"] >= 1 and kinds["attention"] >= 1
+
+
 def test_traffic_of_a_loop_free_program_agrees_with_xla_cost_analysis():
     ws = [jax.tree.map(lambda a: a[i], _weights()) for i in range(L)]
     compiled = jax.jit(_per_layer).lower(ws, jnp.ones((2, D))).compile()
@@ -151,6 +173,16 @@ def test_h200_plain_steps_read_the_weights_where_they_lie(h200_report):
         assert p["weight_copy_bytes"] == 0, (name, p["weight_copies"])
         assert p["weights_bytes"] > 0 and p["cache_bytes"] > 0
         assert p["loops_of_unknown_trip_count"] == 1     # the step loop, counted once
+    layers = json.loads((h200_report[1] / "config.json").read_text())["num_hidden_layers"]
+    for name, p in progs.items():   # kernels per layer, by kind, and the projected time
+        assert sum(p["kernels_by_kind"].values()) == p["kernels_per_step"], name
+        if name != "round":   # the round's are per target layer too, the draft's per drafter's
+            assert p["kernels_per_layer"] == pytest.approx(p["kernels_per_step"] / layers)
+        assert p["kernels_by_kind"]["attention"] > 0 and p["kernels_by_kind"]["norm"] > 0
+        model = p["bytes_accessed"] / (0.9 * 4.8e12) + p["kernels_per_step"] * 2e-6
+        assert p["projected_s"] == pytest.approx(model, rel=0.01)
+    assert h200_report[0]["round_over_plain_step_projected"] == pytest.approx(
+        progs["round"]["projected_s"] / progs["plain_step"]["projected_s"])
 
 
 @pytest.mark.gpu

@@ -105,11 +105,11 @@ class AbstractRound:
     param_bytes: dict[str, int] = dataclasses.field(default_factory=dict)   # target, draft
 
 
-def decoding_layouts(t_gd: Any, t_state: Any, d_gd: Any, d_state: Any
+def decoding_layouts(t_gd: Any, t_state: Any, d_gd: Any, d_state: Any, fuse: bool = True
                      ) -> tuple[Any, Any, Any, Any]:
     """The target and the drafter in the serving engine's decoding layout (one buffer per
     layer: `models.decoder.with_layer_buffers`, `drafters.dspark.with_layer_buffers`), built
-    abstractly from abstract states."""
+    abstractly from abstract states; `fuse=False` for a tensor-parallel mesh."""
     import jax
 
     from dspark_jax.models.decoder import with_layer_buffers
@@ -118,11 +118,11 @@ def decoding_layouts(t_gd: Any, t_state: Any, d_gd: Any, d_state: Any
     out = {}
 
     def target(st: Any) -> Any:
-        out["t"], s2 = with_layer_buffers(t_gd, st)
+        out["t"], s2 = with_layer_buffers(t_gd, st, fuse)
         return s2
 
     def draft(st: Any) -> Any:
-        out["d"], s2 = draft_layer_buffers(d_gd, st)
+        out["d"], s2 = draft_layer_buffers(d_gd, st, fuse)
         return s2
 
     t_state = jax.eval_shape(target, t_state)
@@ -165,8 +165,9 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                                                                  L.UnstackedLayers))
     param_bytes = {name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))
                    for name, st in (("target", t_state), ("draft", d_state))}
-    if layer_buffers:
-        t_gd, t_state, d_gd, d_state = decoding_layouts(t_gd, t_state, d_gd, d_state)
+    if layer_buffers:   # fused q/k/v and gate/up buffers unless the heads split over chips
+        t_gd, t_state, d_gd, d_state = decoding_layouts(
+            t_gd, t_state, d_gd, d_state, fuse=int(mesh.shape.get("tensor", 1)) == 1)
     adapter = adapter_for(d_cfg.model_type)
 
     def engine_state():

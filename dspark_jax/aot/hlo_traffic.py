@@ -265,10 +265,26 @@ def parse_frames(hlo_text: str) -> dict[int, tuple[str, ...]]:
     return out
 
 
-def kernel_kind(ins: Instr, frames: tuple[str, ...], called: list["Computation"]) -> str:
+def _ops_within(called: list["Computation"], comps: dict[str, "Computation"]) -> set[str]:
+    """The opcodes of `called` and of every computation they call in turn (nested fusions)."""
+    ops: set[str] = set()
+    stack, seen = list(called), set()
+    while stack:
+        c = stack.pop()
+        if c.name in seen:
+            continue
+        seen.add(c.name)
+        for i in c.instrs:
+            ops.add(i.opcode)
+            stack.extend(comps[n] for n in i.called() if n in comps)
+    return ops
+
+
+def kernel_kind(ins: Instr, frames: tuple[str, ...], called: list["Computation"],
+                comps: dict[str, "Computation"]) -> str:
     """A kernel's kind (`KERNEL_KINDS`) from its opcode, the ops of the computations it calls
-    and the Python functions its root came from."""
-    ops = {i.opcode for c in called for i in c.instrs}
+    (nested ones included) and the Python functions its root came from."""
+    ops = _ops_within(called, comps)
     target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
     inner = frames[0] if frames else ""
     near = set(frames[:3])   # the function and its callers (a generator's, a helper's)
@@ -389,7 +405,7 @@ class Program:
                 called = [self.comps[c] for c in ins.called() if c in self.comps]
                 self.kernels.append(Kernel(comp.name, ins.name, ins.opcode, ins.shape, times,
                                            read, written, copy, sorted(flat) if copy else [],
-                                           kernel_kind(ins, frames, called)))
+                                           kernel_kind(ins, frames, called, self.comps)))
                 moved += (read + written) * times
         return moved
 

@@ -358,15 +358,18 @@ def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,
     return TargetDecoder(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype)
 
 
-def with_layer_buffers(graphdef: Any, state: Any) -> tuple[Any, Any]:
+def with_layer_buffers(graphdef: Any, state: Any, fuse: bool = True) -> tuple[Any, Any]:
     """(graphdef, state) of the same target with one buffer per decoder layer
-    (`layers.UnstackedLayers`), the layout XLA:CPU decodes fastest; a target whose layers are
+    (`layers.UnstackedLayers`), the decoding layout on accelerators; a target whose layers are
     not one `DecoderLayers` stack (Gemma4's segments) or already unstacked comes back as is.
-    The per-layer buffers are copies: the stacked state stays valid."""
+    `fuse`: q/k/v and gate/up as one buffer each (fewer dots); False keeps the stack's
+    matrices, which a tensor-parallel mesh splits by head and by MLP column as it splits the
+    stack (a fused buffer's output mixes heads and stays whole on every chip). The per-layer
+    buffers are copies: the stacked state stays valid."""
     model = nnx.merge(graphdef, state)
     if not isinstance(model.layers, L.DecoderLayers):
         return graphdef, state
-    model.layers = L.UnstackedLayers(model.layers)
+    model.layers = L.UnstackedLayers(model.layers, fuse=True if fuse else {})
     return nnx.split(model)
 
 

@@ -290,14 +290,16 @@ class DSparkDraft(nnx.Module):
         return {"tokens": toks.T, "probs": jnp.moveaxis(probs, 0, 1), "confidence": conf.T}
 
 
-def with_layer_buffers(graphdef: Any, state: Any) -> tuple[Any, Any]:
+def with_layer_buffers(graphdef: Any, state: Any, fuse: bool = True) -> tuple[Any, Any]:
     """(graphdef, state) of the same drafter with one buffer per draft layer
     (`layers.UnstackedLayers`, k|v and gate|up fused), the serving engine's drafting layout: a scan over the
     stacked layers makes XLA copy every layer's weights out of the stack each draft. A drafter whose
     layers are not one `DecoderLayers` stack (Eagle3, Gemma4's) comes back as is; the stacked
-    state stays valid (training and export use it)."""
+    state stays valid (training and export use it). `fuse=False` keeps the stack's matrices
+    (a tensor-parallel mesh: `models.decoder.with_layer_buffers`)."""
     model = nnx.merge(graphdef, state)
     if type(model) is not DSparkDraft or type(model.layers) is not L.DecoderLayers:
         return graphdef, state
-    model.layers = L.UnstackedLayers(model.layers, fuse=L.UnstackedLayers.FUSED_KV)
+    model.layers = L.UnstackedLayers(model.layers,
+                                     fuse=L.UnstackedLayers.FUSED_KV if fuse else {})
     return nnx.split(model)
