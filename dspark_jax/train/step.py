@@ -23,6 +23,7 @@ the run goes on exactly as if that batch had not been there. Its metrics carry `
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import flax.struct
@@ -55,9 +56,23 @@ class OptimConfig:
 
 
 def make_schedule(oc: OptimConfig) -> optax.Schedule:
-    warmup = max(1, int(round(oc.warmup_ratio * oc.total_steps)))
-    return optax.warmup_cosine_decay_schedule(0.0, oc.lr, warmup, max(oc.total_steps, warmup + 1),
-                                              end_value=0.0)
+    """DeepSpec's learning rate at its optimizer step k (0-based), as its
+    `CosineAnnealingWarmupLR` gives it under the pinned torch, W = int(warmup_ratio ·
+    total_steps) warmup steps and T = total_steps − W: lr · (k + 1) / W while k < W (the first
+    step already trains); then lr · (1 + cos(π (k − W) / T)) / (1 + cos(π / T)). The second
+    part is torch's recursive `CosineAnnealingLR` taking over from the warmup one step early in
+    its phase: step W runs a little above lr, step W + 1 at lr, and the rest follow the cosine
+    scaled by the same factor (1 + cos(π/T)) / 2 ≈ 1 − 2.5/T²). W = 0: that from the first step."""
+    warmup = int(oc.warmup_ratio * oc.total_steps)
+    T = max(oc.total_steps - warmup, 2)
+    scale = 1.0 + math.cos(math.pi / T)
+
+    def schedule(count: jax.Array) -> jax.Array:
+        ramp = oc.lr * (count + 1) / max(warmup, 1)
+        t = jnp.clip(count - warmup, 0, T)
+        return jnp.where(count < warmup, ramp, oc.lr * (1.0 + jnp.cos(jnp.pi * t / T)) / scale)
+
+    return schedule
 
 
 def make_optimizer(oc: OptimConfig) -> optax.GradientTransformation:

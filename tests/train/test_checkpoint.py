@@ -370,22 +370,23 @@ def test_sigterm_saves_the_step_and_the_same_command_resumes_exactly(tiny_run, t
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run_with_a_checkpoint(tiny_run, tmp_path):
-    """lr 1e30: step 2 (the first with lr > 0) makes the parameters huge, every later loss is
-    not finite. Those steps are skipped, logged with their batch and counted; the second in a
-    row stops the run with one line naming the step, after a checkpoint of that step."""
+    """lr 1e30: step 1 (DeepSpec's warmup trains from the first step) makes the parameters
+    huge, every later loss is not finite. Those steps are skipped, logged with their batch and
+    counted; the second in a row stops the run with one line naming the step, after a
+    checkpoint of that step."""
     tgt, data, cache, _ = tiny_run
     run = tmp_path / "diverged"
     b = _train(tgt, run, data, cache, "--config.train.lr=1e30",
                "--config.train.max_nonfinite_steps=2")
     assert b.returncode == 2, (b.returncode, b.stderr[-3000:])
     last = b.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: stopped at step 4: steps 3-4"), last
+    assert last.startswith("error: stopped at step 3: steps 2-3"), last
     assert "train.max_nonfinite_steps" in last
     rows = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}
-    assert [rows[s]["nonfinite_steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
-    assert f"step 3: non-finite loss or gradient norm, update skipped (batch " \
-           f"{rows[3]['batch_hash']}" in b.stdout
-    assert (run / "checkpoints" / "4" / COMMIT_MARKER).is_file()
+    assert [rows[s]["nonfinite_steps"] for s in (1, 2, 3)] == [0, 1, 2]
+    assert f"step 2: non-finite loss or gradient norm, update skipped (batch " \
+           f"{rows[2]['batch_hash']}" in b.stdout
+    assert (run / "checkpoints" / "3" / COMMIT_MARKER).is_file()
     assert not (run / "export").exists()
 
 
