@@ -117,8 +117,7 @@ def chunk_terms(draft: Any, h: jax.Array, target_hidden: jax.Array, blocks: Anch
     out = {"ce": jnp.sum(w * ce), "l1": jnp.sum(w * l1), "weight": jnp.sum(w),
            "mask": jnp.sum(m, axis=(0, 1)), "accept": jnp.sum(accept * m, axis=(0, 1))}
     surv = jnp.cumprod(accept * m, axis=-1)
-    out["tau_sum"] = jnp.sum((1.0 + jnp.sum(surv, axis=-1)) * blocks.valid)
-    out["tau_blocks"] = jnp.sum(blocks.valid.astype(jnp.float32))
+    out["tau_sum"], out["tau_blocks"] = tau_sums(accept, m, blocks.valid)
     if conf_logits is not None:
         bce = (jnp.maximum(conf_logits, 0) - conf_logits * accept
                + jnp.log1p(jnp.exp(-jnp.abs(conf_logits))))
@@ -211,6 +210,18 @@ def total_loss(sums: dict[str, jax.Array], cfg: DraftConfig) -> jax.Array:
     if cfg.has_confidence:
         loss = loss + cfg.confidence_head_alpha * sums["conf"] / w
     return loss
+
+
+def tau_sums(accept_bag: jax.Array, eval_mask_bag: jax.Array, keep_ba: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+    """`tau_probabilistic`'s numerator and block count, as DeepSpec counts them
+    (`deepspec/modeling/dspark/loss.py`): a block's expected τ is 1 + Σ_k Π_{j≤k} accept_j over
+    its supervised prefix, and the blocks counted are the kept ones with at least one
+    supervised slot (a kept block whose slots all fall past the reply counts for nothing).
+    accept / eval_mask [B, A, γ], keep [B, A]."""
+    counted = (keep_ba & jnp.any(eval_mask_bag > 0, axis=-1)).astype(jnp.float32)
+    surv = jnp.cumprod(accept_bag * eval_mask_bag, axis=-1)
+    return jnp.sum((1.0 + jnp.sum(surv, axis=-1)) * counted), jnp.sum(counted)
 
 
 def metrics_from_sums(sums: dict[str, jax.Array], cfg: DraftConfig) -> dict[str, jax.Array]:
