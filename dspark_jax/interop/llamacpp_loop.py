@@ -7,7 +7,7 @@ pruned draft vocabulary, passed to llama.cpp exactly as written; nothing is edit
    `--convert-python` with `PYTHONPATH=LC/gguf-py`:
    - the target: a Hugging Face directory of the embedded SmolLM2 target written here
      (`models.io.gguf_to_hf.write_target_hf`: `read_gguf_checkpoint`'s fp32 tensors = the
-     weights our target loads, and the GGUF's tokenizer loaded by transformers' `gguf_file=`),
+     weights our target loads, and our target's own tokenizer, `models.tokenizer.load_tokenizer`),
      or `--target-hf DIR`;
    - the drafter, with `--target-model-dir` that directory (the converter takes the target's
      tokenizer from it).
