@@ -5,7 +5,6 @@ per-layer layout is refused where it is asked for and warned about where it is c
 
 from __future__ import annotations
 
-import gc
 import warnings
 
 import jax
@@ -79,21 +78,30 @@ def test_every_path_prefills_and_steps_on_the_chosen_layout(tmp_path, on_acceler
     assert len(seen) >= 2 and set(seen) == {"UnstackedLayers"}, seen
 
 
-def test_the_weights_are_resident_once(tmp_path, on_accelerator):
-    """Decoding with the per-layer target and no reference to the stacked one leaves no
-    stacked weight alive: the resident target weights are its parameter bytes (within 2%)."""
+def test_the_weights_are_resident_once(tmp_path, on_accelerator, monkeypatch):
+    """On an accelerator the engine's prefill and its rounds read the same per-layer buffers:
+    every target weight the engine holds is one of the decoding layout's (none is one of the
+    stacked state's), and they add up to the parameters' bytes (within 2%)."""
     target = _qwen3(tmp_path)
+    draft = init_draft(target, BASE, seed=3)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(target.state))
-    stacked_shapes = {x.shape for x in jax.tree.leaves(target.state) if x.ndim >= 3}
+    stacked = {id(x) for x in jax.tree.leaves(target.state) if x.ndim >= 3}
     view = target.decoding_layout()
-    del target
-    gc.collect()
-    draft = init_draft(view, BASE, seed=3)
-    speculative_generate(view, draft, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
-    gc.collect()
-    live = {a.shape for a in jax.live_arrays()}
-    assert not stacked_shapes & live, stacked_shapes & live
-    resident = sum(x.nbytes for x in jax.tree.leaves(view.state))
+    seen = []
+    real_prefill = round_.prefill_prompts
+
+    def prefill(config, arrays, *a, **kw):
+        seen.append({id(x) for x in jax.tree.leaves(arrays.target_state)})
+        return real_prefill(config, arrays, *a, **kw)
+
+    monkeypatch.setattr(round_, "prefill_prompts", prefill)
+    eng = Engine(target, draft, max_requests=2, max_len=32, prefill_chunk=8, stop_token_ids=[],
+                 sps=np.ones(9, np.float32))
+    eng.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    held = {id(x) for x in jax.tree.leaves(eng.arrays.target_state)}
+    assert held == {id(x) for x in jax.tree.leaves(view.state)} and not held & stacked
+    assert seen and all(ids == held for ids in seen)          # the prefill reads them too
+    resident = sum(x.nbytes for x in jax.tree.leaves(eng.arrays.target_state))
     assert abs(resident - param_bytes) <= 0.02 * param_bytes
 
 
