@@ -12,7 +12,7 @@ win; a config without a target, configs/tiny.py, gets `--target tiny`, a random 
 of the tests' tiny size):
   python -m dspark_jax.bench.train_step --config configs/smollm2_dspark.py
 
-`--checkpoint` adds the checkpointing row (issue 51): the training loop's step (next batch from a
+`--checkpoint` adds the checkpointing row: the training loop's step (next batch from a
 grain iterator, the jitted step, blocked on its result) with an asynchronous save of the full
 train state and the data iterator in flight, `TrainCheckpointer.save(step, state, data_iter)`
 with async_save=True as `train_stage.train_loop` calls it, against the same step without one.
