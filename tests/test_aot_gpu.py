@@ -293,3 +293,29 @@ def test_the_policy_is_per_dtype():
     assert matmul_precision(jnp.bfloat16) == "default"
     assert weights_dtype({"a": np.zeros(2, np.int32), "b": jnp.zeros(2, jnp.bfloat16)}) == \
         jnp.bfloat16
+
+
+@pytest.mark.gpu
+@needs_plugin
+def test_h200_decode_step_launches_at_most_twelve_kernels_a_layer(tmp_path):
+    """The decode step compiled for an H200 with the decoding layer's kernels: what one more
+    layer adds (4 layers against 2, Qwen3 with 128-wide heads, 2 query heads a key head) is the
+    layer's kernels alone, and that is at most 12 (the four GEMMs with XLA's split-K sums, the
+    q/k norm and RoPE kernel that writes the cache rows, the attention's split and merge, two
+    residual-sum norms, the activation). No weight is copied."""
+    from hf_tiny import save_tiny_hf
+    from dspark_jax.aot import cli
+
+    kernels = {}
+    for layers in (2, 4):
+        path = save_tiny_hf(tmp_path / f"l{layers}", "qwen3", head_dim=128, layers=layers)
+        out = tmp_path / f"l{layers}.json"
+        assert cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--decode",
+                         "--max-len", "256", "--json", str(out), f"--config.target={path}",
+                         "--config.train.target_dtype=bfloat16", "--programs",
+                         "decode_step"]) == 0
+        step = json.loads(out.read_text())["programs"]["decode_step"]
+        assert step["weight_copy_bytes"] == 0, step["weight_copies"]
+        kernels[layers] = step["kernels_per_step"]
+    per_layer = (kernels[4] - kernels[2]) / 2
+    assert 8 <= per_layer <= 12, kernels

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Iterator, Sequence
+import functools
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +57,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, rope: RopeConfig) -> jax.Array:
     """Rotary embedding, rotate-half convention (Hugging Face Llama/Qwen3)."""
-    head_dim = x_btnh.shape[-1]
+    return rotate_half(x_btnh, *rope_cos_sin(positions_bt, rope, x_btnh.shape[-1]))
+
+
+def rope_cos_sin(positions_bt: jax.Array, rope: RopeConfig, head_dim: int
+                 ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [B, T, H/2] (fp32) of each token's rotary angles."""
     inv_freq = jnp.asarray(np.asarray(rope_inv_freq(rope, head_dim), np.float32))  # [H/2]
     angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B,T,H/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rotate_half(x_btnh: jax.Array, cos_bth: jax.Array, sin_bth: jax.Array) -> jax.Array:
+    """x [B, T, N, H] rotated by the tokens' cos / sin [B, T, H/2], in fp32."""
+    cos, sin = cos_bth[:, :, None, :], sin_bth[:, :, None, :]
     xf = x_btnh.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -115,13 +125,40 @@ _flash_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("flash_ker
 
 @contextlib.contextmanager
 def flash_kernels(enabled: bool) -> Iterator[None]:
-    """Whether `causal_attention` traced inside the block may take the flash-attention kernels
-    (default yes); False keeps the dense path on every platform, to compare the two."""
+    """Whether the attention traced inside the block may take its kernels (default yes): the
+    flash-attention kernels of `causal_attention` and the decode-attention kernel of
+    `attend_cache_and_own`; False keeps XLA's path on every platform, to compare the two."""
     token = _flash_kernels.set(bool(enabled))
     try:
         yield
     finally:
         _flash_kernels.reset(token)
+
+
+_interpret_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("interpret_kernels",
+                                                                         default=False)
+
+
+@contextlib.contextmanager
+def interpret_kernels() -> Iterator[None]:
+    """Inside the block the decoding kernels' GPU branches (`on_gpu`) are taken on every
+    platform, their kernels run by the Pallas interpreter: on a CPU, a test runs the program a
+    GPU compiles, kernels included."""
+    token = _interpret_kernels.set(True)
+    try:
+        yield
+    finally:
+        _interpret_kernels.reset(token)
+
+
+def on_gpu(gpu: Callable[..., Any], default: Callable[..., Any], *args: Any) -> Any:
+    """`gpu(*args, interpret=False)` where the program is compiled for a GPU, `default(*args)`
+    elsewhere (`lax.platform_dependent`); inside `interpret_kernels()`,
+    `gpu(*args, interpret=True)` everywhere."""
+    if _interpret_kernels.get():
+        return gpu(*args, interpret=True)
+    return jax.lax.platform_dependent(*args, cuda=functools.partial(gpu, interpret=False),
+                                      default=default)
 
 
 # logical axes of the flash kernels' arguments: q grouped by KV head [B, T, K, G, H], so a
@@ -207,19 +244,67 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
 # up to this many queries a row, attention over a cache runs as multiply-reduce loops (with a
 # verification block's 8 queries XLA:GPU re-lays the whole cache out in fp32 for them)
 CACHE_REDUCE_MAX_QUERIES = 1
+# query heads a row and key head (T·G) up to which the decode-attention kernel takes a call:
+# decoding steps and verification blocks; a draft tree's nodes stay with XLA
+DECODE_KERNEL_MAX_ROWS = 64
+# logical axes of the decode-attention kernel's cache and per-row arguments
+_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
 
 def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-                         cache_mask_bs: jax.Array, own_k: jax.Array, own_v: jax.Array,
+                         cache_start_b: jax.Array, own_k: jax.Array, own_v: jax.Array,
                          own_mask_btq: jax.Array) -> jax.Array:
     """Grouped-query attention of T queries a row over a read-only cache [B, S, K, H], of
-    which the row's queries all see the positions `cache_mask_bs` [B, S] marks, and over this
-    call's own new keys [B, Q, K, H] (`own_mask_btq`), as one softmax over both: each part's
-    scores are taken where its keys lie and the two are combined under a shared maximum, so
-    the cache is never concatenated with the new rows (a concatenation, or a slice of a cache
-    just written, materialises the whole cache layer before attention reads it). Equal to
-    `attend` over the concatenated keys up to summation order; a row with no visible key
-    gives zeros.
+    which the row's queries all see the positions below `cache_start_b` [B], and over this
+    call's own new keys [B, Q, K, H] (`own_mask_btq`), as one softmax over both: the cache is
+    read where it lies, never concatenated with the new rows (a concatenation, or a slice of a
+    cache just written, materialises the whole cache layer before attention reads it). A row
+    with no visible key gives zeros.
+
+    On a GPU, for power-of-two head sizes and query heads a key head, and up to
+    `DECODE_KERNEL_MAX_ROWS` queries a key head, this is the decode-attention kernel
+    (`pallas_kernels.decode_attention`: the partial softmaxes of cache splits in one Triton
+    kernel, then their merge), two kernels where XLA takes about fifteen; elsewhere, and inside
+    `flash_kernels(False)`, `attend_cache_and_own_xla`. The branch is chosen for the platform
+    being compiled for, so an ahead-of-time compile for a GPU takes the kernel. Inside a
+    sharded program the kernel runs per device on its rows and KV heads."""
+    b, t, n, h = q_btnh.shape
+    kvh = cache_k.shape[2]
+    g = n // kvh
+    start = cache_start_b.astype(jnp.int32)
+    pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
+    if (not (pow2(h) and h >= 16 and pow2(g)) or t * g > DECODE_KERNEL_MAX_ROWS
+            or cache_k.shape[1] % 64 or not _flash_kernels.get()):
+        return attend_cache_and_own_xla(q_btnh, cache_k, cache_v, start, own_k, own_v,
+                                        own_mask_btq)
+
+    def local(q_g, ck, cv, st, ok, ov, om):
+        """One device's rows and KV heads: [b, T, k, G, H] queries."""
+        bl, tl, kl, g, hl = q_g.shape
+        q = q_g.reshape(bl, tl, kl * g, hl)
+
+        def kernel(q, ck, cv, st, ok, ov, om, interpret):
+            from pallas_kernels.decode_attention import decode_attention
+
+            return decode_attention(q, ck, cv, st, ok, ov, om, scale=hl ** -0.5,
+                                    interpret=interpret)
+
+        out = on_gpu(kernel, attend_cache_and_own_xla, q, ck, cv, st, ok, ov, om)
+        return out.reshape(q_g.shape)
+
+    args = (q_btnh.reshape(b, t, kvh, n // kvh, h), cache_k, cache_v, start,
+            own_k.astype(cache_k.dtype), own_v.astype(cache_v.dtype), own_mask_btq)
+    axes = (_Q_AXES, _CACHE_AXES, _CACHE_AXES, ("batch",), _KV_AXES, _KV_AXES,
+            ("batch", None, None))
+    return shard_kernel(local, args, axes, _Q_AXES).reshape(b, t, n, h)
+
+
+def attend_cache_and_own_xla(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                             cache_start_b: jax.Array, own_k: jax.Array, own_v: jax.Array,
+                             own_mask_btq: jax.Array) -> jax.Array:
+    """`attend_cache_and_own` in XLA: each part's scores are taken where its keys lie and the
+    two are combined under a shared maximum. Equal to `attend` over the concatenated keys up
+    to summation order.
 
     A row's T queries act as T·G query heads. With one query a row (T ≤
     `CACHE_REDUCE_MAX_QUERIES`: decoding steps) the cache part runs as fused multiply-reduce
@@ -230,6 +315,7 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
     kvh = cache_k.shape[2]
     g = n // kvh
     scale = h ** -0.5
+    cache_mask_bs = jnp.arange(cache_k.shape[1], dtype=jnp.int32)[None, :] < cache_start_b[:, None]
     qm = jnp.transpose(q_btnh.reshape(b, t, kvh, g, h), (0, 2, 1, 3, 4)).reshape(
         b, kvh, t * g, h)                                                    # [B,K,M,H]
     reduce = t <= CACHE_REDUCE_MAX_QUERIES

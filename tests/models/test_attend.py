@@ -25,7 +25,7 @@ def test_cache_and_own_attention_matches_attention_over_the_concatenation(dtype,
     own_mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
     if T > 1:   # row 2's first query sees nothing at all: zeros
         own_mask = own_mask.at[2, 0].set(False)
-    got = L.attend_cache_and_own(q, ck, cv, cache_mask, ok, ov, own_mask)
+    got = L.attend_cache_and_own(q, ck, cv, lens, ok, ov, own_mask)
     keys, vals = jnp.concatenate([ck, ok], 1), jnp.concatenate([cv, ov], 1)
     mask = jnp.concatenate([jnp.broadcast_to(cache_mask[:, None], (B, T, S)), own_mask], -1)
     want = L.attend(q, keys, vals, mask)

@@ -24,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.models import decoding_layer as DL
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
+from dspark_jax.sharding import constrain
 
 
 def make_stack(cfg: DecoderConfig, *, rngs: nnx.Rngs, param_dtype: Any) -> L.DecoderLayers:
@@ -80,8 +82,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     n_taps = len(tap_ids)
     taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
     if cache_kv is not None:   # the committed prefix: cached keys below the row's first new one
-        key_pos = jnp.arange(L.cache_positions(cache_kv[0]), dtype=jnp.int32)
-        cache_mask = key_pos[None, :] < positions_bt[:, :1]                    # [B,S]
+        cache_start = positions_bt[:, 0]                                       # [B]
         own_mask = L.causal_mask(B, T)
 
     params = stack.layer_params(dtype)
@@ -94,23 +95,53 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         q, k, v = L.project_qkv(lp, x, eps)
         q = L.apply_rope(q, positions_bt, cfg.rope)
         k = L.apply_rope(k, positions_bt, cfg.rope)
-        if cache_kv is None:   # flash attention on GPU/TPU (`layers.causal_attention`)
-            attn = L.causal_attention(q, k, v, segment_ids_bt)
-        else:   # the cache is only read; this call's rows are written after the last layer
-            attn = L.attend_cache_and_own(q, L.cache_layer(cache_kv[0], layer_idx).astype(k.dtype),
-                                          L.cache_layer(cache_kv[1], layer_idx).astype(v.dtype),
-                                          cache_mask, k, v, own_mask)
+        attn = L.causal_attention(q, k, v, segment_ids_bt)   # flash on GPU/TPU
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             cur = taps[jnp.maximum(slot, 0)]
             taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
-        return (h, taps), ((k, v) if cache_kv is not None else None)
+        return (h, taps), None
+
+    def cached_body(carry, xs):
+        """A layer over the cache. The carry holds the residual stream before the MLP's sum
+        (h, delta), so that sum is taken with the next layer's input norm
+        (`decoding_layer.add_rms_norm`, one kernel on a GPU), and, where the layer writes its
+        rows itself (`in_layer`), the per-layer caches; otherwise the cache is only read and
+        the rows are the layer's output."""
+        (h, delta), taps, caches = carry
+        lp, layer_idx, slot = xs
+        h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
+        layer_cache = [L.cache_layer(c, layer_idx) for c in caches or cache_kv]
+        attn, k, v = DL.cached_attention(lp, x, positions_bt, cfg.rope, eps, *layer_cache,
+                                         cache_start, own_mask, write=caches is not None)
+        h, x = DL.add_rms_norm(h, DL.attn_out(lp, attn), lp["post_norm"], eps)
+        h, delta = constrain(h, ("batch", "seq", "act_embed")), L.swiglu(x, lp)
+        if n_taps:
+            cur = taps[jnp.maximum(slot, 0)]
+            taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h + delta, cur))
+        if caches is not None:   # k, v: the layer's cache buffers with its rows written
+            caches = tuple(c[:layer_idx] + (new[None],) + c[layer_idx + 1:]
+                           for c, new in zip(caches, (k, v)))
+            return ((h, delta), taps, caches), None
+        return ((h, delta), taps, None), (k, v)
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
-    (h, taps), new_kv = L.run_layers(body, (h, taps0), params, per_layer)
-    taps = taps if n_taps else None
     if cache_kv is None:
-        return h, taps, None
+        (h, taps), _ = L.run_layers(body, (h, taps0), params, per_layer)
+        return h, (taps if n_taps else None), None
+    # the decoding layout on a GPU: each layer writes its rows into its own cache buffer (in
+    # place, by the q/k norm kernel) and attention reads them there
+    in_layer = (not defer_writes and isinstance(cache_kv[0], tuple)
+                and DL.fused_kernels_take(params[0], L.cache_layer(cache_kv[0], 0), dtype,
+                                          T * cfg.num_attention_heads
+                                          // cfg.num_key_value_heads))
+    ((h, delta), taps, caches), new_kv = L.run_layers(
+        cached_body, ((h, jnp.zeros_like(h)), taps0, cache_kv if in_layer else None),
+        params, per_layer)
+    h = constrain(h + delta, ("batch", "seq", "act_embed"))
+    taps = taps if n_taps else None
+    if in_layer:
+        return h, taps, caches
     if defer_writes:
         return h, taps, new_kv
     # every layer's new K/V [L, B, T, K, H] at the rows' positions (out of range: dropped),
@@ -153,7 +184,6 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
             own_mask = (jnp.arange(Q)[None, :, None] >= jnp.arange(Q)[None, None, :]
                         if rows.own_mask_rqq is None else rows.own_mask_rqq)
             own_mask = own_mask & cell_ok[:, None, :] & cell_ok[:, :, None]     # [R,Q,Q]
-            mask_rs = key_pos[None, :] < start_r[:, None]                      # [R,S]
     elif defer_writes:
         raise ValueError("ragged_forward: defer_writes needs the per-request grid")
     if rows.own_mask_rqq is not None and not (by_request and defer_writes):
@@ -174,7 +204,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
         if defer_writes:   # the cache is read where it lies, never written: [R, S] ⊕ own [R, Q]
             attn = L.attend_cache_and_own(q[0][grid], L.cache_layer(cache_kv[0], layer_idx),
-                                          L.cache_layer(cache_kv[1], layer_idx), mask_rs,
+                                          L.cache_layer(cache_kv[1], layer_idx), start_r,
                                           k[0][grid],
                                           v[0][grid], own_mask)                 # [R,Q,N,H]
             attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]             # [1,K,N,H]

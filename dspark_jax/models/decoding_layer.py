@@ -1,0 +1,146 @@
+"""A Llama / Qwen3 decoder layer's pieces while decoding, as few kernels as a GPU can run them
+(SPEC §1–2: the target's forward in the one-token step, the verification of a drafted block and
+prefill over a cache).
+
+While decoding a few tokens a row the layer's work is its weights' bytes, and every kernel in
+between costs its launch, ramp and tail for kilobytes. On a GPU, for the decoding layout (one
+buffer per layer, q/k/v fused), a layer runs as: the q/k/v product, one kernel for the q/k
+norms and the rotary embedding (`pallas_kernels.norms.qk_norm_rope`), the attention over the
+cache in two (`pallas_kernels.decode_attention`), the o product, the residual sum with the
+post-attention norm in one (`pallas_kernels.norms.add_rms_norm`), the gate/up product, the
+activation, the down product; the MLP's residual sum is taken with the next layer's input norm.
+Elsewhere (CPU, TPU, a stacked or tensor-parallel layout, shapes the kernels do not take, or
+inside `layers.flash_kernels(False)`) the same arithmetic runs as XLA ops. The branch is chosen
+for the platform being compiled for, so an ahead-of-time compile for a GPU takes the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dspark_jax.models import layers as L
+from dspark_jax.models.config import RopeConfig
+from dspark_jax.sharding import shard_kernel
+
+_ROWS = ("batch", None, "act_embed")
+_QKV = ("batch", None, None, "head_dim")
+_PER_ROW = ("batch", None, None)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def add_rms_norm(h_btd: jax.Array, delta_btd: jax.Array, weight_d: jax.Array, eps: float,
+                 kernel: bool = True) -> tuple[jax.Array, jax.Array]:
+    """(h + delta, RMSNorm(h + delta) · weight): the residual sum and the norm after it, one
+    kernel on a GPU (`kernel`), XLA's ops elsewhere."""
+
+    def xla(h, d, w):
+        s = h + d
+        return s, L.rms_norm(s, w, eps)
+
+    if not kernel or not L._flash_kernels.get():
+        return xla(h_btd, delta_btd, weight_d)
+
+    def gpu(h, d, w, interpret):
+        from pallas_kernels.norms import add_rms_norm as fused
+
+        b, t, dim = h.shape
+        s, n = fused(h.reshape(b * t, dim), d.reshape(b * t, dim), w.astype(h.dtype), eps=eps,
+                     interpret=interpret)
+        return s.reshape(h.shape), n.reshape(h.shape)
+
+    def local(h, d, w):
+        return L.on_gpu(gpu, xla, h, d, w)
+
+    return shard_kernel(local, (h_btd, delta_btd.astype(h_btd.dtype), weight_d),
+                        (_ROWS, _ROWS, ("act_embed",)), (_ROWS, _ROWS))
+
+
+def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
+                       rows: int) -> bool:
+    """Whether `cached_attention` may run its kernels: fused q/k/v weights, both q/k norms or
+    neither, power-of-two head sizes and query heads a key head, a cache in the compute dtype
+    whose length the attention's tiles divide, and at most `layers.DECODE_KERNEL_MAX_ROWS`
+    query heads a key head (`rows` = T·G)."""
+    if "w_qkv" not in lp or ("q_norm" in lp) != ("k_norm" in lp) or not L._flash_kernels.get():
+        return False
+    n, h = lp["wo"].shape[:2]
+    kh = cache_k.shape[-2]
+    return (_pow2(h) and h >= 32 and _pow2(n // kh) and cache_k.dtype == dtype
+            and cache_k.shape[-3] % 64 == 0 and rows <= L.DECODE_KERNEL_MAX_ROWS)
+
+
+def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
+                     rope: RopeConfig, eps: float, cache_k: jax.Array, cache_v: jax.Array,
+                     start_b: jax.Array, own_mask_btq: jax.Array, write: bool = False
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention half of a layer over a cache layer [B, S, Kh, H]: q/k/v of the normed
+    input x, the q/k norms, RoPE at `positions_bt`, and attention over the cache below
+    `start_b` [B] and the call's own keys (`own_mask_btq`, `layers.attend_cache_and_own`).
+
+    Returns (attention [B, T, N, H], k, v): the rows [B, T, Kh, H] for the caller to write,
+    or with `write` (for `fused_kernels_take` layers only; the own keys then must be the T
+    tokens at start + t, causal) the cache layer's k and v with the rows written at
+    `positions_bt` (a position ≥ S dropped). On a GPU the q/k norm and RoPE kernel writes them
+    in place and the attention reads them from the cache; elsewhere the attention reads the
+    cache as it was and the rows are written after it."""
+    b, t = x_btd.shape[:2]
+    n, h = lp["wo"].shape[:2]
+    kh = cache_k.shape[-2]
+    if not fused_kernels_take(lp, cache_k, x_btd.dtype, t * (n // kh)):
+        if write:
+            raise ValueError("cached_attention: write needs a layer the kernels take")
+        q, k, v = L.project_qkv(lp, x_btd, eps)
+        q, k = L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope)
+        attn = L.attend_cache_and_own(q, cache_k.astype(k.dtype), cache_v.astype(v.dtype),
+                                      start_b, k, v, own_mask_btq)
+        return attn, k, v
+    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"]).reshape(b, t, n + 2 * kh, h)
+    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
+    norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
+
+    def xla(qkv, ck, cv, start, pos, cos, sin, mask):
+        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+        if norms is not None:
+            q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
+        q, k = L.rotate_half(q, cos, sin), L.rotate_half(k, cos, sin)
+        attn = L.attend_cache_and_own_xla(q, ck, cv, start, k, v, mask)
+        if write:
+            rows = (jnp.arange(b)[:, None], pos)
+            return (attn, ck.at[rows].set(k, mode="drop"), cv.at[rows].set(v, mode="drop"))
+        return attn, jnp.concatenate([k, v], axis=2)
+
+    def gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret):
+        from pallas_kernels.decode_attention import decode_attention
+        from pallas_kernels.norms import qk_norm_rope
+
+        kw = dict(num_q_heads=n, num_kv_heads=kh, eps=eps, interpret=interpret)
+        attend = dict(scale=h ** -0.5, num_q_heads=n, interpret=interpret)
+        if write:
+            y, ck, cv = qk_norm_rope(qkv, *(norms or (None, None)), cos, sin, pos, ck, cv, **kw)
+            return decode_attention(y, ck, cv, start, **attend), ck, cv
+        y = qk_norm_rope(qkv, *(norms or (None, None)), cos, sin, **kw)
+        return decode_attention(y, ck, cv, start, None, None, mask, **attend), y[:, :, n:]
+
+    def local(*args):
+        return L.on_gpu(gpu, xla, *args)
+
+    args = (qkv, cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32),
+            cos, sin, own_mask_btq)
+    axes = (_QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None), _PER_ROW,
+            _PER_ROW, _PER_ROW)
+    if write:
+        return shard_kernel(local, args, axes, (_QKV, L._CACHE_AXES, L._CACHE_AXES))
+    attn, kv = shard_kernel(local, args, axes, (_QKV, _QKV))
+    return attn, kv[:, :, :kh], kv[:, :, kh:]
+
+
+def attn_out(lp: dict[str, jax.Array], attn_btnh: jax.Array) -> jax.Array:
+    """The o projection of the attention [B, T, N, H] → [B, T, D]."""
+    B, T, N, H = attn_btnh.shape   # heads flattened first: XLA:CPU then reads wo as stored
+    return jnp.einsum("BTF,FD->BTD", attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))

@@ -1,0 +1,73 @@
+"""A decoder layer while decoding (`models.decoding_layer`): where the GPU's kernels take the
+layer (fused q/k/v, power-of-two heads, a cache of whole tiles) the layer writes its rows into
+its own cache buffer and attention reads them there. On a CPU the same program runs with XLA's
+ops or, inside `layers.interpret_kernels()`, with the GPU's kernels interpreted; both equal the
+stacked layers' forward (which writes after the last layer): logits, taps and caches, Qwen3's
+q/k norms and Llama's none."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dspark_jax.models import layers as L
+from dspark_jax.models import load_target
+from dspark_jax.models.decoder import init_cache
+from hf_tiny import save_tiny_hf
+
+TAPS = (-1, 0, 1)
+S = 64          # one 64-position tile: the kernels take it
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(tmp_path_factory, request):
+    return load_target(save_tiny_hf(tmp_path_factory.mktemp(request.param), request.param,
+                                    head_dim=32, layers=2, seed=4))
+
+
+def _steps(model, per_layer_cache: bool):
+    """A prefill of 4 and 2 tokens, a one-token step and a 3-token block, over a cache whose
+    unwritten positions hold stale values: (logits and taps of each call, the final caches)."""
+    rng = np.random.RandomState(0)
+    cache = init_cache(model.cfg, 2, S, model.dtype, per_layer=per_layer_cache)
+    stale = lambda c: jnp.asarray(rng.randn(*c.shape), c.dtype)   # noqa: E731
+    if per_layer_cache:
+        cache = cache.replace(k=tuple(map(stale, cache.k)), v=tuple(map(stale, cache.v)))
+    else:
+        cache = cache.replace(k=stale(cache.k), v=stale(cache.v))
+    cache = cache.with_lengths(jnp.zeros((2,), jnp.int32))
+    outs = []
+    for toks, adv in (([[5, 6, 7, 8], [9, 10, 11, 12]], [4, 2]), ([[13], [14]], [1, 1]),
+                      ([[15, 16, 17], [18, 19, 20]], [3, 3])):
+        o = model(jnp.asarray(toks, jnp.int32), cache=cache, tap_layer_ids=TAPS,
+                  advance=jnp.asarray(adv, jnp.int32))
+        outs.append((np.asarray(model.logits(o.hidden)), np.asarray(o.taps)))
+        cache = o.cache
+    lens = np.asarray(cache.lengths)
+    kv = [np.asarray(L.cache_like(c, jnp.zeros(()))) for c in (cache.k, cache.v)]
+    return outs, [a[:, b, :lens[b]] for a in kv for b in range(2)]   # written positions
+
+
+def test_the_kernels_layer_equals_the_stacked_forward(target):
+    per_layer = target.decoding_layout(True).model
+    lp = per_layer.layers.layer_params(jnp.float32)[0]
+    from dspark_jax.models.decoding_layer import fused_kernels_take
+    assert fused_kernels_take(lp, jnp.zeros((2, S, 2, 32)), jnp.float32, 8)
+    want = _steps(target.model, per_layer_cache=False)
+    runs = {"xla": _steps(per_layer, per_layer_cache=True)}
+    with L.interpret_kernels():
+        runs["kernels"] = _steps(per_layer, per_layer_cache=True)
+        cache = init_cache(per_layer.cfg, 2, S, per_layer.dtype, per_layer=True)
+        jaxpr = str(jax.make_jaxpr(lambda c: per_layer(jnp.ones((2, 1), jnp.int32), cache=c))(
+            cache))
+    for name in ("qk_norm_rope", "decode_attention_splits", "decode_attention_merge",
+                 "add_rms_norm"):   # the interpreted run is the kernels' program
+        assert name in jaxpr, name
+    for name, (outs, kv) in runs.items():
+        for (logits, taps), (w_logits, w_taps) in zip(outs, want[0]):
+            np.testing.assert_allclose(logits, w_logits, atol=2e-5, rtol=2e-5, err_msg=name)
+            np.testing.assert_allclose(taps, w_taps, atol=2e-5, rtol=2e-5, err_msg=name)
+        for a, w in zip(kv, want[1]):
+            np.testing.assert_allclose(a, w, atol=2e-6, err_msg=name)
