@@ -36,29 +36,52 @@ def _sub_jaxprs(params: dict) -> list[Any]:
     return subs
 
 
-def jaxpr_matmul_flops(jaxpr: Any) -> int:
+def _platform_branch(eqn: Any, platform: str | None) -> int | None:
+    """The branch a `lax.platform_dependent` cond takes when compiled for `platform`."""
+    chosen = eqn.params.get("branches_platforms")
+    if not chosen or platform is None:
+        return None
+    default = None
+    for i, names in enumerate(chosen):
+        if names is None:
+            default = i
+        elif platform in names:
+            return i
+    return default
+
+
+def jaxpr_matmul_flops(jaxpr: Any, platform: str | None = None) -> int:
+    """`platform` ("cpu", "cuda", "tpu"): a `lax.platform_dependent` choice counts the branch
+    that platform compiles; without it, every conditional its costliest branch."""
+    def count(j: Any) -> int:
+        return jaxpr_matmul_flops(j, platform)
+
     total = 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         if name == "dot_general":
             total += _dot_flops(eqn)
         elif name == "scan":
-            total += eqn.params["length"] * jaxpr_matmul_flops(eqn.params["jaxpr"].jaxpr)
+            total += eqn.params["length"] * count(eqn.params["jaxpr"].jaxpr)
         elif name == "pallas_call":
             grid = eqn.params["grid_mapping"].grid
-            total += math.prod(int(g) for g in grid) * jaxpr_matmul_flops(eqn.params["jaxpr"])
+            total += math.prod(int(g) for g in grid) * count(eqn.params["jaxpr"])
         elif name == "shard_map":   # the body sees one device's shards and runs on each
             mesh = eqn.params["mesh"]
             manual = eqn.params.get("newly_manual_axes") or mesh.axis_names
             copies = math.prod(int(mesh.shape[a]) for a in manual)
-            total += copies * jaxpr_matmul_flops(eqn.params["jaxpr"])
+            total += copies * count(eqn.params["jaxpr"])
         elif name == "cond":
-            total += max(jaxpr_matmul_flops(b.jaxpr) for b in eqn.params["branches"])
+            branches = eqn.params["branches"]
+            pick = _platform_branch(eqn, platform)
+            total += (count(branches[pick].jaxpr) if pick is not None
+                      else max(count(b.jaxpr) for b in branches))
         else:   # pjit, remat, custom_jvp/vjp calls, while (body once: none in our steps)
-            total += sum(jaxpr_matmul_flops(s) for s in _sub_jaxprs(eqn.params))
+            total += sum(count(s) for s in _sub_jaxprs(eqn.params))
     return total
 
 
-def matmul_flops(fn: Callable, *args: Any) -> int:
-    """Global matmul FLOPs of one call `fn(*args)`; args may be jax.ShapeDtypeStructs."""
-    return jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+def matmul_flops(fn: Callable, *args: Any, platform: str | None = None) -> int:
+    """Global matmul FLOPs of one call `fn(*args)`; args may be jax.ShapeDtypeStructs;
+    `platform`: as `jaxpr_matmul_flops`."""
+    return jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr, platform)

@@ -31,6 +31,19 @@ def test_flops_count_loop_trips_and_gradients():
     assert matmul_flops(jax.grad(jax.checkpoint(f), argnums=(0, 1)), x, w) == 4 * fwd
 
 
+def test_flops_count_the_branch_the_platform_compiles():
+    """A `lax.platform_dependent` choice counts the branch of the platform compiled for (the
+    decoding kernels on a GPU, XLA's ops elsewhere); with no platform named, the costliest."""
+    def f(x):
+        return jax.lax.platform_dependent(x, cuda=lambda x: x @ x @ x, default=lambda x: x @ x)
+
+    x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+    one = 2 * 8 * 8 * 8
+    assert matmul_flops(f, x, platform="cuda") == 2 * one
+    assert matmul_flops(f, x, platform="tpu") == matmul_flops(f, x, platform="cpu") == one
+    assert matmul_flops(f, x) == 2 * one
+
+
 def test_flops_count_kernel_grids_and_shard_map_bodies():
     """A Pallas kernel's body counts once per grid step and a shard_map body once per device:
     the flash kernel, alone or mapped over 8 devices, counts what the dense attention does."""

@@ -269,10 +269,10 @@ def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: A
     from dspark_jax.sharding import use_mesh
 
     t0 = time.perf_counter()
+    platform = mesh.devices.flat[0].platform
     with use_mesh(mesh):
-        mem = memory_and_kernels(lower(*args),
-                                 via_dump=mesh.devices.flat[0].platform == "tpu")
-        flops = matmul_flops(fn, *args)
+        mem = memory_and_kernels(lower(*args), via_dump=platform == "tpu")
+        flops = matmul_flops(fn, *args, platform={"gpu": "cuda"}.get(platform, platform))
     peak = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] + mem["generated_code"]
     flops_s = flops / (n * chip.peak_bf16_flops)
     traffic_s = mem["argument"] / chip.hbm_bytes_per_s

@@ -100,18 +100,23 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         attn = L.attend_cache_and_own(q, cache_k.astype(k.dtype), cache_v.astype(v.dtype),
                                       start_b, k, v, own_mask_btq)
         return attn, k, v
-    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"]).reshape(b, t, n + 2 * kh, h)
+    # the product stays [B, T, (N + 2Kh)·H] outside the kernels, sliced as `project_qkv` slices
+    # it (taken as heads, XLA:TPU re-lays w_qkv out for the dot)
+    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"])
     cos, sin = L.rope_cos_sin(positions_bt, rope, h)
     norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
 
-    def xla(qkv, ck, cv, start, pos, cos, sin, mask):
-        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+    def xla(qkv, ck, cv, start, pos, cos, sin, mask):   # a device's rows under a mesh
+        bl = qkv.shape[0]
+        q = qkv[..., :n * h].reshape(bl, t, n, h)
+        k = qkv[..., n * h:(n + kh) * h].reshape(bl, t, kh, h)
+        v = qkv[..., (n + kh) * h:].reshape(bl, t, kh, h)
         if norms is not None:
             q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
         q, k = L.rotate_half(q, cos, sin), L.rotate_half(k, cos, sin)
         attn = L.attend_cache_and_own_xla(q, ck, cv, start, k, v, mask)
         if write:
-            rows = (jnp.arange(b)[:, None], pos)
+            rows = (jnp.arange(bl)[:, None], pos)
             return (attn, ck.at[rows].set(k, mode="drop"), cv.at[rows].set(v, mode="drop"))
         return attn, jnp.concatenate([k, v], axis=2)
 
@@ -119,6 +124,7 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         from pallas_kernels.decode_attention import decode_attention
         from pallas_kernels.norms import qk_norm_rope
 
+        qkv = qkv.reshape(qkv.shape[0], t, n + 2 * kh, h)
         kw = dict(num_q_heads=n, num_kv_heads=kh, eps=eps, interpret=interpret)
         attend = dict(scale=h ** -0.5, num_q_heads=n, interpret=interpret)
         if write:
@@ -132,7 +138,7 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
 
     args = (qkv, cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32),
             cos, sin, own_mask_btq)
-    axes = (_QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None), _PER_ROW,
+    axes = (_PER_ROW, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None), _PER_ROW,
             _PER_ROW, _PER_ROW)
     if write:
         return shard_kernel(local, args, axes, (_QKV, L._CACHE_AXES, L._CACHE_AXES))

@@ -196,9 +196,9 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     eps = cfg.rms_norm_eps
 
     def body(carry, xs):
-        h, taps, kc, vc = carry
+        (h, delta), taps, kc, vc = carry   # the MLP's sum is taken with the next input norm
         lp, layer_idx, tap_slot = xs
-        x = L.rms_norm(h, lp["input_norm"], eps)
+        h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
         q, k, v = L.project_qkv(lp, x, eps)
         q = L.apply_rope(q, positions_1k, cfg.rope)                           # [1,K,N,H]
         k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
@@ -218,16 +218,22 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
             else:   # each token its own attention row over its request's cache: [K, 1, ·]
                 k_tok, v_tok = keys[rows.read_k], vals[rows.read_k]             # [K,S,Kh,H]
                 attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]
-        h = L.attn_out_and_mlp(lp, h, attn, eps)
+        h, x = DL.add_rms_norm(h, DL.attn_out(lp, attn), lp["post_norm"], eps)
+        h, delta = constrain(h, ("batch", "seq", "act_embed")), L.swiglu(x, lp)
         if n_taps:
             cur = taps[jnp.maximum(tap_slot, 0)]
-            taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h, cur))
-        return (h, taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
+            taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h + delta,
+                                                                   cur))
+        return ((h, delta), taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
+    res = (h, jnp.zeros_like(h))
     if defer_writes:   # no cache in the carry: the new K/V rows are the scan's outputs
-        (h, taps, _, _), new_kv = L.run_layers(body, (h, taps0, None, None), params, per_layer)
-        return h, (taps if n_taps else None), new_kv
-    (h, taps, kc, vc), _ = L.run_layers(body, (h, taps0, cache_kv[0], cache_kv[1]), params,
-                                        per_layer)
-    return h, (taps if n_taps else None), (kc, vc)
+        ((h, delta), taps, _, _), new_kv = L.run_layers(body, (res, taps0, None, None), params,
+                                                        per_layer)
+        return constrain(h + delta, ("batch", "seq", "act_embed")), (taps if n_taps else None), \
+            new_kv
+    ((h, delta), taps, kc, vc), _ = L.run_layers(body, (res, taps0, cache_kv[0], cache_kv[1]),
+                                                 params, per_layer)
+    return constrain(h + delta, ("batch", "seq", "act_embed")), (taps if n_taps else None), \
+        (kc, vc)
