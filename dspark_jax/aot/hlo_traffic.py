@@ -290,7 +290,12 @@ def kernel_kind(ins: Instr, frames: tuple[str, ...], called: list["Computation"]
     inner = frames[0] if frames else ""
     near = set(frames[:3])   # the function and its callers (a generator's, a helper's)
     if ins.opcode == "custom-call" and target and target.group(1) in KERNEL_TARGETS:
-        return "attention" if _ATTENTION_FUNCS & set(frames[:6]) else "other"
+        for f in frames[:6]:   # the innermost function of a kind names the kernel's
+            if f in _NORM_FUNCS:
+                return "norm"
+            if f in _ATTENTION_FUNCS:
+                return "attention"
+        return "other"
     if _ATTENTION_FUNCS & near:
         return "attention"
     is_gemm = ("dot" in ops or "convolution" in ops or ins.opcode in ("dot", "convolution")
