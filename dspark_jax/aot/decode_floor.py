@@ -145,7 +145,9 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
     import jax
 
     from dspark_jax.models.decoder import aligned_length
+    from dspark_jax.models.layers import flash_kernels
     from dspark_jax.sharding import use_mesh
+    from dspark_jax.train.job_config import attn_kernel
 
     for k in ("data", "fsdp", "tensor"):
         c.mesh[k] = 1
@@ -171,7 +173,7 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
             raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
         lower, args, kw = built[name]
         slots = rnd.gamma if name in ("draft", "round") else 0
-        with use_mesh(mesh):
+        with use_mesh(mesh), flash_kernels(attn_kernel(c)):
             r = program_report(lower(*args, **kw), slots)
         r["floor_s"] = r["floor_bytes"] / facts.hbm_bytes_per_s
         r["traffic_s"] = r["bytes_accessed"] / facts.hbm_bytes_per_s
