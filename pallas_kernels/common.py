@@ -1,4 +1,5 @@
-"""Sampling conventions shared by the kernels and their oracles (SPEC §1 step 3).
+"""Conventions shared by the kernels and their oracles: sampling (SPEC §1 step 3) and the tile
+arithmetic of the Triton attention kernels.
 
 Pure JAX, nothing from dspark_jax: the kernels stand alone. Every categorical draw is an
 inverse-CDF search with one explicit uniform, so a kernel and its `ref_<op>` consume the same
@@ -7,10 +8,24 @@ randomness and must return the same token.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GREEDY_T_EPS", "probs_from_logits", "inverse_cdf_sample"]
+__all__ = ["GREEDY_T_EPS", "LOG2E", "MASKED_SCORE", "inverse_cdf_sample", "next_pow2",
+           "probs_from_logits"]
+
+#: A finite "minus infinity" for masked scores: a running maximum stays finite (no inf − inf).
+MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
+#: log2(e): scores taken in base 2 (exp2) with the softmax scale folded in.
+LOG2E = math.log2(math.e)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ≥ n (Triton's tiles are powers of two)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
 
 #: Temperatures are floored at this value before dividing (T ≤ 0 means greedy one-hot).
 GREEDY_T_EPS = 1e-6

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import LOG2E, MASKED_SCORE, next_pow2
+
 __all__ = ["DEFAULT_BLOCK_Q", "DEFAULT_BLOCK_K", "context_attention", "context_attention_bwd",
            "ref_context_attention"]
 
@@ -43,9 +45,6 @@ DEFAULT_BLOCK_Q = 64
 DEFAULT_BLOCK_K = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
-# finite "minus infinity" for masked scores: the running max stays finite, so no inf − inf
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 
 
@@ -76,7 +75,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, o_ref, lse_ref
         acc, m, l = carry
         ks = pl.ds(j * block_k, block_k)
         mask = _visible(lim, qseg, kseg_ref[ks], j, block_k)
-        s = jnp.where(mask, _dot(q, k_ref[ks, :].T) * qk_scale, _MASKED)
+        s = jnp.where(mask, _dot(q, k_ref[ks, :].T) * qk_scale, MASKED_SCORE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
         corr = jnp.exp2(m - m_new)
@@ -84,7 +83,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, o_ref, lse_ref
         acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), _MASKED, jnp.float32),
+    init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASKED_SCORE, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
     acc, m, l = lax.fori_loop(0, _key_tiles(lim, block_k, n_k), body, init)
     seen = l > 0
@@ -97,7 +96,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, do_ref, lse_ref
     n_k = k_ref.shape[0] // block_k
     q, do = q_ref[...], do_ref[...]
     lim, qseg = lim_ref[...], qseg_ref[...]
-    lse2, delta = lse_ref[...] * _LOG2E, delta_ref[...]
+    lse2, delta = lse_ref[...] * LOG2E, delta_ref[...]
 
     def body(j, dq):
         ks = pl.ds(j * block_k, block_k)
@@ -133,7 +132,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, do_ref, lse_re
             qs = pl.ds(i * block_q, block_q)
             q, do = q_ref[qs, g, :], do_ref[qs, g, :]
             mask = _visible(lim_ref[qs], qseg_ref[qs], kseg, start_k, block_k)
-            lse2 = lse_ref[g, qs] * _LOG2E
+            lse2 = lse_ref[g, qs] * LOG2E
             p = jnp.where(mask, jnp.exp2(_dot(q, k.T) * qk_scale - lse2[:, None]), 0.0)
             dv = dv + _dot(p.astype(do.dtype).T, do)
             ds = p * (_dot(do, v.T) - delta_ref[g, qs][:, None])
@@ -147,9 +146,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, lim_ref, qseg_ref, kseg_ref, do_ref, lse_re
 # ------------------------------------------------------------------ wrappers (padding, specs)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
 
 def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
     if x.shape[axis] == size:
@@ -162,7 +158,7 @@ def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
 def _padded(q, k, v, limit, q_seg, k_seg, block_q, block_k):
     """Inputs padded to whole tiles and a power-of-two head size (≥ 16, Triton's dot)."""
     R, S, H = q.shape[1], k.shape[1], q.shape[3]
-    Rp, Sp, Hp = -(-R // block_q) * block_q, -(-S // block_k) * block_k, max(16, _next_pow2(H))
+    Rp, Sp, Hp = -(-R // block_q) * block_q, -(-S // block_k) * block_k, max(16, next_pow2(H))
     q, k, v = (_pad_axis(_pad_axis(x, 1, n), 3, Hp) for x, n in ((q, Rp), (k, Sp), (v, Sp)))
     return (q, k, v, _pad_axis(limit.astype(jnp.int32), 1, Rp),
             _pad_axis(q_seg.astype(jnp.int32), 1, Rp), _pad_axis(k_seg.astype(jnp.int32), 1, Sp))
@@ -213,7 +209,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, limit: jax.Array
     Rp, Sp, Hp = qp.shape[1], kp.shape[1], qp.shape[3]
     sp = _row_tile_specs(block_q, Sp, Hp, N // k.shape[2])
     o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, qk_scale=scale * _LOG2E, block_k=block_k),
+        functools.partial(_fwd_kernel, qk_scale=scale * LOG2E, block_k=block_k),
         grid=(B, N, Rp // block_q),
         in_specs=[sp["q_tile"], sp["kv_all"], sp["kv_all"], sp["rows"], sp["rows"], sp["keys"]],
         out_specs=[sp["q_tile"], sp["head_rows"]],
@@ -247,9 +243,9 @@ def context_attention_bwd(q: jax.Array, k: jax.Array, v: jax.Array, limit: jax.A
     lse_p = _pad_axis(jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32), 2, Rp)
     delta_p = _pad_axis(delta.astype(jnp.float32), 2, Rp)
     n_q = Rp // block_q
-    tile_max = _pad_axis(jnp.max(lim.reshape(B, n_q, block_q), axis=2), 1, _next_pow2(n_q))
+    tile_max = _pad_axis(jnp.max(lim.reshape(B, n_q, block_q), axis=2), 1, next_pow2(n_q))
     params = _compiler_params(interpret, num_warps, num_stages)
-    qk = dict(qk_scale=scale * _LOG2E, scale=scale)
+    qk = dict(qk_scale=scale * LOG2E, scale=scale)
 
     sp = _row_tile_specs(block_q, Sp, Hp, G)
     dq = pl.pallas_call(

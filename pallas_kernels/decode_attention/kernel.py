@@ -28,12 +28,13 @@ Nothing here imports dspark_jax.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from pallas_kernels.common import LOG2E, MASKED_SCORE, next_pow2
 
 __all__ = ["DEFAULT_BLOCK_K", "decode_attention", "ref_decode_attention", "splits_for"]
 
@@ -42,13 +43,7 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 # programs to aim for: about two per multiprocessor of an H100 / H200 (132)
 TARGET_PROGRAMS = 256
-# finite "minus infinity" for masked scores: the running max stays finite, so no inf − inf
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LOG2E = math.log2(math.e)
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def splits_for(batch: int, kv_heads: int, seq: int, block_k: int = DEFAULT_BLOCK_K) -> int:
@@ -56,7 +51,7 @@ def splits_for(batch: int, kv_heads: int, seq: int, block_k: int = DEFAULT_BLOCK
     with B·Kh·P ≈ `TARGET_PROGRAMS`, no more than the cache has tiles where that allows."""
     want = max(1, -(-TARGET_PROGRAMS // max(1, batch * kv_heads)))
     tiles = max(1, -(-seq // block_k))
-    return max(2, min(_next_pow2(want), 1 << (tiles.bit_length() - 1)))
+    return max(2, min(next_pow2(want), 1 << (tiles.bit_length() - 1)))
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -66,7 +61,7 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
 def _online(carry, s, mask, v):
     """One tile of an online softmax: scores s [M, n] (base 2), visible `mask`, values [n, H]."""
     acc, m, l = carry
-    s = jnp.where(mask, s, _MASKED)
+    s = jnp.where(mask, s, MASKED_SCORE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     p = jnp.where(mask, jnp.exp2(s - m_new[:, None]), 0.0)
     corr = jnp.exp2(m - m_new)
@@ -90,7 +85,7 @@ def _cache_part(q, k_ref, v_ref, lo, hi, row_limit, *, qk_scale: float, block_k:
             seen = seen & (first + offsets < row_limit)
         return _online(carry, s, seen, v)
 
-    init = (jnp.zeros((mp, h), jnp.float32), jnp.full((mp,), _MASKED, jnp.float32),
+    init = (jnp.zeros((mp, h), jnp.float32), jnp.full((mp,), MASKED_SCORE, jnp.float32),
             jnp.zeros((mp,), jnp.float32))
     return lax.fori_loop(0, jnp.maximum(hi - lo + block_k - 1, 0) // block_k, tile, init)
 
@@ -166,9 +161,9 @@ def _check(q, cache_k, cache_v, start, own_k, own_v, own_mask):
         raise ValueError(f"own_mask must be {(B, T, own_k.shape[1])}, got {own_mask.shape}")
     if start.shape != (B,):
         raise ValueError(f"start must be [B] = {(B,)}, got {start.shape}")
-    if H < 16 or H != _next_pow2(H):
+    if H < 16 or H != next_pow2(H):
         raise ValueError(f"head size {H} is not a power of two ≥ 16 (Triton's tiles)")
-    if N // Kh != _next_pow2(N // Kh):
+    if N // Kh != next_pow2(N // Kh):
         raise ValueError(f"{N // Kh} query heads a key head is not a power of two (a program "
                          f"reads its key head's queries as one tile)")
 
@@ -222,20 +217,20 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start
     S = cache_k.shape[1]
     G, Q = N // Kh, own_k.shape[1]
     P = splits_for(B, Kh, S, block_k) if splits is None else int(splits)
-    if P < 2 or P != _next_pow2(P):
+    if P < 2 or P != next_pow2(P):
         raise ValueError(f"splits={P} is not a power of two ≥ 2")
     if S % block_k:
         raise ValueError(f"cache length {S} is not a multiple of block_k={block_k}")
     # a program's query rows: the row's T queries (padded to Tp) × the G heads of its key head
-    Tp = max(_next_pow2(T), 16 // G)
-    Mp, Qp = Tp * G, max(16, _next_pow2(Q))
+    Tp = max(next_pow2(T), 16 // G)
+    Mp, Qp = Tp * G, max(16, next_pow2(Q))
     split_len = -(-(-(-S // P)) // block_k) * block_k
     q_rows = pl.BlockSpec((None, Tp, G, H), lambda b, k, *_: (b, 0, k, 0))  # reads past T masked
 
     def kv_head(n: int, first: int = 0) -> pl.BlockSpec:   # key head k's column, from `first`
         return pl.BlockSpec((None, n, None, H), lambda b, k, p: (b, 0, first + k, 0))
 
-    common = dict(qk_scale=scale * _LOG2E, block_k=block_k, split_len=split_len, seq=S)
+    common = dict(qk_scale=scale * LOG2E, block_k=block_k, split_len=split_len, seq=S)
     in_specs = [q_rows, kv_head(S), kv_head(S), pl.BlockSpec((None,), lambda b, k, p: (b,))]
     args = [qkv, cache_k, cache_v, start.astype(jnp.int32)]
     if written:

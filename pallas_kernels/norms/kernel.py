@@ -28,11 +28,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import next_pow2
+
 __all__ = ["add_rms_norm", "qk_norm_rope", "ref_add_rms_norm", "ref_qk_norm_rope"]
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _compiler_params(interpret: bool, num_warps: int):
@@ -45,7 +44,7 @@ def _load(ref, n: int):
     """The first n entries of a 1-D ref as a power-of-two f32 tile, zeros past n."""
     from jax.experimental.pallas import triton as plgpu
 
-    width = _next_pow2(n)
+    width = next_pow2(n)
     if width == n:
         return ref[...].astype(jnp.float32)
     ok = lax.broadcasted_iota(jnp.int32, (width,), 0) < n
@@ -161,7 +160,7 @@ def qk_norm_rope(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     B, T, J, H = qkv.shape
     if J != num_q_heads + 2 * num_kv_heads:
         raise ValueError(f"qkv has {J} heads, not {num_q_heads} + 2·{num_kv_heads}")
-    if H % 2 or H // 2 != _next_pow2(H // 2) or cos.shape != (B, T, H // 2) \
+    if H % 2 or H // 2 != next_pow2(H // 2) or cos.shape != (B, T, H // 2) \
             or sin.shape != cos.shape:
         raise ValueError(f"head size {H} must be twice a power of two and cos / sin "
                          f"[B, T, H/2]: {cos.shape}, {sin.shape}")
