@@ -131,7 +131,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         return h, (taps if n_taps else None), None
     # the decoding layout on a GPU: each layer writes its rows into its own cache buffer (in
     # place, by the q/k norm kernel) and attention reads them there
-    in_layer = (not defer_writes and isinstance(cache_kv[0], tuple)
+    in_layer = (not defer_writes and isinstance(cache_kv[0], tuple) and isinstance(params, list)
                 and DL.fused_kernels_take(params[0], L.cache_layer(cache_kv[0], 0), dtype,
                                           T * cfg.num_attention_heads
                                           // cfg.num_key_value_heads))
