@@ -144,17 +144,29 @@ needs_plugin = pytest.mark.skipif(not gpu.has_cuda_plugin(),
                                   reason=f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
 
 
+def _aot_in_subprocess(args: list[str]) -> int:
+    """`python -m dspark_jax.aot ARGS` in its own process: compiling Triton kernels for a GPU
+    loads the CUDA plugin's LLVM beside XLA:CPU's, and a test process that goes on compiling
+    for the CPU afterwards has crashed in XLA:CPU's compiler."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "dspark_jax.aot", *args], env=env,
+                          capture_output=True, timeout=600).returncode
+
+
 @pytest.fixture(scope="module")
 def h200_report(tmp_path_factory):
     from hf_tiny import save_tiny_hf
-    from dspark_jax.aot import cli
 
     path = save_tiny_hf(tmp_path_factory.mktemp("tgt"), "qwen3")
     out = tmp_path_factory.mktemp("aot") / "h200.json"
-    rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--decode",
-                   "--max-len", "256", "--json", str(out), f"--config.target={path}",
-                   "--config.train.target_dtype=bfloat16", "--programs",
-                   "decode_step,plain_step,round"])
+    rc = _aot_in_subprocess(["--config", "configs/tiny.py", "--chip", "h200", "--decode",
+                             "--max-len", "256", "--json", str(out), f"--config.target={path}",
+                             "--config.train.target_dtype=bfloat16", "--programs",
+                             "decode_step,plain_step,round"])
     assert rc == 0
     return json.loads(out.read_text()), path
 
@@ -304,16 +316,16 @@ def test_h200_decode_step_launches_at_most_twelve_kernels_a_layer(tmp_path):
     q/k norm and RoPE kernel that writes the cache rows, the attention's split and merge, two
     residual-sum norms, the activation). No weight is copied."""
     from hf_tiny import save_tiny_hf
-    from dspark_jax.aot import cli
 
     kernels = {}
     for layers in (2, 4):
         path = save_tiny_hf(tmp_path / f"l{layers}", "qwen3", head_dim=128, layers=layers)
         out = tmp_path / f"l{layers}.json"
-        assert cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--decode",
-                         "--max-len", "256", "--json", str(out), f"--config.target={path}",
-                         "--config.train.target_dtype=bfloat16", "--programs",
-                         "decode_step"]) == 0
+        assert _aot_in_subprocess(["--config", "configs/tiny.py", "--chip", "h200",
+                                   "--decode", "--max-len", "256", "--json", str(out),
+                                   f"--config.target={path}",
+                                   "--config.train.target_dtype=bfloat16", "--programs",
+                                   "decode_step"]) == 0
         step = json.loads(out.read_text())["programs"]["decode_step"]
         assert step["weight_copy_bytes"] == 0, step["weight_copies"]
         kernels[layers] = step["kernels_per_step"]
