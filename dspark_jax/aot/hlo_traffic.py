@@ -216,9 +216,10 @@ Origin = list[frozenset[str]]   # per tuple element: the weight arguments a valu
 KERNEL_KINDS = ("gemm", "attention", "norm", "elementwise", "copy", "other")
 # the Python functions (innermost frames of JAX's source metadata) of each kind
 _ATTENTION_FUNCS = {"attend", "attend_cache_and_own", "attend_cache_and_own_xla",
-                    "decode_attention", "cached_attention", "masked_softmax", "apply_rope",
+                    "decode_attention", "layer_attention", "cached_attention", "masked_softmax",
+                    "apply_rope",
                     "cache_layer", "cache_scatter", "causal_attention", "causal_mask"}
-_NORM_FUNCS = {"rms_norm", "rms_norm_noscale", "add_rms_norm", "qk_norm_rope"}
+_NORM_FUNCS = {"rms_norm", "rms_norm_noscale", "add_rms_norm"}
 _GEMM_TARGETS = ("cublas", "gemm", "matmul")
 
 
@@ -458,18 +459,16 @@ class Program:
         if ins.opcode == "fusion" or ins.opcode.endswith("-start"):
             fused = self.comps.get(ins.attr("calls") or "")
         if fused is None and ins.opcode == "custom-call":
-            # a kernel's output aliased to an operand is that buffer updated in place: what
-            # the kernel writes into it is not known from the program (a Pallas kernel that
-            # writes a token's cache rows touches kilobytes), so neither side is counted
-            aliased = [(int(o), int(a)) for o, a in re.findall(
+            # a kernel's output aliased to an operand is that buffer updated in place: the
+            # operand counts as read (the kernel may read all of it, as the decoding layer's
+            # attention reads the cache it writes a token's rows into), the output as written
+            # not at all (what a kernel stores into it is not known from the program: rows)
+            aliased = [int(o) for o, _ in re.findall(
                 r"\{(\d+)\}:\s*\((\d+),", ins.attrs.split("output_to_operand_aliasing=")[-1])
                 ] if "output_to_operand_aliasing=" in ins.attrs else []
             els = tuple_elements(ins.shape)
-            read = sum(operand_bytes) - sum(operand_bytes[a] for _, a in aliased
-                                            if a < len(operand_bytes))
-            written -= sum(shape_bytes(els[o], hbm_only=True) for o, _ in aliased
-                           if o < len(els))
-            return read, written, False
+            written -= sum(shape_bytes(els[o], hbm_only=True) for o in aliased if o < len(els))
+            return sum(operand_bytes), written, False
         if fused is None:
             if ins.opcode in _IN_PLACE and operand_bytes:   # the buffer is updated in place
                 upd = operand_bytes[2] if ins.opcode == "scatter" else operand_bytes[1]

@@ -4,10 +4,11 @@ prefill over a cache).
 
 While decoding a few tokens a row the layer's work is its weights' bytes, and every kernel in
 between costs its launch, ramp and tail for kilobytes. On a GPU, for the decoding layout (one
-buffer per layer, q/k/v fused), a layer runs as: the q/k/v product, one kernel for the q/k
-norms and the rotary embedding (`pallas_kernels.norms.qk_norm_rope`), the attention over the
-cache in two (`pallas_kernels.decode_attention`), the o product, the residual sum with the
-post-attention norm in one (`pallas_kernels.norms.add_rms_norm`), the gate/up product, the
+buffer per layer, q/k/v fused), a layer runs as: the q/k/v product; the attention in two
+kernels (`pallas_kernels.decode_attention.layer_attention`: the q/k norms, the rotary
+embedding, the attention over the cache and the token's own keys, and the write of its K/V rows
+into the cache, then the merge of the cache splits); the o product; the residual sum with the
+post-attention norm in one (`pallas_kernels.norms.add_rms_norm`); the gate/up product, the
 activation, the down product; the MLP's residual sum is taken with the next layer's input norm.
 Elsewhere (CPU, TPU, a stacked or tensor-parallel layout, shapes the kernels do not take, or
 inside `layers.flash_kernels(False)`) the same arithmetic runs as XLA ops. The branch is chosen
@@ -86,9 +87,9 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
     Returns (attention [B, T, N, H], k, v): the rows [B, T, Kh, H] for the caller to write,
     or with `write` (for `fused_kernels_take` layers only; the own keys then must be the T
     tokens at start + t, causal) the cache layer's k and v with the rows written at
-    `positions_bt` (a position ≥ S dropped). On a GPU the q/k norm and RoPE kernel writes them
-    in place and the attention reads them from the cache; elsewhere the attention reads the
-    cache as it was and the rows are written after it."""
+    `positions_bt` (a position ≥ S dropped). On a GPU the attention kernel stores them in
+    place; elsewhere the rows are written after the attention has read the cache. The GPU's
+    kernel takes the own keys as `forward` passes them: the T tokens at start + t, causal."""
     b, t = x_btd.shape[:2]
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]
@@ -121,17 +122,13 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         return attn, jnp.concatenate([k, v], axis=2)
 
     def gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret):
-        from pallas_kernels.decode_attention import decode_attention
-        from pallas_kernels.norms import qk_norm_rope
+        from pallas_kernels.decode_attention import layer_attention
 
         qkv = qkv.reshape(qkv.shape[0], t, n + 2 * kh, h)
-        kw = dict(num_q_heads=n, num_kv_heads=kh, eps=eps, interpret=interpret)
-        attend = dict(scale=h ** -0.5, num_q_heads=n, interpret=interpret)
-        if write:
-            y, ck, cv = qk_norm_rope(qkv, *(norms or (None, None)), cos, sin, pos, ck, cv, **kw)
-            return decode_attention(y, ck, cv, start, **attend), ck, cv
-        y = qk_norm_rope(qkv, *(norms or (None, None)), cos, sin, **kw)
-        return decode_attention(y, ck, cv, start, None, None, mask, **attend), y[:, :, n:]
+        attn, a, c = layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
+                                     num_q_heads=n, eps=eps, scale=h ** -0.5, write=write,
+                                     interpret=interpret)
+        return (attn, a, c) if write else (attn, jnp.concatenate([a, c], axis=2))
 
     def local(*args):
         return L.on_gpu(gpu, xla, *args)

@@ -2,32 +2,38 @@
 
 The target's attention while decoding (SPEC §1–2: the one-token step, the verification of a
 drafted block, the nodes of a draft tree): each of a row's T queries sees the cache positions
-below the row's `start` and the own keys its `own_mask` marks, under one softmax. XLA runs this
-as about fifteen kernels a layer (scores, their maximum, exponentials, sums, converts and the
-weighted values, each a pass through HBM); here it is two: the partial attention of every
-(row, key head, cache split) in one program each, then their merge.
+below the row's `start` and its own keys, under one softmax. XLA runs this as about fifteen
+kernels a layer (q/k norms, RoPE, scores, their maximum, exponentials, sums, converts, the
+weighted values, the cache writes, each a pass through HBM); here it is two: the partial
+attention of every (row, key head, cache split) in one program each, then their merge.
 
-  `decode_attention`      the attention, [B, T, N, H] in q's dtype.
-  `ref_decode_attention`  the pure-JAX oracle (every score materialised).
+  `decode_attention`      own keys given apart, under any mask (a draft tree's).
+  `layer_attention`       from a layer's raw q/k/v product: each program norms and rotates its
+                          own query rows; the last program of a (row, key head) also norms and
+                          rotates the T new keys, attends to them causally, returns them and
+                          can store them into the cache in place (input/output aliasing).
+  `ref_decode_attention`, `ref_layer_attention`  the pure-JAX oracles (every score
+                          materialised; Hugging Face's norm and rotate-half RoPE).
 
 Layout. A row's T queries act as M = T·G query heads of each of the Kh key heads (N = Kh·G),
-so one program reads each cache tile once for all of them: q is regrouped to [B, Kh, M, H]
-(rows t-major, padded to a power of two ≥ 16, Triton's smallest dot). The cache stays where
-it lies, [B, S, Kh, H]: a program reads its key head's column of each tile in place, never a
-copy. Partial programs: grid (B, Kh, P), program p walks the cache tiles of its split of
-[0, start) (a split past `start` does nothing), and the last program also takes the own keys,
-so every partial is an online softmax (FlashAttention-2) over disjoint keys; with P = 1 that
-program normalises and writes the output itself and the merge is skipped. P is chosen so
-B·Kh·P programs cover the GPU's multiprocessors: at B = 1 a decoding step's eight key heads
-alone would leave most of the chip idle while it reads the cache.
+so one program reads each cache tile once for all of them: a program reads its key head's G
+query heads for T queries as one [Tp, G, H] tile (Tp·G ≥ 16, Triton's smallest dot; reads past
+T masked) and the merge writes them back the same way, so nothing is regrouped around the
+kernels. The cache stays where it lies, [B, S, Kh, H]: a program reads its key head's column of
+each tile in place. Partial programs: grid (B, Kh, P), program p walks the cache tiles of its
+split of [0, start) (a split past `start` does nothing), and the last program also takes the
+own keys, so every partial is an online softmax (FlashAttention-2) over disjoint keys. P is
+chosen so B·Kh·P programs cover the GPU's multiprocessors: at B = 1 a decoding step's eight key
+heads alone would leave most of the chip idle while it reads the cache.
 
 Scores are taken in base 2 (exp2) with the scale folded in; rows that see no key give zeros.
-Nothing here imports dspark_jax.
+Nothing here imports dspark_jax, except the norm oracle from `pallas_kernels.norms`.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +42,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.common import LOG2E, MASKED_SCORE, next_pow2
 
-__all__ = ["DEFAULT_BLOCK_K", "decode_attention", "ref_decode_attention", "splits_for"]
+__all__ = ["DEFAULT_BLOCK_K", "decode_attention", "layer_attention", "ref_decode_attention",
+           "ref_layer_attention", "splits_for"]
 
 DEFAULT_BLOCK_K = 64
 DEFAULT_NUM_WARPS = 4
@@ -69,9 +76,9 @@ def _online(carry, s, mask, v):
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
 
-def _cache_part(q, k_ref, v_ref, lo, hi, row_limit, *, qk_scale: float, block_k: int):
-    """Online softmax of the rows q [M, H] over the cache positions [lo, hi) (each row's also
-    below `row_limit` [M, 1] where given): (acc, max, sum)."""
+def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int):
+    """Online softmax of the rows q [M, H] over the cache positions [lo, hi): (acc, max,
+    sum)."""
     mp, h = q.shape
     offsets = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
@@ -80,10 +87,7 @@ def _cache_part(q, k_ref, v_ref, lo, hi, row_limit, *, qk_scale: float, block_k:
         keys = pl.ds(pl.multiple_of(first, block_k), block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         s = _dot(q, k.T) * qk_scale
-        seen = first + offsets < hi
-        if row_limit is not None:
-            seen = seen & (first + offsets < row_limit)
-        return _online(carry, s, seen, v)
+        return _online(carry, s, first + offsets < hi, v)
 
     init = (jnp.zeros((mp, h), jnp.float32), jnp.full((mp,), MASKED_SCORE, jnp.float32),
             jnp.zeros((mp,), jnp.float32))
@@ -99,7 +103,7 @@ def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, o_
     q = q_ref[...].reshape(tp * g, h)                                        # [M, H]
     lo = p_id * split_len
     hi = jnp.minimum(jnp.minimum(lo + split_len, start_ref[...]), seq)
-    carry = _cache_part(q, k_ref, v_ref, lo, hi, None, qk_scale=qk_scale, block_k=block_k)
+    carry = _cache_part(q, k_ref, v_ref, lo, hi, qk_scale=qk_scale, block_k=block_k)
 
     def own(carry):   # the Q own rows read as a [Qp, H] tile, the rows past Q masked
         from jax.experimental.pallas import triton as plgpu
@@ -115,19 +119,90 @@ def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, o_
     o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _written_kernel(q_ref, k_ref, v_ref, start_ref, o_ref, m_ref, l_ref, *, qk_scale: float,
-                    block_k: int, split_len: int, seq: int, num_tokens: int):
-    """A split of the cache when the call's own keys are in it already: the row's token t
-    (at position start + t) sees the positions up to its own."""
-    p_id = pl.program_id(2)
-    tp, g, h = q_ref.shape
-    q = q_ref[...].reshape(tp * g, h)                                        # [M, H]
+def _normed_rotated(x1, x2, w_ref, cos, sin, *, eps: float, normed: bool, dtype):
+    """Rows [M, H] given as halves x1, x2 (f32): RMS-normed by `w_ref` [H] (unless not
+    `normed`), cast to `dtype` before the scale as Hugging Face does, then rotated by cos / sin
+    [M, H/2] (rotate-half RoPE) and cast to `dtype`: the halves, in `dtype`."""
+    h2 = x1.shape[1]
+    if normed:
+        r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * h2) + eps)
+        w1 = w_ref[pl.ds(0, h2)].astype(dtype).astype(jnp.float32)
+        w2 = w_ref[pl.ds(h2, h2)].astype(dtype).astype(jnp.float32)
+        x1 = (w1[None, :] * (x1 * r[:, None]).astype(dtype).astype(jnp.float32)).astype(dtype)
+        x2 = (w2[None, :] * (x2 * r[:, None]).astype(dtype).astype(jnp.float32)).astype(dtype)
+        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
+
+
+def _rows(ref, n: int, rows: int, cols: Any = slice(None)):
+    """The first `rows` rows of a [n, …] ref as a tile, the rows past n zeros."""
+    from jax.experimental.pallas import triton as plgpu
+
+    ok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n
+    return plgpu.load(ref.at[pl.ds(0, rows), cols], mask=ok, other=0.0)
+
+
+def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start_ref, k_ref,
+                  v_ref, *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
+                  num_tokens: int, own_rows: int, eps: float, normed: bool, write: bool):
+    """`_partial_kernel` on the raw q/k/v product: each program norms and rotates its own query
+    rows; the last also norms and rotates the T own keys, attends to them causally, returns
+    them (and v) as rows and, with `write`, stores them into the cache at start + t."""
+    from jax.experimental.pallas import triton as plgpu
+
+    if write:   # the caches' outputs alias k_ref / v_ref's buffers
+        o_ref, m_ref, l_ref, kr_ref, vr_ref, ck_ref, cv_ref = refs
+    else:
+        o_ref, m_ref, l_ref, kr_ref, vr_ref = refs
+    kh, p_id, n_p = pl.program_id(1), pl.program_id(2), pl.num_programs(2)
+    tp, g, h = x_ref.shape
+    h2, mp, dtype = h // 2, tp * g, x_ref.dtype
+    first, second = pl.ds(0, h2), pl.ds(h2, h2)
+    trig = lambda ref: jnp.broadcast_to(_rows(ref, num_tokens, tp)[:, None, :],  # noqa: E731
+                                        (tp, g, h2)).reshape(mp, h2)
+    q1, q2 = _normed_rotated(x_ref[:, :, first].reshape(mp, h2).astype(jnp.float32),
+                             x_ref[:, :, second].reshape(mp, h2).astype(jnp.float32), qw_ref,
+                             trig(cos_ref), trig(sin_ref), eps=eps, normed=normed, dtype=dtype)
     start = start_ref[...]
     lo = p_id * split_len
-    hi = jnp.minimum(jnp.minimum(lo + split_len, start + num_tokens), seq)
-    token = lax.broadcasted_iota(jnp.int32, (tp * g, 1), 0) // g
-    o_ref[...], m_ref[...], l_ref[...] = _cache_part(
-        q, k_ref, v_ref, lo, hi, start + token + 1, qk_scale=qk_scale, block_k=block_k)
+    hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
+    offsets = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+
+    def tile(i, carry):
+        at = lo + i * block_k
+        keys = pl.ds(pl.multiple_of(at, block_k), block_k)
+        s = (_dot(q1, k_ref[keys, first].T) + _dot(q2, k_ref[keys, second].T)) * qk_scale
+        return _online(carry, s, at + offsets < hi, v_ref[keys, :])
+
+    init = (jnp.zeros((mp, h), jnp.float32), jnp.full((mp,), MASKED_SCORE, jnp.float32),
+            jnp.zeros((mp,), jnp.float32))
+    carry = lax.fori_loop(0, jnp.maximum(hi - lo + block_k - 1, 0) // block_k, tile, init)
+
+    def own(carry):
+        qp = own_rows
+        k1, k2 = _normed_rotated(_rows(ok_ref, num_tokens, qp, first).astype(jnp.float32),
+                                 _rows(ok_ref, num_tokens, qp, second).astype(jnp.float32),
+                                 kw_ref, _rows(cos_ref, num_tokens, qp),
+                                 _rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
+                                 dtype=dtype)
+        v = _rows(ov_ref, num_tokens, qp)
+        token = lax.broadcasted_iota(jnp.int32, (mp, 1), 0) // g
+        col = lax.broadcasted_iota(jnp.int32, (1, qp), 1)
+        s = (_dot(q1, k1.T) + _dot(q2, k2.T)) * qk_scale                      # [M, Qp]
+        row_ok = lax.broadcasted_iota(jnp.int32, (qp, 1), 0) < num_tokens
+        plgpu.store(kr_ref.at[pl.ds(0, qp), first], k1, mask=row_ok)
+        plgpu.store(kr_ref.at[pl.ds(0, qp), second], k2, mask=row_ok)
+        plgpu.store(vr_ref.at[pl.ds(0, qp), :], v, mask=row_ok)
+        if write:   # the rows into the cache at start + t (a position ≥ S dropped)
+            at = pl.ds(start, qp)
+            in_cache = row_ok & (start + lax.broadcasted_iota(jnp.int32, (qp, 1), 0) < seq)
+            plgpu.store(ck_ref.at[at, kh, first], k1.astype(ck_ref.dtype), mask=in_cache)
+            plgpu.store(ck_ref.at[at, kh, second], k2.astype(ck_ref.dtype), mask=in_cache)
+            plgpu.store(cv_ref.at[at, kh, :], v.astype(cv_ref.dtype), mask=in_cache)
+        return _online(carry, s, (col <= token) & (col < num_tokens), v)
+
+    acc, m, l = lax.cond(p_id == n_p - 1, own, lambda c: c, carry)
+    o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
@@ -175,96 +250,160 @@ def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
                                                        num_stages=num_stages)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "interpret",
-                                             "num_warps", "num_stages", "num_q_heads"))
-def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
-                     own_k: jax.Array | None = None, own_v: jax.Array | None = None,
-                     own_mask: jax.Array | None = None, *, scale: float,
-                     num_q_heads: int | None = None, block_k: int = DEFAULT_BLOCK_K,
-                     splits: int | None = None, interpret: bool = False,
-                     num_warps: int = DEFAULT_NUM_WARPS,
-                     num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
-    """Grouped-query attention of T queries a row over cache k / v [B, S, Kh, H] at positions
-    below `start` [B] and over the call's own keys; [B, T, N, H] in q's dtype.
+def _merge(o, m, l, q, tp: int, g: int, interpret: bool) -> jax.Array:
+    """The merge kernel: each row's queries written where q has them, [B, T, N, H]."""
+    B, Kh, P, Mp, H = o.shape
+    return pl.pallas_call(
+        _merge_kernel, grid=(B, Kh),
+        in_specs=[pl.BlockSpec((None, None, P, Mp, H), lambda b, k: (b, k, 0, 0, 0)),
+                  pl.BlockSpec((None, None, P, Mp), lambda b, k: (b, k, 0, 0)),
+                  pl.BlockSpec((None, None, P, Mp), lambda b, k: (b, k, 0, 0))],
+        out_specs=pl.BlockSpec((None, tp, g, H), lambda b, k: (b, 0, k, 0)),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=_compiler_params(interpret, 1, 1), interpret=interpret,
+        name="decode_attention_merge",
+    )(o, m, l)
 
-    q is [B, T, N, H], or a fused q/k/v product [B, T, N + 2Kh, H] with `num_q_heads` = N
-    (read in place: its q heads are the queries, its k / v heads the own keys). The own keys:
-      own k / v [B, Q, Kh, H] where `own_mask` [B, T, Q] is set;
-      without own k / v, with `own_mask` [B, T, T]: the fused product's own k / v heads;
-      without `own_mask`: none apart from the cache, which holds them already: token t of a
-        row sits at start + t and sees the positions up to its own.
-    `splits`: cache splits a row and key head (default `splits_for`; a power of two ≥ 2)."""
-    Kh = cache_k.shape[2]
-    qkv = q
-    if num_q_heads is not None:
-        if q.shape[2] != num_q_heads + 2 * Kh:
-            raise ValueError(f"a fused q/k/v product must have N + 2·{Kh} heads with "
-                             f"num_q_heads = N: {q.shape}, num_q_heads={num_q_heads}")
-        q = jax.ShapeDtypeStruct(q.shape[:2] + (num_q_heads, q.shape[3]), q.dtype)
-    written = own_mask is None
-    if own_k is None and not written:
-        if num_q_heads is None:
-            raise ValueError("own keys from q need a fused q/k/v product (num_q_heads)")
-        own_k = own_v = jax.ShapeDtypeStruct(qkv.shape[:2] + (Kh, qkv.shape[3]), qkv.dtype)
-        from_qkv = True
-    else:
-        from_qkv = False
-    B, T, N, H = q.shape
-    if written:
-        own_k = own_v = jax.ShapeDtypeStruct((B, 1, Kh, H), q.dtype)
-        own_mask = jax.ShapeDtypeStruct((B, T, 1), jnp.bool_)
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "interpret",
+                                             "num_warps", "num_stages"))
+def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
+                     own_k: jax.Array, own_v: jax.Array, own_mask: jax.Array, *, scale: float,
+                     block_k: int = DEFAULT_BLOCK_K, splits: int | None = None,
+                     interpret: bool = False, num_warps: int = DEFAULT_NUM_WARPS,
+                     num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
+    """Grouped-query attention of q [B, T, N, H] over cache k / v [B, S, Kh, H] at positions
+    below `start` [B] and over own k / v [B, Q, Kh, H] where `own_mask` [B, T, Q] is set (any
+    mask: a draft tree's); [B, T, N, H] in q's dtype. `splits`: cache splits a row and key
+    head (default `splits_for`; a power of two ≥ 2)."""
     _check(q, cache_k, cache_v, start, own_k, own_v, own_mask)
-    S = cache_k.shape[1]
+    B, T, N, H = q.shape
+    S, Kh = cache_k.shape[1], cache_k.shape[2]
     G, Q = N // Kh, own_k.shape[1]
+    P, Tp, split_len = _tiling(B, T, G, Kh, S, block_k, splits)
+    Mp, Qp = Tp * G, max(16, next_pow2(Q))
+    mask = jnp.broadcast_to(own_mask[:, :, None, :], (B, T, G, Q)).reshape(B, T * G, Q)
+    mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, Mp - T * G), (0, Qp - Q)))
+    kernel = functools.partial(_partial_kernel, qk_scale=scale * LOG2E, block_k=block_k,
+                               split_len=split_len, seq=S, own_rows=Qp)
+    o, m, l = pl.pallas_call(
+        kernel, grid=(B, Kh, P),
+        in_specs=[_query_rows(Tp, G, H), _key_head(S, H), _key_head(S, H), _per_row(),
+                  _key_head(Q, H), _key_head(Q, H),
+                  pl.BlockSpec((None, Mp, Qp), lambda b, k, p: (b, 0, 0))],
+        out_specs=_partial_specs(Mp, H), out_shape=_partial_shapes(B, Kh, P, Mp, H),
+        compiler_params=_compiler_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="decode_attention_splits",
+    )(q, cache_k, cache_v, start.astype(jnp.int32), own_k.astype(cache_k.dtype),
+      own_v.astype(cache_v.dtype), mask)
+    return _merge(o, m, l, q, Tp, G, interpret)
+
+
+def _tiling(B: int, T: int, G: int, Kh: int, S: int, block_k: int, splits: int | None
+            ) -> tuple[int, int, int]:
+    """(cache splits P, the row's queries padded Tp, positions a split)."""
     P = splits_for(B, Kh, S, block_k) if splits is None else int(splits)
     if P < 2 or P != next_pow2(P):
         raise ValueError(f"splits={P} is not a power of two ≥ 2")
     if S % block_k:
         raise ValueError(f"cache length {S} is not a multiple of block_k={block_k}")
     # a program's query rows: the row's T queries (padded to Tp) × the G heads of its key head
-    Tp = max(next_pow2(T), 16 // G)
-    Mp, Qp = Tp * G, max(16, next_pow2(Q))
-    split_len = -(-(-(-S // P)) // block_k) * block_k
-    q_rows = pl.BlockSpec((None, Tp, G, H), lambda b, k, *_: (b, 0, k, 0))  # reads past T masked
+    return P, max(next_pow2(T), 16 // G), -(-(-(-S // P)) // block_k) * block_k
 
-    def kv_head(n: int, first: int = 0) -> pl.BlockSpec:   # key head k's column, from `first`
-        return pl.BlockSpec((None, n, None, H), lambda b, k, p: (b, 0, first + k, 0))
 
-    common = dict(qk_scale=scale * LOG2E, block_k=block_k, split_len=split_len, seq=S)
-    in_specs = [q_rows, kv_head(S), kv_head(S), pl.BlockSpec((None,), lambda b, k, p: (b,))]
-    args = [qkv, cache_k, cache_v, start.astype(jnp.int32)]
-    if written:
-        kernel = functools.partial(_written_kernel, num_tokens=T, **common)
-    else:
-        kernel = functools.partial(_partial_kernel, own_rows=Qp, **common)
-        mask = jnp.broadcast_to(own_mask[:, :, None, :], (B, T, G, Q)).reshape(B, T * G, Q)
-        mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, Mp - T * G), (0, Qp - Q)))
-        in_specs += ([kv_head(Q, N), kv_head(Q, N + Kh)] if from_qkv else
-                     [kv_head(Q), kv_head(Q)]) + [
-            pl.BlockSpec((None, Mp, Qp), lambda b, k, p: (b, 0, 0))]
-        args += ([qkv, qkv] if from_qkv else
-                 [own_k.astype(cache_k.dtype), own_v.astype(cache_v.dtype)]) + [mask]
-    o, m, l = pl.pallas_call(
-        kernel, grid=(B, Kh, P), in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, None, None, Mp, H), lambda b, k, p: (b, k, p, 0, 0)),
-                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0)),
-                   pl.BlockSpec((None, None, None, Mp), lambda b, k, p: (b, k, p, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Kh, P, Mp, H), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Kh, P, Mp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Kh, P, Mp), jnp.float32)],
+def _query_rows(tp: int, g: int, h: int) -> pl.BlockSpec:
+    """A key head's G query heads for the row's Tp queries (reads past T masked)."""
+    return pl.BlockSpec((None, tp, g, h), lambda b, k, *_: (b, 0, k, 0))
+
+
+def _key_head(n: int, h: int, first: int = 0) -> pl.BlockSpec:
+    """Key head k's column of a [B, n, heads, H] array, its heads counted from `first`."""
+    return pl.BlockSpec((None, n, None, h), lambda b, k, p: (b, 0, first + k, 0))
+
+
+def _per_row() -> pl.BlockSpec:
+    return pl.BlockSpec((None,), lambda b, k, p: (b,))
+
+
+def _partial_specs(mp: int, h: int) -> list[pl.BlockSpec]:
+    return [pl.BlockSpec((None, None, None, mp, h), lambda b, k, p: (b, k, p, 0, 0)),
+            pl.BlockSpec((None, None, None, mp), lambda b, k, p: (b, k, p, 0)),
+            pl.BlockSpec((None, None, None, mp), lambda b, k, p: (b, k, p, 0))]
+
+
+def _partial_shapes(B: int, Kh: int, P: int, mp: int, h: int) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct((B, Kh, P, mp, h), jnp.float32),
+            jax.ShapeDtypeStruct((B, Kh, P, mp), jnp.float32),
+            jax.ShapeDtypeStruct((B, Kh, P, mp), jnp.float32)]
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "scale", "write", "block_k",
+                                             "splits", "interpret", "num_warps", "num_stages"))
+def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                    cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
+                    cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
+                    write: bool = False, block_k: int = DEFAULT_BLOCK_K,
+                    splits: int | None = None, interpret: bool = False,
+                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A decoder layer's attention from its raw q/k/v product [B, T, N + 2Kh, H]: the q and k
+    heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no norm, Llama) and rotated by
+    cos / sin [B, T, H/2] (f32, the tokens' RoPE angles), then the T tokens at start + t attend
+    to the cache below `start` [B] and causally to each other. One kernel does all of it (each
+    program norms and rotates its own rows) and the merge a second.
+
+    Returns (attention [B, T, N, H], k rows, v rows [B, T, Kh, H]: the tokens' normed, rotated
+    keys and their values); with `write`, (attention, cache k, cache v) with those rows
+    written into the cache [B, S, Kh, H] at start + t in place (a position ≥ S dropped)."""
+    B, T, J, H = qkv.shape
+    Kh = cache_k.shape[2]
+    N = num_q_heads
+    if J != N + 2 * Kh:
+        raise ValueError(f"qkv has {J} heads, not {N} + 2·{Kh}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    if cos.shape != (B, T, H // 2) or sin.shape != cos.shape:
+        raise ValueError(f"cos / sin must be [B, T, H/2] = {(B, T, H // 2)}: {cos.shape}")
+    q = jax.ShapeDtypeStruct((B, T, N, H), qkv.dtype)
+    own = jax.ShapeDtypeStruct((B, T, Kh, H), qkv.dtype)
+    _check(q, cache_k, cache_v, start, own, own, jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
+    if cache_k.dtype != qkv.dtype:
+        raise ValueError(f"the cache ({cache_k.dtype}) must be in the product's dtype "
+                         f"({qkv.dtype})")
+    S, G = cache_k.shape[1], N // Kh
+    P, Tp, split_len = _tiling(B, T, G, Kh, S, block_k, splits)
+    Mp, Qp = Tp * G, max(16, next_pow2(T))
+    normed = q_norm is not None
+    if not normed:
+        q_norm = k_norm = jnp.ones((H,), qkv.dtype)
+    weight = pl.BlockSpec((H,), lambda b, k, p: (0,))
+    trig = pl.BlockSpec((None, T, H // 2), lambda b, k, p: (b, 0, 0))
+    in_specs = [_query_rows(Tp, G, H), _key_head(T, H, N), _key_head(T, H, N + Kh), weight,
+                weight, trig, trig, _per_row(), _key_head(S, H), _key_head(S, H)]
+    args = [qkv, qkv, qkv, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32),
+            start.astype(jnp.int32), cache_k, cache_v]
+    out_specs = _partial_specs(Mp, H) + [_key_head(T, H), _key_head(T, H)]
+    out_shape = _partial_shapes(B, Kh, P, Mp, H) + [own, own]
+    aliases = {}
+    if write:   # the caches, read per key head, are also two outputs the last programs store
+        # rows into: one buffer each (passed twice, XLA would copy the cache for the call)
+        whole = pl.BlockSpec((None, S, Kh, H), lambda b, k, p: (b, 0, 0, 0))
+        out_specs += [whole, whole]
+        out_shape += [jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
+                      jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)]
+        aliases = {8: 5, 9: 6}
+    kernel = functools.partial(
+        _layer_kernel, qk_scale=scale * LOG2E, block_k=block_k, split_len=split_len, seq=S,
+        num_tokens=T, own_rows=Qp, eps=eps, normed=normed, write=write)
+    outs = pl.pallas_call(
+        kernel, grid=(B, Kh, P), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
-        interpret=interpret, name="decode_attention_splits",
+        interpret=interpret, name="layer_attention_splits",
     )(*args)
-    # the merge writes each row's queries where q had them: [B, T, N, H], no regrouping copy
-    return pl.pallas_call(
-        _merge_kernel, grid=(B, Kh),
-        in_specs=[pl.BlockSpec((None, None, P, Mp, H), lambda b, k: (b, k, 0, 0, 0)),
-                  pl.BlockSpec((None, None, P, Mp), lambda b, k: (b, k, 0, 0)),
-                  pl.BlockSpec((None, None, P, Mp), lambda b, k: (b, k, 0, 0))],
-        out_specs=q_rows, out_shape=jax.ShapeDtypeStruct((B, T, N, H), q.dtype),
-        compiler_params=_compiler_params(interpret, 1, 1), interpret=interpret,
-        name="decode_attention_merge",
-    )(o, m, l)
+    o, m, l, k_rows, v_rows = outs[:5]
+    attn = _merge(o, m, l, q, Tp, G, interpret)
+    return (attn, outs[5], outs[6]) if write else (attn, k_rows, v_rows)
 
 
 def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
@@ -290,3 +429,27 @@ def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
     p = e / jnp.where(den > 0, den, 1.0)
     out = jnp.einsum("btkgs,bskh->btkgh", p, vals, precision=lax.Precision.HIGHEST)
     return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                        cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
+                        cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The oracle of `layer_attention` (without the write): Hugging Face's q/k norms and
+    rotate-half RoPE, then `ref_decode_attention` with the T tokens as causal own keys."""
+    from pallas_kernels.norms import ref_rms_norm
+
+    B, T = qkv.shape[:2]
+    n, kh = num_q_heads, cache_k.shape[2]
+    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+    if q_norm is not None:
+        q, k = ref_rms_norm(q, q_norm, eps), ref_rms_norm(k, k_norm, eps)
+
+    def rope(x):
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        c, s = cos[:, :, None], sin[:, :, None]
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1).astype(x.dtype)
+
+    q, k = rope(q), rope(k)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    return ref_decode_attention(q, cache_k, cache_v, start, k, v, causal, scale=scale), k, v

@@ -1,7 +1,7 @@
-"""The decode-attention kernel (Triton, interpreted on CPU) against its pure-JAX oracle in each
-of its three ways of taking the call's own keys, over ragged cache prefixes, rows that see
-nothing and several cache splits; and its Triton lowering for CUDA at Qwen3-8B's decoding
-shape."""
+"""The decode-attention kernels (Triton, interpreted on CPU) against their pure-JAX oracles:
+own keys apart under any mask, over ragged cache prefixes, rows that see nothing and several
+cache splits; the layer's attention from its raw q/k/v product (q/k norms, RoPE, the cache
+write) in fp32 and bf16; and their Triton lowering for CUDA at Qwen3-8B's decoding step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_attention import decode_attention, ref_decode_attention, splits_for
+from pallas_kernels.decode_attention import (decode_attention, layer_attention,
+                                             ref_decode_attention, ref_layer_attention,
+                                             splits_for)
 
 B, N, KH, H, S = 3, 8, 2, 16, 128
 SCALE = H ** -0.5
@@ -41,37 +43,51 @@ def test_own_keys_apart_match_the_oracle(t, q_len, splits):
     assert not np.asarray(got[0]).any()
 
 
-def test_a_fused_qkv_product_is_read_in_place():
-    """q as the q/k/v product [B, T, N + 2Kh, H]: its k / v heads are the own keys (causal)."""
-    t = 5
-    qkv = jax.random.normal(jax.random.key(1), (B, t, N + 2 * KH, H))
-    _, ck, cv, _, _ = _inputs(1, t, t)
-    start = jnp.asarray([3, 64, 100], jnp.int32)
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (B, t, t))
-    want = ref_decode_attention(qkv[:, :, :N], ck, cv, start, qkv[:, :, N:N + KH],
-                                qkv[:, :, N + KH:], mask, scale=SCALE)
-    got = decode_attention(qkv, ck, cv, start, None, None, mask, scale=SCALE, num_q_heads=N,
-                           **TILES)
-    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+def _layer_inputs(dtype, t: int = 3):
+    ks = jax.random.split(jax.random.key(5), 4)
+    qkv = jax.random.normal(ks[0], (B, t, N + 2 * KH, H)).astype(dtype)
+    ck, cv = (jax.random.normal(k, (B, S, KH, H)).astype(dtype) for k in ks[1:3])
+    qn = (1 + 0.1 * jax.random.normal(ks[3], (H,))).astype(dtype)
+    ang = 0.3 * jnp.arange(B * t * H // 2, dtype=jnp.float32).reshape(B, t, H // 2)
+    return qkv, qn, qn[::-1], jnp.cos(ang), jnp.sin(ang), ck, cv
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_keys_written_to_the_cache_first(fused):
-    """Without own keys the cache holds the T tokens at start + t already: token t sees up to
-    its own position, nothing past it (the positions after hold other values)."""
-    t = 4
-    qkv = jax.random.normal(jax.random.key(2), (B, t, N + 2 * KH, H))
-    _, ck, cv, _, _ = _inputs(2, t, t)
-    start = jnp.asarray([0, 60, S - t], jnp.int32)
-    k_new, v_new = qkv[:, :, N:N + KH], qkv[:, :, N + KH:]
-    rows = (jnp.arange(B)[:, None], start[:, None] + jnp.arange(t))
-    ck2, cv2 = ck.at[rows].set(k_new), cv.at[rows].set(v_new)
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (B, t, t))
-    want = ref_decode_attention(qkv[:, :, :N], ck, cv, start, k_new, v_new, mask, scale=SCALE)
-    q = qkv if fused else qkv[:, :, :N]
-    got = decode_attention(q, ck2, cv2, start, scale=SCALE, num_q_heads=N if fused else None,
-                           **TILES)
-    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+def _f32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("normed", [True, False])
+def test_layer_attention_matches_the_oracle(dtype, normed):
+    """From the raw q/k/v product: q/k norms (Qwen3's; Llama's none) and RoPE in the kernel,
+    the T tokens causal to each other after cache prefixes 0, mid and full; the returned k / v
+    rows are the oracle's."""
+    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(dtype)
+    norms = (qn, kn) if normed else (None, None)
+    start = jnp.asarray([0, 57, S - 3], jnp.int32)
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
+    want = ref_layer_attention(qkv, *norms, cos, sin, start, ck, cv, **kw)
+    got = layer_attention(qkv, *norms, cos, sin, start, ck, cv, splits=4, **kw, **TILES)
+    tol = 2e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(_f32(got[0]), _f32(want[0]), atol=tol, rtol=tol)
+    for g, w in zip(got[1:], want[1:]):      # the rows: the same arithmetic, the same values
+        np.testing.assert_allclose(_f32(g), _f32(w), atol=tol, rtol=tol)
+
+
+def test_layer_attention_writes_the_rows_into_the_cache():
+    """With `write` the tokens' k / v rows land at start + t of their row's cache, a position
+    ≥ S is dropped, every other position keeps its value, and the attention is unchanged."""
+    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(jnp.float32)
+    start = jnp.asarray([0, 57, S - 2], jnp.int32)                # row 2's last token: past S
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
+    attn, k, v = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, **kw)
+    rows = (jnp.arange(B)[:, None], start[:, None] + jnp.arange(3))
+    want_k, want_v = ck.at[rows].set(k, mode="drop"), cv.at[rows].set(v, mode="drop")
+    got, ck2, cv2 = layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, write=True, **kw,
+                                    **TILES)
+    np.testing.assert_allclose(got, attn, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(ck2, want_k, atol=2e-6, rtol=2e-6)
+    np.testing.assert_array_equal(cv2, want_v)
 
 
 def test_splits_and_bad_shapes():
@@ -99,16 +115,19 @@ def test_lowers_for_gpu_with_triton_at_a_decoding_shape():
 
     spec = jax.ShapeDtypeStruct
     qkv = spec((1, 1, 48, 128), jnp.bfloat16)
+    norm = spec((128,), jnp.bfloat16)
+    trig = spec((1, 1, 64), jnp.float32)
     cache = spec((1, 4224, 8, 128), jnp.bfloat16)
     start = spec((1,), jnp.int32)
-    fn = functools.partial(decode_attention, scale=128 ** -0.5, num_q_heads=32)
+    fn = functools.partial(layer_attention, scale=128 ** -0.5, num_q_heads=32, eps=1e-6,
+                           write=True)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     try:
         text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
-            qkv, cache, cache, start).mlir_module()
+            qkv, norm, norm, trig, trig, start, cache, cache).mlir_module()
     except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Triton dialect
         pytest.skip(f"Triton lowering unavailable: {e}")
-    for name in ("decode_attention_splits", "decode_attention_merge"):
+    for name in ("layer_attention_splits", "decode_attention_merge"):
         assert name in text, name
     grids = [int(x) * int(y) * int(z) for x, y, z in re.findall(
         r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)]
