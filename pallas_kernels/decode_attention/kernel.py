@@ -62,7 +62,11 @@ def splits_for(batch: int, kv_heads: int, seq: int, block_k: int = DEFAULT_BLOCK
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    """a @ b accumulated in f32: bf16 tiles on the tensor cores; f32 tiles at full precision
+    (IEEE, never TF32), as decoding runs a model that computes in fp32."""
+    exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return jnp.dot(a, b, preferred_element_type=jnp.float32,
+                   precision=lax.Precision.HIGHEST if exact else None)
 
 
 def _online(carry, s, mask, v):
