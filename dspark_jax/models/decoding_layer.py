@@ -44,7 +44,7 @@ def add_rms_norm(h_btd: jax.Array, delta_btd: jax.Array, weight_d: jax.Array, ep
         s = h + d
         return s, L.rms_norm(s, w, eps)
 
-    if not kernel or not L._flash_kernels.get():
+    if not kernel or not L.kernels_enabled():
         return xla(h_btd, delta_btd, weight_d)
 
     def gpu(h, d, w, interpret):
@@ -68,7 +68,7 @@ def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
     neither, power-of-two head sizes and query heads a key head, a cache in the compute dtype
     whose length the attention's tiles divide, and at most `layers.DECODE_KERNEL_MAX_ROWS`
     query heads a key head (`rows` = T·G)."""
-    if "w_qkv" not in lp or ("q_norm" in lp) != ("k_norm" in lp) or not L._flash_kernels.get():
+    if "w_qkv" not in lp or ("q_norm" in lp) != ("k_norm" in lp) or not L.kernels_enabled():
         return False
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]

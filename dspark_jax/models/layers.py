@@ -135,6 +135,11 @@ def flash_kernels(enabled: bool) -> Iterator[None]:
         _flash_kernels.reset(token)
 
 
+def kernels_enabled() -> bool:
+    """Whether attention traced here may take its kernels (`flash_kernels`)."""
+    return _flash_kernels.get()
+
+
 _interpret_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("interpret_kernels",
                                                                          default=False)
 
