@@ -78,8 +78,8 @@ def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
 
 def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
                      rope: RopeConfig, eps: float, cache_k: jax.Array, cache_v: jax.Array,
-                     start_b: jax.Array, own_mask_btq: jax.Array, write: bool = False
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     start_b: jax.Array, own_mask_btq: jax.Array, write: bool = False,
+                     causal: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention half of a layer over a cache layer [B, S, Kh, H]: q/k/v of the normed
     input x, the q/k norms, RoPE at `positions_bt`, and attention over the cache below
     `start_b` [B] and the call's own keys (`own_mask_btq`, `layers.attend_cache_and_own`).
@@ -89,11 +89,13 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
     tokens at start + t, causal) the cache layer's k and v with the rows written at
     `positions_bt` (a position ≥ S dropped). On a GPU the attention kernel stores them in
     place; elsewhere the rows are written after the attention has read the cache. The GPU's
-    kernel takes the own keys as `forward` passes them: the T tokens at start + t, causal."""
+    kernel takes the own keys as a chain (`causal`: the T tokens at start + t, a query seeing
+    the keys up to its own, as `own_mask_btq` then marks them, or a superset of the rows
+    whose outputs are used); a draft tree's (`causal=False`) stays with XLA's ops."""
     b, t = x_btd.shape[:2]
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]
-    if not fused_kernels_take(lp, cache_k, x_btd.dtype, t * (n // kh)):
+    if not causal or not fused_kernels_take(lp, cache_k, x_btd.dtype, t * (n // kh)):
         if write:
             raise ValueError("cached_attention: write needs a layer the kernels take")
         q, k, v = L.project_qkv(lp, x_btd, eps)

@@ -70,3 +70,63 @@ def test_the_kernels_layer_equals_the_stacked_forward(target):
             np.testing.assert_allclose(taps, w_taps, atol=2e-5, rtol=2e-5, err_msg=name)
         for a, w in zip(kv, want[1]):
             np.testing.assert_allclose(a, w, atol=2e-6, err_msg=name)
+
+
+def test_the_kernels_verify_ragged_requests_as_the_dense_forward(target):
+    """The ragged verification with its per-request grid and deferred writes (what the round's
+    bucket switch runs), each request's cells through the layer's attention kernels: the
+    admitted tokens' logits and K/V rows equal the stacked dense forward's."""
+    from dspark_jax.models.decoder import ragged_forward, write_ragged
+
+    per_layer = target.decoding_layout(True).model
+    R, Q, K = 3, 4, 8
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [3]]
+    toks = np.zeros((R, 5), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+    def prefilled(model):
+        cache = init_cache(model.cfg, R, S, model.dtype,
+                           per_layer=isinstance(model.layers, L.UnstackedLayers))
+        return model(jnp.asarray(toks), cache=cache).cache.with_lengths(lens)
+
+    seq = np.random.RandomState(1).randint(3, 90, (R, Q)).astype(np.int32)
+    dense = target.model(jnp.asarray(seq), cache=prefilled(target.model))
+    want = np.asarray(target.model.logits(dense.hidden))
+    ell = [3, 0, 2]                                   # drafts admitted after each anchor
+    tok, slot, pos, valid = (np.zeros(K, np.int32) for _ in range(4))
+    grid, cell, k = np.full((R, Q), K, np.int32), np.zeros(K, np.int32), 0
+    for r, n in enumerate(ell):
+        for j in range(n + 1):
+            tok[k], slot[k], pos[k], valid[k] = seq[r, j], r, len(prompts[r]) + j, 1
+            grid[r, j], cell[k] = k, r * Q + j
+            k += 1
+    args = tuple(map(jnp.asarray, (tok, slot, pos))) + (jnp.asarray(valid, bool),)
+
+    def run(cache):
+        out = ragged_forward(per_layer, *args, cache, grid=(jnp.asarray(grid),
+                                                           jnp.asarray(cell)),
+                             defer_writes=True)
+        return out.hidden, write_ragged(out.cache, out.new_kv, jnp.where(args[3], args[1], R),
+                                        args[2])
+
+    for name in ("xla", "kernels"):
+        if name == "kernels":
+            with L.interpret_kernels():
+                hidden, cache = run(prefilled(per_layer))
+                assert "layer_attention_splits" in str(jax.make_jaxpr(run)(prefilled(per_layer)))
+        else:
+            hidden, cache = run(prefilled(per_layer))
+        got = np.asarray(per_layer.logits(hidden))
+        ck = np.asarray(L.cache_like(cache.k, jnp.zeros(())))
+        want_k = np.asarray(L.cache_like(dense.cache.k, jnp.zeros(())))
+        k = 0
+        for r, n in enumerate(ell):
+            for j in range(n + 1):
+                np.testing.assert_allclose(got[k], want[r, j], atol=2e-5, rtol=2e-5,
+                                           err_msg=name)
+                p = len(prompts[r]) + j
+                np.testing.assert_allclose(ck[:, r, p], want_k[:, r, p], atol=2e-6,
+                                           err_msg=name)
+                k += 1

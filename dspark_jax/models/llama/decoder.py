@@ -199,16 +199,18 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         (h, delta), taps, kc, vc = carry   # the MLP's sum is taken with the next input norm
         lp, layer_idx, tap_slot = xs
         h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
-        q, k, v = L.project_qkv(lp, x, eps)
-        q = L.apply_rope(q, positions_1k, cfg.rope)                           # [1,K,N,H]
-        k = L.apply_rope(k, positions_1k, cfg.rope)                           # [1,K,Kh,H]
         if defer_writes:   # the cache is read where it lies, never written: [R, S] ⊕ own [R, Q]
-            attn = L.attend_cache_and_own(q[0][grid], L.cache_layer(cache_kv[0], layer_idx),
-                                          L.cache_layer(cache_kv[1], layer_idx), start_r,
-                                          k[0][grid],
-                                          v[0][grid], own_mask)                 # [R,Q,N,H]
-            attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]             # [1,K,N,H]
+            # each request's cells [R, Q] of the normed tokens through the attention half
+            # (`decoding_layer.cached_attention`: the GPU's kernels for a chain), back to [1, K]
+            attn, k, v = DL.cached_attention(
+                lp, x[0][grid], pos_rq, cfg.rope, eps, L.cache_layer(cache_kv[0], layer_idx),
+                L.cache_layer(cache_kv[1], layer_idx), start_r, own_mask,
+                causal=rows.own_mask_rqq is None)
+            attn, k, v = (a.reshape(R * Q, *a.shape[2:])[cell_k][None] for a in (attn, k, v))
         else:   # each layer writes its rows, then attends over its cache
+            q, k, v = L.project_qkv(lp, x, eps)
+            q = L.apply_rope(q, positions_1k, cfg.rope)                       # [1,K,N,H]
+            k = L.apply_rope(k, positions_1k, cfg.rope)                       # [1,K,Kh,H]
             kc = L.cache_set_layer(kc, layer_idx, (rows.write_k, position_k), k[0])
             vc = L.cache_set_layer(vc, layer_idx, (rows.write_k, position_k), v[0])
             keys, vals = L.cache_layer(kc, layer_idx), L.cache_layer(vc, layer_idx)
