@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import RopeConfig
-from dspark_jax.sharding import shard_kernel
+from dspark_jax.sharding import constrain, shard_kernel
 
 _ROWS = ("batch", None, "act_embed")
 _QKV = ("batch", None, None, "head_dim")
@@ -73,7 +73,8 @@ def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]
     return (_pow2(h) and h >= 32 and _pow2(n // kh) and cache_k.dtype == dtype
-            and cache_k.shape[-3] % 64 == 0 and rows <= L.DECODE_KERNEL_MAX_ROWS)
+            and cache_k.shape[-3] % L.DECODE_KERNEL_TILE == 0
+            and rows <= L.DECODE_KERNEL_MAX_ROWS)
 
 
 def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
@@ -145,7 +146,10 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
     return attn, kv[:, :, :kh], kv[:, :, kh:]
 
 
-def attn_out(lp: dict[str, jax.Array], attn_btnh: jax.Array) -> jax.Array:
-    """The o projection of the attention [B, T, N, H] → [B, T, D]."""
-    B, T, N, H = attn_btnh.shape   # heads flattened first: XLA:CPU then reads wo as stored
-    return jnp.einsum("BTF,FD->BTD", attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
+def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array,
+                     eps: float) -> tuple[jax.Array, jax.Array]:
+    """The layer's second half with its MLP's residual sum left for the next input norm: the o
+    projection summed into h and normed (`add_rms_norm`), then SwiGLU → (h, delta), the layer's
+    output being h + delta."""
+    h, x = add_rms_norm(h_btd, L.attn_out(lp, attn_btnh), lp["post_norm"], eps)
+    return constrain(h, ("batch", "seq", "act_embed")), L.swiglu(x, lp)

@@ -252,6 +252,9 @@ CACHE_REDUCE_MAX_QUERIES = 1
 # query heads a row and key head (T·G) up to which the decode-attention kernel takes a call:
 # decoding steps and verification blocks; a draft tree's nodes stay with XLA
 DECODE_KERNEL_MAX_ROWS = 64
+# the decode-attention kernels' cache tile (`pallas_kernels.decode_attention.DEFAULT_BLOCK_K`):
+# a cache they take is a whole number of tiles long
+DECODE_KERNEL_TILE = 64
 # logical axes of the decode-attention kernel's cache and per-row arguments
 _CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
 
@@ -279,7 +282,7 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
     start = cache_start_b.astype(jnp.int32)
     pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
     if (not (pow2(h) and h >= 16 and pow2(g)) or t * g > DECODE_KERNEL_MAX_ROWS
-            or cache_k.shape[1] % 64 or not _flash_kernels.get()):
+            or cache_k.shape[1] % DECODE_KERNEL_TILE or not _flash_kernels.get()):
         return attend_cache_and_own_xla(q_btnh, cache_k, cache_v, start, own_k, own_v,
                                         own_mask_btq)
 
@@ -602,11 +605,16 @@ def project_qkv(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float
     return q, k, v
 
 
+def attn_out(lp: dict[str, jax.Array], attn_btnh: jax.Array) -> jax.Array:
+    """The o projection of the attention [B, T, N, H] → [B, T, D]."""
+    B, T, N, H = attn_btnh.shape   # heads flattened first: XLA:CPU then reads wo as stored
+    wo = lp["wo"].reshape(N * H, -1)   # (with [N, H] contracted it copies wo transposed)
+    return jnp.einsum("BTF,FD->BTD", attn_btnh.reshape(B, T, N * H), wo)
+
+
 def attn_out_and_mlp(lp: dict[str, jax.Array], resid_btd: jax.Array, attn_btnh: jax.Array,
                      eps: float) -> jax.Array:
     """o_proj + residual, then post-attention norm → SwiGLU → residual."""
-    B, T, N, H = attn_btnh.shape   # heads flattened first: XLA:CPU then reads wo as stored
-    wo = lp["wo"].reshape(N * H, -1)   # (with [N, H] contracted it copies wo transposed)
-    h = resid_btd + jnp.einsum("BTF,FD->BTD", attn_btnh.reshape(B, T, N * H), wo)
+    h = resid_btd + attn_out(lp, attn_btnh)
     h = h + swiglu(rms_norm(h, lp["post_norm"], eps), lp)
     return constrain(h, ("batch", "seq", "act_embed"))

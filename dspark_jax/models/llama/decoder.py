@@ -60,6 +60,12 @@ def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int
     return taps0, slot_of_layer
 
 
+def _tapped(taps: jax.Array, slot: Any, h: jax.Array) -> jax.Array:
+    """Taps [n, B, T, D] with a layer's output h in its slot (`slot` < 0: not tapped)."""
+    cur = taps[jnp.maximum(slot, 0)]
+    return taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
+
+
 def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
             tokens_bt: jax.Array, h: jax.Array, positions_bt: jax.Array,
             cache_kv: tuple[jax.Array, jax.Array] | None, segment_ids_bt: jax.Array | None,
@@ -98,8 +104,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         attn = L.causal_attention(q, k, v, segment_ids_bt)   # flash on GPU/TPU
         h = L.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            cur = taps[jnp.maximum(slot, 0)]
-            taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
+            taps = _tapped(taps, slot, h)
         return (h, taps), None
 
     def cached_body(carry, xs):
@@ -114,11 +119,9 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         layer_cache = [L.cache_layer(c, layer_idx) for c in caches or cache_kv]
         attn, k, v = DL.cached_attention(lp, x, positions_bt, cfg.rope, eps, *layer_cache,
                                          cache_start, own_mask, write=caches is not None)
-        h, x = DL.add_rms_norm(h, DL.attn_out(lp, attn), lp["post_norm"], eps)
-        h, delta = constrain(h, ("batch", "seq", "act_embed")), L.swiglu(x, lp)
+        h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            cur = taps[jnp.maximum(slot, 0)]
-            taps = taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h + delta, cur))
+            taps = _tapped(taps, slot, h + delta)
         if caches is not None:   # k, v: the layer's cache buffers with its rows written
             caches = tuple(c[:layer_idx] + (new[None],) + c[layer_idx + 1:]
                            for c, new in zip(caches, (k, v)))
@@ -129,8 +132,8 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     if cache_kv is None:
         (h, taps), _ = L.run_layers(body, (h, taps0), params, per_layer)
         return h, (taps if n_taps else None), None
-    # the decoding layout on a GPU: each layer writes its rows into its own cache buffer (in
-    # place, by the q/k norm kernel) and attention reads them there
+    # the decoding layout on a GPU: each layer's attention kernel writes its rows into the
+    # layer's own cache buffer in place
     in_layer = (not defer_writes and isinstance(cache_kv[0], tuple) and isinstance(params, list)
                 and DL.fused_kernels_take(params[0], L.cache_layer(cache_kv[0], 0), dtype,
                                           T * cfg.num_attention_heads
@@ -220,22 +223,15 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
             else:   # each token its own attention row over its request's cache: [K, 1, ·]
                 k_tok, v_tok = keys[rows.read_k], vals[rows.read_k]             # [K,S,Kh,H]
                 attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]
-        h, x = DL.add_rms_norm(h, DL.attn_out(lp, attn), lp["post_norm"], eps)
-        h, delta = constrain(h, ("batch", "seq", "act_embed")), L.swiglu(x, lp)
+        h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            cur = taps[jnp.maximum(tap_slot, 0)]
-            taps = taps.at[jnp.maximum(tap_slot, 0)].set(jnp.where(tap_slot >= 0, h + delta,
-                                                                   cur))
+            taps = _tapped(taps, tap_slot, h + delta)
         return ((h, delta), taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
-    res = (h, jnp.zeros_like(h))
-    if defer_writes:   # no cache in the carry: the new K/V rows are the scan's outputs
-        ((h, delta), taps, _, _), new_kv = L.run_layers(body, (res, taps0, None, None), params,
-                                                        per_layer)
-        return constrain(h + delta, ("batch", "seq", "act_embed")), (taps if n_taps else None), \
-            new_kv
-    ((h, delta), taps, kc, vc), _ = L.run_layers(body, (res, taps0, cache_kv[0], cache_kv[1]),
-                                                 params, per_layer)
-    return constrain(h + delta, ("batch", "seq", "act_embed")), (taps if n_taps else None), \
-        (kc, vc)
+    # no cache in the carry when the writes are deferred: the new K/V rows are the outputs
+    caches = (None, None) if defer_writes else cache_kv
+    ((h, delta), taps, kc, vc), new_kv = L.run_layers(
+        body, ((h, jnp.zeros_like(h)), taps0, *caches), params, per_layer)
+    h = constrain(h + delta, ("batch", "seq", "act_embed"))
+    return h, (taps if n_taps else None), (new_kv if defer_writes else (kc, vc))
