@@ -45,9 +45,10 @@ Tolerances, fp32 on both sides with different reduction orders:
     the absolute rounding of the sums that formed it;
   * parameter updates |Δ(θ₁ − θ₀)| ≤ 1e-3·lr where Adam's update is resolved
     (`_compare_updates`).
-They sit about two orders of magnitude above what the two trainers differ by, and a 1%
-change of the lr, the clip norm or β2, the "global" loss normalisation, or DeepSpec drawing its
-own anchors fails them. The intended numerical differences are below them: DeepSpec divides by
+The scalar and tensor ones sit about two orders of magnitude above what the two trainers
+differ by, the update one five fp32 ulps of a weight near 1 above it (the updates differ by one
+such ulp); a 1% change of the lr, the clip norm or β2, the "global" loss normalisation, or
+DeepSpec drawing its own anchors fails them. The intended numerical differences are below them: DeepSpec divides by
 Σw + 1e-6 (ours max(Σw, 1e-6)) and clips by max/(‖g‖ + 1e-6) (optax max/‖g‖).
 
 DeepSpec's Eagle3 trainer is not driven here: its loss is a Triton kernel, with no CPU backend.
