@@ -172,7 +172,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
 
     def engine_state():
         return R_.EngineState(cache=init_cache(t_cfg, R, S, dtype, per_layer=layer_buffers),
-                              draft_cache=adapter.init_cache(draft, R, S),
+                              draft_cache=adapter.init_cache(nnx.merge(d_gd, d_state), R, S),
                               anchor=jnp.zeros((R,), jnp.int32))
 
     def on_mesh(tree):

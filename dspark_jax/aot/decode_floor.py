@@ -113,11 +113,17 @@ def must_read_bytes(param_bytes: dict[str, float], weights: float, cache: float,
     return weights - gathered + cache + per_slot, gathered, per_slot
 
 
+# the function that runs a DSpark / DFlash drafter's layers while decoding: its kernels are the
+# drafter's per-layer count, the rest of drafting (LM head, sequential head, sampling) apart
+DRAFTER_LAYERS_FUNCTION = "backbone_over_cache"
+
+
 def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
     """A lowered program compiled → its traffic summary (`hlo_traffic.Program.summary`: each
     conditional's costliest branch), the bytes with each conditional's cheapest branch
     (`bytes_cheapest`: e.g. greedy requests, where sampling sits behind a `cond`), the floor it
-    is held to (`must_read_bytes`) and its temporary memory."""
+    is held to (`must_read_bytes`), its temporary memory and the kernels of the drafter's
+    layers (`drafter_layer_kernels`)."""
     t0 = time.perf_counter()
     compiled, text = compile_with_text(lowered)
     classify = weights_or_cache(WEIGHT_ARGS, CACHE_ARGS)
@@ -131,7 +137,8 @@ def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
                temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else -1,
                floor_bytes=floor,
                bytes_over_floor=out["bytes_accessed"] / floor if floor else 0.0,
-               top_kernels=prog.top_kernels(6), compile_s=round(time.perf_counter() - t0, 1))
+               top_kernels=prog.top_kernels(6), compile_s=round(time.perf_counter() - t0, 1),
+               drafter_layer_kernels=prog.kernels_within(DRAFTER_LAYERS_FUNCTION))
     return out
 
 
@@ -177,7 +184,11 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
             r = program_report(lower(*args, **kw), slots)
         r["floor_s"] = r["floor_bytes"] / facts.hbm_bytes_per_s
         r["traffic_s"] = r["bytes_accessed"] / facts.hbm_bytes_per_s
+        r["model_layers"] = layers[name == "draft"]
         r["kernels_per_layer"] = r["kernels_per_step"] / layers[name == "draft"]
+        if name == "draft" and r["drafter_layer_kernels"]:   # the layers apart from the heads
+            r["kernels_per_layer"] = r["drafter_layer_kernels"] / layers[1]
+            r["drafting_head_kernels"] = r["kernels_per_step"] - r["drafter_layer_kernels"]
         r["projected_s"] = projected_seconds(r["bytes_accessed"], r["kernels_per_step"], facts,
                                              chip)
         report["programs"][name] = r
@@ -223,10 +234,16 @@ def format_floor_report(r: dict[str, Any]) -> str:
         lines.append("  kernels per layer by kind (gemm / attention / norm / elementwise / copy "
                      "/ other):")
         for name, p in r["programs"].items():
-            per = p["kernels_per_step"] / p["kernels_per_layer"] if p["kernels_per_layer"] else 1
+            per = p.get("model_layers") or 1
             lines.append(f"    {name:12s}" + " / ".join(
                 f"{p['kernels_by_kind'][k] / per:.1f}" for k in
                 ("gemm", "attention", "norm", "elementwise", "copy", "other")))
+    for name, p in r["programs"].items():
+        if p.get("drafting_head_kernels"):
+            lines.append(f"  {name}: {p['drafter_layer_kernels']} kernels in the drafter's "
+                         f"layers ({p['kernels_per_layer']:.1f} a layer), "
+                         f"{p['drafting_head_kernels']} in its LM head, sequential head and "
+                         "sampling (the by-kind line counts both)")
     if r.get("round_over_plain_step_projected"):
         lines.append(f"  projected round / plain step: {r['round_over_plain_step_projected']:.2f} "
                      f"(kernel-cost model: {KERNEL_COST_S * 1e6:.0f} us a kernel, "

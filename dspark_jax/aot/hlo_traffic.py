@@ -207,6 +207,7 @@ class Kernel:
     weight_copy: bool
     sources: list[str] = dataclasses.field(default_factory=list)   # the weights it copies
     kind: str = "other"      # KERNEL_KINDS
+    functions: tuple[str, ...] = ()   # the Python functions its root came from, innermost first
 
 
 Origin = list[frozenset[str]]   # per tuple element: the weight arguments a value is (a copy of)
@@ -412,7 +413,8 @@ class Program:
                 called = [self.comps[c] for c in ins.called() if c in self.comps]
                 self.kernels.append(Kernel(comp.name, ins.name, ins.opcode, ins.shape, times,
                                            read, written, copy, sorted(flat) if copy else [],
-                                           kernel_kind(ins, frames, called, self.comps)))
+                                           kernel_kind(ins, frames, called, self.comps),
+                                           frames))
                 moved += (read + written) * times
         return moved
 
@@ -558,6 +560,14 @@ class Program:
                               for k in copies[:8]],
             "loops_of_unknown_trip_count": self.unknown_trip_loops,
         }
+
+    def kernels_within(self, function: str) -> int:
+        """Kernels a step launched from inside the Python function `function` (a method
+        matched by its own name: "backbone" is `DSparkDraft.backbone`)."""
+        def within(k: Kernel) -> bool:
+            return any(f == function or f.endswith("." + function) for f in k.functions)
+
+        return sum(k.times for k in self.kernels if within(k))
 
     def top_kernels(self, n: int = 10) -> list[dict[str, Any]]:
         """The `n` kernels that move the most bytes a step."""

@@ -29,24 +29,21 @@ import jax.numpy as jnp
 from dspark_jax.decoding.tree import DraftTree, grow_tree, markov_child_logits
 from dspark_jax.models.decoder import grown_positions
 from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
+from dspark_jax.models.layers import UnstackedLayers, cache_scatter
 
 
 def _grown_kv(cache: Any, max_len: int) -> Any:
-    """A drafter cache whose k / v [Ld, B, S, K, H] have room for `max_len` ≥ S positions."""
-    return cache.replace(k=grown_positions(cache.k, max_len),
-                         v=grown_positions(cache.v, max_len))
+    """A drafter cache whose k / v (stacked [Ld, B, S, K, H] or one [1, B, S, K, H] buffer a
+    layer) have room for `max_len` ≥ S positions."""
+    pad = lambda x: grown_positions(x, max_len)  # noqa: E731
+    return cache.replace(k=jax.tree.map(pad, cache.k), v=jax.tree.map(pad, cache.v))
 
 
 def _block_outputs(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
                    anchor_pos: jax.Array) -> jax.Array:
     """The block's draft-slot outputs [B, γ, D]: one backbone pass from the anchors over the
     context cached strictly before them."""
-    S = cache.k.shape[2]
-    B = anchor.shape[0]
-    visible = (jnp.arange(S)[None] < anchor_pos[:, None])[:, None, :]       # [B,1,S]
-    h = model.backbone(anchor[:, None], anchor_pos[:, None], cache.k, cache.v, visible,
-                       jnp.ones((B, 1), bool))[:, 0]
-    return model.draft_slots(h)
+    return model.draft_slots(model.backbone_over_cache(anchor, anchor_pos, cache.k, cache.v))
 
 
 def _chain_confidence(model: DSparkDraft, h: jax.Array, anchor: jax.Array,
@@ -67,9 +64,16 @@ class DSparkAdapter:
 
     @staticmethod
     def init_cache(model: DSparkDraft, batch: int, max_len: int) -> DraftCache:
+        """An empty context cache: one buffer a draft layer for the decoding layout (each
+        layer's attention reads its buffer where it lies), else stacked."""
         lc = model.cfg.layer_config()
-        shape = (lc.num_hidden_layers, batch, max_len, lc.num_key_value_heads, lc.head_dim)
-        return DraftCache(k=jnp.zeros(shape, model.dtype), v=jnp.zeros(shape, model.dtype))
+        n = lc.num_hidden_layers
+        shape = (batch, max_len, lc.num_key_value_heads, lc.head_dim)
+        if isinstance(model.layers, UnstackedLayers):
+            zeros = lambda: tuple(jnp.zeros((1,) + shape, model.dtype) for _ in range(n))  # noqa: E731
+            return DraftCache(k=zeros(), v=zeros())
+        return DraftCache(k=jnp.zeros((n,) + shape, model.dtype),
+                          v=jnp.zeros((n,) + shape, model.dtype))
 
     @staticmethod
     def commit(model: DSparkDraft, cache: DraftCache, feats: jax.Array, start: jax.Array,
@@ -78,10 +82,8 @@ class DSparkAdapter:
         B, T = feats.shape[:2]
         pos = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
         k, v = model.context_kv(feats, pos)                      # [Ld, B, T, K, H]
-        b_idx = jnp.arange(B)[:, None]
-        k_all = cache.k.at[:, b_idx, pos].set(k.astype(cache.k.dtype), mode="drop")
-        v_all = cache.v.at[:, b_idx, pos].set(v.astype(cache.v.dtype), mode="drop")
-        return DraftCache(k=k_all, v=v_all)
+        at = (jnp.arange(B)[:, None], pos)
+        return DraftCache(k=cache_scatter(cache.k, at, k), v=cache_scatter(cache.v, at, v))
 
     @staticmethod
     def commit_ragged(model: DSparkDraft, cache: DraftCache, feats_kf: jax.Array,
@@ -90,13 +92,11 @@ class DSparkAdapter:
                       next_tokens: jax.Array) -> DraftCache:
         """Context K/V of the valid flattened tokens at (slot, position); the rest drop."""
         del lengths, dense_idx, count, next_tokens
-        B = cache.k.shape[1]
+        B = jax.tree.leaves(cache.k)[0].shape[1]
         k, v = model.context_kv(feats_kf[None], pos_k[None])                 # [Ld,1,K,Kh,H]
-        slot_w = jnp.where(valid_k, slot_k, B)
-        return DraftCache(k=cache.k.at[:, slot_w, pos_k].set(k[:, 0].astype(cache.k.dtype),
-                                                             mode="drop"),
-                          v=cache.v.at[:, slot_w, pos_k].set(v[:, 0].astype(cache.v.dtype),
-                                                             mode="drop"))
+        at = (jnp.where(valid_k, slot_k, B), pos_k)
+        return DraftCache(k=cache_scatter(cache.k, at, k[:, 0]),
+                          v=cache_scatter(cache.v, at, v[:, 0]))
 
     @staticmethod
     def propose(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,

@@ -17,7 +17,7 @@ for the platform being compiled for, so an ahead-of-time compile for a GPU takes
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,12 +63,14 @@ def add_rms_norm(h_btd: jax.Array, delta_btd: jax.Array, weight_d: jax.Array, ep
 
 
 def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
-                       rows: int) -> bool:
-    """Whether `cached_attention` may run its kernels: fused q/k/v weights, both q/k norms or
-    neither, power-of-two head sizes and query heads a key head, a cache in the compute dtype
-    whose length the attention's tiles divide, and at most `layers.DECODE_KERNEL_MAX_ROWS`
-    query heads a key head (`rows` = T·G)."""
-    if "w_qkv" not in lp or ("q_norm" in lp) != ("k_norm" in lp) or not L.kernels_enabled():
+                       rows: int, products: tuple[str, ...] = ("w_qkv",)) -> bool:
+    """Whether `cached_attention` (or `block_attention`) may run its kernels: the fused
+    `products` (q/k/v in one; a drafter's q and k|v), both q/k norms or neither, power-of-two
+    head sizes and query heads a key head, a cache in the compute dtype whose length the
+    attention's tiles divide, and at most `layers.DECODE_KERNEL_MAX_ROWS` query heads a key
+    head (`rows` = T·G)."""
+    if (any(w not in lp for w in products) or ("q_norm" in lp) != ("k_norm" in lp)
+            or not L.kernels_enabled()):
         return False
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]
@@ -144,6 +146,54 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         return shard_kernel(local, args, axes, (_QKV, L._CACHE_AXES, L._CACHE_AXES))
     attn, kv = shard_kernel(local, args, axes, (_QKV, _QKV))
     return attn, kv[:, :, :kh], kv[:, :, kh:]
+
+
+def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
+                    rope: RopeConfig, eps: float, ctx_k: jax.Array, ctx_v: jax.Array,
+                    start_b: jax.Array, xla: Callable[..., jax.Array]) -> jax.Array:
+    """The attention half of a DSpark / DFlash draft layer while decoding (SPEC §3): the T block
+    tokens at `positions_bt`, normed input x, attend to the layer's context cache
+    [B, S, Kh, H] below their anchor (`start_b` [B]) and to all T block keys. The q and k|v
+    products are taken here (a drafter layer's `wq` and `w_kv`,
+    `layers.UnstackedLayers.FUSED_KV`).
+
+    On a GPU, for a layer `fused_kernels_take` accepts, the q/k norms, RoPE and the attention
+    run in `pallas_kernels.decode_attention.layer_attention`'s two kernels; elsewhere
+    `xla(q, k, v, ctx_k, ctx_v, start_b)` (normed, rotated q / k [B, T, ·, H]) gives the
+    attention with XLA's ops. → [B, T, N, H]."""
+    b, t = x_btd.shape[:2]
+    n, h = lp["wo"].shape[:2]
+    kh = ctx_k.shape[-2]
+    if not fused_kernels_take(lp, ctx_k, x_btd.dtype, t * (n // kh), ("wq", "w_kv")):
+        q, (k, v) = L.project_q(lp, x_btd, eps), L.project_kv(lp, x_btd, eps)
+        q, k = L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope)
+        return xla(q, k, v, ctx_k, ctx_v, start_b)
+    # the raw products, normed and rotated in each branch as `project_q` / `project_kv` do
+    q = jnp.einsum("BTD,DNH->BTNH", x_btd, lp["wq"])
+    kv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_kv"]).reshape(b, t, 2 * kh, h)
+    norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
+
+    def default(q, kv, ck, cv, start, pos):
+        k, v = kv[:, :, :kh], kv[:, :, kh:]
+        if norms is not None:
+            q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
+        q, k = L.apply_rope(q, pos, rope), L.apply_rope(k, pos, rope)
+        return xla(q, k, v, ck, cv, start)
+
+    def gpu(q, kv, ck, cv, start, pos, interpret):
+        from pallas_kernels.decode_attention import layer_attention
+
+        cos, sin = L.rope_cos_sin(pos, rope, h)
+        return layer_attention(q, *(norms or (None, None)), cos, sin, start, ck, cv,
+                               num_q_heads=n, eps=eps, scale=h ** -0.5, kv=kv, causal=False,
+                               interpret=interpret)[0]
+
+    def local(*args):
+        return L.on_gpu(gpu, default, *args)
+
+    args = (q, kv, ctx_k, ctx_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32))
+    axes = (_QKV, _QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None))
+    return shard_kernel(local, args, axes, _QKV)
 
 
 def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array,

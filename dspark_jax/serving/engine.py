@@ -151,9 +151,10 @@ class Engine:
         n = cache_len or self.cache_lengths()[-1]
         cache = self.step_target.init_cache(self.R, n, self.target.dtype)
         draft_cache = None
-        if self.draft is not None:
+        if self.draft is not None:   # in the layout the rounds' drafter reads
+            drafter = nnx.merge(self.arrays.draft_graphdef, self.arrays.draft_state)
             draft_cache = adapter_for(self.draft.config.model_type).init_cache(
-                self.draft.model, self.R, n)
+                drafter, self.R, n)
         return EngineState(cache=cache, draft_cache=draft_cache,
                            anchor=jnp.zeros((self.R,), jnp.int32))
 

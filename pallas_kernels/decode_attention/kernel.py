@@ -10,7 +10,8 @@ attention of every (row, key head, cache split) in one program each, then their 
   `decode_attention`      own keys given apart, under any mask (a draft tree's).
   `layer_attention`       from a layer's raw q/k/v product: each program norms and rotates its
                           own query rows; the last program of a (row, key head) also norms and
-                          rotates the T new keys, attends to them causally, returns them and
+                          rotates the T new keys, attends to them (causally for the target's
+                          tokens, all to all for a drafter's parallel block), returns them and
                           can store them into the cache in place (input/output aliasing).
   `ref_decode_attention`, `ref_layer_attention`  the pure-JAX oracles (every score
                           materialised; Hugging Face's norm and rotate-half RoPE).
@@ -148,10 +149,12 @@ def _rows(ref, n: int, rows: int, cols: Any = slice(None)):
 
 def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start_ref, k_ref,
                   v_ref, *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
-                  num_tokens: int, own_rows: int, eps: float, normed: bool, write: bool):
+                  num_tokens: int, own_rows: int, eps: float, normed: bool, write: bool,
+                  causal: bool):
     """`_partial_kernel` on the raw q/k/v product: each program norms and rotates its own query
-    rows; the last also norms and rotates the T own keys, attends to them causally, returns
-    them (and v) as rows and, with `write`, stores them into the cache at start + t."""
+    rows; the last also norms and rotates the T own keys, attends to them (causally, or all of
+    them to all), returns them (and v) as rows and, with `write`, stores them into the cache
+    at start + t."""
     from jax.experimental.pallas import triton as plgpu
 
     if write:   # the caches' outputs alias k_ref / v_ref's buffers
@@ -203,7 +206,8 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
             plgpu.store(ck_ref.at[at, kh, first], k1.astype(ck_ref.dtype), mask=in_cache)
             plgpu.store(ck_ref.at[at, kh, second], k2.astype(ck_ref.dtype), mask=in_cache)
             plgpu.store(cv_ref.at[at, kh, :], v.astype(cv_ref.dtype), mask=in_cache)
-        return _online(carry, s, (col <= token) & (col < num_tokens), v)
+        seen = (col <= token) & (col < num_tokens) if causal else col < num_tokens
+        return _online(carry, s, seen, v)
 
     acc, m, l = lax.cond(p_id == n_p - 1, own, lambda c: c, carry)
     o_ref[...], m_ref[...], l_ref[...] = acc, m, l
@@ -341,20 +345,24 @@ def _partial_shapes(B: int, Kh: int, P: int, mp: int, h: int) -> list[jax.ShapeD
             jax.ShapeDtypeStruct((B, Kh, P, mp), jnp.float32)]
 
 
-@functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "scale", "write", "block_k",
-                                             "splits", "interpret", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "scale", "write", "causal",
+                                             "block_k", "splits", "interpret", "num_warps",
+                                             "num_stages"))
 def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                     cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
                     cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
-                    write: bool = False, block_k: int = DEFAULT_BLOCK_K,
-                    splits: int | None = None, interpret: bool = False,
-                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
+                    kv: jax.Array | None = None, write: bool = False, causal: bool = True,
+                    block_k: int = DEFAULT_BLOCK_K, splits: int | None = None,
+                    interpret: bool = False, num_warps: int = DEFAULT_NUM_WARPS,
+                    num_stages: int = DEFAULT_NUM_STAGES
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decoder layer's attention from its raw q/k/v product [B, T, N + 2Kh, H]: the q and k
-    heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no norm, Llama) and rotated by
-    cos / sin [B, T, H/2] (f32, the tokens' RoPE angles), then the T tokens at start + t attend
-    to the cache below `start` [B] and causally to each other. One kernel does all of it (each
-    program norms and rotates its own rows) and the merge a second.
+    """A decoder layer's attention from its raw q/k/v product [B, T, N + 2Kh, H] (or, with
+    `kv` [B, T, 2Kh, H] given, from the raw q [B, T, N, H] and k|v products apart, as a drafter
+    layer takes them): the q and k heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no
+    norm, Llama) and rotated by cos / sin [B, T, H/2] (f32, the tokens' RoPE angles), then the
+    T tokens at start + t attend to the cache below `start` [B] and to each other: causally, or
+    with `causal=False` every token to all T (a DSpark / DFlash draft block). One kernel does
+    all of it (each program norms and rotates its own rows) and the merge a second.
 
     Returns (attention [B, T, N, H], k rows, v rows [B, T, Kh, H]: the tokens' normed, rotated
     keys and their values); with `write`, (attention, cache k, cache v) with those rows
@@ -362,8 +370,16 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     B, T, J, H = qkv.shape
     Kh = cache_k.shape[2]
     N = num_q_heads
-    if J != N + 2 * Kh:
+    first_k = N   # where the k heads start in the array they are read from
+    if kv is not None:
+        if J != N or kv.shape != (B, T, 2 * Kh, H) or kv.dtype != qkv.dtype:
+            raise ValueError(f"q {qkv.shape} and kv {kv.shape} must be [B, T, {N}, H] and "
+                             f"[B, T, 2·{Kh}, H] of one dtype")
+        first_k = 0
+    elif J != N + 2 * Kh:
         raise ValueError(f"qkv has {J} heads, not {N} + 2·{Kh}")
+    if write and not causal:
+        raise ValueError("write stores the rows of causal tokens at start + t")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together")
     if cos.shape != (B, T, H // 2) or sin.shape != cos.shape:
@@ -382,10 +398,11 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         q_norm = k_norm = jnp.ones((H,), qkv.dtype)
     weight = pl.BlockSpec((H,), lambda b, k, p: (0,))
     trig = pl.BlockSpec((None, T, H // 2), lambda b, k, p: (b, 0, 0))
-    in_specs = [_query_rows(Tp, G, H), _key_head(T, H, N), _key_head(T, H, N + Kh), weight,
-                weight, trig, trig, _per_row(), _key_head(S, H), _key_head(S, H)]
-    args = [qkv, qkv, qkv, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32),
-            start.astype(jnp.int32), cache_k, cache_v]
+    keys_from = qkv if kv is None else kv
+    in_specs = [_query_rows(Tp, G, H), _key_head(T, H, first_k), _key_head(T, H, first_k + Kh),
+                weight, weight, trig, trig, _per_row(), _key_head(S, H), _key_head(S, H)]
+    args = [qkv, keys_from, keys_from, q_norm, k_norm, cos.astype(jnp.float32),
+            sin.astype(jnp.float32), start.astype(jnp.int32), cache_k, cache_v]
     out_specs = _partial_specs(Mp, H) + [_key_head(T, H), _key_head(T, H)]
     out_shape = _partial_shapes(B, Kh, P, Mp, H) + [own, own]
     aliases = {}
@@ -398,7 +415,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         aliases = {8: 5, 9: 6}
     kernel = functools.partial(
         _layer_kernel, qk_scale=scale * LOG2E, block_k=block_k, split_len=split_len, seq=S,
-        num_tokens=T, own_rows=Qp, eps=eps, normed=normed, write=write)
+        num_tokens=T, own_rows=Qp, eps=eps, normed=normed, write=write, causal=causal)
     outs = pl.pallas_call(
         kernel, grid=(B, Kh, P), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases,
@@ -437,15 +454,20 @@ def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
 
 def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
-                        cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float
+                        cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
+                        kv: jax.Array | None = None, causal: bool = True
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The oracle of `layer_attention` (without the write): Hugging Face's q/k norms and
-    rotate-half RoPE, then `ref_decode_attention` with the T tokens as causal own keys."""
+    rotate-half RoPE, then `ref_decode_attention` with the T tokens as own keys, causal or
+    (`causal=False`) all seen by all."""
     from pallas_kernels.norms import ref_rms_norm
 
     B, T = qkv.shape[:2]
     n, kh = num_q_heads, cache_k.shape[2]
-    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+    if kv is None:
+        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+    else:
+        q, k, v = qkv, kv[:, :, :kh], kv[:, :, kh:]
     if q_norm is not None:
         q, k = ref_rms_norm(q, q_norm, eps), ref_rms_norm(k, k_norm, eps)
 
@@ -455,5 +477,6 @@ def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Ar
         return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1).astype(x.dtype)
 
     q, k = rope(q), rope(k)
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-    return ref_decode_attention(q, cache_k, cache_v, start, k, v, causal, scale=scale), k, v
+    seen = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
+    seen = jnp.broadcast_to(seen, (B, T, T))
+    return ref_decode_attention(q, cache_k, cache_v, start, k, v, seen, scale=scale), k, v

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from dspark_jax.models import layers as L
 from dspark_jax.models import load_target
 from dspark_jax.models.decoder import init_cache
@@ -130,3 +132,41 @@ def test_the_kernels_verify_ragged_requests_as_the_dense_forward(target):
                 np.testing.assert_allclose(ck[:, r, p], want_k[:, r, p], atol=2e-6,
                                            err_msg=name)
                 k += 1
+
+
+def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target):
+    """A DSpark drafter while decoding (`DSparkDraft.backbone_over_cache`): its context cache
+    one buffer a layer, a block a row over the context below each anchor. The decoding layout
+    with XLA's ops and with the GPU's kernels interpreted equals the stacked backbone with its
+    dense block attention, anchors at 0, inside and at the end of the committed context."""
+    from dspark_jax.decoding.draft_adapters import DSparkAdapter
+    from dspark_jax.models import init_draft
+    from dspark_jax.models.drafters.dspark import with_layer_buffers
+
+    draft = init_draft(target, dict(block_size=4, num_draft_layers=2, target_layer_ids=(-1, 0),
+                                    mask_token_id=4, markov_rank=8), seed=2)
+    stacked = draft.model
+    per_layer = nnx.merge(*with_layer_buffers(draft.graphdef, draft.state))
+    assert isinstance(per_layer.layers, L.UnstackedLayers)
+    B, n_feat = 3, stacked.cfg.num_features * stacked.cfg.target.hidden_size
+    feats = jnp.asarray(np.random.RandomState(3).randn(B, 40, n_feat), jnp.float32)
+    anchor = jnp.asarray([7, 8, 9], jnp.int32)
+    anchor_pos = jnp.asarray([0, 17, 40], jnp.int32)
+
+    def outputs(model):
+        cache = DSparkAdapter.init_cache(model, B, S)
+        cache = DSparkAdapter.commit(model, cache, feats, jnp.zeros((B,), jnp.int32),
+                                     jnp.full((B,), 40, jnp.int32), None)
+        return cache, np.asarray(model.backbone_over_cache(anchor, anchor_pos, cache.k, cache.v))
+
+    stacked_cache, want = outputs(stacked)
+    per_layer_cache, got = outputs(per_layer)
+    assert isinstance(per_layer_cache.k, tuple) and not isinstance(stacked_cache.k, tuple)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    with L.interpret_kernels():
+        _, got_kernels = outputs(per_layer)
+        jaxpr = str(jax.make_jaxpr(lambda c: per_layer.backbone_over_cache(
+            anchor, anchor_pos, c.k, c.v))(per_layer_cache))
+    for name in ("layer_attention_splits", "decode_attention_merge", "add_rms_norm"):
+        assert name in jaxpr, name
+    np.testing.assert_allclose(got_kernels, want, atol=2e-5, rtol=2e-5)

@@ -62,7 +62,9 @@ def frozen(shape: tuple[int, ...], axes: tuple[str | None, ...], dtype: Any) -> 
 
 @flax.struct.dataclass
 class DraftCache:
-    """Per-draft-layer context keys/values [Ld, B, S_max, K, H] (features of committed tokens)."""
+    """Per-draft-layer context keys/values (features of committed tokens): stacked
+    [Ld, B, S_max, K, H], or one [1, B, S_max, K, H] buffer a layer beside the decoding
+    layout's per-layer weights (`layers.cache_layer` reads either)."""
 
     k: jax.Array
     v: jax.Array
@@ -175,6 +177,52 @@ class DSparkDraft(nnx.Module):
             h, _ = jax.lax.scan(layer, h, (self.layers.stacked(self.dtype), ck, cv))
         h = L.rms_norm(h, self.norm.get_value(), eps)
         return constrain(h, ("batch", None, None, "act_embed"))
+
+    def backbone_over_cache(self, anchor_b: jax.Array, anchor_pos_b: jax.Array,
+                            ctx_k: Any, ctx_v: Any) -> jax.Array:
+        """`backbone` for one block a row while decoding: final-normed block hidden states
+        [B, γ, D] of the anchors `anchor_b` [B] at `anchor_pos_b` [B], over the cached context
+        K/V (a `DraftCache`'s k / v, in either layout) below each anchor.
+
+        For the decoding layout (one buffer per draft layer) the layers run as the target's
+        do while decoding (`models.decoding_layer`): on a GPU the attention half in two
+        kernels (q/k norms, RoPE and the attention over the context cache and the block),
+        the residual sums taken with the norms after them. The arithmetic is `backbone`'s,
+        whose dense block attention runs on other platforms; stacked layers take `backbone`."""
+        if not isinstance(self.layers, L.UnstackedLayers):
+            if isinstance(ctx_k, tuple):   # per-layer buffers: one stack
+                ctx_k, ctx_v = jnp.concatenate(ctx_k), jnp.concatenate(ctx_v)
+            S, B = ctx_k.shape[2], anchor_b.shape[0]
+            visible = (jnp.arange(S)[None] < anchor_pos_b[:, None])[:, None, :]
+            return self.backbone(anchor_b[:, None], anchor_pos_b[:, None], ctx_k, ctx_v,
+                                 visible, jnp.ones((B, 1), bool))[:, 0]
+        from dspark_jax.models import decoding_layer as DL
+
+        eps = self.cfg.layer_config().rms_norm_eps
+        rope = self.cfg.target.rope
+        g = self.cfg.block_size
+        B = anchor_b.shape[0]
+        S = L.cache_positions(ctx_k)
+        pos = anchor_pos_b[:, None].astype(jnp.int32) + jnp.arange(g, dtype=jnp.int32)
+        h = self.embed_block(self.block_tokens(anchor_b))                    # [B,γ,D]
+        ones = jnp.ones((B, 1), bool)
+
+        def dense(q, k, v, ck, cv, start):   # `backbone`'s block attention, one block a row
+            visible = (jnp.arange(S)[None] < start[:, None])[:, None, :]
+            return block_attend(q[:, None], ck, cv, k[:, None], v[:, None], visible,
+                                ones)[:, 0]
+
+        delta = None
+        for i, lp in enumerate(self.layers.layer_params(self.dtype)):
+            if delta is None:
+                x = L.rms_norm(h, lp["input_norm"], eps)
+            else:
+                h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
+            ck, cv = (L.cache_layer(c, i).astype(self.dtype) for c in (ctx_k, ctx_v))
+            attn = DL.block_attention(lp, x, pos, rope, eps, ck, cv, anchor_pos_b, dense)
+            h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
+        _, h = DL.add_rms_norm(h, delta, self.norm.get_value(), eps)
+        return constrain(h, ("batch", None, "act_embed"))
 
     def draft_slots(self, h: jax.Array) -> jax.Array:
         """The block outputs that predict draft tokens, [..., γ_drafts, D] (drops slot 0 under
