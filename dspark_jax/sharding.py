@@ -263,8 +263,3 @@ def put_on_mesh(tree: Any, shardings: Any) -> Any:
 
     # `shardings` may be a prefix of `tree` (one sharding per nnx.Variable, as state_shardings)
     return jax.tree.map(lambda sh, sub: jax.tree.map(lambda x: one(x, sh), sub), shardings, tree)
-
-
-def shard_state(state: Any, mesh: Mesh) -> Any:
-    """Places an nnx.State on the mesh according to its logical axes."""
-    return put_on_mesh(state, state_shardings(state, mesh))

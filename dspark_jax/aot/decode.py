@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from dspark_jax.aot.memory import fmt_bytes, memory_and_kernels
 from dspark_jax.aot.shapes import mesh_and_configs, target_hf_dict
 from dspark_jax.aot.devices import slice_devices
-from dspark_jax.aot.topology import AotError, GiB, libtpu_version
+from dspark_jax.aot.topology import AotError, libtpu_version
 
 # the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
 # DFlash and Eagle3 verify every draft ("fixed")
@@ -365,20 +365,3 @@ def format_decode_report(r: dict[str, Any]) -> str:
                     else f"; {gathers} operands gathered in front of one"))
     return "\n".join(lines)
 
-
-def decode_markdown_table(reports: Sequence[dict[str, Any]]) -> str:
-    rows = ["| config | topology | mesh (data×fsdp×tensor) | slots × context | capacity "
-            "| draft peak GiB | verify peak GiB | HBM GiB | fits | verify GFLOPs "
-            "| round ≥ ms (FLOPs / HBM bound) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in reports:
-        m, d, v = r["mesh"], r["draft_step"], r["verify_step"]
-        rows.append(
-            f"| {r['config']} | {r['topology']} | {m['data']}×{m['fsdp']}×{m['tensor']} | "
-            f"{r['requests']} × {r['max_len']} | {r['capacity']} | "
-            f"{d['peak_bytes_per_chip'] / GiB:.2f} | {v['peak_bytes_per_chip'] / GiB:.2f} | "
-            f"{r['hbm_bytes_per_chip'] / GiB:.0f} | {'yes' if r['fits'] else '**no**'} | "
-            f"{v['flops_per_step'] / 1e9:.0f} | {r['step_time_lower_bound_s'] * 1e3:.2f} "
-            f"({(d['flops_bound_s'] + v['flops_bound_s']) * 1e3:.2f} / "
-            f"{(d['hbm_traffic_bound_s'] + v['hbm_traffic_bound_s']) * 1e3:.2f}) |")
-    return "\n".join(rows) + "\n"

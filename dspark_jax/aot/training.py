@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from dspark_jax.aot.memory import fmt_bytes, memory_and_kernels, memory_of
 from dspark_jax.aot.shapes import mesh_and_configs
 from dspark_jax.aot.devices import slice_devices
-from dspark_jax.aot.topology import AotError, GiB, libtpu_version
+from dspark_jax.aot.topology import AotError, libtpu_version
 
 
 # argument paths of the training step's weights (its arguments are positional): the drafter's
@@ -243,25 +243,6 @@ def kernel_line(r: dict[str, Any]) -> str:
     first = gathers[0]
     return (f"Pallas kernels: {n}; {len(gathers)} operands gathered in front of one, e.g. "
             f"{first['kernel']} ← {first['collective']}")
-
-
-def markdown_table(reports: Sequence[dict[str, Any]]) -> str:
-    """The BENCHMARKS.md table of several reports (one row each)."""
-    rows = ["| config | topology | chips | mesh (data×fsdp×tensor) | micro-batches | attention "
-            "| peak GiB/chip | HBM GiB | headroom GiB | fits | PFLOPs/step | step ≥ s | MFU ceiling |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in reports:
-        m = r["mesh"]
-        attn = f"chunk {r['attn_key_chunk']}" if r["attn_key_chunk"] else "dense"
-        rows.append(
-            f"| {r['config']} | {r['topology']}" + (f" ×{r['num_slices']}" if r["num_slices"] > 1
-                                                    else "")
-            + f" | {r['num_chips']} | {m['data']}×{m['fsdp']}×{m['tensor']} | "
-            f"{r['micro_batches']} | {attn} | {r['peak_bytes_per_chip'] / GiB:.2f} | "
-            f"{r['hbm_bytes_per_chip'] / GiB:.0f} | {r['headroom_bytes_per_chip'] / GiB:.2f} | "
-            f"{'yes' if r['fits'] else '**no**'} | {r['flops_per_step'] / 1e15:.1f} | "
-            f"{r['step_time_lower_bound_s']:.2f} | {r['mfu_ceiling']:.1%} |")
-    return "\n".join(rows) + "\n"
 
 
 def train_report(c: Any, topology: str, num_slices: int = 1, *, preset: bool = True

@@ -143,10 +143,6 @@ class DecoderConfig:
             if not ok:
                 raise ConfigError(f"invalid decoder config field {name!r}: {self}")
 
-    @property
-    def num_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     # ------------------------------------------------------------------ per-layer shapes
     def layer_type(self, i: int) -> str:
         return self.layer_types[i] if self.layer_types else "full_attention"

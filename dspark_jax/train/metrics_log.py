@@ -11,7 +11,6 @@ same data as an uninterrupted one. Only process 0 writes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -24,18 +23,6 @@ import numpy as np
 from dspark_jax.eval.numbers import json_float
 
 PROGRESS_KEYS = ("loss", "accept_rate@0", "tau_probabilistic", "lr")
-
-
-def batch_fingerprint(batch: Mapping[str, Any]) -> str:
-    """A short hash of a batch's token ids (and loss mask): equal batches ⇔ equal hashes."""
-    h = hashlib.blake2b(digest_size=8)
-    for k in ("input_ids", "loss_mask"):
-        if k in batch:
-            a = np.ascontiguousarray(np.asarray(batch[k]))
-            h.update(k.encode())
-            h.update(str(a.shape).encode())
-            h.update(a.tobytes())
-    return h.hexdigest()
 
 
 def _scalar(v: Any) -> float | None:

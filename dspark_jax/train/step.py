@@ -299,7 +299,3 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                                                       repl), out_shardings=repl)
     return StepFns(graphdef=draft_graphdef, train=train, evaluate=evaluate, state_shardings=state_sh,
                    batch_sharding=batch_sh)
-
-
-def place_state(state: TrainState, shardings: TrainState) -> TrainState:
-    return jax.device_put(state, shardings)
