@@ -41,7 +41,7 @@ from dspark_jax.eval.calibration import (CalibrationFileError, CalibrationReport
                                          prefix_survival_from_logits, reliability_curve,
                                          save_temperatures, sequential_temperature_scaling,
                                          verified_mask)
-from dspark_jax.eval.numbers import json_float
+from dspark_jax.eval.report_numbers import json_float
 
 __all__ = ["Rounds", "collect_rounds", "split_by_prompt", "calibrate", "metrics_summary",
            "format_table", "build_parser", "main"]

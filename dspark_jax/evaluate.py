@@ -74,7 +74,7 @@ from dspark_jax.eval import runner
 from dspark_jax.eval.acceptance import (PAPER_DATASETS, PAPER_TABLE1_TAU, AcceptanceStats,
                                         acceptance_stats, macro_mean)
 from dspark_jax.eval.calibration import CalibrationReport, calibration_report, verified_mask
-from dspark_jax.eval.numbers import is_number, json_float, nanmean, ratio
+from dspark_jax.eval.report_numbers import is_number, json_float, nanmean, ratio
 from dspark_jax.eval.results import RESULTS_FILE, pooled_rounds, write_rounds
 from dspark_jax.eval.runner import EvalDatasetError
 

@@ -44,7 +44,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dspark_jax.eval.numbers import json_float, nanmean, ratio
+from dspark_jax.eval.report_numbers import json_float, nanmean, ratio
 
 __all__ = [
     "AcceptanceStats",
@@ -241,10 +241,11 @@ def macro_mean(
     """Unweighted mean over datasets (each dataset counts once, whatever its number of rounds).
 
     ``tau``, ``verify_rate``, ``accept_rate_at[k]`` and ``conditional_acceptance[k]`` are averaged
-    over the datasets where they are defined (:func:`~dspark_jax.eval.numbers.nanmean`: NaN, ±inf
-    and None skipped; a dataset with a smaller ``gamma`` contributes nothing to the higher
-    positions).  ``rounds`` and the totals are summed.  The mean
-    conditional acceptance is the mean of the per-dataset curves, as in the paper's Figure 2.
+    over the datasets where they are defined
+    (:func:`~dspark_jax.eval.report_numbers.nanmean`: NaN, ±inf and None skipped; a dataset with
+    a smaller ``gamma`` contributes nothing to the higher positions).  ``rounds`` and the totals
+    are summed.  The mean conditional acceptance is the mean of the per-dataset curves, as in the
+    paper's Figure 2.
     """
     items = list(stats.values()) if isinstance(stats, Mapping) else list(stats)
     gamma = max((s.gamma for s in items), default=0)

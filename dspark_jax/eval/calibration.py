@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dspark_jax.eval.numbers import json_float, nanmean
+from dspark_jax.eval.report_numbers import json_float, nanmean
 from dspark_jax.models.io.calibration_file import (CALIBRATION_FILE, CALIBRATION_FORMAT,
                                                    CalibrationFileError, load_temperatures,
                                                    save_temperatures)

@@ -9,11 +9,11 @@ learning_curve.png and conditional_acceptance.png; reads only files, so it can b
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 from typing import Any, Mapping, Sequence
 
 from dspark_jax.eval.acceptance import AcceptanceStats, macro_mean
+from dspark_jax.eval.report_numbers import is_number
 
 REPORT_SCHEMA = "dspark_jax.table1/1"
 DRAFTERS = ("dspark", "dflash", "eagle3")
@@ -27,12 +27,8 @@ def _read_json(path: pathlib.Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _ok(x: Any) -> bool:
-    return x is not None and math.isfinite(float(x))
-
-
 def _f(x: Any, nd: int = 2) -> str:
-    return f"{float(x):.{nd}f}" if _ok(x) else "–"
+    return f"{float(x):.{nd}f}" if is_number(x) else "–"
 
 
 def learning_curve(metrics_jsonl: pathlib.Path, key: str = "tau_probabilistic"
@@ -46,7 +42,7 @@ def learning_curve(metrics_jsonl: pathlib.Path, key: str = "tau_probabilistic"
         if not line.strip():
             continue
         row = json.loads(line)
-        if row.get("split") == HELDOUT and _ok(row.get(key)):
+        if row.get("split") == HELDOUT and is_number(row.get(key)):
             by_step[int(row["step"])] = float(row[key])
     return sorted(by_step.items())
 
@@ -97,8 +93,9 @@ def build_report(workdir: pathlib.Path, selection: Mapping[str, Any], settings: 
             if r is None:
                 continue
             st = set_stats(r, sets, benchmarks)
-            tau[t][d] = {n: (st[n].tau if n in st and _ok(st[n].tau) else None) for n in columns}
-            cond[t][d] = {n: [v if _ok(v) else None for v in st[n].conditional_acceptance]
+            tau[t][d] = {n: (st[n].tau if n in st and is_number(st[n].tau) else None)
+                         for n in columns}
+            cond[t][d] = {n: [v if is_number(v) else None for v in st[n].conditional_acceptance]
                           for n in columns if n in st}
             evals[t][d] = {"wall_s": r.get("total_wall_s"),
                            "prompts": r["mean"]["num_evaluated"],
@@ -109,7 +106,7 @@ def build_report(workdir: pathlib.Path, selection: Mapping[str, Any], settings: 
             if num in tau[t] and den in tau[t]:
                 a, b = tau[t][num], tau[t][den]
                 ratios[t][f"{num}/{den}"] = {
-                    n: (a[n] / b[n] if _ok(a[n]) and _ok(b[n]) and b[n] else None)
+                    n: (a[n] / b[n] if is_number(a[n]) and is_number(b[n]) and b[n] else None)
                     for n in columns}
     return {"schema": REPORT_SCHEMA, "command": command, "settings": dict(settings),
             "sets": sets, "benchmarks": benchmarks, "columns": columns,
@@ -171,9 +168,8 @@ def render_markdown(r: Mapping[str, Any]) -> str:
         rows = [[LABELS[d]] + [_f(by_d[d].get(n)) for n in cols] for d in DRAFTERS if d in by_d]
         for name, by_n in r["ratios"][t].items():
             num, den = name.split("/")
-            rows.append([f"{LABELS[num]}/{LABELS[den]}"] + [_f(by_n.get(n)) + "×"
-                                                            if _ok(by_n.get(n)) else "–"
-                                                            for n in cols])
+            cells = [_f(by_n.get(n)) + "×" if is_number(by_n.get(n)) else "–" for n in cols]
+            rows.append([f"{LABELS[num]}/{LABELS[den]}"] + cells)
         out += _table(["drafter"] + cols, rows)
     for t, by_d in r["conditional_acceptance"].items():
         out += ["", f"## Conditional acceptance by draft position, T = {t}", ""]

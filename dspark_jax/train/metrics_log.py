@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dspark_jax.eval.numbers import json_float
+from dspark_jax.eval.report_numbers import json_float
 
 PROGRESS_KEYS = ("loss", "accept_rate@0", "tau_probabilistic", "lr")
 

@@ -1,5 +1,5 @@
-"""dspark_jax.eval.numbers: one rule for undefined values (NaN, ±inf, None) in ratios, means
-and the floats written to JSON."""
+"""dspark_jax.eval.report_numbers: one rule for undefined values (NaN, ±inf, None) in ratios,
+means and the floats written to JSON."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from dspark_jax.eval.numbers import is_number, json_float, nanmean, ratio
+from dspark_jax.eval.report_numbers import is_number, json_float, nanmean, ratio
 
 UNDEFINED = [math.nan, math.inf, -math.inf, None, np.float32("nan"), np.float64("inf")]
 
