@@ -310,24 +310,32 @@ def test_the_policy_is_per_dtype():
 @pytest.mark.gpu
 @needs_plugin
 def test_h200_decode_step_launches_at_most_twelve_kernels_a_layer(tmp_path):
-    """The decode step compiled for an H200 with the decoding layer's kernels: what one more
-    layer adds (4 layers against 2, Qwen3 with 128-wide heads, 2 query heads a key head) is the
-    layer's kernels alone, and that is at most 12 (the four GEMMs with XLA's split-K sums, the
-    q/k norm and RoPE kernel that writes the cache rows, the attention's split and merge, two
-    residual-sum norms, the activation). No weight is copied."""
+    """The decode step and the draft compiled for an H200 with the decoding layer's kernels:
+    what one more layer adds (4 target layers against 2, 3 drafter layers against 1; Qwen3 with
+    128-wide heads, 2 query heads a key head) is the layer's kernels alone, and that is at most
+    12 (the four GEMMs with XLA's split-K sums, the q/k norm and RoPE kernel that writes the
+    cache rows, the attention's split and merge, two residual-sum norms, the activation); a
+    drafter layer's, counted in its layers apart from its heads, the same. No weight is
+    copied."""
     from hf_tiny import save_tiny_hf
 
-    kernels = {}
-    for layers in (2, 4):
+    kernels, drafter = {}, {}
+    for layers, draft_layers in ((2, 1), (4, 3)):
         path = save_tiny_hf(tmp_path / f"l{layers}", "qwen3", head_dim=128, layers=layers)
         out = tmp_path / f"l{layers}.json"
         assert _aot_in_subprocess(["--config", "configs/tiny.py", "--chip", "h200",
                                    "--decode", "--max-len", "256", "--json", str(out),
                                    f"--config.target={path}",
+                                   f"--config.draft.num_draft_layers={draft_layers}",
                                    "--config.train.target_dtype=bfloat16", "--programs",
-                                   "decode_step"]) == 0
-        step = json.loads(out.read_text())["programs"]["decode_step"]
-        assert step["weight_copy_bytes"] == 0, step["weight_copies"]
-        kernels[layers] = step["kernels_per_step"]
+                                   "decode_step,draft"]) == 0
+        progs = json.loads(out.read_text())["programs"]
+        for p in progs.values():
+            assert p["weight_copy_bytes"] == 0, p["weight_copies"]
+        kernels[layers] = progs["decode_step"]["kernels_per_step"]
+        drafter[draft_layers] = progs["draft"]["drafter_layer_kernels"]
+        assert progs["draft"]["kernels_per_layer"] == pytest.approx(
+            drafter[draft_layers] / draft_layers)
     per_layer = (kernels[4] - kernels[2]) / 2
     assert 8 <= per_layer <= 12, kernels
+    assert 8 <= (drafter[3] - drafter[1]) / 2 <= 12, drafter

@@ -155,7 +155,7 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
     tokens at `positions_bt`, normed input x, attend to the layer's context cache
     [B, S, Kh, H] below their anchor (`start_b` [B]) and to all T block keys. The q and k|v
     products are taken here (a drafter layer's `wq` and `w_kv`,
-    `layers.UnstackedLayers.FUSED_KV`).
+    `layers.UnstackedLayers.FUSED_KV`: its context's k|v product reads `w_kv` alone).
 
     On a GPU, for a layer `fused_kernels_take` accepts, the q/k norms, RoPE and the attention
     run in `pallas_kernels.decode_attention.layer_attention`'s two kernels; elsewhere
@@ -168,31 +168,33 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
         q, (k, v) = L.project_q(lp, x_btd, eps), L.project_kv(lp, x_btd, eps)
         q, k = L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope)
         return xla(q, k, v, ctx_k, ctx_v, start_b)
-    # the raw products, normed and rotated in each branch as `project_q` / `project_kv` do
-    q = jnp.einsum("BTD,DNH->BTNH", x_btd, lp["wq"])
-    kv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_kv"]).reshape(b, t, 2 * kh, h)
+    # the raw products, normed and rotated in each branch as `project_q` / `project_kv` do; as
+    # one array, XLA takes the two dots as one GEMM whose output the kernel reads whole
+    qkv = jnp.concatenate([jnp.einsum("BTD,DF->BTF", x_btd, lp["wq"].reshape(x_btd.shape[-1], -1)),
+                           jnp.einsum("BTD,DF->BTF", x_btd, lp["w_kv"])], axis=-1)
+    qkv = qkv.reshape(b, t, n + 2 * kh, h)
     norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
 
-    def default(q, kv, ck, cv, start, pos):
-        k, v = kv[:, :, :kh], kv[:, :, kh:]
+    def default(qkv, ck, cv, start, pos):
+        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
         if norms is not None:
             q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
         q, k = L.apply_rope(q, pos, rope), L.apply_rope(k, pos, rope)
         return xla(q, k, v, ck, cv, start)
 
-    def gpu(q, kv, ck, cv, start, pos, interpret):
+    def gpu(qkv, ck, cv, start, pos, interpret):
         from pallas_kernels.decode_attention import layer_attention
 
         cos, sin = L.rope_cos_sin(pos, rope, h)
-        return layer_attention(q, *(norms or (None, None)), cos, sin, start, ck, cv,
-                               num_q_heads=n, eps=eps, scale=h ** -0.5, kv=kv, causal=False,
+        return layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
+                               num_q_heads=n, eps=eps, scale=h ** -0.5, causal=False,
                                interpret=interpret)[0]
 
     def local(*args):
         return L.on_gpu(gpu, default, *args)
 
-    args = (q, kv, ctx_k, ctx_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32))
-    axes = (_QKV, _QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None))
+    args = (qkv, ctx_k, ctx_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32))
+    axes = (_QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None))
     return shard_kernel(local, args, axes, _QKV)
 
 

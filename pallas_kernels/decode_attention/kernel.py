@@ -351,18 +351,17 @@ def _partial_shapes(B: int, Kh: int, P: int, mp: int, h: int) -> list[jax.ShapeD
 def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                     cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
                     cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
-                    kv: jax.Array | None = None, write: bool = False, causal: bool = True,
+                    write: bool = False, causal: bool = True,
                     block_k: int = DEFAULT_BLOCK_K, splits: int | None = None,
                     interpret: bool = False, num_warps: int = DEFAULT_NUM_WARPS,
                     num_stages: int = DEFAULT_NUM_STAGES
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """A decoder layer's attention from its raw q/k/v product [B, T, N + 2Kh, H] (or, with
-    `kv` [B, T, 2Kh, H] given, from the raw q [B, T, N, H] and k|v products apart, as a drafter
-    layer takes them): the q and k heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no
-    norm, Llama) and rotated by cos / sin [B, T, H/2] (f32, the tokens' RoPE angles), then the
-    T tokens at start + t attend to the cache below `start` [B] and to each other: causally, or
-    with `causal=False` every token to all T (a DSpark / DFlash draft block). One kernel does
-    all of it (each program norms and rotates its own rows) and the merge a second.
+    """A decoder layer's attention from its raw q/k/v product [B, T, N + 2Kh, H]: the q and k
+    heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no norm, Llama) and rotated by
+    cos / sin [B, T, H/2] (f32, the tokens' RoPE angles), then the T tokens at start + t attend
+    to the cache below `start` [B] and to each other: causally, or with `causal=False` every
+    token to all T (a DSpark / DFlash draft block). One kernel does all of it (each program
+    norms and rotates its own rows) and the merge a second.
 
     Returns (attention [B, T, N, H], k rows, v rows [B, T, Kh, H]: the tokens' normed, rotated
     keys and their values); with `write`, (attention, cache k, cache v) with those rows
@@ -370,13 +369,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     B, T, J, H = qkv.shape
     Kh = cache_k.shape[2]
     N = num_q_heads
-    first_k = N   # where the k heads start in the array they are read from
-    if kv is not None:
-        if J != N or kv.shape != (B, T, 2 * Kh, H) or kv.dtype != qkv.dtype:
-            raise ValueError(f"q {qkv.shape} and kv {kv.shape} must be [B, T, {N}, H] and "
-                             f"[B, T, 2·{Kh}, H] of one dtype")
-        first_k = 0
-    elif J != N + 2 * Kh:
+    if J != N + 2 * Kh:
         raise ValueError(f"qkv has {J} heads, not {N} + 2·{Kh}")
     if write and not causal:
         raise ValueError("write stores the rows of causal tokens at start + t")
@@ -398,11 +391,10 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         q_norm = k_norm = jnp.ones((H,), qkv.dtype)
     weight = pl.BlockSpec((H,), lambda b, k, p: (0,))
     trig = pl.BlockSpec((None, T, H // 2), lambda b, k, p: (b, 0, 0))
-    keys_from = qkv if kv is None else kv
-    in_specs = [_query_rows(Tp, G, H), _key_head(T, H, first_k), _key_head(T, H, first_k + Kh),
-                weight, weight, trig, trig, _per_row(), _key_head(S, H), _key_head(S, H)]
-    args = [qkv, keys_from, keys_from, q_norm, k_norm, cos.astype(jnp.float32),
-            sin.astype(jnp.float32), start.astype(jnp.int32), cache_k, cache_v]
+    in_specs = [_query_rows(Tp, G, H), _key_head(T, H, N), _key_head(T, H, N + Kh), weight,
+                weight, trig, trig, _per_row(), _key_head(S, H), _key_head(S, H)]
+    args = [qkv, qkv, qkv, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32),
+            start.astype(jnp.int32), cache_k, cache_v]
     out_specs = _partial_specs(Mp, H) + [_key_head(T, H), _key_head(T, H)]
     out_shape = _partial_shapes(B, Kh, P, Mp, H) + [own, own]
     aliases = {}
@@ -455,7 +447,7 @@ def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
 def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
                         cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
-                        kv: jax.Array | None = None, causal: bool = True
+                        causal: bool = True
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The oracle of `layer_attention` (without the write): Hugging Face's q/k norms and
     rotate-half RoPE, then `ref_decode_attention` with the T tokens as own keys, causal or
@@ -464,10 +456,7 @@ def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Ar
 
     B, T = qkv.shape[:2]
     n, kh = num_q_heads, cache_k.shape[2]
-    if kv is None:
-        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
-    else:
-        q, k, v = qkv, kv[:, :, :kh], kv[:, :, kh:]
+    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
     if q_norm is not None:
         q, k = ref_rms_norm(q, q_norm, eps), ref_rms_norm(k, k_norm, eps)
 

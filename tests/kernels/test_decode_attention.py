@@ -74,23 +74,22 @@ def test_layer_attention_matches_the_oracle(dtype, normed):
         np.testing.assert_allclose(_f32(g), _f32(w), atol=tol, rtol=tol)
 
 
-def test_layer_attention_of_a_draft_block_from_q_and_kv_apart():
-    """A drafter's parallel block: q and the k|v product given apart (`kv`), every token seeing
-    all T own keys (`causal=False`) and the cache below its anchor; equal to the oracle, and not
-    to the causal form (so the flag reaches the kernel)."""
+def test_layer_attention_of_a_draft_block():
+    """A drafter's parallel block (`causal=False`): every token sees all T own keys and the
+    cache below its anchor; equal to the oracle, and not to the causal form (so the flag reaches
+    the kernel)."""
     qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(jnp.float32)
-    q, kv = qkv[:, :, :N], qkv[:, :, N:]
     start = jnp.asarray([0, 57, S - 3], jnp.int32)
-    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE, kv=kv)
-    want = ref_layer_attention(q, qn, kn, cos, sin, start, ck, cv, causal=False, **kw)
-    got = layer_attention(q, qn, kn, cos, sin, start, ck, cv, causal=False, splits=4, **kw,
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
+    want = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, causal=False, **kw)
+    got = layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, causal=False, splits=4, **kw,
                           **TILES)
     for g, w in zip(got, want):
         np.testing.assert_allclose(_f32(g), _f32(w), atol=2e-6, rtol=2e-6)
-    causal = ref_layer_attention(q, qn, kn, cos, sin, start, ck, cv, **kw)[0]
+    causal = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, **kw)[0]
     assert float(jnp.max(jnp.abs(causal[:, :-1] - got[0][:, :-1]))) > 1e-3
     with pytest.raises(ValueError, match="causal"):
-        layer_attention(q, qn, kn, cos, sin, start, ck, cv, causal=False, write=True, **kw)
+        layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, causal=False, write=True, **kw)
 
 
 def test_layer_attention_writes_the_rows_into_the_cache():
