@@ -25,7 +25,7 @@ from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.tree import DraftTree, ancestor_mask, cell_depths, path_cells
 from dspark_jax.decoding.tree_acceptance import (TreeVerifyResult, tree_greedy_verify,
                                                  tree_rejection_verify_with_uniforms)
-from dspark_jax.decoding.verification import (VerifyPlan, flatten_plan, row_keys,
+from dspark_jax.decoding.verification import (VerifyPlan, flatten_plan, pad_to, row_keys,
                                               row_uniforms)
 from dspark_jax.models.decoder import RaggedOutput, ragged_forward
 
@@ -113,19 +113,14 @@ def verify_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
         slots.active[plan.slot]
     path_index = jnp.take_along_axis(plan.dense_index, path, axis=1)            # [R, γ+1]
 
-    def pad(x: jax.Array, fill: int | bool = 0, axis: int = 0) -> jax.Array:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, width - capacity)
-        return jnp.pad(x, widths, constant_values=fill)
-
     writes = CommitWrites(
-        slot=pad(plan.slot), positions=pad(plan.positions),
-        write_rows=pad(jnp.where(committed, plan.slot, R), R),
-        commit_valid=pad(committed, False), dense_index=path_index,
+        slot=pad_to(plan.slot, width), positions=pad_to(plan.positions, width),
+        write_rows=pad_to(jnp.where(committed, plan.slot, R), width, R),
+        commit_valid=pad_to(committed, width, False), dense_index=path_index,
         n_commit=jnp.where(slots.active, verdict.num_accepted + 1, 0), tokens=tokens,
         next_anchor=verdict.next_token,
-        taps=None if forward.taps is None else pad(forward.taps),
-        new_kv=jax.tree.map(lambda a: pad(a, axis=1), forward.new_kv))
+        taps=None if forward.taps is None else pad_to(forward.taps, width),
+        new_kv=jax.tree.map(lambda a: pad_to(a, width, axis=1), forward.new_kv))
     return outputs, writes
 
 

@@ -186,29 +186,30 @@ def accept(verifier: str, logits: jax.Array, plan: VerifyPlan, slots: SlotSettin
 
 
 # ------------------------------------------------------------------------------ writes
+def pad_to(x: jax.Array, width: int, fill: Any = 0, axis: int = 0) -> jax.Array:
+    """`x` padded with `fill` along `axis` to length `width` (a bucket's token axis K to the
+    round's width, so that every bucket of a `lax.switch` returns the same shapes)."""
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, width - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=fill)
+
+
 def commit_writes(plan: VerifyPlan, forward: RaggedOutput, active: jax.Array,
                   verdict: VerifyResult, tokens: jax.Array, width: int) -> CommitWrites:
     """The writes of a verification, the token axis padded from K to `width` (padding writes
     nothing), so that every bucket of a `lax.switch` returns the same shapes."""
-    capacity, drop_row = plan.slot.shape[0], active.shape[0]
-    num_accepted = verdict.num_accepted
-
-    def pad(x: jax.Array, fill: Any = 0, axis: int = 0) -> jax.Array:
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, width - capacity)
-        return jnp.pad(x, widths, constant_values=fill)
-
+    drop_row, num_accepted = active.shape[0], verdict.num_accepted
     committed = plan.valid & (plan.index <= num_accepted[plan.slot]) & active[plan.slot]
     return CommitWrites(
-        slot=pad(plan.slot), positions=pad(plan.positions),
-        write_rows=pad(jnp.where(plan.valid, plan.slot, drop_row), drop_row),
-        commit_valid=pad(committed, False), dense_index=plan.dense_index,
+        slot=pad_to(plan.slot, width), positions=pad_to(plan.positions, width),
+        write_rows=pad_to(jnp.where(plan.valid, plan.slot, drop_row), width, drop_row),
+        commit_valid=pad_to(committed, width, False), dense_index=plan.dense_index,
         n_commit=jnp.where(active, num_accepted + 1, 0), tokens=tokens,
         next_anchor=verdict.next_token,
-        taps=None if forward.taps is None else pad(forward.taps),
+        taps=None if forward.taps is None else pad_to(forward.taps, width),
         cache=forward.cache if forward.new_kv is None else None,
         new_kv=None if forward.new_kv is None
-        else jax.tree.map(lambda a: pad(a, axis=1), forward.new_kv))
+        else jax.tree.map(lambda a: pad_to(a, width, axis=1), forward.new_kv))
 
 
 def no_writes(shapes: CommitWrites, state: EngineState) -> CommitWrites:
