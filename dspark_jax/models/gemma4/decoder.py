@@ -100,9 +100,7 @@ class Gemma4Group(nnx.Module):
              "wk", "k_norm", "wv", "w_gate", "w_up", "w_down", "ple_gate", "ple_proj",
              "ple_norm", "layer_scalar")
 
-    def stacked(self, dtype: Any) -> dict[str, jax.Array]:
-        return {n: getattr(self, n).get_value().astype(dtype)
-                for n in self.NAMES if hasattr(self, n)}
+    stacked = L.DecoderLayers.stacked   # this group's NAMES, cast to the compute dtype
 
 
 class Gemma4Stack(nnx.Module):
