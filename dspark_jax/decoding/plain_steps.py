@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.decoding.emission import BUDGET_ENDS
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.sampling import sample_request_rows
 from dspark_jax.decoding.speculative_round import BUDGET_RULES, EngineState, SlotSettings
@@ -54,7 +55,7 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
         raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from {BUDGET_RULES}")
     target = nnx.merge(target_gd, target_state)
     R = s.anchor.shape[0]
-    zeros = jnp.zeros((R,), jnp.int32)
+    zeros, one = jnp.zeros((R,), jnp.int32), jnp.ones((R,), jnp.int32)   # one token a step
     init = dict(cache=s.cache, anchor=s.anchor, counter=p.counter, remaining=p.remaining,
                 live=p.active, n_emit=zeros, steps=zeros, finished=jnp.zeros((R,), bool),
                 tokens=jnp.full((R, max_steps), -1, jnp.int32), i=jnp.zeros((), jnp.int32))
@@ -71,11 +72,8 @@ def plain_steps(target_gd: Any, target_state: Any, s: EngineState, p: SlotSettin
         nxt = sample_request_rows(p.key_data, c["counter"], logits, p.temperature, p.top_k,
                                   p.top_p, top_k_cap=top_k_cap)
         emit = live & (c["remaining"] > 0)
-        stop = is_stop(nxt, stop_ids)
-        if budget_rule == "serving":
-            done = live & (stop | (c["remaining"] <= 1))
-        else:   # DeepSpec's `while start < max_length`: a step that ends on the budget is
-            done = live & (stop | (c["remaining"] < 1))   # followed by one more
+        budget_ends = BUDGET_ENDS[budget_rule](emit.astype(jnp.int32), one, c["remaining"])
+        done = live & (is_stop(nxt, stop_ids) | budget_ends)
         tokens = c["tokens"].at[:, c["i"]].set(jnp.where(emit, nxt, -1))
         return dict(cache=out_cache, anchor=jnp.where(live, nxt, c["anchor"]),
                     counter=c["counter"] + live, remaining=c["remaining"] - emit,
