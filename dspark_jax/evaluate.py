@@ -67,7 +67,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES
-from dspark_jax.decoding.pallas_backend import check_offered
 from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.eval import runner
@@ -213,13 +212,6 @@ class _Run:
     records: dict[str, list[dict[str, Any]]] = dataclasses.field(default_factory=dict)
     conf_arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     stats: dict[str, AcceptanceStats] = dataclasses.field(default_factory=dict)
-
-
-def _check_verifier(verifier: str) -> None:
-    if verifier not in ("jax", "pallas"):
-        raise ValueError(f"verifier must be 'jax' or 'pallas', got {verifier!r}")
-    if verifier == "pallas":
-        check_offered("verifier='pallas'")
 
 
 def _check_dtype(target: Any, dtype: str | None) -> None:
@@ -534,8 +526,10 @@ def evaluate(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     Raises `EvalDatasetError` for missing datasets, `ConfigError` for a drafter built for
     another target, `ValueError` for bad arguments.
     """
+    from dspark_jax.serving.settings import check_verifier
+
     runner.check_settings(max_new_tokens, batch_size, temperature)
-    _check_verifier(verifier)
+    check_verifier(verifier)
     data_dir = Path(data_dir)
     names = runner.resolve_datasets(data_dir, datasets, DEFAULT_DATASETS)
     s = _Settings(

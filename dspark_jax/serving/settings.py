@@ -28,6 +28,15 @@ from dspark_jax.serving.policy import MODES as MODE_TABLE
 TREE_SCHEDULERS = ("fixed", "algorithm1", "production", "adaptive")
 
 
+def check_verifier(verifier: str) -> None:
+    """Raises ValueError for a verifier that is not in `acceptance_rule.VERIFIERS`, and for
+    "pallas" where this backend offers no Pallas kernel (`pallas_backend.check_offered`)."""
+    if verifier not in VERIFIERS:
+        raise ValueError(f"unknown verifier {verifier!r}; choose from {sorted(VERIFIERS)}")
+    if verifier == "pallas":
+        check_offered("verifier='pallas'")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class EngineSettings:
     """Every setting of `Engine` (the keywords of `Engine(target, draft, **kw)`).
@@ -131,14 +140,13 @@ class EngineSettings:
 
     def _check_names(self) -> None:
         for name, value, known in (("scheduler", self.scheduler, MODES),
-                                   ("verifier", self.verifier, sorted(VERIFIERS)),
                                    ("budget_rule", self.budget_rule, BUDGET_RULES),
                                    ("sampler", self.sampler, SAMPLERS)):
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; choose from {list(known)}")
-        for name, value in (("verifier", self.verifier), ("sampler", self.sampler)):
-            if value == "pallas":
-                check_offered(f"{name}='pallas'")
+        check_verifier(self.verifier)
+        if self.sampler == "pallas":
+            check_offered("sampler='pallas'")
 
     def _check_costs(self) -> None:
         if self.draft_seconds is not None and not float(self.draft_seconds) >= 0:
