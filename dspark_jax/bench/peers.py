@@ -206,7 +206,7 @@ def ensure_hf_target(path: pathlib.Path) -> None:
 # ----------------------------------------------------------------------------- ours
 
 
-def run_ours(target: Any, batches: dict[int, list[list[int]]], max_new: int, repeats: int,
+def run_ours_plain(target: Any, batches: dict[int, list[list[int]]], max_new: int, repeats: int,
              steps_per_call: int) -> list[SystemRun]:
     """The engine (`scheduler="none"`) and `autoregressive_generate` on the same prompts, each
     warmed up once and timed by `bench.plain_decode.time_both` (median of `repeats`)."""
@@ -363,16 +363,19 @@ def dspark_loop_row(a: argparse.Namespace, peers_dir: pathlib.Path) -> tuple[str
 # ----------------------------------------------------------------------------- main
 
 
-def bench_prompts(a: argparse.Namespace, tokenizer: Any, n: int) -> list[list[int]]:
-    """The first `n` chat-rendered prompts of `--data-dir/--dataset` or `--source`."""
+def peer_prompts(a: argparse.Namespace, tokenizer: Any, n: int) -> list[list[int]]:
+    """The first `n` chat-rendered prompts of `--data-dir/--dataset` (the evaluation file's first
+    turns, `interop.llamacpp_loop.bench_prompts`) or else of `--source`
+    (`bench.regenerate.source_conversations`)."""
     if a.data_dir:
-        from dspark_jax.interop.llamacpp_loop import bench_prompts as eval_prompts
+        from dspark_jax.interop.llamacpp_loop import bench_prompts
 
-        return eval_prompts(a.data_dir, a.dataset, n, tokenizer)
-    from dspark_jax.bench.regenerate import bench_prompts as source_prompts
+        return bench_prompts(a.data_dir, a.dataset, n, tokenizer)
+    from dspark_jax.bench.regenerate import source_conversations
     from dspark_jax.data.chat import render_prompt
 
-    return [render_prompt(c.messages, tokenizer).tolist() for c in source_prompts(n, a.source)]
+    return [render_prompt(c.messages, tokenizer).tolist()
+            for c in source_conversations(n, a.source)]
 
 
 def python_env_var(key: str) -> str:
@@ -461,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dspark_jax.models import load_target
 
     target = load_target(TARGET_NAME, dtype="float32")
-    prompts = bench_prompts(a, target.tokenizer, max(batch_sizes))
+    prompts = peer_prompts(a, target.tokenizer, max(batch_sizes))
     batches = {b: prompts[:b] for b in batch_sizes}
     n = a.max_new_tokens
 
@@ -485,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in (steps if i % 2 == 0 else steps[::-1]):
             if step == "ours":
                 if "ours" not in skip:
-                    runs += run_ours(target, batches, n, a.repeats, a.steps_per_call)
+                    runs += run_ours_plain(target, batches, n, a.repeats, a.steps_per_call)
                     print(f"round {i + 1}/{a.rounds}: ours done", flush=True)
                 continue
             runs += peer_runs(step)

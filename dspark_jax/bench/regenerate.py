@@ -27,7 +27,7 @@ from pathlib import Path
 from dspark_jax.bench.common import StealMeter, host_facts, print_table, save_json
 
 
-def bench_prompts(n: int, source: str) -> list:
+def source_conversations(n: int, source: str) -> list:
     """The first `n` conversations of a named prompt source
     (`data.prompt_sources.load_named_prompts`) or of a prompt file (a DeepSpec `{"turns"}`
     file or training conversations: `data.regeneration.load_prompt_files`)."""
@@ -39,7 +39,7 @@ def bench_prompts(n: int, source: str) -> list:
     return convs
 
 
-def run_ours(target, convs, *, batch: int, max_new_tokens: int, temperature: float,
+def run_ours_regeneration(target, convs, *, batch: int, max_new_tokens: int, temperature: float,
              top_k: int, top_p: float, engine: str) -> dict:
     from dspark_jax.data.regeneration import regenerate
 
@@ -120,14 +120,14 @@ def main(argv=None) -> dict:
     host = host_facts()
     steal = StealMeter()
     target = load_target("smollm2-135m-instruct")
-    convs = bench_prompts(a.prompts, a.source)
+    convs = source_conversations(a.prompts, a.source)
     kw = dict(batch=a.batch, max_new_tokens=a.max_new_tokens, temperature=a.temperature,
               top_k=a.top_k, top_p=a.top_p)
-    ours = run_ours(target, convs, engine=a.engine, **kw)
+    ours = run_ours_regeneration(target, convs, engine=a.engine, **kw)
     print(f"dspark_jax regenerate: {ours['tok_s']:.1f} tok/s ({ours['tokens']} tokens in "
           f"{ours['seconds']:.1f} s)", flush=True)
     if a.warm:
-        warm = run_ours(target, convs, engine=a.engine, **kw)
+        warm = run_ours_regeneration(target, convs, engine=a.engine, **kw)
         print(f"dspark_jax regenerate, compiled: {warm['tok_s']:.1f} tok/s", flush=True)
         ours["warm_tok_s"] = warm["tok_s"]
     theirs = None if a.skip_transformers else run_transformers(convs, target.tokenizer, **kw)
