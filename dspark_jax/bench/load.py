@@ -166,7 +166,7 @@ def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[
     return eng
 
 
-def summarize(mode: str, c: int, n_prompts: int, runs: list[Any], eng: Any) -> dict[str, Any]:
+def summarize_point(mode: str, c: int, n_prompts: int, runs: list[Any], eng: Any) -> dict[str, Any]:
     """One (mode, c) point from its repeated passes: aggregate tok/s is the median pass (each
     pass's figure listed), everything else pooled over the passes."""
     agg = [sum(len(t) for t in r.tokens) / r.wall_s for r in runs]
@@ -229,7 +229,7 @@ def run_concurrency(target: Any, draft: Any, modes: list[str], c: int, a: argpar
         return eng.generate(prompts, max_new_tokens=a.max_new_tokens, temperature=a.temperature)
 
     def point(m: str, runs: list[Any], eng: Any, build_s: float) -> dict[str, Any]:
-        return dict(summarize(m, c, len(prompts), runs, eng), build_s=build_s)
+        return dict(summarize_point(m, c, len(prompts), runs, eng), build_s=build_s)
 
     if a.sequential:
         for m in modes:
@@ -282,7 +282,7 @@ def headline(points: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def markdown(result: dict[str, Any]) -> str:
+def load_markdown(result: dict[str, Any]) -> str:
     """The load table and the per-bucket verification times as markdown (for BENCHMARKS.md)."""
     rows = ["| c | mode | agg tok/s (passes) | × none | per-user tok/s median (p10) | "
             "verified/req/round | τ | drafted rounds | draft ms/round | engine profiling s | "
@@ -412,8 +412,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with open(f"{a.out}.json", "w") as f:
         json.dump(result, f, indent=2)
     with open(f"{a.out}.md", "w") as f:
-        f.write(markdown(result))
-    print(markdown(result))
+        f.write(load_markdown(result))
+    print(load_markdown(result))
     print(f"wrote {a.out}.json, {a.out}.md, {', '.join(result['figures'])}")
     return result
 

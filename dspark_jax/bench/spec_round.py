@@ -71,7 +71,7 @@ DEFAULT_DRAFT = os.path.join("runs", "smollm2_dspark", "export")
 RANDOM_DEFAULTS = dict(gamma=7, draft_layers=5, rank=256, head="vanilla")
 
 
-class CompileCounter:
+class CompileTimes:
     """Counts XLA backend compilations through jax.monitoring, with the wall time
     (time.perf_counter) at which each one was reported."""
 
@@ -326,7 +326,7 @@ def plain_steps_in_generate(eng, prompts, temperature: float) -> list[float]:
     return [r["seconds"] / r["steps"] for r in res.rounds[1:] if r["steps"] == n]
 
 
-def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileCounter) -> dict:
+def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileTimes) -> dict:
     """The parts of a speculative round with R requests of `a.context` tokens in flight (see
     the module docstring); times in ms (medians).
 
@@ -496,7 +496,7 @@ def anatomy_table(res: dict) -> str:
 
 
 def run(a: argparse.Namespace) -> dict:
-    counter = CompileCounter()
+    counter = CompileTimes()
     target = build_target(a.target, a.dtype)
     draft, desc = build_drafter(target, a)
     an = [anatomy(target, draft, R, a, counter) for R in a.requests]

@@ -103,10 +103,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "tree_tau.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "tree_tau.png")
-    print(markdown(rows))
+    print(tau_markdown(rows))
 
 
-def markdown(rows: Sequence[dict[str, Any]]) -> str:
+def tau_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a markdown table."""
     lines = ["| dataset | T | budget | τ | × chain | rounds | tok/s |",
              "|---|---|---|---:|---:|---:|---:|"]

@@ -269,7 +269,7 @@ class Plan:
 
 # ------------------------------------------------------------------------------ stages
 
-def prepare_data(plan: Plan) -> dict[str, Any]:
+def prepare_shared_data(plan: Plan) -> dict[str, Any]:
     """Stage 1: the one regeneration and feature cache all rows train on (resumable)."""
     from dspark_jax.train import cli
 
@@ -445,7 +445,7 @@ def run(plan: Plan) -> dict[str, Any]:
     from dspark_jax.experiments.table1_report import write_report
 
     plan.check_settings()
-    prepare_data(plan)
+    prepare_shared_data(plan)
     target = None
 
     def the_target() -> Any:
@@ -484,9 +484,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (Table1Error, UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from dspark_jax.experiments.table1_report import render_markdown
+    from dspark_jax.experiments.table1_report import render_table1_markdown
 
-    print(render_markdown(report))
+    print(render_table1_markdown(report))
     return 0
 
 

@@ -147,7 +147,7 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-def render_markdown(r: Mapping[str, Any]) -> str:
+def render_table1_markdown(r: Mapping[str, Any]) -> str:
     s = r["settings"]
     cols = r["columns"]
     out = ["# Small-scale Table 1: DSpark vs DFlash vs Eagle3", ""]
@@ -217,5 +217,5 @@ def write_report(plan: Any, selection: Mapping[str, Any]) -> dict[str, Any]:
                                     title=f"Conditional acceptance by position (T = {t0})")
         r["files"]["conditional_acceptance"] = "conditional_acceptance.png"
     (wd / "table1.json").write_text(json.dumps(r, indent=2), encoding="utf-8")
-    (wd / "table1.md").write_text(render_markdown(r), encoding="utf-8")
+    (wd / "table1.md").write_text(render_table1_markdown(r), encoding="utf-8")
     return r

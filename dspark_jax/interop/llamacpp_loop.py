@@ -369,7 +369,7 @@ def compile_seconds() -> Iterator[list[float]]:
         jax.monitoring.unregister_event_duration_listener(on)
 
 
-def run_ours(target: Any, draft: Any, prompt: Sequence[int], max_new_tokens: int,
+def run_ours_on_prompt(target: Any, draft: Any, prompt: Sequence[int], max_new_tokens: int,
              stop_ids: Sequence[int], cache_len: int) -> dict[str, Any]:
     from dspark_jax.serving import speculative_generate
 
@@ -568,7 +568,7 @@ def bench_drafter(lc: LlamaCpp, target: Any, target_gguf: pathlib.Path, draft_di
 
     for i, ids in enumerate(prompts):
         text, pf, tok_checked, runs = lc_runs[i]
-        ours = run_ours(target, draft, ids, max_new, sorted(stops), cache_len)
+        ours = run_ours_on_prompt(target, draft, ids, max_new, sorted(stops), cache_len)
         T = cut_at_stop(ours["tokens"], stops)
         rec: dict[str, Any] = {"prompt": i, "prompt_tokens": len(ids),
                                "prompt_ids_checked": "llama-tokenize" if tok_checked
@@ -641,7 +641,7 @@ def _fmt(x: Any, nd: int = 3) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def table_rows(results: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def drafter_table_rows(results: list[dict[str, Any]]) -> list[tuple[str, str]]:
     head = ("drafter", "format       vocab    prompts  identical  rounds       τ llama.cpp  "
                        "τ ours  tok/s llama.cpp  tok/s ours")
     rows = [head]
@@ -766,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
            "max_new_tokens": a.max_new_tokens, "host": host, "drafters": results}
     save_json(out, a.json)
     print_differences(results)
-    rows = table_rows(results)
+    rows = drafter_table_rows(results)
     steal_s = "" if host["steal_fraction"] is None else \
         f", {100 * host['steal_fraction']:.0f}% CPU stolen"
     threads = f"-t {a.threads}" if a.threads else "its default threads"
