@@ -22,7 +22,7 @@ Conventions of this module
   (``sps[0]`` is never used in a product that matters).  A token count beyond the end of the table
   has ``SPS = 0``: the table length doubles as a hard token capacity.
 * Ties in ``a`` are broken by the flat index ``r * gamma + j`` (request first, then slot), both in
-  the JAX implementation and in the numpy reference, so the result is deterministic.  Within a
+  the JAX implementation and in the tests' numpy oracles, so the result is deterministic.  Within a
   request the lower slot always comes first, hence admitted sets are always prefixes.
 * Confidences are clipped to ``[0, 1]`` and NaN is treated as 0.  Candidates with ``a == 0`` and
   all slots of inactive requests are never admitted; inactive requests do not count in ``R``.
@@ -48,21 +48,18 @@ to the objective and may skip drafting for a round altogether (``dspark_jax.serv
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = [
     "Schedule",
     "prefix_survival",
     "sps_lookup",
     "schedule_verification",
-    "schedule_verification_reference",
     "global_capacity",
     "topk_admission",
-    "topk_admission_reference",
     "init_capacity_queue",
     "production_schedule",
     "MODES",
@@ -321,74 +318,3 @@ def drafting_pays(capacity: jax.Array, gain: jax.Array, n_then: jax.Array, n_act
     theta_draft = (n.astype(jnp.float32) + g) * sps_draft[b]
     theta_plain = n.astype(jnp.float32) * plain_sps[jnp.minimum(n, plain_sps.shape[0] - 1)]
     return (n_then > 0) & (theta_draft >= theta_plain)
-
-
-# --------------------------------------------------------------------------------------------
-# Literal numpy references (used by tests)
-# --------------------------------------------------------------------------------------------
-
-
-def _np_sps(sps: np.ndarray, b: int) -> Any:
-    return sps[b] if 0 <= b < sps.shape[0] else sps.dtype.type(0)
-
-
-def _np_candidates(conf: np.ndarray, active: np.ndarray, dtype: Any) -> tuple[np.ndarray, list]:
-    conf = np.nan_to_num(np.asarray(conf, dtype=dtype), nan=0.0)
-    conf = np.clip(conf, 0, 1).astype(dtype)
-    r_, g_ = conf.shape
-    a = np.zeros((r_, g_), dtype)
-    for r in range(r_):
-        acc = dtype(1.0)
-        for j in range(g_):
-            acc = dtype(acc * conf[r, j])
-            a[r, j] = acc
-    cands = [(r, j, a[r, j]) for r in range(r_) for j in range(g_) if active[r] and a[r, j] > 0]
-    cands.sort(key=lambda t: (-t[2], t[0], t[1]))  # a descending, then request, then slot
-    return a, cands
-
-
-def schedule_verification_reference(
-    conf: np.ndarray,
-    active: np.ndarray,
-    sps: np.ndarray,
-    early_stop: bool = True,
-    dtype: Any = np.float64,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Literal Python-loop transcription of Algorithm 1; returns ``(lengths [R], mask [R, G])``."""
-    conf = np.asarray(conf)
-    active = np.asarray(active, bool)
-    sps = np.asarray(sps, dtype)
-    r_, g_ = conf.shape
-    _, cands = _np_candidates(conf, active, dtype)
-    n_act = int(active.sum())
-    ell = np.zeros(r_, np.int64)
-    best_ell = ell.copy()
-    b = n_act
-    tau = dtype(n_act)
-    theta_best = dtype(tau * _np_sps(sps, b))
-    for r, j, a in cands:
-        ell[r] = j + 1
-        b += 1
-        tau = dtype(tau + a)
-        theta = dtype(tau * _np_sps(sps, b))
-        if theta > theta_best:
-            theta_best = theta
-            best_ell = ell.copy()
-        elif early_stop:
-            break
-    mask = np.arange(g_)[None, :] < best_ell[:, None]
-    return best_ell, mask
-
-
-def topk_admission_reference(
-    conf: np.ndarray, active: np.ndarray, capacity: int, dtype: Any = np.float64
-) -> tuple[np.ndarray, np.ndarray]:
-    """Literal loop for :func:`topk_admission`; returns ``(lengths [R], mask [R, G])``."""
-    conf = np.asarray(conf)
-    active = np.asarray(active, bool)
-    r_, g_ = conf.shape
-    _, cands = _np_candidates(conf, active, dtype)
-    ell = np.zeros(r_, np.int64)
-    for r, j, _a in cands[: max(int(capacity), 0)]:
-        ell[r] = j + 1
-    return ell, np.arange(g_)[None, :] < ell[:, None]

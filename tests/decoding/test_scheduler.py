@@ -12,10 +12,9 @@ from dspark_jax.decoding.scheduler import (
     init_capacity_queue,
     production_schedule,
     schedule_verification,
-    schedule_verification_reference,
     topk_admission,
-    topk_admission_reference,
 )
+from scheduler_oracles import schedule_verification_reference, topk_admission_reference
 
 # ------------------------------------------------------------------------------------------
 # Appendix A counterexample
