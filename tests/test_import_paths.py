@@ -15,6 +15,7 @@ ALIASES = {
     "dspark_jax.bench.llamacpp_interop": "dspark_jax.interop.llamacpp_loop",
     "dspark_jax.bench.table1": "dspark_jax.experiments.table1",
     "dspark_jax.bench.table1_report": "dspark_jax.experiments.table1_report",
+    "dspark_jax.bench.tree_tau": "dspark_jax.experiments.tree_tau",
     "dspark_jax.serving.generate": "dspark_jax.serving.generation",
     "dspark_jax.data.regenerate": "dspark_jax.data.regeneration",
     "dspark_jax.aot.train_step": "dspark_jax.aot.training",
@@ -39,8 +40,13 @@ def test_moved_names_import_from_their_old_paths():
                 SpecSettings, check_compatible))
 
 
-def test_old_cli_path_runs_the_command():
-    r = subprocess.run([sys.executable, "-m", "dspark_jax.data.regenerate", "--help"],
+CLI_ALIASES = {"dspark_jax.data.regenerate": "dspark_jax.data.regeneration",
+               "dspark_jax.bench.tree_tau": "dspark_jax.experiments.tree_tau"}
+
+
+@pytest.mark.parametrize("old, new", sorted(CLI_ALIASES.items()))
+def test_old_cli_path_runs_the_command(old, new):
+    r = subprocess.run([sys.executable, "-m", old, "--help"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("usage: python -m dspark_jax.data.regeneration")
+    assert r.stdout.startswith(f"usage: python -m {new}")
