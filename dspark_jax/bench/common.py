@@ -3,7 +3,7 @@ JSON helpers of `dspark_jax.measurement`, imported here for the benchmarks (the 
 timed by `serving.cost_profile.time_call`, the package's one timer).
 
 Dense-model speed does not depend on weight values, so the GPU benchmarks use random bf16
-weights created directly on the device (PERFORMANCE.md).
+weights created directly on the device (../shared/docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Decode-step benchmark of a target (PERFORMANCE.md's first bar).
+"""Decode-step benchmark of a target (../shared/docs/PERFORMANCE.md's first bar).
 
 Times one batched decode step at batch B and context C from inside an on-device
 `lax.while_loop` (host dispatch excluded) and prints the ratio to the HBM floor

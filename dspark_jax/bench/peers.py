@@ -1,6 +1,6 @@
-"""Plain greedy decoding against the peers (PERFORMANCE.md's CPU bar): our serving engine and our
-`autoregressive_generate` against llama.cpp and vLLM's CPU build, same model, same precision,
-same prompts, same lengths, at each `--batches` size.
+"""Plain greedy decoding against the peers (../shared/docs/PERFORMANCE.md's CPU bar): our serving
+engine and our `autoregressive_generate` against llama.cpp and vLLM's CPU build, same model, same
+precision, same prompts, same lengths, at each `--batches` size.
 
 Measured, for SmolLM2-135M-Instruct with f32 weights on every side (the embedded Q4_1 GGUF
 dequantized: ours by `read_gguf_checkpoint`; llama.cpp's F32 GGUF written by llama.cpp's own
@@ -28,8 +28,8 @@ table gives the median of the rounds' ratios with each round's, and each system'
 seconds over the rounds. The table gives each system's tok/s, its time per step (the run's seconds / new
 tokens, prefill included), how many of its B outputs are
 token-identical to `autoregressive_generate`'s, and our ratio (our tok/s / the peer's) to each
-peer; PERFORMANCE.md's goal is ≥ 0.67 (within 1.5× of the peer's time per token) against
-llama.cpp at batch 1 and against vLLM at batch 16.
+peer; ../shared/docs/PERFORMANCE.md's goal is ≥ 0.67 (within 1.5× of the peer's time per
+token) against llama.cpp at batch 1 and against vLLM at batch 16.
 
 Each peer runs in its own virtual environment, never the project's: `peers_runner.py` (beside
 this file, standard library only) is run by that environment's interpreter and answers in JSON
@@ -62,10 +62,12 @@ TARGET_NAME = "smollm2-135m-instruct"
 RUNNER = pathlib.Path(__file__).with_name("peers_runner.py")
 SETUP = pathlib.Path(__file__).resolve().parents[2] / "tools" / "peers_setup.sh"
 RESULT_TAG = "DSPARK_PEER_RESULT"   # peers_runner.RESULT_TAG (that file imports nothing of ours)
-GOAL_RATIO = 1 / 1.5                # PERFORMANCE.md: within 1.5× of the peer's time per token
+# ../shared/docs/PERFORMANCE.md: within 1.5× of the peer's time per token
+GOAL_RATIO = 1 / 1.5
 ENGINE, AUTOREGRESSIVE = "dspark_jax engine", "dspark_jax autoregressive"
 LLAMACPP, VLLM = "llama.cpp f32", "vLLM CPU f32"
-GOALS = {(LLAMACPP, 1), (VLLM, 16)}  # (peer, batch) pairs PERFORMANCE.md sets the bar on
+# the (peer, batch) pairs ../shared/docs/PERFORMANCE.md sets the bar on
+GOALS = {(LLAMACPP, 1), (VLLM, 16)}
 
 
 def default_peers_dir() -> pathlib.Path:

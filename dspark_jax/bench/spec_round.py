@@ -1,5 +1,5 @@
 """Speculative round vs plain decode step, part by part (the round's anatomy;
-PERFORMANCE.md bars).
+../shared/docs/PERFORMANCE.md bars).
 
 For each number of requests R in `--requests` (default 1, 4, 16), with R requests of `--context`
 prompt tokens in flight in the serving engine (`dspark_jax.serving.Engine`, the host-stepped path
@@ -22,10 +22,10 @@ users run), one table gives, in ms and as a ratio to the plain step:
   * rows with `sampler="pallas"` / `verifier="pallas"` where the engine offers them (CPU, where
     the kernels are interpreted: those rows are labelled and are not kernel timings;
     `--no-pallas-rows` skips them);
-and flags each bar (PERFORMANCE.md; on CPU: verify at K = γ+1 ≤ 1.5×, draft ≤ 0.2×
-with a draft vocabulary / ≤ 0.3× with the full one, whole round ≤ 1.6×; on GPU / TPU the round
-≤ 1.15×; everywhere the sequential stage ≤ 2% and zero recompiles). The bars are stated for
-R = 1; the other columns carry the same flags for comparison. The parts are timed in
+and flags each bar (../shared/docs/PERFORMANCE.md; on CPU: verify at K = γ+1 ≤ 1.5×,
+draft ≤ 0.2× with a draft vocabulary / ≤ 0.3× with the full one, whole round ≤ 1.6×; on GPU /
+TPU the round ≤ 1.15×; everywhere the sequential stage ≤ 2% and zero recompiles). The bars are
+stated for R = 1; the other columns carry the same flags for comparison. The parts are timed in
 `--repeats` interleaved passes (each: `--rounds` plain rounds, one plain `generate`, each device
 call once, `--rounds` speculative rounds), so that a shared machine's drift hits every part
 alike; the figures are medians over the passes.

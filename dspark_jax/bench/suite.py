@@ -3,12 +3,12 @@ markdown table (the accelerator check a session with a lent GPU runs once).
 
 `python -m dspark_jax.bench.suite --preset {gpu-h200,cpu-smoke} [--out DIR]`
 
-Runs the decode-step (HBM floor, PERFORMANCE.md), speculative-round (round / plain step and the
-sequential stage share) and drafter training-step benchmarks, and the serving load benchmark
-(`dspark_jax.bench.load`: `none` / `fixed` / `adaptive` under concurrent requests with a
-random-init DSpark drafter, whose drafts are rejected, so `adaptive` must learn to stop drafting
-and stay near `none`; its JSON and PNGs go to `<out>/load*`). A benchmark that is not importable
-is listed as skipped; one that fails is recorded with its error and the others still run.
+Runs the decode-step (HBM floor, ../shared/docs/PERFORMANCE.md), speculative-round (round /
+plain step and the sequential stage share) and drafter training-step benchmarks, and the serving
+load benchmark (`dspark_jax.bench.load`: `none` / `fixed` / `adaptive` under concurrent requests
+with a random-init DSpark drafter, whose drafts are rejected, so `adaptive` must learn to stop
+drafting and stay near `none`; its JSON and PNGs go to `<out>/load*`). A benchmark that is not
+importable is listed as skipped; one that fails is recorded with its error and the others still run.
 `gpu-h200`: the Qwen3-8B shape with random bf16 weights at context 4096 (sized to fit a lent
 H200's device-time budget); `cpu-smoke`: SmolLM2-135M at tiny sizes (a quick run on a small CPU
 host).

@@ -1,4 +1,4 @@
-"""Drafter training-step benchmark (PERFORMANCE.md training bar).
+"""Drafter training-step benchmark (../shared/docs/PERFORMANCE.md training bar).
 
 Builds the real jitted step (online or cached target features, chunked losses, AdamW) for a
 target and a DSpark drafter, times it, and prints step time, tokens/s, an MFU estimate and peak
