@@ -165,7 +165,10 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
     n, h = lp["wo"].shape[:2]
     kh = ctx_k.shape[-2]
     if not fused_kernels_take(lp, ctx_k, x_btd.dtype, t * (n // kh), ("wq", "w_kv")):
-        q, (k, v) = L.project_q(lp, x_btd, eps), L.project_kv(lp, x_btd, eps)
+        # q from its own handle on x: XLA would merge the q and k|v dots into one over their
+        # weights concatenated every call (a copy of them)
+        x_q, wq = jax.lax.optimization_barrier((x_btd, lp["wq"]))
+        q, (k, v) = L.project_q({**lp, "wq": wq}, x_q, eps), L.project_kv(lp, x_btd, eps)
         q, k = L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope)
         return xla(q, k, v, ctx_k, ctx_v, start_b)
     # the raw products, normed and rotated in each branch as `project_q` / `project_kv` do; as

@@ -108,14 +108,21 @@ class DSparkDraft(nnx.Module):
         ctx = self.context(feats_bsf)
         eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
 
-        def one(lp):
-            k, v = L.project_kv(lp, ctx, eps)
+        def one(lp, x):
+            k, v = L.project_kv(lp, x, eps)
             return L.apply_rope(k, positions_bs, rope), v
 
         if isinstance(self.layers, L.UnstackedLayers):   # the decoding layout
-            ks, vs = zip(*(one(lp) for lp in self.layers.layer_params(self.dtype)))
+            def own(lp):   # each layer's product from its own handle on ctx: XLA would merge
+                # the layers' k|v dots of one input into one GEMM over their weights
+                # concatenated every call (a copy of them)
+                w = {n: lp[n] for n in ("w_kv", "wk", "wv") if n in lp}
+                x, w = jax.lax.optimization_barrier((ctx, w))
+                return one({**lp, **w}, x)
+
+            ks, vs = zip(*(own(lp) for lp in self.layers.layer_params(self.dtype)))
             return jnp.stack(ks), jnp.stack(vs)
-        return jax.vmap(one)(self.layers.stacked(self.dtype))
+        return jax.vmap(lambda lp: one(lp, ctx))(self.layers.stacked(self.dtype))
 
     # ------------------------------------------------------------------ backbone
     def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:
