@@ -17,8 +17,8 @@ the stacked layers; ...).
 With one request in flight, XLA:CPU runs the dots one op at a time on one thread each, so one
 core's bandwidth, not the host's, sets a step's time: a plain step spends most of its time with
 a single op running, and its dots read the weights at about one core's copy bandwidth; at 32
-requests the copies of each layer's weight and cache slices run beside the dots (figures:
-BENCHMARKS.md and its log).
+requests the copies of each layer's weight and cache slices run beside the dots (figures: this
+command's tables).
 
   JAX_PLATFORMS=cpu python -m dspark_jax.bench.op_profile --draft runs/smollm2_dspark/export
   JAX_PLATFORMS=cpu python -m dspark_jax.bench.op_profile --draft '' --requests 32 --max-len 256

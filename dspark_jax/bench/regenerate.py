@@ -9,7 +9,7 @@ theirs is `model.generate` over static batches of `batch` prompts (left-padded),
 the tokens each row really generated (up to and including its stop token). Model loading is
 excluded on both sides. The table also names the host (processor, logical CPUs, the memory
 bandwidth a numpy copy reaches) and the CPU time stolen by other guests during the run: the same
-code measures different ratios on different VMs (figures: BENCHMARKS.md). Example:
+code measures different ratios on different VMs (this command's table, run on each). Example:
   python -m dspark_jax.bench.regenerate --prompts 64 --batch 32 --max-new-tokens 128
 Greedy on DeepSpec's MBPP prompts (the setting of `bench.short_jobs`, which times the whole
 regeneration process instead):

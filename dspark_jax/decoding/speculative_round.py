@@ -214,8 +214,9 @@ def verify_and_commit(config: RoundConfig, arrays: EngineArrays, state: EngineSt
     inside a `lax.cond` (a step with no active slot writes nothing), then commits — the
     structure of the rounds (verify in the capacity bucket's branch, commit after it), in which
     XLA writes the donated caches in place. As one straight-line program XLA:CPU copies each
-    cache twice before writing it, a cost the rounds never pay (figures: BENCHMARKS.md). Each
-    step commits (its accepted drafts and the next token), so no step repeats another's work.
+    cache twice before writing it, a cost the rounds never pay (figures:
+    `python -m dspark_jax.bench.spec_round`). Each step commits (its accepted drafts and the
+    next token), so no step repeats another's work.
     → (state, the last step's per-slot outputs)."""
     def one(current: EngineState) -> tuple[EngineState, RoundOutputs]:
         def verified() -> tuple[RoundOutputs, Any]:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from dspark_jax.decoding.sampling import filtered_probs
 
 # a node's most children by default: wide trees accept more than deep ones where the drafter's
-# first choice is often wrong (BENCHMARKS.md, "Draft trees")
+# first choice is often wrong (`python -m dspark_jax.experiments.tree_tau --branching C`)
 DEFAULT_BRANCHING = 16
 # the priority bonus of the chain's nodes (log scores are above −1e3)
 _CHAIN_BONUS = 1e4

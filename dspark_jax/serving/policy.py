@@ -13,7 +13,7 @@ current candidates. Θ prices only the verification step: every round runs the d
 What we add, and why: a round that drafts pays the drafter (t_d) even when what it proposes is
 never admitted or never accepted. With a weak drafter, or under load where the verification
 step is compute-bound, such rounds lose to plain decoding (measured on CPU with a random
-drafter; figures: BENCHMARKS.md). So before drafting, each round chooses between
+drafter; figures: `python -m dspark_jax.bench.load`). So before drafting, each round chooses between
   (a) plain decoding: ℓ = 0 for every request and the drafter is NOT run,
       Θ_a = n / t_plain                                     (n active requests);
   (b) drafting with capacity K: Θ_b = (n + ρ·G) / (t_d + t_v(n + K)),
@@ -39,9 +39,9 @@ t_v(n(γ+1)). Its price over a plain round, t_d + t_v(2n) − t_plain, is paid f
 budget that grows by `explore` · t_plain with every plain round: re-probing costs at most that
 fraction of plain decoding time however long plain decoding keeps winning (a probe costs more
 than a plain round, so probing at a fixed short interval loses clearly against `none`;
-figures: BENCHMARKS.md). `probe_interval` is the least number of rounds between probes
-(doubling at each probe up to `max_probe_interval`; a won decision resets it); `explore=None`
-lifts the budget (probes by the interval alone). Only the very first round,
+figures: `python -m dspark_jax.bench.load`). `probe_interval` is the least number of rounds
+between probes (doubling at each probe up to `max_probe_interval`; a won decision resets it);
+`explore=None` lifts the budget (probes by the interval alone). Only the very first round,
 when nothing is known, probes for free (unless even a drafter whose every draft is accepted,
 K = G = n·γ, could not pay: then the first probe waits for the budget too).
 
