@@ -8,7 +8,7 @@ so a bad block size, layer id, rank or mask token fails before anything is built
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from dspark_jax.models.config import ConfigError, DecoderConfig, family_spec, registered_families
 
@@ -237,7 +237,3 @@ def validate_against_target(draft: DraftConfig, target: DecoderConfig,
         if not -1 <= i < target.num_hidden_layers - 1:
             raise ConfigError(f"{source}: target_layer_ids {list(draft.target_layer_ids)} do not "
                               f"fit a target with {target.num_hidden_layers} layers")
-
-
-def seq_of_ints(x: Sequence[Any]) -> tuple[int, ...]:
-    return tuple(int(i) for i in x)
