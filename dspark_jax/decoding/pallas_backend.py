@@ -7,7 +7,9 @@ and neither is on an accelerator (figures: BENCHMARKS.md, "GPU (H200)", and
 - GPU: both Triton kernels lose to XLA on an H200. The Markov sampler's grid is one program per
   block of rows, so at a few requests one program streams all of W2 for every slot while XLA
   spreads the same product over the chip; the verification kernel's per-row programs do the
-  same with the probabilities.
+  same with the probabilities. (A GPU round drafts with the tiled Markov kernels instead,
+  `markov_sample_tiled`, two kernels a slot over the whole chip, without a sampler flag:
+  `decoding.speculative_round`.)
 - TPU: compiled for a v5e, the Markov kernel streams W2 twice a slot (its two passes) and its
   wrapper pads W1, W2 and the logits every call: more than twice the HBM traffic of the pure-JAX
   path at B = 1; the verification kernel's padding doubles the traffic at B = 16.

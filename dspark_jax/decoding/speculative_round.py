@@ -53,7 +53,9 @@ from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.tree_verification import verify_tree
 from dspark_jax.decoding.verification import (commit, flatten_plan, no_writes,  # noqa: F401
                                               row_keys, row_uniforms, verify)
+from dspark_jax.models import layers as L
 from dspark_jax.models.decoder import prefill
+from pallas_kernels.markov_sample.tiled import markov_sample_tiled
 
 
 def _draft_model(arrays: EngineArrays) -> Any:
@@ -64,7 +66,28 @@ def _draft_model(arrays: EngineArrays) -> Any:
 def _propose_scan(draft: Any, arrays: EngineArrays, state: EngineState,
                   slots: SlotSettings) -> dict[str, jax.Array]:
     """The drafter's own proposal (its per-slot scan), each request's uniforms drawn from its
-    own key and its top-k / top-p applied."""
+    own key and its top-k / top-p applied.
+
+    Compiled for a GPU, a vanilla Markov head over the full vocabulary is sampled by the tiled
+    Triton kernels instead (`pallas_kernels.markov_sample.markov_sample_tiled`: two kernels a
+    slot where the scan takes about forty): the same uniforms and tokens, the drafts drawn
+    from softmax(·/T) without the request's top-k / top-p (lossless: verification uses the p_d
+    the draft reports). The branch is chosen for the platform being compiled for."""
+    adapter = adapter_for(draft.cfg.model_type)
+    if (adapter.supports_markov_kernel(draft) and draft.vocab_ids() is None
+            and L.kernels_enabled()):
+        def tiled(anchor: jax.Array, interpret: bool) -> dict[str, jax.Array]:
+            del anchor
+            sample = functools.partial(markov_sample_tiled, interpret=interpret)
+            return _propose_kernel(draft, arrays, state, slots, sample)
+
+        return L.on_gpu(tiled, lambda anchor: _scan_proposal(draft, arrays, state, slots),
+                        state.anchor)
+    return _scan_proposal(draft, arrays, state, slots)
+
+
+def _scan_proposal(draft: Any, arrays: EngineArrays, state: EngineState,
+                   slots: SlotSettings) -> dict[str, jax.Array]:
     keys = row_keys(slots, 0)
     salt_key = jax.random.key(0, impl="threefry2x32")   # per-slot keys carry no randomness
 
@@ -85,10 +108,13 @@ def _propose_scan(draft: Any, arrays: EngineArrays, state: EngineState,
 
 
 def _propose_kernel(draft: Any, arrays: EngineArrays, state: EngineState,
-                    slots: SlotSettings) -> dict[str, jax.Array]:
-    """The vanilla Markov head sampled by the batched Pallas kernel with the same per-request
-    uniforms as `_propose_scan` (same tokens, barring f32 rounding at a CDF step); the draft
-    then ignores top-k/top-p (lossless: verification uses the p_d it reports)."""
+                    slots: SlotSettings,
+                    sample: Callable[..., Any] = pallas_markov_sample_with_uniforms
+                    ) -> dict[str, jax.Array]:
+    """The vanilla Markov head sampled by a Pallas kernel (`sample`, the batched one by
+    default) with the same per-request uniforms as `_propose_scan` (same tokens, barring f32
+    rounding at a CDF step); the draft then ignores top-k/top-p (lossless: verification uses
+    the p_d it reports)."""
     del arrays
     keys = row_keys(slots, 0)
     salt_key = jax.random.key(0, impl="threefry2x32")
@@ -98,7 +124,7 @@ def _propose_kernel(draft: Any, arrays: EngineArrays, state: EngineState,
     with model_precision(draft):
         return adapter_for(draft.cfg.model_type).propose_with_uniforms(
             draft, state.draft_cache, state.anchor, state.cache.lengths, uniforms,
-            slots.temperature, pallas_markov_sample_with_uniforms)
+            slots.temperature, sample)
 
 
 # the drafter's proposal by `RoundConfig.sampler`

@@ -405,8 +405,12 @@ def test_pallas_verifier_greedy_equals_autoregressive(target, draft, greedy_ref)
 def test_kernel_drafting_path_equals_model_scan(target):
     """The drafting path of sampler="pallas" (`DSparkAdapter.propose_with_uniforms`) given the
     same uniforms reproduces the model's own per-slot scan — tokens, draft probabilities and
-    confidence logits, on greedy and sampled rows — with the Pallas kernel (interpreted on
-    CPU) and with its pure-JAX oracle."""
+    confidence logits, on greedy and sampled rows — with the batched Pallas kernel and the
+    tiled one a GPU round drafts with (both interpreted on CPU) and with their pure-JAX
+    oracle."""
+    import functools
+
+    from pallas_kernels.markov_sample.tiled import markov_sample_tiled
     from dspark_jax.decoding.draft_adapters import DSparkAdapter
     from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
     from dspark_jax.decoding.markov_sampling import (pallas_markov_sample_with_uniforms,
@@ -433,7 +437,9 @@ def test_kernel_drafting_path_equals_model_scan(target):
         want = DSparkAdapter.propose(m, c, anchor, pos, salt_key, temp[:, None], sample_fn)
         return want, [DSparkAdapter.propose_with_uniforms(m, c, anchor, pos, u, temp, f)
                       for f in (sequential_markov_sample_with_uniforms,
-                                pallas_markov_sample_with_uniforms)]
+                                pallas_markov_sample_with_uniforms,
+                                functools.partial(markov_sample_tiled, block_v=32,
+                                                  interpret=True))]
 
     want, gots = jax.jit(all_paths)(cache)
     for got in gots:
@@ -459,6 +465,42 @@ def test_pallas_sampler_greedy_and_same_samples_as_jax(target, draft, greedy_ref
     assert [r["accepted"] for r in a.per_request] == [r["accepted"] for r in b.per_request]
     assert any(x < p for r in a.per_request for x, p in zip(r["accepted"], r["proposed"])), \
         "random drafter: some drafts must be rejected, or the comparison proves little"
+
+
+def test_the_gpu_drafting_program_interpreted_is_lossless(target, draft, greedy_ref,
+                                                          monkeypatch):
+    """The round a GPU compiles, run on a CPU with its kernels interpreted
+    (`layers.interpret_kernels`): its drafts come from the tiled Markov-head kernels (traced
+    into the rounds that ran, and in the proposal's jaxpr) and greedy output equals
+    autoregressive decoding."""
+    from dspark_jax.decoding import speculative_round as R_
+    from dspark_jax.models import layers as L
+
+    traced = []
+
+    def counted(*args, **kw):
+        traced.append(1)
+        return markov_sample_tiled(*args, **kw)
+
+    from pallas_kernels.markov_sample.tiled import markov_sample_tiled
+    monkeypatch.setattr(R_, "markov_sample_tiled", counted)
+    with L.interpret_kernels():
+        eng = Engine(target, draft, scheduler="fixed", **ENGINE_KW)
+        out = eng.generate(PROMPTS, max_new_tokens=MAX_NEW).tokens
+        if not traced:   # the rounds came from the compilation cache of an earlier test
+            jax.clear_caches()
+            out = eng.generate(PROMPTS, max_new_tokens=MAX_NEW).tokens
+        assert traced, "the rounds did not draft through the tiled kernels"
+        R = eng.R
+        slots = R_.SlotSettings(
+            active=jnp.ones((R,), bool), remaining=jnp.full((R,), 8, jnp.int32),
+            counter=jnp.zeros((R,), jnp.int32), temperature=jnp.ones((R,), jnp.float32),
+            top_k=jnp.zeros((R,), jnp.int32), top_p=jnp.ones((R,), jnp.float32),
+            key_data=jnp.zeros((R, 2), jnp.uint32))
+        jaxpr = str(jax.make_jaxpr(lambda s: R_._propose_scan(
+            R_._draft_model(eng.arrays), eng.arrays, s, slots))(eng.fresh_state()))
+    assert "markov_tiles" in jaxpr and "markov_pick" in jaxpr
+    assert out == greedy_ref
 
 
 def test_pallas_sampler_bad_drafter(target):
