@@ -162,6 +162,11 @@ def get_base_config() -> ml_collections.ConfigDict:
         max_steps=-1,              # > 0 overrides epochs
         lr=6e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, clip_norm=1.0, warmup_ratio=0.04,
         compute_dtype="bfloat16",  # drafter activations; master weights stay fp32
+        precision="fp32",          # "fp32": the forward reads the fp32 master weights (layers
+                                   # cast to compute_dtype as they multiply); "bf16": DeepSpec's
+                                   # BF16Optimizer recipe: all drafter weights, frozen ones too,
+                                   # and the target features cast to bf16 for the forward and
+                                   # backward, fp32 master + AdamW (needs compute_dtype bfloat16)
         target_dtype="bfloat16",   # frozen target (features / soft labels)
         anchor_chunk=64,
         attn_key_chunk=512,        # context keys per online-softmax chunk of the drafter's block

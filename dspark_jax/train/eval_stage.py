@@ -41,7 +41,7 @@ def heldout_evaluator(c, fns_mesh, draft_cfg, target, records: list
         return None
     sums_fn = make_loss_sums_fn(graphdef, draft_cfg, target.graphdef, c.train.anchor_chunk,
                                 attn_key_chunk=attn_key_chunk(c),
-                                attn_kernel=attn_kernel(c))
+                                attn_kernel=attn_kernel(c), precision=c.train.precision)
 
     @jax.jit
     def eval_sums(params, frozen, target_state, batch, key):

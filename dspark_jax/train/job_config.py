@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import ml_collections
 
 FEATURE_MODES = ("online", "offline")
+PRECISIONS = ("fp32", "bf16")
 
 
 class UsageError(ValueError):
@@ -128,6 +129,11 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
     for key in ("compute_dtype", "target_dtype"):
         if t[key] not in ("float32", "fp32", "bfloat16", "bf16"):
             bad(f"train.{key}", f"{t[key]!r} is not float32 or bfloat16")
+    if t.precision not in PRECISIONS:
+        bad("train.precision", f"{t.precision!r} is not one of {PRECISIONS}")
+    if t.precision == "bf16" and t.compute_dtype not in ("bfloat16", "bf16"):
+        bad("train.precision", f"'bf16' runs the drafter in bfloat16 as DeepSpec does; set "
+            f"train.compute_dtype=bfloat16 too (it is {t.compute_dtype!r})")
     if t.attn_key_chunk < 0:
         bad("train.attn_key_chunk", "must be ≥ 1 (keys per chunk) or 0 (dense scores)")
     if not isinstance(t.get("attn_kernel", True), bool):

@@ -14,6 +14,17 @@ accumulation. How the loss is normalised over them is `DraftConfig.loss_normaliz
 Target features are computed inside the step from the frozen target (online) or read from the
 batch (offline cache).
 
+`precision` (`train.precision`) is what the forward and backward pass run on; the train state
+always holds fp32 master weights and fp32 Adam moments:
+  "fp32" (default)      the forward reads the fp32 master weights; each drafter layer casts what
+                        it multiplies to the model's compute dtype (`train.compute_dtype`);
+  "bf16"                DeepSpec's BF16Optimizer recipe: every drafter parameter (trained and
+                        frozen) and the target features / final hidden states are cast to
+                        bfloat16 before the forward, so the forward and backward pass run on a
+                        bf16 model; the gradient flows back through the cast to fp32, and the
+                        accumulation over micro-batches, the clipping and AdamW run on fp32
+                        against the fp32 master, which the next step casts again.
+
 A step whose loss or gradient norm is not finite changes nothing: the new params, optimizer
 state and RNG key are selected with `jnp.where` against the old ones (only `step` advances), so
 the run goes on exactly as if that batch had not been there. Its metrics carry `nonfinite` = 1
@@ -139,6 +150,21 @@ BATCH_KEYS_ONLINE = ("input_ids", "loss_mask", "positions", "segment_ids")
 BATCH_KEYS_OFFLINE = BATCH_KEYS_ONLINE + ("features", "target_hidden")
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+def check_precision(precision: str) -> None:
+    """ValueError naming `train.precision` unless it is one of PRECISIONS."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"train.precision: {precision!r} is not one of {PRECISIONS}")
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """Every floating-point leaf of `tree` cast to `dtype` (integer leaves unchanged)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        tree)
+
+
 def micro_batches_of(x: jax.Array, m: int) -> jax.Array:
     """[B, ...] → [m, B/m, ...] with micro-batch i = rows i, i+m, i+2m, … (strided).
 
@@ -153,7 +179,7 @@ def micro_batches_of(x: jax.Array, m: int) -> jax.Array:
 def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: Any | None,
                       anchor_chunk: int, max_segments: int = 1,
                       attn_key_chunk: int | None = 512, remat: bool = True,
-                      attn_kernel: bool = True) -> Callable:
+                      attn_kernel: bool = True, precision: str = "fp32") -> Callable:
     """(params, frozen, target_state, micro_batch, key) → sums. The objective numerator is
     `sums["objective"]` (divide by Σw = `sums["weight"]` for the loss). `max_segments`: the most
     packed sequences in a row (each gets up to num_anchors anchors). `remat`: recompute the
@@ -163,9 +189,16 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
     chunk of the DSpark/DFlash block attention, query rows per chunk of the Eagle3 TTT
     attention (None: dense scores). `attn_kernel`: compiled for a GPU, the DSpark/DFlash block
     attention runs its fused Triton kernel instead of the chunks, and on a GPU or TPU the
-    target's forward over training rows its flash-attention kernel (`layers.flash_kernels`)."""
+    target's forward over training rows its flash-attention kernel (`layers.flash_kernels`).
+    `precision` "bf16": the drafter's params and frozen params and the target features and
+    final hidden states enter the forward in bfloat16 (module docstring); the gradient with
+    respect to fp32 `params` comes back through the cast in fp32."""
+    check_precision(precision)
+    bf16 = precision == "bf16"
 
     def fn(params, frozen, target_state, mb, key):
+        if bf16:
+            params, frozen = cast_floating(params, jnp.bfloat16), cast_floating(frozen, jnp.bfloat16)
         draft = nnx.merge(draft_graphdef, params, frozen)
         if target_graphdef is not None:
             target = nnx.merge(target_graphdef, target_state)
@@ -175,6 +208,8 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
             feats, hidden = jax.lax.stop_gradient(out.taps), jax.lax.stop_gradient(out.hidden)
         else:
             feats, hidden = mb["features"], mb["target_hidden"]
+        if bf16:
+            feats, hidden = feats.astype(jnp.bfloat16), hidden.astype(jnp.bfloat16)
         if cfg.model_type == "eagle3":
             from dspark_jax.train.eagle3_loss import eagle3_loss_sums
 
@@ -219,10 +254,11 @@ def build_train_step(draft_graphdef: Any, cfg: DraftConfig, tx: optax.GradientTr
                      target_state: Any | None, micro_batches: int = 1,
                      anchor_chunk: int = 64, max_segments: int = 1,
                      attn_key_chunk: int | None = 512, remat: bool = True,
-                     attn_kernel: bool = True) -> StepFns:
-    """Returns the jitted train/eval functions with explicit shardings (donating the state)."""
+                     attn_kernel: bool = True, precision: str = "fp32") -> StepFns:
+    """Returns the jitted train/eval functions with explicit shardings (donating the state).
+    `precision`: "fp32" or "bf16" (the module docstring); the state's params stay fp32."""
     sums_fn = make_loss_sums_fn(draft_graphdef, cfg, target_graphdef, anchor_chunk, max_segments,
-                                attn_key_chunk, remat, attn_kernel)
+                                attn_key_chunk, remat, attn_kernel, precision)
     to_metrics = metrics_fn(cfg)
     per_micro_step = cfg.loss_normalization == "deepspec"
 

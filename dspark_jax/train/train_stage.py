@@ -167,7 +167,7 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
                            state_sh=state_sh, frozen=frozen, target_state=target_state,
                            micro_batches=c.train.micro_batches, anchor_chunk=c.train.anchor_chunk,
                            attn_key_chunk=attn_key_chunk(c), remat=bool(c.train.remat),
-                           attn_kernel=attn_kernel(c),
+                           attn_kernel=attn_kernel(c), precision=c.train.precision,
                            max_segments=(max_segments_per_row(record_lengths(data.source), pc)
                                          if c.data.pack else 1))
 
@@ -175,7 +175,7 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
     meta = make_meta(target.name or c.target, target.config.to_hf_dict(), draft_cfg.to_dict(),
                      key_impl_name(state.key),
                      extra={"global_batch_size": c.train.global_batch_size,
-                            "data_seed": c.data.data_seed})
+                            "data_seed": c.data.data_seed, "precision": c.train.precision})
     ckpt = TrainCheckpointer(ckpt_dir, meta, keep=c.checkpoint.keep,
                              every_steps=c.checkpoint.every_steps,
                              async_save=c.checkpoint.async_save,

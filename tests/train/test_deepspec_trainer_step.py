@@ -51,6 +51,26 @@ such ulp); a 1% change of the lr, the clip norm or β2, the "global" loss normal
 DeepSpec drawing its own anchors fails them. The intended numerical differences are below them: DeepSpec divides by
 Σw + 1e-6 (ours max(Σw, 1e-6)) and clips by max/(‖g‖ + 1e-6) (optax max/‖g‖).
 
+The same two DSpark steps also run in bf16 (`train.precision` "bf16" against DeepSpec's
+`precision: bf16`: its model, frozen embedding / LM head and forward inputs in bf16 through FSDP's
+MixedPrecision, its BF16Optimizer's fp32 master and fp32 AdamW), both starting from the same
+bf16-representable fp32 master. The sides then differ by bf16 rounding in different places
+(DeepSpec also takes its per-token CE and the gradient norm and clipping of its bf16 gradients in
+bf16, ours in fp32), so the tolerances are bf16's, about 2^-8 relative per rounding:
+  * loss terms and metrics rtol 1e-3 (seen ≤ 5.5e-4: DeepSpec's CE per token is a bf16 number);
+    the gradient norm rtol 1e-2 (DeepSpec's is a bf16 number, 2^-8 apart from its neighbours);
+  * the first step's L1 term rtol 5e-5 (seen 3e-6): both forwards see bit-identical bf16
+    weights and inputs and both take the softmaxes of bf16 logits in fp32; ours in fp32 from the
+    same weights is 2e-4 apart;
+  * clipped gradients per tensor ‖Δ‖₂ ≤ 8% of ‖ref‖₂, Adam moments 10% (seen ≤ 3.4% and ≤ 5%:
+    two bf16 backward passes, with the Markov head's sparse gradients the farthest apart);
+  * the fp32 masters' first update, |Δ| ≤ 1e-3·lr on the entries whose gradient is ≥ 10% of
+    its tensor's largest (there Adam's first step is exactly ∓lr on both sides).
+`test_bf16_tolerances_reject_other_recipes` shows they fail for an fp32 forward, for a master
+kept in bf16 and for unclipped gradients. The second step's updates are not compared entry by
+entry: Adam's m/√v at step 2 magnifies the 1–3% gradient differences of bf16 into visible
+fractions of lr; its moments and loss terms are.
+
 DeepSpec's Eagle3 trainer is not driven here: its loss is a Triton kernel, with no CPU backend.
 """
 
@@ -102,6 +122,8 @@ LOCAL_BATCH = 2
 SCALAR_RTOL = 2e-5
 TENSOR_RTOL, TENSOR_ATOL = 1e-4, 1e-7
 UPDATE_ATOL = 1e-3 * LR
+BF16_SCALAR_RTOL, BF16_NORM_RTOL, BF16_FIRST_L1_RTOL = 1e-3, 1e-2, 5e-5
+BF16_GRAD_RTOL, BF16_MOMENT_RTOL, BF16_RESOLVED = 0.08, 0.1, 0.1
 
 # our drafter and DeepSpec's model arguments for it (its dspark / dflash Qwen3 recipes)
 BASE = dict(block_size=BLOCK, num_draft_layers=2, target_layer_ids=LAYER_IDS,
@@ -223,9 +245,10 @@ def _recording_sampler(drawn: dict) -> Callable:
     return sample
 
 
-def _build_ours(draft: Any, micro_batches: int, monkeypatch) -> Ours:
+def _build_ours(draft: Any, micro_batches: int, monkeypatch, precision: str = "fp32") -> Ours:
     """Our offline-features train step (as the training loop builds it, on a one-device mesh)
-    with DeepSpec's optimizer settings, its sampler observed by `_recording_sampler`."""
+    with DeepSpec's optimizer settings and `train.precision`, its sampler observed by
+    `_recording_sampler`."""
     drawn: dict = {}
     monkeypatch.setattr(our_losses, "sample_anchors", _recording_sampler(drawn))
     mesh = make_mesh(data=1, devices=jax.devices()[:1])
@@ -236,7 +259,7 @@ def _build_ours(draft: Any, micro_batches: int, monkeypatch) -> Ours:
     state, sh = init_train_state(params, tx, 0, mesh)
     fns = build_train_step(graphdef, draft.config, tx, schedule, target_graphdef=None, mesh=mesh,
                            state_sh=sh, frozen=frozen, target_state=None,
-                           micro_batches=micro_batches)
+                           micro_batches=micro_batches, precision=precision)
     return Ours(cfg=draft.config, state=state, frozen=frozen, train=fns.train, drawn=drawn)
 
 
@@ -257,15 +280,17 @@ def _dense_flex(seen: list) -> Callable:
     """`flex_attention` for DeepSpec's drafter, differentiable on CPU: the BlockMask's own
     `mask_mod` materialised by `create_mask`, scaled scores set to −inf where masked and
     `torch._safe_softmax` (a fully masked row, a padding block, gives zeros), the operations of
-    flex's eager forward in its order. The first call's inputs go to `seen`."""
+    flex's eager forward in its order and its precision (scores and softmax in fp32, the
+    probabilities cast back to the input dtype before the product with the values). The first
+    call's inputs go to `seen`."""
 
     def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
         del module, kwargs
         B, H, Q, _ = query.shape
         mask = create_mask(attention_mask.mask_mod, B, 1, Q, key.shape[-2], device=query.device)
-        scores = (query @ key.transpose(-2, -1)) * scaling
+        scores = (query.float() @ key.float().transpose(-2, -1)) * scaling
         scores = torch.where(mask, scores, torch.tensor(-float("inf"), dtype=scores.dtype))
-        out = torch._safe_softmax(scores, dim=-1) @ value
+        out = torch._safe_softmax(scores, dim=-1).to(query.dtype) @ value
         if not seen:
             seen.append((query.detach(), key.detach(), value.detach(), attention_mask, scaling,
                          out.detach()))
@@ -386,15 +411,28 @@ def target_dir(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def drafters(target_dir):
-    """kind → (our target, a random drafter of that kind), built on first use. Norms, the
-    Markov output and the confidence bias are moved off their initial values so that each
-    carries a visible gradient."""
+    """(kind, precision) → (our target, a random drafter of that kind), built on first use.
+    Norms, the Markov output and the confidence bias are moved off their initial values so that
+    each carries a visible gradient. precision "bf16": the same drafter computing in bfloat16,
+    its weights rounded to bfloat16 (the fp32 master DeepSpec's BF16Optimizer copies from its
+    bf16 model)."""
     target = load_target(target_dir)
-    built: dict[str, tuple] = {}
+    built: dict[tuple[str, str], tuple] = {}
 
-    def get(kind: str):
-        if kind in built:
-            return built[kind]
+    def get(kind: str, precision: str = "fp32"):
+        if (kind, precision) in built:
+            return built[kind, precision]
+        if precision == "bf16":
+            _, fp32 = get(kind)
+            draft = init_draft(target, DRAFTS[kind], seed=1, dtype="bfloat16")
+            graphdef, state = nnx.split(draft.model)
+            rounded = jax.tree.map(
+                lambda x: (np.asarray(x).astype(jax.numpy.bfloat16).astype(np.float32)
+                           if np.issubdtype(np.asarray(x).dtype, np.floating) else x),
+                nnx.to_pure_dict(fp32.state))
+            nnx.replace_by_pure_dict(state, rounded)
+            built[kind, precision] = target, type(draft).from_model(nnx.merge(graphdef, state))
+            return built[kind, precision]
         draft = init_draft(target, DRAFTS[kind], seed=1)
         graphdef, state = nnx.split(draft.model)
         rng = np.random.RandomState(2)
@@ -412,15 +450,15 @@ def drafters(target_dir):
 
         pure = jax.tree_util.tree_map_with_path(perturb, nnx.to_pure_dict(state))
         nnx.replace_by_pure_dict(state, pure)
-        built[kind] = target, type(draft).from_model(nnx.merge(graphdef, state))
-        return built[kind]
+        built[kind, precision] = target, type(draft).from_model(nnx.merge(graphdef, state))
+        return built[kind, precision]
 
     return get
 
 
 def _build_theirs(ds: Any, kind: str, tmp: pathlib.Path, target_dir: pathlib.Path, draft: Any,
                   accumulation: int, drawn: dict, monkeypatch, seen_attention: list,
-                  checked: list) -> Theirs:
+                  checked: list, precision: str = "fp32") -> Theirs:
     export = tmp / "draft"
     draft.save(export)
     from safetensors.torch import load_file
@@ -477,7 +515,7 @@ def _build_theirs(ds: Any, kind: str, tmp: pathlib.Path, target_dir: pathlib.Pat
         model=dict(target_model_name_or_path=str(target_dir), block_size=BLOCK,
                    num_draft_layers=BASE["num_draft_layers"], target_layer_ids=list(LAYER_IDS),
                    mask_token_id=MASK_TOKEN, num_anchors=ANCHORS, **DEEPSPEC_MODEL_ARGS[kind]),
-        train=dict(lr=LR, warmup_ratio=WARMUP_RATIO, weight_decay=0.0, precision="fp32",
+        train=dict(lr=LR, warmup_ratio=WARMUP_RATIO, weight_decay=0.0, precision=precision,
                    local_batch_size=LOCAL_BATCH, global_batch_size=LOCAL_BATCH * accumulation,
                    num_train_epochs=1, max_train_steps=TOTAL, max_grad_norm=MAX_GRAD_NORM,
                    sharding_strategy="no_shard", torch_compile=False),
@@ -615,6 +653,140 @@ def accumulated(ds, drafters, target_dir, process_group, tmp_path_factory):
                     p_ours=ours.tensors(ours.state.params), p_theirs=theirs.params(),
                     mu_ours=ours.adam("mu"), mu_theirs=theirs.adam("mu"),
                     nu_ours=ours.adam("nu"), nu_theirs=theirs.adam("nu"))
+
+
+def _recast(draft: Any, target: Any, dtype: str) -> Any:
+    """`draft`'s weights in a drafter of the same kind that computes in `dtype`."""
+    other = init_draft(target, draft.config, seed=1, dtype=dtype)
+    graphdef, state = nnx.split(other.model)
+    nnx.replace_by_pure_dict(state, nnx.to_pure_dict(draft.state))
+    return type(other).from_model(nnx.merge(graphdef, state))
+
+
+@pytest.fixture(scope="module")
+def bf16(ds, drafters, target_dir, process_group, tmp_path_factory):
+    """Two DSpark optimizer steps, one micro-batch each, with `precision` bf16 on both trainers
+    from the same bf16-representable fp32 master weights; and, as a control, our first step of
+    the same weights with `precision` fp32 and an fp32 drafter."""
+    target, draft = drafters("dspark", "bf16")
+    with pytest.MonkeyPatch.context() as mp:
+        ours = _build_ours(draft, 1, mp, precision="bf16")
+        seen, checked = [], []
+        theirs = _build_theirs(ds, "dspark", tmp_path_factory.mktemp("bf16"), target_dir, draft,
+                               1, ours.drawn, mp, seen, checked, precision="bf16")
+        assert all(p.dtype == torch.bfloat16 for p in theirs.trainer.optimizer.model_params)
+        assert all(p.dtype == torch.float32 for p in theirs.trainer.optimizer.fp32_params)
+        out = dict(seen=seen, p0_ours=ours.tensors(ours.state.params),
+                   p0_theirs=theirs.params(), steps=[])
+        samples = _samples(target, seed=10, n=2 * LOCAL_BATCH)
+        batches = [samples[i * LOCAL_BATCH: (i + 1) * LOCAL_BATCH] for i in range(2)]
+        for items in batches:
+            m_ours = ours.step(_our_batch(items))
+            m_theirs = theirs.step([{k: torch.from_numpy(v) for k, v in it.items()}
+                                    for it in items])
+            out["steps"].append(dict(
+                replayed=len(checked), m_ours=m_ours, m_theirs=m_theirs,
+                clipped=theirs.clipped[-1],
+                p_ours=ours.tensors(ours.state.params), p_theirs=theirs.params(),
+                mu_ours=ours.adam("mu"), mu_theirs=theirs.adam("mu"),
+                nu_ours=ours.adam("nu"), nu_theirs=theirs.adam("nu")))
+        # the control draws the anchors of the first step (the same key, masks and sampler)
+        fp32 = _build_ours(_recast(draft, target, "float32"), 1, mp, precision="fp32")
+        out["fp32_first"] = fp32.step(_our_batch(batches[0]))
+    return out
+
+
+def _rel_l2(ours: Tensors, theirs: Tensors, what: str, rtol: float) -> float:
+    """Per tensor ‖ours − theirs‖₂ ≤ rtol·‖theirs‖₂; returns the worst ratio."""
+    assert sorted(ours) == sorted(theirs), (what, sorted(set(ours) ^ set(theirs)))
+    worst = 0.0
+    for name, ref in theirs.items():
+        err = float(np.linalg.norm(ours[name] - ref) / max(np.linalg.norm(ref), 1e-30))
+        assert err <= rtol, f"{what} {name}: ‖Δ‖/‖ref‖ {err:.3g} > {rtol}"
+        worst = max(worst, err)
+    return worst
+
+
+def _compare_bf16_scalars(ours: dict[str, float], theirs: dict[str, float]) -> float:
+    """DeepSpec's logged loss terms and metrics within BF16_SCALAR_RTOL, the gradient norm
+    within BF16_NORM_RTOL, the lr within 1e-6; returns the worst relative difference."""
+    worst = 0.0
+    for k in LOSS_KEYS + DSPARK_KEYS:
+        rtol = {"grad_norm": BF16_NORM_RTOL, "lr": 1e-6}.get(k, BF16_SCALAR_RTOL)
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=rtol, atol=1e-9, err_msg=k)
+        if k not in ("grad_norm", "lr"):
+            worst = max(worst, abs(ours[k] - theirs[k]) / max(abs(theirs[k]), 1e-12))
+    return worst
+
+
+def _compare_bf16_first_update(p0: Tensors, p1: Tensors, p0_theirs: Tensors,
+                               p1_theirs: Tensors, clipped: Tensors) -> float:
+    """θ₁ − θ₀ of both fp32 masters, |Δ| ≤ UPDATE_ATOL on every entry whose clipped gradient
+    is ≥ BF16_RESOLVED of its tensor's largest: there the bf16 gradients of the two sides
+    (a few % of that largest apart) share their sign, and Adam's first step moves the entry by
+    exactly ∓lr. Returns the worst |Δ| / lr."""
+    worst = 0.0
+    for name, g in clipped.items():
+        resolved = np.abs(g) >= BF16_RESOLVED * np.abs(g).max()
+        assert resolved.any(), name
+        du = (p1[name] - p0[name]) - (p1_theirs[name] - p0_theirs[name])
+        err = float(np.abs(du)[resolved].max())
+        assert err <= UPDATE_ATOL, f"bf16 step 1 {name}: max|Δ update| {err:.3g}"
+        worst = max(worst, err / LR)
+    return worst
+
+
+def test_bf16_first_step_equal(bf16):
+    """`precision` bf16 against DeepSpec's bf16 recipe (module docstring: tolerances), first
+    step: the same start, loss terms, gradient norm, lr, clipped gradients, Adam's second
+    moment and the fp32 master's update; the dense attention stand-in is flex's bf16 forward."""
+    q, k, v, block_mask, scale, out = bf16["seen"][0]
+    assert q.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(out, flex_attention(q, k, v, block_mask=block_mask, scale=scale))
+    s = bf16["steps"][0]
+    assert s["replayed"] == 1
+    for name, p0 in bf16["p0_theirs"].items():
+        np.testing.assert_array_equal(bf16["p0_ours"][name], p0, err_msg=name)
+    assert s["m_theirs"]["grad_norm"] > MAX_GRAD_NORM, "the step must clip"
+    rel = _compare_bf16_scalars(s["m_ours"], s["m_theirs"])
+    np.testing.assert_allclose(s["m_ours"]["l1_loss"], s["m_theirs"]["l1_loss"],
+                               rtol=BF16_FIRST_L1_RTOL)
+    grads = {n: mu / (1 - B1) for n, mu in s["mu_ours"].items()}
+    g_err = _rel_l2(grads, s["clipped"], "bf16 clipped gradient", BF16_GRAD_RTOL)
+    nu_err = _rel_l2(s["nu_ours"], s["nu_theirs"], "bf16 Adam second moment", BF16_MOMENT_RTOL)
+    u_err = _compare_bf16_first_update(bf16["p0_ours"], s["p_ours"], bf16["p0_theirs"],
+                                       s["p_theirs"], s["clipped"])
+    _report("dspark bf16 step 1", scalars=rel, grad=g_err, nu=nu_err, update=u_err)
+
+
+def test_bf16_second_step_equal(bf16):
+    s = bf16["steps"][1]
+    assert s["replayed"] == 2
+    rel = _compare_bf16_scalars(s["m_ours"], s["m_theirs"])
+    np.testing.assert_allclose(s["m_ours"]["lr"], LR, rtol=1e-6)
+    mu_err = _rel_l2(s["mu_ours"], s["mu_theirs"], "bf16 Adam first moment", BF16_MOMENT_RTOL)
+    nu_err = _rel_l2(s["nu_ours"], s["nu_theirs"], "bf16 Adam second moment", BF16_MOMENT_RTOL)
+    _report("dspark bf16 step 2", scalars=rel, mu=mu_err, nu=nu_err)
+
+
+def test_bf16_tolerances_reject_other_recipes(bf16):
+    """The bf16 comparisons fail for recipes that differ from DeepSpec's: an fp32 forward (the
+    first step's L1 term), a master kept in bf16 (its update rounded to the bf16 grid), and
+    unclipped gradients."""
+    s = bf16["steps"][0]
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(bf16["fp32_first"]["l1_loss"], s["m_theirs"]["l1_loss"],
+                                   rtol=BF16_FIRST_L1_RTOL)
+    to_bf16 = lambda t: {n: x.astype(np.float32).astype(jax.numpy.bfloat16).astype(np.float64)
+                         for n, x in t.items()}
+    with pytest.raises(AssertionError, match="bf16 step 1"):
+        _compare_bf16_first_update(bf16["p0_ours"], to_bf16(s["p_ours"]), bf16["p0_theirs"],
+                                   s["p_theirs"], s["clipped"])
+    unclipped = {n: mu / (1 - B1) * s["m_ours"]["grad_norm"] / MAX_GRAD_NORM
+                 for n, mu in s["mu_ours"].items()}
+    with pytest.raises(AssertionError, match="clipped gradient"):
+        _rel_l2(unclipped, s["clipped"], "bf16 clipped gradient", BF16_GRAD_RTOL)
 
 
 def _report(what: str, **errs: float) -> None:
