@@ -4,8 +4,10 @@ Rendered samples (`records_from_conversations`) or a target-feature cache (`Feat
 fixed-shape numpy batches [b_local, S] for the jitted train step:
 
     grain.MapDataset.source(records)          random access to the samples
-    units (records, or greedy-packed rows)    → per-epoch shuffle (grain `shuffle` + `repeat`:
-                                                 seeded, a different permutation every epoch)
+    units (records, or greedy-packed rows)    → per-epoch shuffle (`order` "grain": grain
+                                                 `shuffle` + `repeat`, seeded, a different
+                                                 permutation every epoch; "deepspec": DeepSpec's
+                                                 sampler, `data/deepspec_order.py`)
     per-host slice of every global batch      → host h takes rows [h·b, (h+1)·b) of each global
                                                  batch of B = batch_size rows, b = B / shard_count
     pad (or pack) to max_length, then batch   → `to_iter_dataset()`: a checkpointable iterator
@@ -42,17 +44,22 @@ import jax
 import numpy as np
 
 from dspark_jax.data.chat import DEFAULT_MAX_LENGTH, default_system_prompt_for, render_dataset
+from dspark_jax.data.deepspec_order import DeepSpecOrder
 from dspark_jax.data.features import FeatureCache
 from dspark_jax.data.prompts import Conversation
 
 Records = Sequence[Mapping[str, np.ndarray]] | FeatureCache
+ORDERS = ("grain", "deepspec")
 
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Batching settings. `batch_size` is GLOBAL (all hosts together); `num_epochs=None` repeats
     forever. `pack_window`: open rows considered by first-fit packing. `read_threads` /
-    `prefetch`: grain ReadOptions (0 threads = read synchronously, best for in-memory records)."""
+    `prefetch`: grain ReadOptions (0 threads = read synchronously, best for in-memory records).
+    `order` (with `shuffle`): "grain", grain's seeded shuffle; "deepspec", DeepSpec's sampler
+    with seed `seed` (one record a row, full batches only), its micro-step j in the rows of
+    micro-batch j of `micro_batches` (`DeepSpecOrder`)."""
 
     batch_size: int
     max_length: int
@@ -64,8 +71,18 @@ class PipelineConfig:
     pack_window: int = 8
     read_threads: int = 0
     prefetch: int = 2
+    order: str = "grain"
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.order == "deepspec" and (self.pack or not self.shuffle or not self.drop_remainder):
+            raise ValueError("order 'deepspec' (DeepSpec's sampler) takes one record a row and "
+                             "full batches: needs pack=False, shuffle=True, drop_remainder=True")
+        if self.micro_batches < 1 or self.batch_size % self.micro_batches:
+            raise ValueError(f"micro_batches {self.micro_batches} must divide batch_size "
+                             f"{self.batch_size}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.max_length < 2:
@@ -200,8 +217,9 @@ class _RowBuilder:
 class _HostRows:
     """Local row index → unit of this host: epoch e, step s, slot j of the global batch."""
 
-    def __init__(self, order: grain.MapDataset | None, units: list[tuple[int, ...]] | None,
-                 n_units: int, steps: int, global_batch: int, local_batch: int, shard_index: int):
+    def __init__(self, order: grain.MapDataset | DeepSpecOrder | None,
+                 units: list[tuple[int, ...]] | None, n_units: int, steps: int,
+                 global_batch: int, local_batch: int, shard_index: int):
         self.order, self.units, self.n_units = order, units, n_units
         self.steps, self.B, self.b, self.h = steps, global_batch, local_batch, shard_index
 
@@ -212,8 +230,12 @@ class _HostRows:
         pos = step * self.B + self.h * self.b + slot  # position in this epoch's unit order
         if pos >= self.n_units:
             return ()  # filler row of the last, partial batch (grain would drop a None)
-        k = epoch * self.n_units + pos
-        u = int(self.order[k]) if self.order is not None else pos
+        if isinstance(self.order, DeepSpecOrder):
+            u = self.order.record(epoch, pos)
+        elif self.order is not None:
+            u = int(self.order[epoch * self.n_units + pos])
+        else:
+            u = pos
         return self.units[u] if self.units is not None else (u,)
 
 
@@ -250,8 +272,10 @@ def make_dataset(records: Records, pc: PipelineConfig, *, shard_index: int | Non
                          "(use drop_remainder=False or a smaller batch)")
     local = pc.batch_size // shard_count
 
-    order = None
-    if pc.shuffle:
+    order: grain.MapDataset | DeepSpecOrder | None = None
+    if pc.shuffle and pc.order == "deepspec":
+        order = DeepSpecOrder(n_units, pc.batch_size, pc.micro_batches, pc.seed)
+    elif pc.shuffle:
         order = grain.MapDataset.range(n_units).shuffle(seed=_mixed_seed(pc.seed, "epoch"))
         order = order.repeat(pc.num_epochs)
     n_local_rows = sys.maxsize if pc.num_epochs is None else pc.num_epochs * steps * local

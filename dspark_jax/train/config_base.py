@@ -152,7 +152,11 @@ def get_base_config() -> ml_collections.ConfigDict:
         features="online",         # "online": target runs inside the step; "offline": cached once
         feature_cache="",          # default: <workdir>/data/features
         feature_batch_size=8,
-        data_seed=0,               # shuffle seed of the grain pipeline
+        data_seed=0,               # shuffle seed of the training order
+        order="grain",             # "grain": grain's seeded per-epoch shuffle; "deepspec": DeepSpec's
+                                   # StatelessResumableDistributedSampler (epoch e: torch.randperm
+                                   # seeded data_seed + e, its first full global batches;
+                                   # DeepSpec's trainer uses seed 42)
     ))
 
     c.train = ml_collections.ConfigDict(dict(

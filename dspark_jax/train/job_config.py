@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import ml_collections
 
 FEATURE_MODES = ("online", "offline")
+DATA_ORDERS = ("grain", "deepspec")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -118,6 +119,11 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
         bad("data.max_new_tokens", "must be ≥ 1")
     if c.data.max_length < 2:
         bad("data.max_length", "must be ≥ 2")
+    if c.data.order not in DATA_ORDERS:
+        bad("data.order", f"{c.data.order!r} is not one of {DATA_ORDERS}")
+    if c.data.order == "deepspec" and c.data.pack:
+        bad("data.order", "'deepspec' orders one sample per row, as DeepSpec's sampler does; "
+            "set data.pack=False")
     t = c.train
     if t.global_batch_size < 1:
         bad("train.global_batch_size", "must be ≥ 1")

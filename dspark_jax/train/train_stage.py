@@ -101,7 +101,8 @@ def schedule_length(c: ml_collections.ConfigDict, data: Any) -> tuple[Any, int, 
 
     gbs = c.train.global_batch_size
     pc = PipelineConfig(batch_size=gbs, max_length=c.data.max_length, pack=c.data.pack,
-                        shuffle=True, seed=c.data.data_seed, num_epochs=None, drop_remainder=True)
+                        shuffle=True, seed=c.data.data_seed, num_epochs=None, drop_remainder=True,
+                        order=c.data.order, micro_batches=c.train.micro_batches)
     if len(data.records) < gbs:
         raise UsageError(f"{len(data.records)} training records make no global batch of {gbs}; "
                          "lower config.train.global_batch_size or add prompts")
@@ -175,7 +176,8 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
     meta = make_meta(target.name or c.target, target.config.to_hf_dict(), draft_cfg.to_dict(),
                      key_impl_name(state.key),
                      extra={"global_batch_size": c.train.global_batch_size,
-                            "data_seed": c.data.data_seed, "precision": c.train.precision})
+                            "data_seed": c.data.data_seed, "data_order": c.data.order,
+                            "precision": c.train.precision})
     ckpt = TrainCheckpointer(ckpt_dir, meta, keep=c.checkpoint.keep,
                              every_steps=c.checkpoint.every_steps,
                              async_save=c.checkpoint.async_save,

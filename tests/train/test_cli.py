@@ -104,13 +104,16 @@ def test_unknown_keys_and_bad_values_are_clear_errors(tiny):
              ("--config.train.attn_kernel=maybe", "train.attn_kernel|could not convert"),
              ("--config.train.precision=fp16", "train.precision.*not one of"),
              ("--config.train.precision=bf16", "train.precision.*train.compute_dtype=bfloat16"),
+             ("--config.data.order=torch", "data.order.*not one of"),
              ("--config.eval.speculative_temperatures=(-1.0,)", "eval.speculative_temperatures")]
     for arg, msg in cases:
         with pytest.raises(cli.UsageError, match=msg):
             cli.parse_config(base + [arg])
-    c = cli.parse_config(base + ["--config.train.precision=bf16",
+    with pytest.raises(cli.UsageError, match="data.order.*data.pack=False"):
+        cli.parse_config(base + ["--config.data.order=deepspec", "--config.data.pack=True"])
+    c = cli.parse_config(base + ["--config.train.precision=bf16", "--config.data.order=deepspec",
                                  "--config.train.compute_dtype=bfloat16"])
-    assert c.train.precision == "bf16"
+    assert (c.train.precision, c.data.order) == ("bf16", "deepspec")
     with pytest.raises(cli.UsageError, match="train.init_from_target.*eagle3"):
         cli.parse_config(base + ["--config.train.init_from_target=True",
                                  "--config.draft.model_type=eagle3"])
