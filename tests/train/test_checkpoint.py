@@ -369,6 +369,35 @@ def test_sigterm_saves_the_step_and_the_same_command_resumes_exactly(tiny_run, t
     _assert_same_run(ref, run)
 
 
+@pytest.mark.slow
+def test_bf16_run_in_deepspecs_order_keeps_fp32_masters_and_resumes_exactly(tiny_run, tmp_path):
+    """`train.precision=bf16` with `data.order=deepspec`: the checkpoint holds the fp32 master
+    weights and fp32 Adam moments, a run SIGTERMed after step 5 resumes to exactly the
+    uninterrupted run, and its batches are not the default order's."""
+    import orbax.checkpoint as ocp
+
+    tgt, data, cache, default = tiny_run
+    opts = ("--config.train.precision=bf16", "--config.train.compute_dtype=bfloat16",
+            "--config.data.order=deepspec", "--config.data.data_seed=42")
+    ref = tmp_path / "uninterrupted"
+    a = _train(tgt, ref, data, cache, *opts)
+    assert a.returncode == 0, a.stderr[-3000:]
+    run = tmp_path / "preempted"
+    b = _train(tgt, run, data, cache, *opts, "--config.debug.sigterm_at_step=5")
+    assert b.returncode == 0, (b.returncode, b.stderr[-3000:])
+    stored = ocp.PyTreeCheckpointer().metadata(run / "checkpoints" / "5" / "state")
+    stored = getattr(stored, "item_metadata", stored)
+    dtypes = {str(m.dtype) for m in jax.tree.leaves(stored["params"])}
+    dtypes |= {str(m.dtype) for m in jax.tree.leaves(stored["opt_state"])
+               if np.issubdtype(m.dtype, np.floating) and len(m.shape) > 0}
+    assert dtypes == {"float32"}, dtypes
+    c = _train(tgt, run, data, cache, *opts)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 5
+    _assert_same_run(ref, run)
+    assert _batches(ref) != _batches(default)
+
+
 def test_nonfinite_steps_in_a_row_stop_the_run_with_a_checkpoint(tiny_run, tmp_path):
     """lr 1e30: step 1 (DeepSpec's warmup trains from the first step) makes the parameters
     huge, every later loss is not finite. Those steps are skipped, logged with their batch and
