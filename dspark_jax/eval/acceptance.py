@@ -32,6 +32,7 @@ Statistics (DeepSpec conventions, pooled over the dataset; identical to its eval
 
 A ratio whose denominator is 0 is NaN (``None`` in :meth:`AcceptanceStats.to_dict`, so the output is
 strict JSON).  :func:`macro_mean` averages several datasets (the "mean" column of Table 1).
+The paper's own Table 1 is :mod:`dspark_jax.eval.paper_table` (its names are importable here too).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from dspark_jax.eval.paper_table import PAPER_DATASETS, PAPER_TABLE1_TAU
 from dspark_jax.eval.report_numbers import json_float, nanmean, ratio
 
 __all__ = [
@@ -55,42 +57,6 @@ __all__ = [
     "PAPER_DATASETS",
     "PAPER_TABLE1_TAU",
 ]
-
-#: Dataset keys (file stems of ``eval_datasets/``) in the column order of the paper's Table 1.
-PAPER_DATASETS: tuple[str, ...] = (
-    "gsm8k", "math500", "aime25", "mbpp", "humaneval", "livecodebench", "mt-bench", "alpaca",
-    "arena-hard-v2",
-)
-
-
-def _row(*values: float) -> dict[str, float]:
-    return dict(zip(PAPER_DATASETS, values))
-
-
-#: Paper Table 1: tau (incl. bonus token), T = 1, gamma = 7, fixed blocks (no scheduler).
-#: ``PAPER_TABLE1_TAU[target][drafter][dataset]``.
-PAPER_TABLE1_TAU: dict[str, dict[str, dict[str, float]]] = {
-    "qwen3_4b": {
-        "eagle3": _row(5.14, 4.62, 3.92, 3.69, 4.16, 3.77, 2.39, 2.26, 2.55),
-        "dflash": _row(5.40, 4.85, 4.15, 4.40, 4.74, 4.18, 3.07, 2.96, 2.83),
-        "dspark": _row(6.11, 5.70, 4.89, 5.13, 5.38, 4.86, 3.64, 3.54, 3.29),
-    },
-    "qwen3_8b": {
-        "eagle3": _row(5.30, 4.77, 3.91, 3.96, 4.33, 4.17, 2.66, 2.54, 2.54),
-        "dflash": _row(5.33, 4.91, 4.07, 4.36, 4.64, 4.39, 3.11, 2.98, 2.81),
-        "dspark": _row(6.17, 5.78, 5.01, 5.16, 5.52, 5.17, 3.72, 3.58, 3.21),
-    },
-    "qwen3_14b": {
-        "eagle3": _row(5.24, 4.60, 3.71, 3.81, 4.14, 4.01, 2.62, 2.47, 2.48),
-        "dflash": _row(5.41, 4.84, 3.98, 4.44, 4.59, 4.33, 3.10, 2.94, 2.72),
-        "dspark": _row(6.21, 5.74, 4.94, 5.26, 5.43, 5.02, 3.70, 3.58, 3.13),
-    },
-    "gemma4_12b": {
-        "eagle3": _row(5.87, 5.46, 4.83, 4.72, 5.37, 4.16, 3.19, 3.06, 2.72),
-        "dflash": _row(5.45, 5.04, 4.22, 4.39, 4.95, 3.70, 2.98, 2.84, 2.59),
-        "dspark": _row(6.05, 5.78, 5.12, 5.11, 5.64, 4.51, 3.49, 3.35, 2.92),
-    },
-}
 
 
 @dataclass(frozen=True)
