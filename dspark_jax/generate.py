@@ -60,17 +60,16 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         prompts.append(render_prompt(messages, tok).tolist())
     t0 = time.perf_counter()
     if args.draft:
-        from dspark_jax.serving import SpecSettings, speculative_generate
+        from dspark_jax.serving import generation_settings, speculative_generate
 
         draft = load_draft(args.draft, target=target)
         target = target.decoding_layout()   # one layout, the stacked layers released
-        settings = SpecSettings(top_k=args.top_k, top_p=args.top_p, record_confidence=False)
+        tree = ({} if args.tree_branching is None else {"tree_branching": args.tree_branching})
+        settings = generation_settings(tree_budget=args.tree_budget, **tree)
         res = speculative_generate(target, draft, prompts, max_new_tokens=args.max_new_tokens,
-                                   temperature=args.temperature, seed=args.seed,
-                                   settings=settings, progress=not args.no_progress,
-                                   tree_budget=args.tree_budget,
-                                   **({} if args.tree_branching is None
-                                      else {"tree_branching": args.tree_branching}))
+                                   settings=settings, temperature=args.temperature,
+                                   seed=args.seed, top_k=args.top_k, top_p=args.top_p,
+                                   record_confidence=False, progress=not args.no_progress)
         outs, extra = res.tokens, f", τ = {res.tau:.2f} over {res.rounds} rounds"
     else:
         from dspark_jax.decoding import autoregressive_generate

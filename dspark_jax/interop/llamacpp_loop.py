@@ -371,13 +371,13 @@ def compile_seconds() -> Iterator[list[float]]:
 
 def run_ours_on_prompt(target: Any, draft: Any, prompt: Sequence[int], max_new_tokens: int,
              stop_ids: Sequence[int], cache_len: int) -> dict[str, Any]:
-    from dspark_jax.serving import speculative_generate
+    from dspark_jax.serving import generation_settings, speculative_generate
 
     with compile_seconds() as comp:
         t0 = time.perf_counter()
         res = speculative_generate(target, draft, [list(prompt)], max_new_tokens=max_new_tokens,
-                                   temperature=0.0, stop_token_ids=list(stop_ids),
-                                   max_cache_len=cache_len)
+                                   settings=generation_settings(stop_token_ids=list(stop_ids)),
+                                   temperature=0.0, max_cache_len=cache_len)
         wall = time.perf_counter() - t0
     return {"tokens": [int(t) for t in res.tokens[0]],
             "accepted": [int(a) for a in res.accepted[0]],

@@ -4,8 +4,8 @@ profile (`cost_profile`) and `speculative_generate` (`generation`)."""
 
 from dspark_jax.serving.engine import Engine, EngineResult, Request
 from dspark_jax.serving.generation import (SpecResult, SpecSettings, check_compatible,
-                                           speculative_generate)
+                                           generation_settings, speculative_generate)
 from dspark_jax.serving.settings import EngineSettings
 
 __all__ = ["Engine", "EngineResult", "EngineSettings", "Request", "SpecResult", "SpecSettings",
-           "check_compatible", "speculative_generate"]
+           "check_compatible", "generation_settings", "speculative_generate"]

@@ -6,6 +6,7 @@ A thin wrapper over the serving engine (`serving.Engine`, which runs the one spe
 capacity bucket, and DeepSpec's protocol by default: every round verifies all γ drafts
 (`scheduler="fixed"`) and rounds continue while DeepSpec's `while start < max_length` would
 (`budget_rule="deepspec"`), so the rounds, their acceptance lengths and τ are DeepSpec's.
+Its serving settings are one `EngineSettings` (`generation_settings` gives the protocol's).
 Evaluation, calibration and `python -m dspark_jax.generate` decode through it.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 from dspark_jax.decoding.autoregressive import pad_prompts
 from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.serving.engine import Engine
+from dspark_jax.serving.settings import EngineSettings
 
 _PREFILL_BUCKET = 256
 _MAX_PREFILL_CHUNK = 8192
@@ -26,7 +28,8 @@ _MAX_PREFILL_CHUNK = 8192
 
 @dataclasses.dataclass(frozen=True)
 class SpecSettings:
-    """Sampling and verification settings of `speculative_generate`."""
+    """Sampling and verification settings in the older call form of `speculative_generate`,
+    which reads them into its `EngineSettings` (`verifier`) and its keywords (the rest)."""
 
     top_k: int = 0
     top_p: float = 1.0
@@ -41,7 +44,7 @@ class SpecResult:
     accepted: list[list[int]]               # per request, per round: drafts accepted
     rounds: int                             # engine rounds run (all requests together)
     # per request, [its rounds, γ] float32 confidence-head logits of the proposals, aligned with
-    # `proposed`/`accepted` (None when SpecSettings.record_confidence is off)
+    # `proposed`/`accepted` (None when record_confidence is off)
     confidence: list[np.ndarray] | None = None
     # per request, per round: DeepSpec's acceptance length (accepted+1; eos_pos+1 on a round
     # whose accepted drafts hold a stop token). None: accepted+1 everywhere
@@ -61,50 +64,75 @@ def check_compatible(target: Any, draft: Any) -> None:
     validate_against_target(draft.config, target.config, source="draft")
 
 
+def generation_settings(**fields: Any) -> EngineSettings:
+    """`EngineSettings` for `speculative_generate`: DeepSpec's protocol (scheduler "fixed",
+    budget_rule "deepspec") where `fields` say nothing else."""
+    return EngineSettings(**{"scheduler": "fixed", "budget_rule": "deepspec", **fields})
+
+
+def _older_call(settings: EngineSettings | SpecSettings | None, fields: dict[str, Any],
+                sampling: dict[str, Any]) -> EngineSettings:
+    """The engine settings of a call in the older form, where `settings` is a `SpecSettings`
+    (its top-k, top-p and `record_confidence` go to `sampling`) and `fields` are
+    `EngineSettings` fields given as keywords; TypeError for any other keyword."""
+    known = {f.name for f in dataclasses.fields(EngineSettings)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"speculative_generate() got unexpected keyword arguments {unknown}")
+    if isinstance(settings, SpecSettings):
+        sampling.update(top_k=settings.top_k, top_p=settings.top_p,
+                        record_confidence=settings.record_confidence)
+        fields = {"verifier": settings.verifier, **fields}
+        settings = None
+    return dataclasses.replace(settings or generation_settings(), **fields)
+
+
 def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int]], *,
-                         max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
-                         stop_token_ids: Sequence[int] | None = None,
-                         max_cache_len: int | None = None, settings: SpecSettings | None = None,
-                         progress: bool = False, scheduler: str = "fixed",
-                         **engine_kw: Any) -> SpecResult:
+                         max_new_tokens: int, settings: EngineSettings | None = None,
+                         temperature: float = 0.0, seed: int = 0, top_k: int = 0,
+                         top_p: float = 1.0, max_cache_len: int | None = None,
+                         record_confidence: bool = True, progress: bool = False,
+                         **fields: Any) -> SpecResult:
     """Speculative decoding of a batch of prompts (token-id lists); lossless w.r.t. the target.
 
-    One engine slot per prompt; `scheduler` "fixed" verifies all γ drafts, as DeepSpec's
-    evaluator (any engine mode works); `engine_kw` go to `Engine` (DeepSpec's token-budget rule
-    `budget_rule="deepspec"` by default; the target's layout is the engine's,
-    `Target.decoding_layout`).
-    `max_cache_len`: the KV cache length (default: room for the longest prompt, the output and
-    one verification of γ+1). `settings`: top-k / top-p (every request; the target's and the drafter's distributions alike), the verifier and
-    whether confidences are recorded. `progress`: a tqdm bar of the emitted tokens. Returns the generated ids per prompt and per-round statistics
-    (proposed/accepted counts and acceptance lengths in DeepSpec's bookkeeping on stop tokens).
+    `settings`: the serving engine's settings (default `generation_settings()`: scheduler
+    "fixed", which verifies all γ drafts as DeepSpec's evaluator, and DeepSpec's token-budget
+    rule; any engine mode works; the target's layout is the engine's,
+    `Target.decoding_layout`). One engine slot per prompt: `max_requests`, `max_len` and
+    `prefill_chunk` come from the batch, and `capacity_buckets` (when None) is the whole
+    batch's drafts. `max_cache_len`: the KV cache length (default: room for the longest
+    prompt, the output and one verification of γ+1). `top_k` / `top_p`: every request's
+    sampling (the target's and the drafter's distributions alike). `record_confidence`: return
+    the confidence logits of every round. `progress`: a tqdm bar of the emitted tokens.
+    Calls in the older form (a `SpecSettings`, `EngineSettings` fields as keywords) are
+    still read. Returns the generated ids per prompt and per-round statistics (proposed/accepted
+    counts and acceptance lengths in DeepSpec's bookkeeping on stop tokens).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")
+    sampling = {"top_k": top_k, "top_p": top_p, "record_confidence": record_confidence}
+    if fields or not isinstance(settings, (EngineSettings, type(None))):
+        settings = _older_call(settings, fields, sampling)
+    settings = settings or generation_settings()
     check_compatible(target, draft)
-    settings = settings or SpecSettings()
-    cfg = target.config
     g = draft.config.num_drafts
     # validates the prompts; room for the prompt, the output and one verification of γ+1
-    _, lens, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len,
+    _, lens, cache_len = pad_prompts(prompts, target.config.vocab_size, max_cache_len,
                                      max_new_tokens + g + 1)
     R = len(prompts)
-    # DeepSpec's protocol: every round verifies γ drafts, also near the token budget, and
-    # rounds continue while DeepSpec's `while start < max_length` would
     # one prefill forward holds the longest prompt, rounded up to 256 tokens so batches of
     # similar prompts share one compiled prefill (padding tokens are masked)
     chunk = min(-(-int(max(lens)) // _PREFILL_BUCKET) * _PREFILL_BUCKET, _MAX_PREFILL_CHUNK)
-    per_request = int(engine_kw.get("tree_budget") or g)   # drafts or tree nodes
-    kw = dict(capacity_buckets=[R * (per_request + 1)], prefill_chunk=chunk,
-              budget_rule="deepspec")
-    kw.update(engine_kw)
-    eng = Engine(target, draft, max_requests=R, max_len=cache_len, scheduler=scheduler,
-                 verifier=settings.verifier, stop_token_ids=stop_token_ids, **kw)
+    per_request = int(settings.tree_budget or g)   # drafts or tree nodes
+    eng = Engine(target, draft, settings=dataclasses.replace(
+        settings, max_requests=R, max_len=cache_len, prefill_chunk=chunk,
+        capacity_buckets=settings.capacity_buckets or [R * (per_request + 1)]))
     res = eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                       seed=seed, top_k=settings.top_k, top_p=settings.top_p,
+                       seed=seed, top_k=sampling["top_k"], top_p=sampling["top_p"],
                        progress=progress)
     per = res.per_request
     conf = None
-    if settings.record_confidence:
+    if sampling["record_confidence"]:
         conf = [np.asarray(p["confidence"], np.float32).reshape(-1, g) for p in per]
     return SpecResult(tokens=res.tokens, proposed=[p["proposed"] for p in per],
                       accepted=[p["accepted"] for p in per],

@@ -187,7 +187,7 @@ def deepspec_check(c, target, deepspec_dir: pathlib.Path | None, heldout_convs
     if jax.process_count() > 1:
         return {"skipped": "runs on single-process jobs only"}
     from dspark_jax.data.chat import render_prompt
-    from dspark_jax.serving import speculative_generate
+    from dspark_jax.serving import generation_settings, speculative_generate
     from dspark_jax.models.drafters.draft import load_draft
 
     tok = target.tokenizer
@@ -202,7 +202,8 @@ def deepspec_check(c, target, deepspec_dir: pathlib.Path | None, heldout_convs
     theirs = dl.run_deepspec_loop(ev, prompts, stops)
     draft = load_draft(deepspec_dir, target)
     ours = speculative_generate(target, draft, prompts, max_new_tokens=max_new,
-                                temperature=0.0, stop_token_ids=stops)
+                                settings=generation_settings(stop_token_ids=stops),
+                                temperature=0.0)
     same = [list(map(int, o)) == t.tokens for o, t in zip(ours.tokens, theirs)]
     return {"deepspec": where, "export": str(deepspec_dir), "prompts": len(prompts),
             "max_new_tokens": max_new, "deepspec_tau": dl.deepspec_tau(theirs),
