@@ -85,8 +85,6 @@ def collect_rounds(target: Any, draft: Any, data_dir: str | os.PathLike, *,
     fewer than `min_prompts` left is an error raised before anything is decoded. The prompts
     of all datasets are decoded together, sorted by length (`eval.runner`).
     """
-    from dspark_jax.serving import SpecSettings
-
     runner.check_settings(max_new_tokens, batch_size, temperature)
     if max_samples is not None and max_samples < 1:
         raise ValueError(f"max_samples must be ≥ 1 (or None for all), got {max_samples}")
@@ -115,7 +113,7 @@ def collect_rounds(target: Any, draft: Any, data_dir: str | os.PathLike, *,
                         max_new_tokens=max_new_tokens, temperature=temperature,
                         cache_len=runner.cache_length([len(p) for p in prompts], max_new_tokens,
                                                       gamma, limit),
-                        settings=SpecSettings(record_confidence=True))
+                        record_confidence=True)
     # rows in decoding order (length-sorted batches), as rounds.npz has always stored them
     outs = [(i, dec.outputs[i]) for i in dec.order]
     return Rounds(logits=np.concatenate([o.confidence for _, o in outs], axis=0),

@@ -5,26 +5,28 @@ Uses matplotlib's object-oriented API with the Agg canvas directly (``Figure`` +
 works headless.  Every writer creates the parent directory and returns the written path.
 
 * :func:`plot_tau` — accepted length tau per dataset (grouped bars), optionally next to paper
-  reference values (e.g. ``acceptance.PAPER_TABLE1_TAU["qwen3_4b"]``).
+  reference values (e.g. ``paper_table.PAPER_TABLE1_TAU["qwen3_4b"]``).
 * :func:`plot_conditional_acceptance` — position-wise conditional acceptance, one line per
   dataset or drafter (paper Figure 2).
 * :func:`plot_reliability` — reliability diagram(s) from
   :class:`dspark_jax.eval.calibration.ReliabilityDiagram`.
+* :func:`write_evaluation_plots` — the plots of one evaluation, from its results.json document.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from dspark_jax.eval.calibration import ReliabilityDiagram
+from dspark_jax.eval.acceptance import AcceptanceStats
+from dspark_jax.eval.calibration import CalibrationReport, ReliabilityDiagram
 
-__all__ = ["plot_tau", "plot_conditional_acceptance", "plot_reliability"]
+__all__ = ["plot_tau", "plot_conditional_acceptance", "plot_reliability", "write_evaluation_plots"]
 
 PathLike = Union[str, Path]
 
@@ -168,3 +170,43 @@ def plot_reliability(
     axc.set_xlabel("predicted prefix survival")
     axc.set_ylabel("count")
     return _save(fig, path, dpi)
+
+
+def write_evaluation_plots(out: Path, results: Mapping[str, Any],
+                           stats: Mapping[str, AcceptanceStats],
+                           pooled_calib: CalibrationReport | None) -> dict[str, str]:
+    """An evaluation's PNG plots in `out` (τ per dataset beside the paper's row, conditional
+    and cumulative acceptance by position, the reliability diagram of a confidence head), from
+    its results.json document and statistics; returns {plot: file name}."""
+    evaluated = [n for n, s in stats.items() if s.rounds > 0]
+    pngs: dict[str, str] = {}
+    taus = {n: stats[n].tau for n in evaluated}
+    ref = results["paper_reference"]
+    ref_series = None
+    if ref is not None:
+        ref_series = {ref["label"]: {n: ref["tau"][n] for n in evaluated if n in ref["tau"]}}
+        if not next(iter(ref_series.values())):
+            ref_series = None
+    cfg = results["config"]
+    plot_tau(taus, out / "tau.png", reference=ref_series, label=f"{cfg['draft_type']} (ours)",
+             title=f"Accepted length τ (T={cfg['temperature']:g}, γ={cfg['gamma']})")
+    pngs["tau"] = "tau.png"
+    curves = {n: list(stats[n].conditional_acceptance) for n in evaluated}
+    if len(evaluated) > 1:
+        curves["mean"] = results["mean"]["conditional_acceptance"]
+    plot_conditional_acceptance(curves, out / "conditional_acceptance.png",
+                                title="Position-wise conditional acceptance (paper Fig. 2)")
+    pngs["conditional_acceptance"] = "conditional_acceptance.png"
+    cum = {n: list(stats[n].accept_rate_at) for n in evaluated}
+    plot_conditional_acceptance(cum, out / "accept_rate.png",
+                                title="Cumulative acceptance accept_rate@k (DeepSpec)",
+                                ylabel="P(first k drafts accepted)")
+    pngs["accept_rate"] = "accept_rate.png"
+    if pooled_calib is not None:
+        diagrams = {f"slot {s.slot + 1} (ECE {s.ece:.3f})": s.reliability
+                    for s in pooled_calib.slots if s.n > 0}
+        if diagrams:
+            plot_reliability(diagrams, out / "reliability.png",
+                             title="Confidence head: predicted vs empirical prefix survival")
+            pngs["reliability"] = "reliability.png"
+    return pngs

@@ -29,11 +29,14 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from dspark_jax.data.prompts import Conversation, list_eval_datasets, load_eval_dataset
+
+if TYPE_CHECKING:
+    from dspark_jax.serving.settings import EngineSettings
 
 __all__ = ["EvalDatasetError", "CACHE_BUCKET", "PreparedDataset", "PromptOutput", "Decoded",
            "CompileTimer", "Progress", "check_settings", "resolve_datasets", "fits", "prepare",
@@ -261,14 +264,13 @@ def _batched(prompts: Sequence[Sequence[int]], batch_size: int,
 
 def decode(target: Any, draft: Any, prompts: Sequence[Sequence[int]], *, batch_size: int,
            batch_seed: Callable[[int], int], max_new_tokens: int, temperature: float,
-           cache_len: int, settings: Any = None, stop_token_ids: Sequence[int] | None = None,
-           scheduler: str = "fixed", progress: Progress | None = None,
-           tree_budget: int = 0, tree_branching: int | None = None) -> Decoded:
+           cache_len: int, settings: EngineSettings | None = None,
+           record_confidence: bool = True, progress: Progress | None = None) -> Decoded:
     """Speculative decoding of `prompts` (token-id lists) in length-sorted batches of
     `batch_size`; batch b (in decoding order) samples with seed `batch_seed(b)`. `settings`:
-    `serving.SpecSettings` (its `record_confidence` decides whether confidence rows come back).
-    `tree_budget` > 0: draft trees of that many nodes (`Engine(tree_budget=…)`), at most
-    `tree_branching` children a node (None: the engine's default).
+    the serving engine's (`serving.generation_settings()` by default: DeepSpec's protocol;
+    draft trees with `tree_budget` > 0). `record_confidence`: whether confidence rows come
+    back.
     """
     from dspark_jax.serving.generation import speculative_generate
 
@@ -278,12 +280,9 @@ def decode(target: Any, draft: Any, prompts: Sequence[Sequence[int]], *, batch_s
     def run_batch(batch: list[Sequence[int]], b: int) -> list[PromptOutput]:
         nonlocal committed, rounds
         res = speculative_generate(target, draft, batch, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, seed=batch_seed(b),
-                                   stop_token_ids=stop_token_ids, max_cache_len=cache_len,
-                                   settings=settings, scheduler=scheduler,
-                                   tree_budget=tree_budget,
-                                   **({} if tree_branching is None
-                                      else {"tree_branching": tree_branching}))
+                                   settings=settings, temperature=temperature,
+                                   seed=batch_seed(b), max_cache_len=cache_len,
+                                   record_confidence=record_confidence)
         outs = []
         for j in range(len(batch)):
             alen = (res.acceptance[j] if res.acceptance is not None

@@ -393,7 +393,7 @@ def eval_dir(plan: Plan, drafter: str, t: float) -> pathlib.Path:
 def evaluate_drafter(plan: Plan, drafter: str, get_target: Callable[[], Any],
                      sets: Sequence[str]) -> None:
     """Stage 3b: measured τ by speculative decoding at every temperature."""
-    from dspark_jax.evaluate import evaluate
+    from dspark_jax.evaluate import EvalConfig, evaluate
     from dspark_jax.models import load_draft
 
     todo = [t for t in plan.temperatures
@@ -407,9 +407,10 @@ def evaluate_drafter(plan: Plan, drafter: str, get_target: Callable[[], Any],
         out = eval_dir(plan, drafter, t)
         log(f"{drafter}: speculative decoding T={t:g} on {', '.join(sets)} → {out}")
         with logged(plan.logs / f"{drafter}_eval_T{t:g}.log"):
-            r = evaluate(target, draft, plan.prompts_dir, datasets=list(sets), max_samples=None,
-                         max_new_tokens=plan.max_new_tokens, batch_size=plan.eval_batch_size,
-                         temperature=t, out_dir=out, paper_reference=None)
+            r = evaluate(EvalConfig(
+                target, draft, plan.prompts_dir, datasets=list(sets), max_samples=None,
+                max_new_tokens=plan.max_new_tokens, batch_size=plan.eval_batch_size,
+                temperature=t, out_dir=out, paper_reference=None))
         log(f"{drafter}: T={t:g} held-out τ {r['datasets'][HELDOUT]['tau']:.3f} "
             f"({r['total_wall_s']:.0f}s)")
 

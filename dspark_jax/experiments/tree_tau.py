@@ -25,18 +25,19 @@ def run(target: Any, draft: Any, data: Sequence[tuple[str, str]], *, budgets: Se
         temperatures: Sequence[float], branching: int | None, max_samples: int,
         max_new_tokens: int, batch_size: int) -> list[dict[str, Any]]:
     """One evaluation per (dataset, temperature, budget); budget 0 is the chain."""
-    from dspark_jax.evaluate import evaluate
+    from dspark_jax.evaluate import EvalConfig, evaluate
 
+    tree = {} if branching is None else {"tree_branching": branching}
     rows = []
     for data_dir, name in data:
         for temperature in temperatures:
             chain_tau = None
             for budget in budgets:
-                res = evaluate(target, draft, data_dir, datasets=[name],
-                               max_samples=max_samples, temperature=temperature,
-                               max_new_tokens=max_new_tokens, batch_size=batch_size,
-                               tree_budget=budget, plots=False, progress=False,
-                               **({} if branching is None else {"tree_branching": branching}))
+                res = evaluate(EvalConfig(
+                    target, draft, data_dir, datasets=[name], max_samples=max_samples,
+                    temperature=temperature, max_new_tokens=max_new_tokens,
+                    batch_size=batch_size, tree_budget=budget, plots=False, progress=False,
+                    **tree))
                 ds = res["datasets"][name]
                 chain_tau = ds["tau"] if budget == 0 else chain_tau
                 rows.append({"dataset": name, "temperature": temperature, "budget": budget,
