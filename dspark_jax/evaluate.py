@@ -83,7 +83,7 @@ __all__ = ["EvalConfig", "evaluate", "main", "build_parser", "config_from_args",
            "render_markdown"]
 
 
-def evaluate(config: EvalConfig, *older: Any, **older_kw: Any) -> dict[str, Any]:
+def evaluate(config: EvalConfig, *fields: Any, **named: Any) -> dict[str, Any]:
     """Runs the evaluation `config` describes; returns its results.json document (and writes
     the files listed in the module docstring to `config.out_dir` when it is set).
 
@@ -95,8 +95,8 @@ def evaluate(config: EvalConfig, *older: Any, **older_kw: Any) -> dict[str, Any]
     another target, `ValueError` for bad settings.
     """
     if not isinstance(config, EvalConfig):
-        config = EvalConfig(config, *older, **older_kw)
-    elif older or older_kw:
+        config = EvalConfig(config, *fields, **named)
+    elif fields or named:
         raise TypeError("evaluate(config) takes the EvalConfig alone")
     data_dir = Path(config.data_dir)
     names = runner.resolve_datasets(data_dir, config.datasets, DEFAULT_DATASETS)

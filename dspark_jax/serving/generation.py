@@ -28,8 +28,8 @@ _MAX_PREFILL_CHUNK = 8192
 
 @dataclasses.dataclass(frozen=True)
 class SpecSettings:
-    """Sampling and verification settings in the older call form of `speculative_generate`,
-    which reads them into its `EngineSettings` (`verifier`) and its keywords (the rest)."""
+    """Sampling and verification settings `speculative_generate` also takes as `settings`: it
+    folds `verifier` into its `EngineSettings` and the rest into its keywords."""
 
     top_k: int = 0
     top_p: float = 1.0
@@ -70,11 +70,11 @@ def generation_settings(**fields: Any) -> EngineSettings:
     return EngineSettings(**{"scheduler": "fixed", "budget_rule": "deepspec", **fields})
 
 
-def _older_call(settings: EngineSettings | SpecSettings | None, fields: dict[str, Any],
-                sampling: dict[str, Any]) -> EngineSettings:
-    """The engine settings of a call in the older form, where `settings` is a `SpecSettings`
-    (its top-k, top-p and `record_confidence` go to `sampling`) and `fields` are
-    `EngineSettings` fields given as keywords; TypeError for any other keyword."""
+def _folded_settings(settings: EngineSettings | SpecSettings | None, fields: dict[str, Any],
+                     sampling: dict[str, Any]) -> EngineSettings:
+    """One `EngineSettings` from a call whose `settings` is a `SpecSettings` (its top-k, top-p
+    and `record_confidence` go to `sampling`) or whose `fields` are `EngineSettings` fields
+    given as keywords; TypeError for any other keyword."""
     known = {f.name for f in dataclasses.fields(EngineSettings)}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -104,15 +104,15 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     prompt, the output and one verification of γ+1). `top_k` / `top_p`: every request's
     sampling (the target's and the drafter's distributions alike). `record_confidence`: return
     the confidence logits of every round. `progress`: a tqdm bar of the emitted tokens.
-    Calls in the older form (a `SpecSettings`, `EngineSettings` fields as keywords) are
-    still read. Returns the generated ids per prompt and per-round statistics (proposed/accepted
+    A `SpecSettings` as `settings`, or `EngineSettings` fields as keywords, are folded into
+    one `EngineSettings` (`_folded_settings`). Returns the generated ids per prompt and per-round statistics (proposed/accepted
     counts and acceptance lengths in DeepSpec's bookkeeping on stop tokens).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")
     sampling = {"top_k": top_k, "top_p": top_p, "record_confidence": record_confidence}
     if fields or not isinstance(settings, (EngineSettings, type(None))):
-        settings = _older_call(settings, fields, sampling)
+        settings = _folded_settings(settings, fields, sampling)
     settings = settings or generation_settings()
     check_compatible(target, draft)
     g = draft.config.num_drafts
