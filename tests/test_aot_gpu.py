@@ -340,3 +340,27 @@ def test_h200_decode_step_launches_at_most_twelve_kernels_a_layer(tmp_path):
     per_layer = (kernels[4] - kernels[2]) / 2
     assert 8 <= per_layer <= 12, kernels
     assert 8 <= (drafter[3] - drafter[1]) / 2 <= 12, drafter
+
+
+_ROW_WRITE_HLO = """HloModule m, entry_computation_layout={(bf16[1,2,64,2,8]{4,3,2,1,0}, bf16[1,4,2,8]{3,2,1,0}, s32[4]{0})->(bf16[1,2,64,2,8]{4,3,2,1,0})}
+
+ENTRY %main (c: bf16[1,2,64,2,8], k: bf16[1,4,2,8], r: s32[4]) -> (bf16[1,2,64,2,8]) {
+  %c = bf16[1,2,64,2,8]{4,3,2,1,0} parameter(0), metadata={op_name="state['cache']"}
+  %k = bf16[1,4,2,8]{3,2,1,0} parameter(1)
+  %r = s32[4]{0} parameter(2)
+  ROOT %w = (bf16[1,2,64,2,8]{4,3,2,1,0}) custom-call(%r, %k, %c), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{0}: (2, {})}, metadata={op_name="jit(f)/KERNEL/pallas_call"}
+}
+"""
+
+
+def test_a_row_writing_kernel_reads_none_of_the_buffers_it_writes_into():
+    """`cache_write_rows` stores rows into its aliased caches without reading them: its traffic
+    is the rows and indices it reads and the same bytes written; a kernel not known to be
+    write-only (the decoding attention, which reads the cache it writes into) counts the whole
+    aliased buffer as read."""
+    rows = 4 * 2 * 8 * 2 + 4 * 4
+    cache = 2 * 64 * 2 * 8 * 2
+    write = Program(_ROW_WRITE_HLO.replace("KERNEL", "cache_write_rows"), lambda _: None)
+    assert write.summary()["bytes_accessed"] == 2 * rows
+    other = Program(_ROW_WRITE_HLO.replace("KERNEL", "layer_attention_splits"), lambda _: None)
+    assert other.summary()["bytes_accessed"] == rows + cache

@@ -465,11 +465,17 @@ class Program:
             # operand counts as read (the kernel may read all of it, as the decoding layer's
             # attention reads the cache it writes a token's rows into), the output as written
             # not at all (what a kernel stores into it is not known from the program: rows)
-            aliased = [int(o) for o, _ in re.findall(
+            pairs = [(int(o), int(i)) for o, i in re.findall(
                 r"\{(\d+)\}:\s*\((\d+),", ins.attrs.split("output_to_operand_aliasing=")[-1])
                 ] if "output_to_operand_aliasing=" in ins.attrs else []
             els = tuple_elements(ins.shape)
-            written -= sum(shape_bytes(els[o], hbm_only=True) for o in aliased if o < len(els))
+            written -= sum(shape_bytes(els[o], hbm_only=True) for o, _ in pairs if o < len(els))
+            if pairs and any(f"/{n}/" in ins.attrs for n in WRITE_ONLY_KERNELS):
+                # stores rows into its aliased buffers without reading them: what it reads
+                # (the rows and their indices) is what it writes
+                into = {i for _, i in pairs}
+                read = sum(b for k, b in enumerate(operand_bytes) if k not in into)
+                return read, read, False
             return sum(operand_bytes), written, False
         if fused is None:
             if ins.opcode in _IN_PLACE and operand_bytes:   # the buffer is updated in place
@@ -577,6 +583,9 @@ class Program:
                  "weight_copy": k.weight_copy} for k in ks]
 
 
+# Pallas kernels (by their `pallas_call` name) that only store rows into their aliased
+# operands, never reading them: `pallas_kernels.cache_write`
+WRITE_ONLY_KERNELS = ("cache_write_rows",)
 # custom-call targets of Pallas kernels: Mosaic (TPU) and Triton (GPU)
 KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
 _COLLECTIVE = re.compile(r"^(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute|"

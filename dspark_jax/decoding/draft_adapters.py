@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from dspark_jax.decoding.tree import DraftTree, grow_tree, markov_child_logits
 from dspark_jax.models.decoder import grown_positions
 from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
-from dspark_jax.models.layers import UnstackedLayers, cache_scatter
+from dspark_jax.models.layers import UnstackedLayers, cache_scatter, cache_scatter_kv
 
 
 def _grown_kv(cache: Any, max_len: int) -> Any:
@@ -94,9 +94,9 @@ class DSparkAdapter:
         del lengths, dense_idx, count, next_tokens
         B = jax.tree.leaves(cache.k)[0].shape[1]
         k, v = model.context_kv(feats_kf[None], pos_k[None])                 # [Ld,1,K,Kh,H]
-        at = (jnp.where(valid_k, slot_k, B), pos_k)
-        return DraftCache(k=cache_scatter(cache.k, at, k[:, 0]),
-                          v=cache_scatter(cache.v, at, v[:, 0]))
+        k, v = cache_scatter_kv(cache.k, cache.v, (jnp.where(valid_k, slot_k, B), pos_k),
+                                k[:, 0], v[:, 0])
+        return DraftCache(k=k, v=v)
 
     @staticmethod
     def propose(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
@@ -167,6 +167,11 @@ class Eagle3Adapter:
     """Eagle3: a chain of γ autoregressive draft steps over its own KV cache."""
 
     grown_cache = staticmethod(_grown_kv)
+
+    @staticmethod
+    def supports_markov_kernel(model: Any) -> bool:
+        """No Markov head: its chain samples step by step."""
+        return False
 
     @staticmethod
     def vocab_weights(model: Any) -> None:

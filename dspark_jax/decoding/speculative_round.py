@@ -55,7 +55,7 @@ from dspark_jax.decoding.verification import (commit, flatten_plan, no_writes,  
                                               row_keys, row_uniforms, verify)
 from dspark_jax.models import layers as L
 from dspark_jax.models.decoder import prefill
-from pallas_kernels.markov_sample.tiled import markov_sample_tiled
+from pallas_kernels.markov_sample import tiled as markov_tiled
 
 
 def _draft_model(arrays: EngineArrays) -> Any:
@@ -78,7 +78,7 @@ def _propose_scan(draft: Any, arrays: EngineArrays, state: EngineState,
             and L.kernels_enabled()):
         def tiled(anchor: jax.Array, interpret: bool) -> dict[str, jax.Array]:
             del anchor
-            sample = functools.partial(markov_sample_tiled, interpret=interpret)
+            sample = functools.partial(markov_tiled.markov_sample_tiled, interpret=interpret)
             return _propose_kernel(draft, arrays, state, slots, sample)
 
         return L.on_gpu(tiled, lambda anchor: _scan_proposal(draft, arrays, state, slots),

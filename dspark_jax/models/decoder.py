@@ -347,10 +347,8 @@ def write_ragged(cache: KVCache, new_kv: Any, write_k: jax.Array,
     (padding) is dropped. No-op for `new_kv=None` (the call wrote them itself)."""
     if new_kv is None:
         return cache
-    k_new, v_new = new_kv
-    index = (write_k, position_k)
-    return cache.replace(k=L.cache_scatter(cache.k, index, k_new),
-                         v=L.cache_scatter(cache.v, index, v_new))
+    k, v = L.cache_scatter_kv(cache.k, cache.v, (write_k, position_k), *new_kv)
+    return cache.replace(k=k, v=v)
 
 
 def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,

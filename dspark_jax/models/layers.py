@@ -527,6 +527,41 @@ def cache_scatter(c: jax.Array | tuple[jax.Array, ...], index: tuple[Any, ...],
     return c.at[at].set(rows.astype(c.dtype), mode="drop")
 
 
+def cache_scatter_kv(ck: jax.Array | tuple[jax.Array, ...], cv: jax.Array | tuple[jax.Array, ...],
+                     index: tuple[jax.Array, jax.Array], k_rows: jax.Array, v_rows: jax.Array
+                     ) -> tuple[Any, Any]:
+    """`cache_scatter` of the keys and of the values: token t's rows (`k_rows` / `v_rows`
+    [L, T, Kh, H]) at (`index[0][t]`, `index[1][t]`) of every layer, out-of-range tokens
+    dropped. For per-layer caches (the decoding layout) on a GPU, outside a multi-device mesh,
+    one kernel writes every layer's rows in place (`pallas_kernels.cache_write`) where XLA
+    takes two scatters a layer; elsewhere, and inside `flash_kernels(False)`, the scatters."""
+    def xla(ck, cv, rows, pos, k, v):
+        return cache_scatter(ck, (rows, pos), k), cache_scatter(cv, (rows, pos), v)
+
+    from dspark_jax.sharding import active_mesh
+
+    mesh = active_mesh()
+    one_layer_groups = (isinstance(ck, tuple) and isinstance(cv, tuple)
+                        and all(c.shape[0] == 1 for c in ck + cv))
+    if (not one_layer_groups or len({c.dtype for c in ck + cv}) != 1
+            or any(jnp.ndim(i) != 1 for i in index) or not _flash_kernels.get()
+            or (mesh is not None and mesh.size > 1)):
+        return xla(ck, cv, *index, k_rows, v_rows)
+    n = len(ck)
+
+    def gpu(*args, interpret):
+        from pallas_kernels.cache_write import write_rows
+
+        return write_rows(args[:n], args[n:2 * n], *args[2 * n:], interpret=interpret)
+
+    def default(*args):
+        return xla(args[:n], args[n:2 * n], *args[2 * n:])
+
+    dtype = ck[0].dtype
+    return on_gpu(gpu, default, *ck, *cv, index[0].astype(jnp.int32),
+                  index[1].astype(jnp.int32), k_rows.astype(dtype), v_rows.astype(dtype))
+
+
 def cache_set_layer(c: jax.Array | tuple[jax.Array, ...], i: Any, index: tuple[Any, ...],
                     rows: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
     """`c[i].at[*index].set(rows)` for layer `i` alone, in `c`'s layout; out-of-range indices

@@ -482,8 +482,9 @@ def test_the_gpu_drafting_program_interpreted_is_lossless(target, draft, greedy_
         traced.append(1)
         return markov_sample_tiled(*args, **kw)
 
+    from pallas_kernels.markov_sample import tiled
     from pallas_kernels.markov_sample.tiled import markov_sample_tiled
-    monkeypatch.setattr(R_, "markov_sample_tiled", counted)
+    monkeypatch.setattr(tiled, "markov_sample_tiled", counted)
     with L.interpret_kernels():
         eng = Engine(target, draft, scheduler="fixed", **ENGINE_KW)
         out = eng.generate(PROMPTS, max_new_tokens=MAX_NEW).tokens
