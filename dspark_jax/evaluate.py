@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES
-from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.eval import runner
 from dspark_jax.eval.dataset_runs import (decode_baseline, decode_datasets, mean_entry,
@@ -77,6 +76,7 @@ from dspark_jax.eval.results_document import (RESULTS_SCHEMA, results_document, 
                                               write_outputs)
 from dspark_jax.eval.results_markdown import render_markdown
 from dspark_jax.eval.runner import EvalDatasetError
+from dspark_jax.serving.modes import mode_names
 
 __all__ = ["EvalConfig", "evaluate", "main", "build_parser", "config_from_args",
            "EvalDatasetError", "RESULTS_SCHEMA", "DEFAULT_DATASETS", "paper_reference_for",
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run plain autoregressive decoding and report the speedup")
     p.add_argument("--verifier", choices=("jax", "pallas"), default="jax")
     p.add_argument("--scheduler", default="fixed",
-                   choices=MODES,
+                   choices=mode_names(),
                    help="verification scheduler of the serving engine (default: DeepSpec's "
                         "fixed γ)")
     p.add_argument("--tree-budget", type=int, default=0,

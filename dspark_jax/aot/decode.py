@@ -138,6 +138,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     from jax.sharding import NamedSharding, PartitionSpec
 
     from dspark_jax.decoding.draft_adapters import adapter_for
+    from dspark_jax.serving.modes import Fixed, scheduler_mode
     from dspark_jax.models import layers as L
     from dspark_jax.models.decoder import TargetDecoder, init_cache
     from dspark_jax.models.drafters.draft import create_draft_module
@@ -193,8 +194,8 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                        key_data=arr((R, 2), jnp.uint32))
     stop_ids = arr((max(1, len(t_cfg.stop_token_ids or ())),), jnp.int32)
     t_abs, d_abs = abstract_on_mesh(t_state, mesh), abstract_on_mesh(d_state, mesh)
-    mode = "fixed" if shape.tree_budget else SCHEDULER[d_cfg.model_type]
-    conf_temps = arr((gamma,), jnp.float32) if mode == "adaptive" else None
+    mode = Fixed() if shape.tree_budget else scheduler_mode(SCHEDULER[d_cfg.model_type])
+    conf_temps = arr((gamma,), jnp.float32) if mode.needs_confidence else None
     # the engine's fused call: whole rounds (draft → schedule → verify → commit), one program
     replicated = NamedSharding(mesh, PartitionSpec())
     vocab_w = jax.tree.map(
@@ -217,7 +218,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     verify_args = (arrays, state, params, arr((R, gamma), jnp.int32),
                    arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32))
     choice = None
-    if mode == "adaptive":   # the drafting choice the device makes after a call's first round
+    if mode.prices_drafting:   # the drafting choice the device makes after a call's first round
         choice = R_.DraftChoice(gain=arr((2,), jnp.float32), n_then=arr((2,), jnp.int32),
                                 predicted=arr((), jnp.float32), realised=arr((), jnp.float32),
                                 decay=arr((), jnp.float32), plain_sps=arr((R + 1,), jnp.float32))
@@ -228,7 +229,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     return AbstractRound(draft_fn=draft_fn, draft_lower=draft_lower, draft_args=draft_args,
                          verify_fn=verify_fn, verify_lower=verify_lower,
                          verify_args=verify_args, round_fn=round_fn, round_lower=round_lower,
-                         round_args=round_args, mesh=mesh, scheduler=mode, gamma=gamma,
+                         round_args=round_args, mesh=mesh, scheduler=mode.name, gamma=gamma,
                          shape=shape, layer_buffers=layer_buffers, param_bytes=param_bytes)
 
 

@@ -2,7 +2,7 @@
 
 Closed loop: for each concurrency c, an engine with c request slots decodes `--requests-per-slot`
 × c prompts (a finished request's slot is refilled at once, so c requests stay in flight), for
-each scheduler mode (default: every mode of `decoding.scheduler.MODES`, side by side: none,
+each scheduler mode (default: every mode of `serving.modes.BUILTIN_MODES`, side by side: none,
 fixed, threshold, algorithm1, production — the paper's §5.2 schedule alone — and adaptive, that
 schedule plus our switch to plain decoding; `treeN`, e.g. `tree16`, is `fixed` drafting trees of
 N nodes, `adaptive+tree32` adaptive sizing trees of up to 32 nodes, docs/TREES.md). Every
@@ -66,9 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="DeepSpec-format drafter directory, or 'random' (random-init DSpark)")
     p.add_argument("--draft-layers", type=int, default=2, help="layers of a 'random' drafter")
     p.add_argument("--rank", type=int, default=64, help="Markov rank of a 'random' drafter")
-    from dspark_jax.decoding.scheduler import MODES
+    from dspark_jax.serving.modes import mode_names
 
-    p.add_argument("--modes", default=",".join(MODES),
+    p.add_argument("--modes", default=",".join(mode_names()),
                    help="comma-separated scheduler modes, run side by side (default: all); "
                         "treeN: fixed with draft trees of N nodes; MODE+treeN: MODE sizing "
                         "trees of up to N nodes")

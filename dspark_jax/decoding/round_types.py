@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.scheduler import RoundScheduler
 from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.models.decoder import KVCache
 
@@ -32,8 +33,9 @@ SAMPLERS = ("jax", "pallas")
 class RoundConfig:
     """Static settings of the round programs (a static jit argument: frozen and hashable).
 
-    `mode`: the scheduler (`scheduler.MODES`); `verifier`: the acceptance rule by name
-    (`acceptance_rule.VERIFIERS`); `sampler`: the Markov-head sampler (`SAMPLERS`);
+    `mode`: the scheduler mode, whose `schedule` picks the verification lengths on device
+    (`scheduler.RoundScheduler`; the modes: `serving.modes`); `verifier`: the acceptance
+    rule by name (`acceptance_rule.VERIFIERS`); `sampler`: the Markov-head sampler (`SAMPLERS`);
     `budget_rule`: `BUDGET_RULES`; `cap_budget`: never verify drafts past a request's token
     budget (off: DeepSpec's protocol, always γ); `tap_layer_ids`: the target layers whose
     features feed the drafter; `buckets`: the verification capacities K (ascending);
@@ -42,7 +44,7 @@ class RoundConfig:
     (`decoding.tree`; 0: the chain of γ drafts) with `tree_branching` children a node at
     most."""
 
-    mode: str = "fixed"
+    mode: RoundScheduler | None = None
     verifier: str = "jax"
     sampler: str = "jax"
     budget_rule: str = "serving"

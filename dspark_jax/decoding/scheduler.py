@@ -39,16 +39,16 @@ engine runs it in two modes: ``production`` is exactly this (objective ``tau * S
 round drafts; the paper's algorithm measured by itself), and ``adaptive`` adds the drafter's cost
 to the objective and may skip drafting for a round altogether (``dspark_jax.serving.policy``).
 
-:func:`schedule_lengths` is the scheduling step of the speculative round
-(``decoding.speculative_round``): one of :data:`MODES`, from plain decoding and DeepSpec's fixed
-γ or static confidence cut (``--confidence-threshold``) to Algorithm 1 and the §5.2 variant
-(``production``, and ``adaptive`` with our drafting choice).
+The speculative round (``decoding.speculative_round``) schedules with its config's mode
+(:class:`RoundScheduler`, ``RoundConfig.mode``); the modes, from plain decoding and DeepSpec's
+fixed γ or static confidence cut (``--confidence-threshold``) to Algorithm 1 and the §5.2 variant
+(``production``, and ``adaptive`` with our drafting choice), are ``dspark_jax.serving.modes``.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -62,11 +62,9 @@ __all__ = [
     "topk_admission",
     "init_capacity_queue",
     "production_schedule",
-    "MODES",
-    "CONFIDENCE_MODES",
-    "STALE_CAPACITY_MODES",
+    "RoundScheduler",
     "confidence_probs",
-    "schedule_lengths",
+    "stale_capacity_schedule",
     "drafting_pays",
 ]
 
@@ -244,19 +242,19 @@ def production_schedule(
 
 
 # --------------------------------------------------------------------------------------------
-# The scheduler modes of the engine's round
+# What the engine's round asks of a scheduler mode
 # --------------------------------------------------------------------------------------------
 
-# "none": plain decoding; "fixed": all γ drafts (DeepSpec's evaluator); "threshold": DeepSpec's
-# static confidence cut; "algorithm1": the causal scheduler above; "production": the paper's
-# §5.2 schedule alone — K from the global search of Θ = τ·SPS(B) on the confidences of two
-# rounds before, top-K admission of the current candidates, and every round drafts;
-# "adaptive": the same §5.2 schedule with the drafter's cost in the search's objective and the
-# drafting choice of `dspark_jax.serving.policy` (a round may decode plainly instead)
-MODES = ("none", "fixed", "threshold", "algorithm1", "production", "adaptive")
-CONFIDENCE_MODES = ("threshold", "algorithm1", "production", "adaptive")
-# the modes whose K comes from confidences two rounds old (the host carries it, `capacity`)
-STALE_CAPACITY_MODES = ("production", "adaptive")
+
+class RoundScheduler(Protocol):
+    """What the speculative round calls on its scheduler mode (`RoundConfig.mode`; the modes
+    themselves: `serving.modes`). Hashable: it is part of the round's static config."""
+
+    def schedule(self, conf: jax.Array, active: jax.Array, gamma: int, threshold: jax.Array,
+                 sps: jax.Array, capacity: jax.Array, sps_draft: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """→ (ℓ [R] int32, the capacity K for two rounds later, G its expected accepts)."""
+        ...
 
 
 def confidence_probs(conf_logits: jax.Array, temperatures: jax.Array | None) -> jax.Array:
@@ -267,38 +265,19 @@ def confidence_probs(conf_logits: jax.Array, temperatures: jax.Array | None) -> 
     return jax.nn.sigmoid(c)
 
 
-def schedule_lengths(mode: str, conf: jax.Array, active: jax.Array, gamma: int,
-                     threshold: jax.Array, sps: jax.Array, capacity: jax.Array,
-                     sps_draft: jax.Array | None = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The scheduling step of the speculative round (`speculative_round.draft_and_schedule`):
-    ℓ [R] for the mode (SPEC §8; see `MODES`), and for "production" / "adaptive" (ℓ: the top
-    `capacity` current candidates) the §5.2 capacity K computed from these confidences (used two
-    rounds later) with G, the expected accepted drafts among those K (0 for the other modes).
-    The global search maximises τ · SPS(B) under "production" (the paper's objective) and
-    τ · `sps_draft`(B) under "adaptive", where `sps_draft` [B] (default `sps`) is the rounds/s
-    of a drafting round, 1 / (t_d + t_v(B)) (`serving.policy`)."""
-    R = active.shape[0]
-    zero = jnp.zeros((), jnp.int32)
-    fzero = jnp.zeros((), jnp.float32)
-    if mode == "none":
-        return jnp.zeros((R,), jnp.int32), zero, fzero
-    if mode == "fixed":
-        return jnp.where(active, gamma, 0).astype(jnp.int32), zero, fzero
-    if mode == "threshold":   # DeepSpec's static cut: the first slot with σ(c) < t ends it
-        keep = jnp.cumprod((conf >= threshold).astype(jnp.int32), axis=-1)
-        return jnp.where(active, jnp.sum(keep, axis=-1), 0).astype(jnp.int32), zero, fzero
-    if mode == "algorithm1":  # causal early stop (Appendix A)
-        return (schedule_verification(conf, active, sps, early_stop=True).lengths, zero,
-                fzero)
-    if mode in STALE_CAPACITY_MODES:   # K from two rounds ago; top-K of the current candidates
-        lengths = topk_admission(conf, active, capacity, sps).lengths
-        objective = sps if mode == "production" or sps_draft is None else sps_draft
-        glob = schedule_verification(conf, active, objective, early_stop=False)
-        n_act = jnp.sum(active).astype(jnp.float32)
-        return (lengths, jnp.sum(glob.lengths).astype(jnp.int32),
-                (glob.expected_accepts - n_act).astype(jnp.float32))
-    raise ValueError(f"unknown scheduler {mode!r}; choose from {MODES}")
+def stale_capacity_schedule(conf: jax.Array, active: jax.Array, capacity: jax.Array,
+                            sps: jax.Array, objective: jax.Array
+                            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The §5.2 schedule of one round: ℓ [R] admits the top `capacity` current candidates (K,
+    computed two rounds before), and the global search of τ · `objective`(B) on these
+    confidences gives the K for two rounds later with G, its expected accepted drafts.
+    `objective` [B] is SPS itself (the paper's) or the drafting rounds per second
+    1 / (t_d + t_v(B)) (`serving.policy`)."""
+    lengths = topk_admission(conf, active, capacity, sps).lengths
+    glob = schedule_verification(conf, active, objective, early_stop=False)
+    n_act = jnp.sum(active).astype(jnp.float32)
+    return (lengths, jnp.sum(glob.lengths).astype(jnp.int32),
+            (glob.expected_accepts - n_act).astype(jnp.float32))
 
 
 def drafting_pays(capacity: jax.Array, gain: jax.Array, n_then: jax.Array, n_active: jax.Array,

@@ -155,9 +155,9 @@ def _draft_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
         if has_conf else None, num_drafts)                                     # [R, N]
     previous = jnp.pad(survival[:, :-1], ((0, 0), (1, 0)), constant_values=1.0)
     step_conf = jnp.where(previous > 0, survival / jnp.maximum(previous, 1e-30), 0.0)
-    lengths, capacity_new, gain_new = sched.schedule_lengths(
-        config.mode, step_conf, slots.active, config.tree_budget, arrays.threshold, arrays.sps,
-        capacity, arrays.sps_draft)
+    lengths, capacity_new, gain_new = config.mode.schedule(
+        step_conf, slots.active, config.tree_budget, arrays.threshold, arrays.sps, capacity,
+        arrays.sps_draft)
     lengths = jnp.where(slots.active, jnp.minimum(lengths, tree.num_nodes), 0).astype(jnp.int32)
     n_tokens = jnp.sum(jnp.where(slots.active, 1 + lengths, 0)).astype(jnp.int32)
     admitted = jnp.arange(config.tree_budget)[None] < lengths[:, None]
@@ -172,7 +172,7 @@ def _draft_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
 def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: EngineState,
                         slots: SlotSettings, capacity: jax.Array) -> DraftOutputs:
     """Drafts γ tokens for every slot (`PROPOSERS[config.sampler]`) and schedules them
-    (`scheduler.schedule_lengths`; `capacity`: the K the stale-capacity modes admit; the
+    (`config.mode.schedule`; `capacity`: the K the stale-capacity modes admit; the
     capacity and gain for two rounds later are searched on `arrays.sps_draft`). With
     `config.cap_budget` no draft past a request's token budget is verified. With
     `config.tree_budget` every slot drafts a tree instead (`_draft_tree`)."""
@@ -185,9 +185,8 @@ def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: Engine
     if conf_logits is None:
         conf_logits = jnp.zeros(proposal["tokens"].shape, jnp.float32)
     conf = sched.confidence_probs(conf_logits, arrays.confidence_temperatures)
-    lengths, capacity_new, gain_new = sched.schedule_lengths(
-        config.mode, conf, slots.active, num_drafts, arrays.threshold, arrays.sps, capacity,
-        arrays.sps_draft)
+    lengths, capacity_new, gain_new = config.mode.schedule(
+        conf, slots.active, num_drafts, arrays.threshold, arrays.sps, capacity, arrays.sps_draft)
     if "length" in proposal:      # Eagle3's chain stopped at a drafted stop token
         lengths = jnp.minimum(lengths, proposal["length"])
     if config.cap_budget:   # drafts past the request's token budget can never be emitted

@@ -219,7 +219,7 @@ def engine_costs(eng: Any) -> EngineCosts:
     bucket_seconds, took = None, 0.0
     if st.sps is not None:
         table, bucket_seconds = given_sps(st.sps, buckets)
-    elif eng.mode_traits.profiles_sps:
+    elif eng.mode.profiles_sps:
         bucket_seconds, took, cached = profile_buckets(eng)
         log.info("SPS over buckets %s: %s (%s)", buckets,
                  {b: f"{1 / t:.1f}/s" for b, t in bucket_seconds.items()},
@@ -228,7 +228,7 @@ def engine_costs(eng: Any) -> EngineCosts:
     else:
         table = np.ones((buckets[-1] + 1,), np.float32)
     draft_s, plain_s, cost_took = st.draft_seconds, st.plain_seconds, 0.0
-    if eng.mode_traits.prices_drafting and st.sps is None and None in (draft_s, plain_s):
+    if eng.mode.prices_drafting and st.sps is None and None in (draft_s, plain_s):
         measured, cost_took = profile_costs(eng, sps=table)
         draft_s = measured["draft"] if draft_s is None else draft_s
         plain_s = measured["plain"] if plain_s is None else plain_s
@@ -374,7 +374,7 @@ def profile_costs(eng: Any, sps: np.ndarray | None = None) -> tuple[dict[str, fl
     plain, n = plain_rounds_fn(eng)
     calls = {f"draft_{steps}_steps": functools.partial(draft_step_fn(eng, steps, arrays), 0),
              f"plain_{n}_rounds": functools.partial(plain, eng.buckets[0])}
-    key = profile_key(eng, costs=True, mode=eng.mode, steps=steps)
+    key = profile_key(eng, costs=True, mode=eng.mode.name, steps=steps)
     secs, took, _ = load_or_profile(key, eng.settings.sps_cache_dir, calls,
                                     repeats=eng.settings.profile_repeats)
     return {"draft": secs[f"draft_{steps}_steps"] / steps,

@@ -82,7 +82,7 @@ class Engine:
             settings = dataclasses.replace(settings, **kwargs)
         settings.validate().check_models(target, draft)
         self.settings, self.target = settings, target
-        self.mode, self.mode_traits = settings.scheduler, policy.MODES[settings.scheduler]
+        self.mode = settings.mode
         self.R, self.max_len = int(settings.max_requests), int(settings.max_len)
         self.plain_steps_per_call = int(settings.plain_steps_per_call)
         self.rounds_per_call = int(settings.rounds_per_call)
@@ -91,7 +91,7 @@ class Engine:
         # (`Target.decoding_layout`: one buffer per layer on accelerators), so the engine
         # holds the weights once
         self.step_target = target.decoding_layout(settings.layer_buffers)
-        self.draft = draft if self.mode_traits.drafts else None
+        self.draft = draft if self.mode.drafts else None
         self.gamma = int(self.draft.config.num_drafts) if self.draft is not None else 0
         self.V = int(target.config.vocab_size)
         # a request verifies its anchor and γ drafts, or N tree nodes
@@ -176,7 +176,7 @@ class Engine:
         n = step
         while n < self.max_len:
             out.append(n)
-            if self.mode_traits.drafts:
+            if self.mode.drafts:
                 n = next(m * step for m in _SPECULATIVE_LENGTHS if m * step > n)
             else:
                 n += step
@@ -214,17 +214,17 @@ class Engine:
         return costs
 
     def new_policy(self) -> policy.Policy | None:
-        """A fresh per-round scheduling state for this mode (`policy.MODES`): the adaptive
-        drafting choice, `production`'s capacity queue (K₀ = R·γ: every candidate until a K
-        exists), `AlwaysDraft` for the modes that decide nothing across rounds, or None
-        (`none`)."""
+        """A fresh per-round scheduling state for this mode (`SchedulerMode.new_policy`): the
+        adaptive drafting choice, `production`'s capacity queue (K₀ = R·γ: every candidate
+        until a K exists), `AlwaysDraft` for the modes that decide nothing across rounds, or
+        None (`none`)."""
         st = self.settings
-        return policy.policy_for(
-            self.mode, verify_seconds=self.costs.verify_seconds,
-            draft_seconds=self.costs.draft_seconds, plain_seconds=self.costs.plain_seconds,
-            gamma=self.per_request, initial_capacity=self.R * self.per_request,
-            probe_interval=int(st.probe_interval), max_probe_interval=int(st.max_probe_interval),
-            explore=None if st.explore is None else float(st.explore))
+        return self.mode.new_policy(policy.PolicyInputs(
+            verify_seconds=self.costs.verify_seconds, draft_seconds=self.costs.draft_seconds,
+            plain_seconds=self.costs.plain_seconds, gamma=self.per_request,
+            initial_capacity=self.R * self.per_request, probe_interval=int(st.probe_interval),
+            max_probe_interval=int(st.max_probe_interval),
+            explore=None if st.explore is None else float(st.explore)))
 
     def reset_policy(self) -> None:
         """Forgets what the adaptive policy learned (ρ, estimates, probe budget): the next
@@ -278,7 +278,7 @@ class Engine:
         for n in self.cache_lengths():
             if n > top:
                 break
-            if self.mode_traits.prices_drafting:   # plain stretches at each bucket a load needs
+            if self.mode.prices_drafting:   # plain stretches at each bucket a load needs
                 for K in anchor_buckets:
                     jax.block_until_ready(round_.anchor_rounds(
                         self.config, self.arrays, self.fresh_state(n), slots, one, one,

@@ -4,7 +4,8 @@ cost-aware drafting decision of the `adaptive` mode (`DraftPolicy`: the paper's 
 our switch to plain decoding); the other drafting modes decide nothing across rounds
 (`AlwaysDraft`). Each answers `decide(n_active)` → (draft?, K) before a round, says what a
 device call of rounds carries (`device_schedule`) and replays the rounds the device ran
-(`replay`); `MODES` says what each scheduler mode asks of the engine.
+(`replay`): the `Policy` protocol, which the run loop (`serving.run_loop`) calls. Each
+scheduler mode (`serving.modes`) makes its own from the engine's costs (`PolicyInputs`).
 
 What the paper does (§5.2): the verification capacity K of round t is the global search's
 argmax of Θ = τ · SPS(B) on the confidences of round t − 2, and round t admits the top-K of its
@@ -68,10 +69,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,52 @@ def plain_or_draft(n_active: int, est: Estimate, verify_seconds: np.ndarray,
     return bool(theta_draft >= theta_plain), float(theta_plain), float(theta_draft)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PolicyInputs:
+    """What a mode's policy is made from (`SchedulerMode.new_policy`): t_v by token count
+    [B], t_d, t_plain (a scalar or [n] by active requests), γ (a tree: its nodes), the capacity
+    K₀ before any estimate, and the probing settings (`EngineSettings`)."""
+
+    verify_seconds: np.ndarray
+    draft_seconds: float
+    plain_seconds: float | np.ndarray
+    gamma: int
+    initial_capacity: int
+    probe_interval: int = 4
+    max_probe_interval: int = 64
+    explore: float | None = 0.01
+
+
+class Policy(Protocol):
+    """A mode's per-round host state, as the run loop (`serving.run_loop.Run`) calls it.
+    `persists`: one policy per engine, across runs (False: a fresh one every run)."""
+
+    persists: bool
+
+    def decide(self, n_active: int) -> tuple[bool, int]:
+        """Before a round: → (draft?, capacity K to admit)."""
+        ...
+
+    def device_schedule(self, capacity: int) -> tuple[list[int], dict[str, Any] | None]:
+        """What a device call of drafting rounds carries: (K of rounds t−2, t−1, the device
+        drafting choice's state or None: every round drafts)."""
+        ...
+
+    def replay(self, first: bool, est: Estimate, predicted: float, realised: float) -> None:
+        """Replays a drafting round the device ran (`first`: the call's first round)."""
+        ...
+
+    def update(self, drafted: bool, est: Estimate | None = None, predicted: float = 0.0,
+               realised: float = 0.0) -> None:
+        """After a round the host ran (`drafted` False: a round that skipped drafting)."""
+        ...
+
+    def plain_rounds(self, n_active: int, limit: int) -> int:
+        """After `decide(n_active)` chose plain decoding: how many rounds in a row (≤ `limit`)
+        it chooses plain decoding while `n_active` stays the same."""
+        ...
+
+
 class AlwaysDraft:
     """The modes that decide nothing across rounds (`fixed`, `threshold`, `algorithm1`): every
     round drafts, and the capacity they carry is unused."""
@@ -126,6 +172,14 @@ class AlwaysDraft:
 
     def replay(self, first: bool, est: Estimate, predicted: float, realised: float) -> None:
         """Replays a drafting round the device ran (`first`: the call's first round)."""
+
+    def update(self, drafted: bool, est: Estimate | None = None, predicted: float = 0.0,
+               realised: float = 0.0) -> None:
+        """Nothing carries across rounds."""
+
+    def plain_rounds(self, n_active: int, limit: int) -> int:
+        """`decide` never chooses plain decoding: one round."""
+        return 1
 
 
 class CapacityQueue:
@@ -161,6 +215,10 @@ class CapacityQueue:
 
     def replay(self, first: bool, est: Estimate, predicted: float, realised: float) -> None:
         self.update(True, est, predicted, realised)
+
+    def plain_rounds(self, n_active: int, limit: int) -> int:
+        """`decide` never chooses plain decoding: one round."""
+        return 1
 
 
 class DraftPolicy:
@@ -290,55 +348,3 @@ class DraftPolicy:
             self.since_draft += 1
             est = self.queue[1]
         self.queue = [self.queue[1], est]
-
-
-Policy = AlwaysDraft | CapacityQueue | DraftPolicy
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """What a scheduler mode (`scheduler.MODES`) asks of the engine."""
-
-    drafts: bool                 # runs the drafter (every mode but `none`: plain decoding)
-    needs_confidence: bool       # schedules on the drafter's confidences
-    profiles_sps: bool           # its search reads SPS(B), profiled at start unless given
-    prices_drafting: bool        # profiles t_d and t_plain; may skip drafting (`adaptive`)
-    new_policy: Callable[..., Policy] | None   # its per-round state (`policy_for`)
-
-
-def _capacity_queue(*, initial_capacity: int, **_: Any) -> CapacityQueue:
-    return CapacityQueue(initial_capacity)
-
-
-def _always_draft(**_: Any) -> AlwaysDraft:
-    return AlwaysDraft()
-
-
-MODES: dict[str, Mode] = {
-    "none": Mode(drafts=False, needs_confidence=False, profiles_sps=False,
-                 prices_drafting=False, new_policy=None),
-    "fixed": Mode(drafts=True, needs_confidence=False, profiles_sps=False,
-                  prices_drafting=False, new_policy=_always_draft),
-    "threshold": Mode(drafts=True, needs_confidence=True, profiles_sps=False,
-                      prices_drafting=False, new_policy=_always_draft),
-    "algorithm1": Mode(drafts=True, needs_confidence=True, profiles_sps=True,
-                       prices_drafting=False, new_policy=_always_draft),
-    "production": Mode(drafts=True, needs_confidence=True, profiles_sps=True,
-                       prices_drafting=False, new_policy=_capacity_queue),
-    "adaptive": Mode(drafts=True, needs_confidence=True, profiles_sps=True,
-                     prices_drafting=True, new_policy=DraftPolicy),
-}
-
-
-def policy_for(mode: str, *, verify_seconds: np.ndarray, draft_seconds: float,
-               plain_seconds: float | np.ndarray, gamma: int, initial_capacity: int,
-               probe_interval: int = 4, max_probe_interval: int = 64,
-               explore: float | None = 0.01) -> Policy | None:
-    """A fresh per-round state for `mode` (None for `none`, which has no rounds to decide)."""
-    make = MODES[mode].new_policy
-    if make is None:
-        return None
-    return make(verify_seconds=verify_seconds, draft_seconds=draft_seconds,
-                plain_seconds=plain_seconds, gamma=gamma, initial_capacity=initial_capacity,
-                probe_interval=probe_interval, max_probe_interval=max_probe_interval,
-                explore=explore)

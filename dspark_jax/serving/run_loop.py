@@ -73,7 +73,7 @@ class Run:
                  max_active: int | None = None):
         self.eng, self.max_new = eng, int(max_new)
         # the drafting rounds' program: the buckets `max_active` requests can reach
-        self.config = eng.rounds_config(max_active) if eng.mode_traits.drafts else eng.config
+        self.config = eng.rounds_config(max_active) if eng.mode.drafts else eng.config
         self.requests: list[Request] = []
         self.prompts: list[list[int]] = []
         self.out: list[list[int]] = []
@@ -85,11 +85,11 @@ class Run:
         self.slot_req = [-1] * eng.R
         self.free = collections.deque(range(eng.R))
         self.pending: collections.deque[int] = collections.deque()
-        self.plain = not eng.mode_traits.drafts
+        self.plain = not eng.mode.drafts
         self.step_s = 0.0       # seconds per step / round (last call), for arrivals
         # adaptive: the engine's drafting policy (its state persists across calls);
         # production: a fresh capacity queue for this run
-        self.policy = eng.policy
+        self.policy: policy.Policy | None = eng.policy
         if self.policy is not None and (fresh_policy or not self.policy.persists):
             self.policy = eng.new_policy()
         self.bar = None
