@@ -15,17 +15,10 @@ from dspark_jax.decoding.acceptance_rule import VERIFIERS
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.pallas_backend import check_offered
 from dspark_jax.decoding.round_types import BUDGET_RULES, SAMPLERS
-from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.models.families import family_of
-from dspark_jax.serving.policy import MODES as MODE_TABLE
-
-
-# the modes that schedule draft trees: all of them, or a prefix by the nodes' survival
-# estimates (`decoding.tree.node_survival`); `threshold` cuts per-slot confidences, which
-# a tree's nodes do not have
-TREE_SCHEDULERS = ("fixed", "algorithm1", "production", "adaptive")
+from dspark_jax.serving.modes import BUILTIN_MODES, SchedulerMode, scheduler_mode
 
 
 def check_verifier(verifier: str) -> None:
@@ -64,8 +57,8 @@ class EngineSettings:
     Draft trees (`tree_budget` N > 0, docs/TREES.md): every round drafts a tree of N nodes a
     request (at most `tree_branching` children a node, the chain of γ drafts always among
     them) and verifies it in one target forward: all of it (`fixed`), or the prefix the
-    scheduler admits (`TREE_SCHEDULERS`); N ≥ γ, the "jax" sampler and verifier, and a
-    DSpark or DFlash drafter.
+    scheduler admits (the modes with `SchedulerMode.schedules_trees`); N ≥ γ, the "jax"
+    sampler and verifier, and a DSpark or DFlash drafter.
 
     Token budget: `budget_rule="serving"` (default) ends a request as soon as it has emitted
     `max_new_tokens`, and `cap_to_budget` (default True) never verifies drafts past that budget.
@@ -78,7 +71,7 @@ class EngineSettings:
 
     max_requests: int = 16                  # R: request slots decoded together
     max_len: int = 2048                     # the longest a request (prompt + output) may be
-    scheduler: str = "adaptive"             # `scheduler.MODES`
+    scheduler: str | SchedulerMode = "adaptive"   # a `serving.modes` name, or a mode
     threshold: float = 0.5                  # `threshold` mode's cut on σ(c)
     capacity_buckets: Sequence[int] | None = None   # verification capacities K (default R…R(γ+1))
     prefill_chunk: int = 128                # prompt tokens a prefill forward takes at a time
@@ -110,6 +103,11 @@ class EngineSettings:
             return self.budget_rule == "serving"
         return bool(self.cap_to_budget)
 
+    @property
+    def mode(self) -> SchedulerMode:
+        """The scheduler mode `scheduler` names (`serving.modes.scheduler_mode`)."""
+        return scheduler_mode(self.scheduler)
+
     def validate(self) -> "EngineSettings":
         """Raises ValueError naming the first bad setting; → self."""
         self._check_names()
@@ -127,20 +125,21 @@ class EngineSettings:
         if self.tree_budget < 0 or self.tree_branching < 1:
             raise ValueError(f"tree_budget must be ≥ 0 and tree_branching ≥ 1, got "
                              f"{self.tree_budget} and {self.tree_branching}")
-        if self.tree_budget and (self.scheduler not in TREE_SCHEDULERS
+        if self.tree_budget and (not self.mode.schedules_trees
                                  or self.sampler != "jax" or self.verifier != "jax"):
-            raise ValueError(f"tree_budget: trees are scheduled by {list(TREE_SCHEDULERS)} "
+            trees = [m.name for m in BUILTIN_MODES if m.schedules_trees]
+            raise ValueError(f"tree_budget: trees are scheduled by {trees} "
                              f"and sampled and verified by 'jax', got scheduler "
                              f"{self.scheduler!r}, sampler {self.sampler!r} and verifier "
                              f"{self.verifier!r}")
-        if self.scheduler == "threshold" and not 0.0 <= float(self.threshold) <= 1.0:
+        if self.mode.reads_threshold and not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         self._check_costs()
         return self
 
     def _check_names(self) -> None:
-        for name, value, known in (("scheduler", self.scheduler, MODES),
-                                   ("budget_rule", self.budget_rule, BUDGET_RULES),
+        scheduler_mode(self.scheduler)   # raises naming the field and the built-in modes
+        for name, value, known in (("budget_rule", self.budget_rule, BUDGET_RULES),
                                    ("sampler", self.sampler, SAMPLERS)):
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; choose from {list(known)}")
@@ -162,14 +161,14 @@ class EngineSettings:
 
     def check_models(self, target: Any, draft: Any) -> None:
         """Raises ValueError when the target and the drafter cannot serve these settings."""
-        if self.scheduler == "none":
+        if not self.mode.drafts:
             return
         if draft is None:
             raise ValueError(f"scheduler={self.scheduler!r} needs a drafter (draft=None only "
                              "works with scheduler='none')")
         validate_against_target(draft.config, target.config, source="draft")
         model_type = draft.config.model_type
-        if MODE_TABLE[self.scheduler].needs_confidence and not draft.config.has_confidence:
+        if self.mode.needs_confidence and not draft.config.has_confidence:
             raise ValueError(f"scheduler={self.scheduler!r} needs the drafter's confidence "
                              f"head, but this {model_type} drafter has none; use "
                              "scheduler='fixed' (or 'none')")
