@@ -265,8 +265,8 @@ def test_production_mode_is_the_paper_schedule_alone() -> None:
     the new K = the global search of τ·SPS(B) (the paper's objective: a drafting-cost table
     `sps_draft` is ignored, where "adaptive" searches on it), G = its expected accepted drafts;
     both stale-capacity modes admit the same ℓ."""
-    from dspark_jax.decoding.scheduler import (CONFIDENCE_MODES, MODES, STALE_CAPACITY_MODES,
-                                               schedule_lengths)
+    from scheduler_by_name import (CONFIDENCE_MODES, MODES, STALE_CAPACITY_MODES,
+                                   schedule_lengths)
 
     assert "production" in MODES and "production" in CONFIDENCE_MODES
     assert set(STALE_CAPACITY_MODES) == {"production", "adaptive"}

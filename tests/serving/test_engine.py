@@ -13,11 +13,11 @@ import pytest
 
 from dspark_jax.decoding import autoregressive_generate, verification
 from dspark_jax.decoding import speculative_round as round_
-from dspark_jax.decoding.scheduler import MODES
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.serving import Engine
 from dspark_jax.serving import engine as engine_mod
 from hf_tiny import save_tiny_hf
+from scheduler_by_name import MODES
 
 BASE = dict(block_size=3, num_draft_layers=1, target_layer_ids=(-1, 0), mask_token_id=96,
             markov_rank=8)

@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.decoding import acceptance_rule, scheduler
+from dspark_jax.decoding import acceptance_rule
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.serving import Engine
 from hf_tiny import save_tiny_hf
+import scheduler_by_name as scheduler
 from tests.decoding.test_acceptance_rule import chi2_stat
 
 V = 8

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dspark_jax.decoding import scheduler
 from dspark_jax.serving import policy
+import scheduler_by_name as scheduler
 
 R, G = 4, 3
 TOP = R * (G + 1)

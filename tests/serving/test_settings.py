@@ -1,7 +1,7 @@
 """The engine's settings (`serving.settings.EngineSettings`): one frozen object built from
 `Engine(target, draft, **kw)`'s keywords, validated before anything is built, naming the bad
-setting; and the table of what each scheduler mode asks of the engine (`serving.policy.MODES`),
-consistent with the scheduler's own lists."""
+setting; and what each built-in scheduler mode asks of the engine (`serving.modes`): its traits
+and its policy."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 
-from dspark_jax.decoding.scheduler import CONFIDENCE_MODES, MODES, STALE_CAPACITY_MODES
 from dspark_jax.serving import policy
+from dspark_jax.serving.modes import scheduler_mode
 from dspark_jax.serving.settings import EngineSettings
+from scheduler_by_name import CONFIDENCE_MODES, MODES, STALE_CAPACITY_MODES
 
 
 def test_defaults_and_the_budget_cap():
@@ -49,12 +50,19 @@ def test_validate_names_the_bad_setting(kw, match):
         EngineSettings(**kw).validate()
 
 
-def test_mode_table_matches_the_scheduler():
-    assert set(policy.MODES) == set(MODES)
-    for name, mode in policy.MODES.items():
+POLICY_INPUTS = dict(verify_seconds=[1.0] * 9, draft_seconds=0.1, plain_seconds=1.0, gamma=3,
+                     initial_capacity=6)
+
+
+def test_mode_traits():
+    assert set(CONFIDENCE_MODES) == {"threshold", "algorithm1", "production", "adaptive"}
+    for name in MODES:
+        mode = scheduler_mode(name)
+        assert mode.name == str(mode) == name
         assert mode.needs_confidence == (name in CONFIDENCE_MODES), name
         assert mode.drafts == (name != "none"), name
-        assert (mode.new_policy is None) == (not mode.drafts), name
+        made = mode.new_policy(policy.PolicyInputs(**POLICY_INPUTS))
+        assert (made is None) == (not mode.drafts), name
         # the stale-capacity modes search on SPS; only `adaptive` prices the drafter
         if name in STALE_CAPACITY_MODES:
             assert mode.profiles_sps, name
@@ -62,9 +70,8 @@ def test_mode_table_matches_the_scheduler():
 
 
 def test_each_mode_gets_its_policy():
-    kw = dict(verify_seconds=[1.0] * 9, draft_seconds=0.1, plain_seconds=1.0, gamma=3,
-              initial_capacity=6)
-    kinds = {name: type(policy.policy_for(name, **kw)) for name in MODES}
+    kw = policy.PolicyInputs(**POLICY_INPUTS)
+    kinds = {name: type(scheduler_mode(name).new_policy(kw)) for name in MODES}
     assert kinds["none"] is type(None)
     assert kinds["production"] is policy.CapacityQueue
     assert kinds["adaptive"] is policy.DraftPolicy
@@ -72,6 +79,6 @@ def test_each_mode_gets_its_policy():
     always = policy.AlwaysDraft()
     assert always.decide(4) == (True, 0)
     assert always.device_schedule(0) == ([0, 0], None)
-    queue = policy.policy_for("production", **kw)
+    queue = scheduler_mode("production").new_policy(kw)
     queue.replay(True, policy.Estimate(4, 1.0, 2), 0.5, 0.0)
     assert queue.device_schedule(0) == ([6, 4], None)
