@@ -11,6 +11,8 @@ modules); `families` (the registry of what differs per family); `decoder` (Targe
 
 # families first: importing it registers every family with models.config (see its docstring)
 from dspark_jax.models import families  # noqa: F401
+# … and importing drafter_kinds registers every drafter kind (models/drafters/kind.py)
+from dspark_jax.models import drafter_kinds  # noqa: F401
 from dspark_jax.models.config import ConfigError, DecoderConfig, RopeConfig
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.drafters.draft import Draft, init_draft, load_draft

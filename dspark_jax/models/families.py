@@ -68,6 +68,7 @@ class Family:
     draft_layer_families: tuple[str, ...]        # layer families its targets' drafters may use
     draft_layer_config: Callable[[DecoderConfig, int], DecoderConfig]  # (target, n) → layers
     drafter_classes: Mapping[str, type]          # DraftConfig.model_type → NNX module class
+                                                 #  (a kind not listed: `DrafterKind.module`)
     legacy_draft_layers: bool                    # only legacy dspark_jax exports have them
     # ---- DeepSpec drafter checkpoints (models/io/deepspec.py)
     deepspec_prefix: str                         # "Qwen3" of Qwen3DSparkModel

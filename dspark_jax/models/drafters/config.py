@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any, Mapping
 
 from dspark_jax.models.config import ConfigError, DecoderConfig, family_spec, registered_families
+from dspark_jax.models.drafters.kind import DrafterKind, drafter_kind, drafter_kinds
 
-MODEL_TYPES = ("dspark", "dflash", "eagle3")
 # "deepspec": slot k of the block [x0, M, …, M] predicts position p+k+1 (γ drafts);
 # "zlab": z-lab's DFlash, slot k predicts position p+k (slot 0 is the anchor: γ−1 drafts)
 BLOCK_CONVENTIONS = ("deepspec", "zlab")
@@ -103,8 +103,8 @@ class DraftConfig:
         if self.layer_family not in serves:
             bad("layer_family", f"{self.layer_family!r} draft layers cannot serve a "
                 f"{t.family} target ({t.family} targets take {' or '.join(serves)} layers)")
-        if self.model_type not in MODEL_TYPES:
-            bad("model_type", f"{self.model_type!r} is not one of {MODEL_TYPES}")
+        if self.model_type not in drafter_kinds():
+            bad("model_type", f"{self.model_type!r} is not one of {tuple(drafter_kinds())}")
         if self.block_size < 1:
             bad("block_size", f"must be ≥ 1, got {self.block_size}")
         if self.num_draft_layers < 1:
@@ -152,13 +152,13 @@ class DraftConfig:
                     f"{self.draft_vocab_size}")
             if any(b <= a for a, b in zip(v, v[1:])) or v[0] < 0 or v[-1] >= t.vocab_size:
                 bad("draft_vocab", f"must be strictly increasing ids in [0, {t.vocab_size})")
-        if self.model_type == "eagle3" and self.block_size != self.ttt_length:
-            # Eagle3 drafts ttt_length tokens a round, as DeepSpec's evaluator does
+        kind = self.kind
+        if self.block_size != getattr(self, kind.gamma_field):
+            # e.g. Eagle3 drafts ttt_length tokens a round, as DeepSpec's evaluator does
             # (max_proposal_tokens = ttt_length): one number, so no consumer drafts another γ
-            object.__setattr__(self, "block_size", self.ttt_length)
-        if self.model_type in ("dflash", "eagle3") and (self.markov_rank
-                                                         or self.enable_confidence_head):
-            # neither has a sequential or confidence head: normalise so round trips are exact
+            object.__setattr__(self, "block_size", getattr(self, kind.gamma_field))
+        if not kind.sequential_heads and (self.markov_rank or self.enable_confidence_head):
+            # no sequential or confidence head: normalise so round trips are exact
             object.__setattr__(self, "markov_rank", 0)
             object.__setattr__(self, "enable_confidence_head", False)
 
@@ -168,12 +168,17 @@ class DraftConfig:
         return len(self.target_layer_ids)
 
     @property
+    def kind(self) -> DrafterKind:
+        """The drafter kind's record (models/drafter_kinds.py)."""
+        return drafter_kind(self.model_type)
+
+    @property
     def has_markov(self) -> bool:
-        return self.model_type == "dspark" and self.markov_rank > 0
+        return self.kind.sequential_heads and self.markov_rank > 0
 
     @property
     def has_confidence(self) -> bool:
-        return self.model_type == "dspark" and self.enable_confidence_head
+        return self.kind.sequential_heads and self.enable_confidence_head
 
     @property
     def pruned_vocab(self) -> bool:
@@ -184,14 +189,14 @@ class DraftConfig:
     def num_drafts(self) -> int:
         """Draft tokens per round γ: the block size (DeepSpec convention, Eagle3's chain) or
         block size − 1 under z-lab's convention."""
-        if self.model_type != "eagle3" and self.block_convention == "zlab":
+        if self.kind.parallel_block and self.block_convention == "zlab":
             return self.block_size - 1
         return self.block_size
 
     def layer_config(self) -> DecoderConfig:
         """The draft layers: the target's shapes in the consumers' family (`layer_family`):
         Qwen3 layers (q/k RMSNorm) for Llama and Qwen3 targets, Gemma4 layers for Gemma4."""
-        n = self.draft_num_hidden_layers if self.model_type == "eagle3" else self.num_draft_layers
+        n = getattr(self, self.kind.layers_field)
         return self.target.draft_layer_config(n, self.layer_family)
 
     def replace(self, **kw: Any) -> "DraftConfig":

@@ -34,8 +34,8 @@ from dspark_jax.models.target import resolve_dtype
 
 
 def draft_module_class(cfg: DraftConfig) -> type:
-    """The NNX drafter class of `cfg`: its layer family's for its model type."""
-    return family(cfg.layer_family).drafter_classes[cfg.model_type]
+    """The NNX drafter class of `cfg`: its layer family's for its kind, else the kind's own."""
+    return family(cfg.layer_family).drafter_classes.get(cfg.model_type, cfg.kind.module)
 
 
 def create_draft_module(cfg: DraftConfig, seed: int = 0, dtype: Any = jnp.float32,
@@ -87,9 +87,9 @@ class Draft:
         `anchor_position` (default S; context at positions ≥ it is not visible); `prev_tokens`
         [γ] = x0..x_{γ−1} feed the sequential head (x0 = anchor; default: all anchor)."""
         cfg = self.config
-        if cfg.model_type == "eagle3":
-            raise ValueError("block_logits is the DSpark/DFlash block semantics; Eagle3 drafts "
-                             "autoregressively (see dspark_jax.models.drafters.eagle3)")
+        if not cfg.kind.parallel_block:
+            raise ValueError(f"block_logits is the DSpark/DFlash block semantics; a "
+                             f"{cfg.model_type} drafter drafts autoregressively")
         feats = np.asarray(context_features, np.float32)
         want = cfg.num_features * cfg.target.hidden_size
         if feats.ndim != 2 or feats.shape[1] != want:

@@ -34,7 +34,10 @@ these back to a V-row `lm_head` (zero rows outside the K ids, which decoding mas
 0) and the K ids into the DraftConfig.
 
 What depends on the draft layers' family (Gemma4's `Gemma4DSparkModel` keeps the target's
-Gemma4 config and its own layer tensors) is that family's record in models/families.py.
+Gemma4 config and its own layer tensors) is that family's record in models/families.py; what
+depends on the drafter kind (its architecture, config.json fields and tensors past the shared
+ones) is that kind's `DrafterKind` record in models/drafter_kinds.py, whose layouts are
+models/io/drafter_layouts.py.
 """
 
 from __future__ import annotations
@@ -52,37 +55,46 @@ from flax import nnx
 
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.drafters.kind import (DrafterKind, drafter_kinds,
+                                             kind_by_deepspec_architecture)
 from dspark_jax.models.families import FAMILIES, family, family_by_deepspec_prefix
+from dspark_jax.models.io.drafter_layouts import (DSPARK_FIELDS, DSPARK_IF_CONFIDENCE,  # noqa: F401
+                                                  DSPARK_IF_MARKOV, EAGLE3_FIELDS)
 from dspark_jax.models.io.errors import CheckpointError, ExportError, checked_tensor
 from dspark_jax.models.io.hf import read_config_json, read_safetensors_dir, write_safetensors
 
-_ARCH = re.compile(r"^(" + "|".join(f.deepspec_prefix for f in FAMILIES.values())
-                   + r")(DSpark|DFlash|Eagle3)(Model|ForCausalLM)?$")
 EAGLE3_DRAFT_MODEL = "Eagle3DraftModel"   # eval.py maps it to the Qwen3 Eagle3 evaluator
 
 
 class LegacyDrafterWarning(UserWarning):
     """A drafter checkpoint in a legacy dspark_jax layout (Llama draft layers) that only we load."""
 
-# config.json fields DeepSpec's Qwen3DSparkModel.__init__ / build_draft_config / the DSpark
-# evaluator read (besides the Qwen3 shape), and those it writes only in some cases
-DSPARK_FIELDS = ("num_target_layers", "block_size", "target_layer_ids", "mask_token_id",
-                 "num_anchors", "enable_confidence_head", "markov_rank")
-DSPARK_IF_MARKOV = ("markov_head_type",)                 # markov_rank > 0
-DSPARK_IF_CONFIDENCE = ("confidence_head_with_markov",)  # enable_confidence_head
-# … Qwen3Eagle3Model.__init__ / build_draft_config / the Eagle3 evaluator
-EAGLE3_FIELDS = ("num_target_layers", "target_layer_ids", "ttt_length", "step_loss_decay",
-                 "draft_num_hidden_layers")
 INITIALIZER_RANGE = 0.02    # DeepSpec's drafters inherit Qwen3's (post_init reads it)
 
 
-def _arch_info(raw: Mapping[str, Any], source: str) -> tuple[str, str]:
+def _architecture_pattern() -> re.Pattern[str]:
+    """<family prefix><kind architecture>[Model|ForCausalLM], over the registered records."""
+    archs = {a: None for k in drafter_kinds().values() for a in k.deepspec_architectures}
+    return re.compile(r"^(" + "|".join(f.deepspec_prefix for f in FAMILIES.values())
+                      + r")(" + "|".join(archs) + r")(Model|ForCausalLM)?$")
+
+
+def _alias_kind(architecture: str) -> DrafterKind | None:
+    """The kind a whole architecture name (`DrafterKind.deepspec_aliases`) stands for."""
+    return next((k for k in drafter_kinds().values() if architecture in k.deepspec_aliases),
+                None)
+
+
+def _arch_info(raw: Mapping[str, Any], source: str) -> tuple[str, DrafterKind]:
+    pattern = _architecture_pattern()
     for a in raw.get("architectures") or []:
-        if a == EAGLE3_DRAFT_MODEL:
-            return ("llama" if raw.get("model_type") == "llama" else "qwen3"), "eagle3"
-        m = _ARCH.match(a)
+        aliased = _alias_kind(a)
+        if aliased is not None:
+            return ("llama" if raw.get("model_type") == "llama" else "qwen3"), aliased
+        m = pattern.match(a)
         if m:
-            return family_by_deepspec_prefix(m.group(1)).name, m.group(2).lower()
+            return (family_by_deepspec_prefix(m.group(1)).name,
+                    kind_by_deepspec_architecture(m.group(2)))
     raise ConfigError(f"{source}: not a DeepSpec drafter (architectures "
                       f"{raw.get('architectures')!r}; expected e.g. Qwen3DSparkModel, "
                       f"Qwen3Eagle3Model, {EAGLE3_DRAFT_MODEL})")
@@ -98,7 +110,8 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
     layer_shape = layers.deepspec_layer_config(raw, source)
     if target is not None:
         layers.check_draft_shapes(layer_shape, target, source)
-    if layers.legacy_draft_layers and EAGLE3_DRAFT_MODEL not in (raw.get("architectures") or []):
+    if layers.legacy_draft_layers and not any(_alias_kind(a)
+                                              for a in raw.get("architectures") or []):
         # a legacy dspark_jax export with Llama draft layers (no q/k norm): only we load it
         warnings.warn(f"{source}: a Llama-layer drafter ({raw.get('architectures')}, no q/k "
                       "norms) from an older dspark_jax; it loads as the drafter it is, but no "
@@ -122,26 +135,7 @@ def draft_config_from_deepspec(raw: Mapping[str, Any], source: str = "config.jso
             num_hidden_layers=n_target,
             layer_types=("full_attention",) * n_target if layer_shape.layer_types else ())
     fields: dict[str, Any] = dict(target_layer_ids=ids, layer_family=family_name)
-    if kind == "eagle3":
-        ttt = int(raw.get("ttt_length", 7))
-        fields.update(model_type="eagle3", ttt_length=ttt,
-                      step_loss_decay=float(raw.get("step_loss_decay", 0.8)),
-                      draft_num_hidden_layers=int(raw.get("draft_num_hidden_layers", n_draft)),
-                      block_size=ttt, markov_rank=0, enable_confidence_head=False)
-        # EAGLE-3's key (= V: the full vocabulary); the ids are d2t's (canonical_tensors)
-        k = int(raw.get("draft_vocab_size") or 0)
-        fields["draft_vocab_size"] = k if k != target.vocab_size else 0
-    else:
-        rank = int(raw.get("markov_rank", 0) or 0)
-        conf = bool(raw.get("enable_confidence_head", False))
-        fields.update(model_type="dspark" if (rank > 0 or conf) else "dflash",
-                      num_draft_layers=n_draft, block_size=int(raw.get("block_size", 7)),
-                      mask_token_id=int(raw.get("mask_token_id", 0)),
-                      num_anchors=int(raw.get("num_anchors", 512)), markov_rank=rank,
-                      markov_head_type=str(raw.get("markov_head_type") or "vanilla"),
-                      enable_confidence_head=conf,
-                      confidence_head_with_markov=bool(raw.get("confidence_head_with_markov",
-                                                               True)))
+    fields.update(kind.config_from_deepspec(raw, n_draft, target.vocab_size))
     # our own fields (written by dspark_jax) take precedence: they are exact
     known = {f for f in DraftConfig.__dataclass_fields__ if f != "target"}
     unknown = sorted(set(ours) - known)
@@ -158,27 +152,15 @@ def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
     layers = family(cfg.layer_family)
     hf = layers.deepspec_base_config(cfg)
     prefix = layers.deepspec_prefix
-    kind = {"dspark": "DSpark", "dflash": "DSpark", "eagle3": "Eagle3"}[cfg.model_type]
+    arch = cfg.kind.deepspec_architectures[0]
     n = layer_cfg.num_hidden_layers
     hf.setdefault("layer_types", ["full_attention"] * n)
-    hf.update(architectures=[f"{prefix}{kind}Model"], tie_word_embeddings=False,
+    hf.update(architectures=[f"{prefix}{arch}Model"], tie_word_embeddings=False,
               attention_dropout=0.0,
               initializer_range=INITIALIZER_RANGE,
               num_target_layers=cfg.target.num_hidden_layers,
               target_layer_ids=list(cfg.target_layer_ids))
-    if cfg.model_type == "eagle3":
-        hf.update(ttt_length=cfg.ttt_length, step_loss_decay=cfg.step_loss_decay,
-                  draft_num_hidden_layers=cfg.draft_num_hidden_layers)
-        if cfg.pruned_vocab:       # EAGLE-3's layout (module docstring)
-            hf["draft_vocab_size"] = cfg.draft_vocab_size
-    else:
-        hf.update(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                  num_anchors=cfg.num_anchors, enable_confidence_head=cfg.has_confidence,
-                  markov_rank=cfg.markov_rank if cfg.has_markov else 0)
-        if cfg.has_markov:
-            hf["markov_head_type"] = cfg.markov_head_type
-        if cfg.has_confidence:
-            hf["confidence_head_with_markov"] = cfg.confidence_head_with_markov and cfg.has_markov
+    hf.update(cfg.kind.deepspec_config(cfg))     # an Eagle3 draft vocabulary: EAGLE-3's layout
     hf["dspark_jax"] = {k: v for k, v in cfg.to_dict().items()
                         if k != "target" and (k not in hf or hf[k] != v)}
     return hf
@@ -188,27 +170,16 @@ def deepspec_config_dict(cfg: DraftConfig) -> dict[str, Any]:
 def deepspec_tensor_names(cfg: DraftConfig) -> list[str]:
     """Every tensor of DeepSpec's state dict for this drafter (Qwen3DSparkModel: embed_tokens,
     layers, norm, fc, hidden_norm, lm_head, markov_head, confidence_head; Qwen3Eagle3Model:
-    embed_tokens, fc, layers with their hidden_norm, norm, lm_head)."""
+    embed_tokens, fc, layers with their hidden_norm, norm, lm_head): those every drafter has,
+    then its kind's (`DrafterKind.tensor_names`)."""
     lc = cfg.layer_config()
     names = ["embed_tokens.weight", "lm_head.weight", "norm.weight", "fc.weight"]
     # the layers' own names (Gemma4: sandwich norms, layer scalar, k=v variants)
     layer_names = family(cfg.layer_family).layer_tensor_names
-    attn_in = 2 * lc.hidden_size if cfg.model_type == "eagle3" else None
+    attn_in = cfg.kind.attn_in_dim(lc)
     for i in range(lc.num_hidden_layers):
         names += [f"layers.{i}.{n}" for n in layer_names(lc, i, attn_in)]
-    if cfg.model_type == "eagle3":
-        names += [f"layers.{i}.hidden_norm.weight" for i in range(lc.num_hidden_layers)]
-    if cfg.model_type == "eagle3":
-        return names
-    names.append("hidden_norm.weight")
-    if cfg.has_markov:
-        names += ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight"]
-        extra = {"gated": "gate_proj", "rnn": "joint_proj"}.get(cfg.markov_head_type)
-        if extra:
-            names += [f"markov_head.{extra}.weight", f"markov_head.{extra}.bias"]
-    if cfg.has_confidence:
-        names += ["confidence_head.proj.weight", "confidence_head.proj.bias"]
-    return names
+    return names + cfg.kind.tensor_names(cfg)
 
 
 # the tensors with one row per proposable id: K rows with a draft vocabulary, V without
@@ -281,9 +252,8 @@ def canonical_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], sourc
     d2t, t2d = t.pop("d2t", None), t.pop("t2d", None)
     if t and all(k.startswith("model.") for k in t if k != "lm_head.weight"):
         t = {k[len("model."):] if k.startswith("model.") else k: v for k, v in t.items()}
-    if cfg.model_type == "eagle3":
-        t = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v
-             for k, v in t.items()}
+    for alias, name in cfg.kind.tensor_aliases:     # Eagle3DraftModel's `midlayer.`
+        t = {(name + k[len(alias):]) if k.startswith(alias) else k: v for k, v in t.items()}
     V = cfg.target.vocab_size
     head = t.get("lm_head.weight")
     rows = V if head is None else int(np.shape(head)[0])
@@ -323,7 +293,8 @@ def canonical_tensors(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], sourc
 
 def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray], source: str
                              ) -> dict[str, Any]:
-    """DeepSpec tensor names → nested dict matching DSparkDraft / Eagle3Draft."""
+    """DeepSpec tensor names → nested dict matching the drafter's NNX module: the parts every
+    drafter has, then its kind's (`DrafterKind.pure_from_tensors`)."""
     t = cfg.target
     V, D, n = t.vocab_size, t.hidden_size, cfg.num_features
     lc = cfg.layer_config()
@@ -334,29 +305,9 @@ def draft_pure_from_deepspec(cfg: DraftConfig, tensors: Mapping[str, np.ndarray]
         "norm": g("norm.weight", (D,)),
         "fc": g("fc.weight", (D, n * D)).T,
     }
-    import_layers = family(cfg.layer_family).import_layers
-    if cfg.model_type == "eagle3":
-        pure["layers"] = import_layers(tensors, "layers.", lc, source, attn_in_dim=2 * D)
-        pure["hidden_norm"] = np.stack([g(f"layers.{i}.hidden_norm.weight", (D,))
-                                        for i in range(lc.num_hidden_layers)])
-        return pure
-    pure["hidden_norm"] = g("hidden_norm.weight", (D,))
-    pure["layers"] = import_layers(tensors, "layers.", lc, source)
-    if cfg.has_markov:
-        r = cfg.markov_rank
-        mk = {"w1": g("markov_head.markov_w1.weight", (V, r)),
-              "w2": g("markov_head.markov_w2.weight", (V, r))}
-        if cfg.markov_head_type == "gated":
-            mk["gate_w"] = g("markov_head.gate_proj.weight", (r, D + r))
-            mk["gate_b"] = g("markov_head.gate_proj.bias", (r,))
-        elif cfg.markov_head_type == "rnn":
-            mk["joint_w"] = g("markov_head.joint_proj.weight", (3 * r, 2 * r + D))
-            mk["joint_b"] = g("markov_head.joint_proj.bias", (3 * r,))
-        pure["markov"] = mk
-    if cfg.has_confidence:
-        width = D + (cfg.markov_rank if cfg.confidence_head_with_markov and cfg.has_markov else 0)
-        pure["confidence"] = {"w": g("confidence_head.proj.weight", (1, width)),
-                              "b": g("confidence_head.proj.bias", (1,))}
+    pure["layers"] = family(cfg.layer_family).import_layers(
+        tensors, "layers.", lc, source, attn_in_dim=cfg.kind.attn_in_dim(lc))
+    pure.update(cfg.kind.pure_from_tensors(cfg, tensors, source))
     return pure
 
 
@@ -370,24 +321,8 @@ def deepspec_tensors_from_pure(cfg: DraftConfig, pure: Mapping[str, Any]) -> dic
         "norm.weight": to_np(pure["norm"]),
         "fc.weight": to_np(pure["fc"]).T,
         **layer_tensors,
+        **cfg.kind.tensors_from_pure(cfg, pure),
     }
-    if cfg.model_type == "eagle3":
-        for i, w in enumerate(to_np(pure["hidden_norm"])):
-            out[f"layers.{i}.hidden_norm.weight"] = w
-        return {k: np.ascontiguousarray(v) for k, v in out.items()}
-    out["hidden_norm.weight"] = to_np(pure["hidden_norm"])
-    if "markov" in pure:
-        mk = pure["markov"]
-        out["markov_head.markov_w1.weight"] = to_np(mk["w1"])
-        out["markov_head.markov_w2.weight"] = to_np(mk["w2"])
-        names = {"gate_w": "gate_proj.weight", "gate_b": "gate_proj.bias",
-                 "joint_w": "joint_proj.weight", "joint_b": "joint_proj.bias"}
-        for k, name in names.items():
-            if k in mk:
-                out[f"markov_head.{name}"] = to_np(mk[k])
-    if "confidence" in pure:
-        out["confidence_head.proj.weight"] = to_np(pure["confidence"]["w"])
-        out["confidence_head.proj.bias"] = to_np(pure["confidence"]["b"])
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
@@ -414,12 +349,12 @@ FULL_VOCAB_FALLBACK_NOTE = (
 
 def faithful_format(cfg: DraftConfig) -> str:
     """The export format that holds `cfg` exactly: "deepspec" for a full-vocabulary drafter,
-    "eagle3" for an Eagle3 drafter with a draft vocabulary (EAGLE-3's layout, which
-    `write_deepspec_dir` writes for it), "speculators" for a DSpark / DFlash drafter with one
+    else its kind's `pruned_vocab_format`: "eagle3" for an Eagle3 drafter (EAGLE-3's layout,
+    which `write_deepspec_dir` writes for it), "speculators" for a DSpark / DFlash drafter
     (DeepSpec's format has only the lossy full-vocabulary fallback for it)."""
     if not cfg.pruned_vocab:
         return "deepspec"
-    return "eagle3" if cfg.model_type == "eagle3" else "speculators"
+    return cfg.kind.pruned_vocab_format
 
 
 def full_vocab_fallback(cfg: DraftConfig) -> DraftConfig:

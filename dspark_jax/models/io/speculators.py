@@ -40,6 +40,7 @@ from flax import nnx
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.families import family
+from dspark_jax.models.io.drafter_layouts import block_model_type
 from dspark_jax.models.io.deepspec import (canonical_tensors, deepspec_tensors_from_pure,
                                            draft_pure_from_deepspec, draft_vocab_tensors,
                                            write_json_atomic)
@@ -58,10 +59,12 @@ def is_speculators_config(raw: Mapping[str, Any]) -> bool:
 def check_exportable(cfg: DraftConfig) -> None:
     """The drafters this format holds and its consumers (vLLM, llama.cpp) run; `ExportError`
     naming the field otherwise."""
-    if cfg.model_type == "eagle3":
-        raise ExportError("model_type: 'eagle3' drafters export with --format deepspec "
-                          "(Qwen3Eagle3Model; with a draft vocabulary, EAGLE-3's layout); the "
-                          "speculators export writes DSpark/DFlash")
+    if not cfg.kind.speculators_exportable:
+        arch = family(cfg.layer_family).deepspec_prefix + cfg.kind.deepspec_architectures[0]
+        raise ExportError(f"model_type: {cfg.model_type!r} drafters export with --format "
+                          f"deepspec ({arch}Model; with a draft vocabulary, the "
+                          f"{cfg.kind.pruned_vocab_format!r} layout); the speculators export "
+                          "writes DSpark/DFlash")
     if cfg.layer_family != LAYER_FAMILY:
         raise ExportError(f"layer_family: {cfg.layer_family!r} draft layers; speculators' "
                           "DSpark drafter (and vLLM's, llama.cpp's) has Qwen3 layers only")
@@ -166,7 +169,7 @@ def draft_config_from_speculators(raw: Mapping[str, Any], source: str,
     rank = int(raw.get("markov_rank") or 0)
     conf = bool(raw.get("enable_confidence_head", False))
     return DraftConfig(
-        target=target, model_type="dspark" if (rank or conf) else "dflash",
+        target=target, model_type=block_model_type(rank, conf),
         num_draft_layers=shape.num_hidden_layers, block_size=int(raw["block_size"]),
         target_layer_ids=tuple(int(i) - 1 for i in raw["aux_hidden_state_layer_ids"]),
         mask_token_id=int(raw["mask_token_id"]), markov_rank=rank,
