@@ -2,8 +2,9 @@
 inference: DSpark/DFlash parallel blocks; §5 inference: Eagle3's chain; DeepSpec's evaluator's
 per-drafter `propose`). The drafter models themselves live in `dspark_jax.models`.
 
-Every drafter exposes the same pure functions to the round (`decoding.speculative_round`), so DSpark,
-DFlash and Eagle3 run through one loop:
+Every drafter kind's record (`DrafterKind.adapter`, models/drafter_kinds.py) names a
+`DrafterAdapter`, which exposes the same pure functions to the round
+(`decoding.speculative_round`), so DSpark, DFlash and Eagle3 run through one loop:
   init_cache(model, B, max_len)                       → draft cache
   grown_cache(cache, max_len)                         → the cache with room for max_len
   commit(model, cache, feats [B,T,n·d], start [B], count [B], next_tokens [B,T]) → cache
@@ -11,25 +12,65 @@ DFlash and Eagle3 run through one loop:
        next_tokens[t] is the token that follows position start+t — Eagle3 pairs them)
   propose(model, cache, anchor [B], anchor_pos [B], key, temperature, sample_fn,
           probs_fn=None, stop_ids=None)
-      → dict(tokens [B,γ], probs [B,γ,V], confidence [B,γ], length [B] (with stop_ids))
+      → Proposal(tokens [B,γ], probs [B,γ,V], confidence [B,γ], length [B] (with stop_ids))
   commit_ragged(model, cache, feats [K,n·d], slot [K], pos [K], valid [K], lengths [B],
                 dense_idx [B,T], count [B], next_tokens [B,T]) → cache
       (the serving engine's flattened form: only the `valid` tokens' features are written)
+and declares what else it offers as fields: `drafts_trees` (`propose_tree`, a draft tree per
+request) and `markov_kernel` (`propose_with_uniforms`, the Markov sampling kernel, where
+`supports_markov_kernel(model)` says the model's head fits it).
 DSpark/DFlash cache the per-layer context K/V of committed features (context visible strictly
 before the anchor; stale entries past it are overwritten before they become visible).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
 from dspark_jax.decoding.tree import DraftTree, grow_tree, markov_child_logits
 from dspark_jax.models.decoder import grown_positions
 from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
+from dspark_jax.models.drafters.kind import drafter_kind
 from dspark_jax.models.layers import UnstackedLayers, cache_scatter, cache_scatter_kv
+
+
+@flax.struct.dataclass
+class Proposal:
+    """A drafter's γ proposed tokens for every request (read by field, or by name as
+    `proposal["tokens"]`)."""
+
+    tokens: jax.Array                     # [B, γ] int32
+    probs: jax.Array                      # [B, γ, V] the distributions they were drawn from
+    confidence: jax.Array                 # [B, γ] confidence logits (zeros without a head)
+    length: jax.Array | None = None       # [B] drafts up to and including a drafted stop token
+
+    def __getitem__(self, name: str) -> jax.Array | None:
+        return getattr(self, name)
+
+    @classmethod
+    def of(cls, out: dict[str, jax.Array]) -> "Proposal":
+        """From a model's proposal dict (confidence zeros where it has none)."""
+        conf = out.get("confidence")
+        if conf is None:
+            conf = jnp.zeros(out["tokens"].shape, jnp.float32)
+        return cls(tokens=out["tokens"], probs=out["probs"], confidence=conf,
+                   length=out.get("length"))
+
+
+class DrafterAdapter:
+    """What every adapter offers the round (module docstring); capabilities as fields."""
+
+    drafts_trees: ClassVar[bool] = False      # `propose_tree`: a draft tree per request
+    markov_kernel: ClassVar[bool] = False     # `propose_with_uniforms`: the Markov kernel
+
+    @staticmethod
+    def supports_markov_kernel(model: Any) -> bool:
+        """Whether the Markov sampling kernel implements this model's head."""
+        return False
 
 
 def _grown_kv(cache: Any, max_len: int) -> Any:
@@ -57,9 +98,11 @@ def _chain_confidence(model: DSparkDraft, h: jax.Array, anchor: jax.Array,
     return model.confidence(h, emb)
 
 
-class DSparkAdapter:
+class DSparkAdapter(DrafterAdapter):
     """DSpark (Markov/gated/RNN head + confidence) and DFlash (no sequential head)."""
 
+    drafts_trees = True
+    markov_kernel = True
     grown_cache = staticmethod(_grown_kv)
 
     @staticmethod
@@ -103,12 +146,12 @@ class DSparkAdapter:
                 anchor_pos: jax.Array, key: jax.Array, temperature: jax.Array,
                 sample_fn: Callable, probs_fn: Callable | None = None,
                 stop_ids: jax.Array | None = None, vocab_weights: Any = None
-                ) -> dict[str, jax.Array]:
+                ) -> Proposal:
         """`vocab_weights`: `vocab_weights(model)`, gathered once per engine."""
         del stop_ids  # a parallel block has no chain to stop
         h = _block_outputs(model, cache, anchor, anchor_pos)                 # [B,γ,D]
-        return model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn,
-                                  vocab_weights=vocab_weights)
+        return Proposal.of(model.sample_block(h, anchor, key, temperature, sample_fn, probs_fn,
+                                              vocab_weights=vocab_weights))
 
     @staticmethod
     def propose_tree(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
@@ -148,7 +191,7 @@ class DSparkAdapter:
     def propose_with_uniforms(model: DSparkDraft, cache: DraftCache, anchor: jax.Array,
                               anchor_pos: jax.Array, uniforms: jax.Array,
                               temperature: jax.Array, markov_sample_fn: Callable
-                              ) -> dict[str, jax.Array]:
+                              ) -> Proposal:
         """`propose` with the vanilla Markov head sampled by `markov_sample_fn(uniforms [B,γ],
         U [B,γ,V], W1, W2, anchor [B], T [B]) → (tokens, probs)` (the batched kernel or its
         oracle) instead of the model's per-slot scan. The drafter samples softmax(·/T) of its
@@ -159,19 +202,15 @@ class DSparkAdapter:
         toks, probs = markov_sample_fn(uniforms, base, model.markov.w1.get_value(),
                                        model.markov.w2.get_value(), anchor.astype(jnp.int32),
                                        temperature)
-        return {"tokens": toks, "probs": probs,
-                "confidence": _chain_confidence(model, h, anchor, toks)}
+        return Proposal(tokens=toks, probs=probs,
+                        confidence=_chain_confidence(model, h, anchor, toks))
 
 
-class Eagle3Adapter:
-    """Eagle3: a chain of γ autoregressive draft steps over its own KV cache."""
+class Eagle3Adapter(DrafterAdapter):
+    """Eagle3: a chain of γ autoregressive draft steps over its own KV cache (no Markov head:
+    its chain samples step by step; no trees: a tree would cost a pass per level)."""
 
     grown_cache = staticmethod(_grown_kv)
-
-    @staticmethod
-    def supports_markov_kernel(model: Any) -> bool:
-        """No Markov head: its chain samples step by step."""
-        return False
 
     @staticmethod
     def vocab_weights(model: Any) -> None:
@@ -203,14 +242,17 @@ class Eagle3Adapter:
     def propose(model: Any, cache: Any, anchor: jax.Array, anchor_pos: jax.Array,
                 key: jax.Array, temperature: jax.Array, sample_fn: Callable,
                 probs_fn: Callable | None = None, stop_ids: jax.Array | None = None,
-                vocab_weights: Any = None) -> dict[str, jax.Array]:
+                vocab_weights: Any = None) -> Proposal:
         del anchor, anchor_pos, vocab_weights  # the last committed pair ends with the anchor
-        out = model.propose(cache, key, temperature, model.cfg.num_drafts, sample_fn,
-                            probs_fn=probs_fn, stop_ids=stop_ids)
-        B, g = out["tokens"].shape
-        out.setdefault("confidence", jnp.zeros((B, g), jnp.float32))
-        return out
+        return Proposal.of(model.propose(cache, key, temperature, model.cfg.num_drafts,
+                                         sample_fn, probs_fn=probs_fn, stop_ids=stop_ids))
 
 
-def adapter_for(model_type: str) -> type:
-    return Eagle3Adapter if model_type == "eagle3" else DSparkAdapter
+def adapter_for(model_type: str) -> type[DrafterAdapter]:
+    """The adapter of the drafter kind `model_type` (`DrafterKind.adapter`); a ConfigError
+    naming the known kinds for any other."""
+    adapter = drafter_kind(model_type).adapter.load()
+    if not (isinstance(adapter, type) and issubclass(adapter, DrafterAdapter)):
+        raise TypeError(f"drafter kind {model_type!r}: its adapter {adapter!r} is not a "
+                        "DrafterAdapter")
+    return adapter
