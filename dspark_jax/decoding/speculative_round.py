@@ -41,7 +41,7 @@ from flax import nnx
 from dspark_jax.decoding import scheduler as sched
 from dspark_jax.decoding import tree as tree_mod
 from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
-from dspark_jax.decoding.draft_adapters import adapter_for
+from dspark_jax.decoding.draft_adapters import Proposal, adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.round_types import (BUDGET_RULES, SAMPLERS, DraftChoice,  # noqa: F401
@@ -64,7 +64,7 @@ def _draft_model(arrays: EngineArrays) -> Any:
 
 # ------------------------------------------------------------------------------ 1. draft
 def _propose_scan(draft: Any, arrays: EngineArrays, state: EngineState,
-                  slots: SlotSettings) -> dict[str, jax.Array]:
+                  slots: SlotSettings) -> Proposal:
     """The drafter's own proposal (its per-slot scan), each request's uniforms drawn from its
     own key and its top-k / top-p applied.
 
@@ -74,9 +74,9 @@ def _propose_scan(draft: Any, arrays: EngineArrays, state: EngineState,
     from softmax(·/T) without the request's top-k / top-p (lossless: verification uses the p_d
     the draft reports). The branch is chosen for the platform being compiled for."""
     adapter = adapter_for(draft.cfg.model_type)
-    if (adapter.supports_markov_kernel(draft) and draft.vocab_ids() is None
-            and L.kernels_enabled()):
-        def tiled(anchor: jax.Array, interpret: bool) -> dict[str, jax.Array]:
+    if (adapter.markov_kernel and adapter.supports_markov_kernel(draft)
+            and draft.vocab_ids() is None and L.kernels_enabled()):
+        def tiled(anchor: jax.Array, interpret: bool) -> Proposal:
             del anchor
             sample = functools.partial(markov_tiled.markov_sample_tiled, interpret=interpret)
             return _propose_kernel(draft, arrays, state, slots, sample)
@@ -87,7 +87,7 @@ def _propose_scan(draft: Any, arrays: EngineArrays, state: EngineState,
 
 
 def _scan_proposal(draft: Any, arrays: EngineArrays, state: EngineState,
-                   slots: SlotSettings) -> dict[str, jax.Array]:
+                   slots: SlotSettings) -> Proposal:
     keys = row_keys(slots, 0)
     salt_key = jax.random.key(0, impl="threefry2x32")   # per-slot keys carry no randomness
 
@@ -110,7 +110,7 @@ def _scan_proposal(draft: Any, arrays: EngineArrays, state: EngineState,
 def _propose_kernel(draft: Any, arrays: EngineArrays, state: EngineState,
                     slots: SlotSettings,
                     sample: Callable[..., Any] = pallas_markov_sample_with_uniforms
-                    ) -> dict[str, jax.Array]:
+                    ) -> Proposal:
     """The vanilla Markov head sampled by a Pallas kernel (`sample`, the batched one by
     default) with the same per-request uniforms as `_propose_scan` (same tokens, barring f32
     rounding at a CDF step); the draft then ignores top-k/top-p (lossless: verification uses
@@ -128,7 +128,7 @@ def _propose_kernel(draft: Any, arrays: EngineArrays, state: EngineState,
 
 
 # the drafter's proposal by `RoundConfig.sampler`
-PROPOSERS: dict[str, Callable[..., dict[str, jax.Array]]] = {
+PROPOSERS: dict[str, Callable[..., Proposal]] = {
     "jax": _propose_scan, "pallas": _propose_kernel}
 
 
@@ -181,14 +181,12 @@ def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: Engine
     draft = _draft_model(arrays)
     num_drafts = draft.cfg.num_drafts
     proposal = PROPOSERS[config.sampler](draft, arrays, state, slots)
-    conf_logits = proposal.get("confidence")
-    if conf_logits is None:
-        conf_logits = jnp.zeros(proposal["tokens"].shape, jnp.float32)
+    conf_logits = proposal.confidence      # zeros from a drafter without a confidence head
     conf = sched.confidence_probs(conf_logits, arrays.confidence_temperatures)
     lengths, capacity_new, gain_new = config.mode.schedule(
         conf, slots.active, num_drafts, arrays.threshold, arrays.sps, capacity, arrays.sps_draft)
-    if "length" in proposal:      # Eagle3's chain stopped at a drafted stop token
-        lengths = jnp.minimum(lengths, proposal["length"])
+    if proposal.length is not None:      # Eagle3's chain stopped at a drafted stop token
+        lengths = jnp.minimum(lengths, proposal.length)
     if config.cap_budget:   # drafts past the request's token budget can never be emitted
         lengths = jnp.minimum(lengths, slots.remaining - 1)
     lengths = jnp.where(slots.active, jnp.clip(lengths, 0, num_drafts), 0)
@@ -196,7 +194,7 @@ def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: Engine
     # expected accepted drafts of what is admitted (the policy's calibration check)
     admitted = jnp.arange(num_drafts)[None] < lengths[:, None]
     predicted = jnp.sum(jnp.where(admitted, sched.prefix_survival(conf), 0.0))
-    return DraftOutputs(tokens=proposal["tokens"], probs=proposal["probs"],
+    return DraftOutputs(tokens=proposal.tokens, probs=proposal.probs,
                         confidence=conf_logits, lengths=lengths.astype(jnp.int32),
                         n_tokens=n_tokens, capacity_new=capacity_new.astype(jnp.int32),
                         gain_new=gain_new.astype(jnp.float32),
