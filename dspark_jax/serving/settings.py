@@ -174,9 +174,9 @@ class EngineSettings:
                              "scheduler='fixed' (or 'none')")
         if self.tree_budget:
             self._check_tree(target, draft)
-        markov_kernel = getattr(adapter_for(model_type), "supports_markov_kernel",
-                                lambda m: False)
-        if self.sampler == "pallas" and not markov_kernel(draft.model):
+        adapter = adapter_for(model_type)
+        if self.sampler == "pallas" and not (adapter.markov_kernel
+                                             and adapter.supports_markov_kernel(draft.model)):
             raise ValueError(
                 "sampler='pallas' runs the vanilla Markov-head sampling kernel, but this "
                 f"{model_type} drafter has markov_head_type="
@@ -185,7 +185,7 @@ class EngineSettings:
 
     def _check_tree(self, target: Any, draft: Any) -> None:
         model_type, gamma = draft.config.model_type, int(draft.config.num_drafts)
-        if not hasattr(adapter_for(model_type), "propose_tree"):
+        if not adapter_for(model_type).drafts_trees:
             raise ValueError(f"tree_budget: a {model_type} drafter drafts one chain (a tree "
                              "would cost a drafter pass per level and branch); use a DSpark "
                              "or DFlash drafter, or tree_budget=0")
