@@ -26,6 +26,7 @@ import dataclasses
 import ml_collections
 
 from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.drafters.kind import drafter_kind
 
 AUTO_MASK_TOKEN = -1
 
@@ -79,37 +80,14 @@ def apply_mesh_preset(c: ml_collections.ConfigDict, topology: str, num_slices: i
 def apply_deepspec_recipe(d: ml_collections.ConfigDict, model_type: str, *, draft_layers: int,
                           markov_rank: int, num_anchors: int) -> None:
     """DeepSpec's drafter recipe (config/{dspark,dflash,eagle3}/*.py) on `c.draft`, with the
-    sizes a config scales: DSpark — `draft_layers` layers, block 7, vanilla Markov head of
-    `markov_rank`, confidence head fed the Markov embedding, CE 0.1 + L1 0.9, loss decay γ 4;
-    DFlash — the same backbone without the Markov and confidence heads, CE only; Eagle3 — one
-    layer, training-time test of length 7, step loss decay 0.8."""
+    sizes a config scales: the kind's `DrafterKind.recipe` (models/drafter_kinds.py). DSpark —
+    `draft_layers` layers, block 7, vanilla Markov head of `markov_rank`, confidence head fed
+    the Markov embedding, CE 0.1 + L1 0.9, loss decay γ 4; DFlash — the same backbone without
+    the Markov and confidence heads, CE only; Eagle3 — one layer, training-time test of length
+    7, step loss decay 0.8."""
+    recipe = drafter_kind(model_type).recipe
     d.model_type = model_type
-    if model_type == "eagle3":
-        d.draft_num_hidden_layers = 1
-        d.ttt_length = 7
-        d.step_loss_decay = 0.8
-        d.markov_rank = 0
-        d.enable_confidence_head = False
-        d.confidence_head_alpha = 0.0
-        return
-    d.num_draft_layers = draft_layers
-    d.block_size = 7
-    d.num_anchors = num_anchors
-    d.loss_decay_gamma = 4.0
-    if model_type == "dspark":
-        d.markov_rank = markov_rank
-        d.markov_head_type = "vanilla"
-        d.enable_confidence_head = True
-        d.confidence_head_alpha = 1.0
-        d.confidence_head_with_markov = True
-        d.ce_loss_alpha = 0.1
-        d.l1_loss_alpha = 0.9
-    else:                            # dflash: no Markov head, no confidence head, CE only
-        d.markov_rank = 0
-        d.enable_confidence_head = False
-        d.confidence_head_alpha = 0.0
-        d.ce_loss_alpha = 1.0
-        d.l1_loss_alpha = 0.0
+    recipe(d, draft_layers=draft_layers, markov_rank=markov_rank, num_anchors=num_anchors)
 
 
 def draft_defaults() -> dict:

@@ -40,6 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.models import layers as L
+from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.train.drafter_loss import DrafterLoss, LossOptions
 
 
 def _aligned_steps(hs_tbsd: jax.Array, loss_mask_bs: jax.Array,
@@ -249,5 +251,23 @@ def eagle3_loss(model: Any, feats_bsf: jax.Array, input_ids_bs: jax.Array,
     return metrics["loss"], metrics
 
 
-__all__ = ["eagle3_loss", "eagle3_loss_sums", "eagle3_metrics_from_sums", "step_weights",
+def eagle3_batch_sums(draft: Any, feats: jax.Array, hidden: jax.Array,
+                      mb: dict[str, jax.Array], key: jax.Array, opts: LossOptions
+                      ) -> dict[str, jax.Array]:
+    """`eagle3_loss_sums` over one micro-batch of the train step (its objective included)."""
+    del key
+    return eagle3_loss_sums(draft, feats, mb["input_ids"], mb["loss_mask"], hidden,
+                            segment_ids=mb["segment_ids"], remat=opts.remat,
+                            query_chunk=opts.attn_key_chunk)
+
+
+def _eagle3_terms(cfg: DraftConfig) -> tuple[tuple[float, str], ...]:
+    del cfg
+    return ((1.0, "objective"),)          # eagle3_loss_sums weighs its steps itself
+
+
+EAGLE3_LOSS = DrafterLoss(sums=eagle3_batch_sums, terms=_eagle3_terms,
+                          metrics=lambda sums, cfg: eagle3_metrics_from_sums(sums))
+
+__all__ = ["EAGLE3_LOSS", "eagle3_loss", "eagle3_loss_sums", "eagle3_metrics_from_sums", "step_weights",
            "inverse_sequence_lengths"]

@@ -149,7 +149,10 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
     if t.max_nonfinite_steps < 1:
         bad("train.max_nonfinite_steps", f"{t.max_nonfinite_steps} must be ≥ 1 (non-finite "
             "steps in a row that stop the run)")
-    if t.init_from_target and c.draft.get("model_type") not in ("dspark", "dflash"):
+    from dspark_jax.models.drafters.kind import drafter_kinds
+
+    kind = drafter_kinds().get(c.draft.get("model_type"))
+    if t.init_from_target and not (kind and kind.init_from_target):
         bad("train.init_from_target", f"only DSpark / DFlash drafters start from the target's "
             f"layers, not draft.model_type={c.draft.get('model_type')!r}")
     if c.checkpoint.every_steps < 1:

@@ -24,6 +24,7 @@ from dspark_jax.models.drafters.block_attention import ContextMask
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.train.anchors import (AnchorBlocks, build_blocks, position_weights, sample_anchors,
                                      sampler_stats)
+from dspark_jax.train.drafter_loss import DrafterLoss, LossOptions, loss_for
 
 SAMPLER_KEYS = ("valid_anchors", "valid_anchors_ratio", "sampled_anchors",
                 "sampled_anchors_ratio", "block_supervised_tokens", "block_supervised_tokens_ratio")
@@ -202,13 +203,13 @@ def dspark_loss_sums(draft: Any, feats: jax.Array, target_hidden: jax.Array,
 
 
 def total_loss(sums: dict[str, jax.Array], cfg: DraftConfig) -> jax.Array:
-    """Combines sums into the scalar objective (global token-weighted means)."""
+    """Combines sums into the scalar objective (global token-weighted means of the kind's
+    terms, `DrafterLoss.terms`)."""
     w = jnp.maximum(sums["weight"], 1e-6)
-    if cfg.model_type == "dflash":
-        return sums["ce"] / w
-    loss = cfg.ce_loss_alpha * sums["ce"] / w + cfg.l1_loss_alpha * sums["l1"] / w
-    if cfg.has_confidence:
-        loss = loss + cfg.confidence_head_alpha * sums["conf"] / w
+    (c0, k0), *rest = loss_for(cfg).terms(cfg)
+    loss = c0 * sums[k0] / w
+    for c, k in rest:
+        loss = loss + c * sums[k] / w
     return loss
 
 
@@ -231,7 +232,7 @@ def metrics_from_sums(sums: dict[str, jax.Array], cfg: DraftConfig) -> dict[str,
     out = {"loss": total_loss(sums, cfg), "ce_loss": sums["ce"] / w,
            "tau_probabilistic": sums["tau_sum"] / jnp.maximum(sums["tau_blocks"], 1e-6),
            "loss_tokens": sums["weight"]}
-    if cfg.model_type != "dflash" and cfg.l1_loss_alpha > 0:
+    if any(k == "l1" for _, k in loss_for(cfg).terms(cfg)) and cfg.l1_loss_alpha > 0:
         out["l1_loss"] = sums["l1"] / w
     acc = sums["accept"] / jnp.maximum(sums["mask"], 1e-6)
     for k in range(cfg.num_drafts):
@@ -246,3 +247,32 @@ def metrics_from_sums(sums: dict[str, jax.Array], cfg: DraftConfig) -> dict[str,
         name = k if k.endswith("_ratio") else k + "_abs"
         out[name] = sums[k] / n
     return out
+
+
+def dspark_terms(cfg: DraftConfig) -> tuple[tuple[float, str], ...]:
+    """CE·α_ce + L1·α_l1, plus the confidence BCE·α_conf with a confidence head."""
+    terms = ((cfg.ce_loss_alpha, "ce"), (cfg.l1_loss_alpha, "l1"))
+    if cfg.has_confidence:
+        terms += ((cfg.confidence_head_alpha, "conf"),)
+    return terms
+
+
+def dflash_terms(cfg: DraftConfig) -> tuple[tuple[float, str], ...]:
+    """CE only (DeepSpec's DFlash)."""
+    del cfg
+    return ((1.0, "ce"),)
+
+
+def block_batch_sums(draft: Any, feats: jax.Array, hidden: jax.Array,
+                     mb: dict[str, jax.Array], key: jax.Array, opts: LossOptions
+                     ) -> dict[str, jax.Array]:
+    """`dspark_loss_sums` over one micro-batch of the train step."""
+    return dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
+                            positions=mb["positions"], segment_ids=mb["segment_ids"],
+                            anchor_chunk=opts.anchor_chunk, max_segments=opts.max_segments,
+                            key_chunk=opts.attn_key_chunk, remat=opts.remat,
+                            attn_kernel=opts.attn_kernel)
+
+
+DSPARK_LOSS = DrafterLoss(sums=block_batch_sums, terms=dspark_terms, metrics=metrics_from_sums)
+DFLASH_LOSS = DrafterLoss(sums=block_batch_sums, terms=dflash_terms, metrics=metrics_from_sums)

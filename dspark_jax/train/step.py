@@ -49,7 +49,7 @@ from dspark_jax.models.drafters.dspark import FrozenParam
 from dspark_jax.models.layers import flash_kernels
 from dspark_jax.sharding import (abstract_on_mesh, constrain, logical_to_spec, put_on_mesh,
                                  state_shardings, use_mesh)
-from dspark_jax.train.losses import dspark_loss_sums, metrics_from_sums
+from dspark_jax.train.drafter_loss import LossOptions, loss_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +195,9 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
     respect to fp32 `params` comes back through the cast in fp32."""
     check_precision(precision)
     bf16 = precision == "bf16"
+    loss = loss_for(cfg)
+    opts = LossOptions(anchor_chunk=anchor_chunk, max_segments=max_segments,
+                       attn_key_chunk=attn_key_chunk, remat=remat, attn_kernel=attn_kernel)
 
     def fn(params, frozen, target_state, mb, key):
         if bf16:
@@ -210,33 +213,17 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
             feats, hidden = mb["features"], mb["target_hidden"]
         if bf16:
             feats, hidden = feats.astype(jnp.bfloat16), hidden.astype(jnp.bfloat16)
-        if cfg.model_type == "eagle3":
-            from dspark_jax.train.eagle3_loss import eagle3_loss_sums
-
-            return eagle3_loss_sums(draft, feats, mb["input_ids"], mb["loss_mask"], hidden,
-                                    segment_ids=mb["segment_ids"], remat=remat,
-                                    query_chunk=attn_key_chunk)
-        sums = dspark_loss_sums(draft, feats, hidden, mb["input_ids"], mb["loss_mask"], key,
-                                positions=mb["positions"], segment_ids=mb["segment_ids"],
-                                anchor_chunk=anchor_chunk, max_segments=max_segments,
-                                key_chunk=attn_key_chunk, remat=remat, attn_kernel=attn_kernel)
-        obj = cfg.ce_loss_alpha * sums["ce"] + cfg.l1_loss_alpha * sums["l1"]
-        if cfg.model_type == "dflash":
-            obj = sums["ce"]
-        elif cfg.has_confidence:
-            obj = obj + cfg.confidence_head_alpha * sums["conf"]
-        sums["objective"] = obj
+        sums = loss.sums(draft, feats, hidden, mb, key, opts)
+        sums["objective"] = loss.objective(sums, cfg)
         return sums
 
     return fn
 
 
 def metrics_fn(cfg: DraftConfig) -> Callable:
-    if cfg.model_type == "eagle3":
-        from dspark_jax.train.eagle3_loss import eagle3_metrics_from_sums
-
-        return eagle3_metrics_from_sums
-    return lambda sums: metrics_from_sums(sums, cfg)
+    """sums → the logged scalars of `cfg`'s kind (`DrafterLoss.metrics`)."""
+    loss = loss_for(cfg)
+    return lambda sums: loss.metrics(sums, cfg)
 
 
 @dataclasses.dataclass
