@@ -66,6 +66,8 @@ def assert_same_params(a: pathlib.Path, b: pathlib.Path, atol: float = 1e-6) -> 
 
 
 def test_two_processes_equal_one_and_resume_after_sigkill(job):
+    """Two processes train as one does; killed, a relaunch on another process count refuses
+    and the same command resumes exactly."""
     _, one = launch(job, "one_x4", 1, 4)
     _, two = launch(job, "two_x2", 2, 2)
     assert hashes(one) == hashes(two) and len(hashes(one)) == 4
@@ -83,6 +85,13 @@ def test_two_processes_equal_one_and_resume_after_sigkill(job):
     assert "process 1" in proc.stderr and "failed" in proc.stderr
     assert (killed / "checkpoints" / "2").is_dir()
     assert not (killed / "export").exists()
+    # a relaunch on one process refuses in one line naming both counts, and moves nothing
+    proc, _ = launch(job, "killed", 1, 4, check=False)
+    assert proc.returncode != 0
+    said = proc.stdout + proc.stderr + (job[2] / "logs_killed" / "process_0.log").read_text()
+    assert "saved by 2 processes and this run has 1" in said, said[-3000:]
+    assert (killed / "checkpoints" / "2").is_dir()
+    assert not list((killed / "checkpoints").glob("*.corrupt*"))
     # ... and the same command without the fault resumes from step 2 and ends where the
     # uninterrupted run did
     proc, resumed = launch(job, "killed", 2, 2)
