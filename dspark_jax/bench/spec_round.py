@@ -191,7 +191,7 @@ def describe_drafter(d, source: str, target) -> dict:
     c = d.config
     V = int(target.config.vocab_size)
     dv = int(getattr(c, "draft_vocab_size", 0) or 0)
-    n_layers = (c.draft_num_hidden_layers if c.model_type == "eagle3" else c.num_draft_layers)
+    n_layers = getattr(c, c.kind.layers_field)
     return dict(source=source, model_type=c.model_type, gamma=int(c.num_drafts),
                 block_size=int(c.block_size), layers=int(n_layers),
                 markov_rank=int(getattr(c, "markov_rank", 0) or 0),
