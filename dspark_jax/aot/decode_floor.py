@@ -121,7 +121,8 @@ DRAFTER_LAYERS_FUNCTION = "backbone_over_cache"
 def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
     """A lowered program compiled → its traffic summary (`hlo_traffic.Program.summary`: each
     conditional's costliest branch), the bytes with each conditional's cheapest branch
-    (`bytes_cheapest`: e.g. greedy requests, where sampling sits behind a `cond`), the floor it
+    (`bytes_cheapest`, `kernels_cheapest`: e.g. greedy requests, where sampling sits behind a
+    `cond`), the floor it
     is held to (`must_read_bytes`), its temporary memory and the kernels of the drafter's
     layers (`drafter_layer_kernels`)."""
     t0 = time.perf_counter()
@@ -129,7 +130,9 @@ def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
     classify = weights_or_cache(WEIGHT_ARGS, CACHE_ARGS)
     prog = Program(text, classify)
     out = prog.summary()
-    out["bytes_cheapest"] = Program(text, classify, branch="cheapest").summary()["bytes_accessed"]
+    cheapest = Program(text, classify, branch="cheapest").summary()
+    out["bytes_cheapest"] = cheapest["bytes_accessed"]
+    out["kernels_cheapest"] = cheapest["kernels_per_step"]
     mem = compiled.memory_analysis()
     floor, gathered, per_slot = must_read_bytes(prog.param_bytes, out["weights_bytes"],
                                                 out["cache_bytes"], draft_slots)
@@ -238,6 +241,11 @@ def format_floor_report(r: dict[str, Any]) -> str:
             lines.append(f"    {name:12s}" + " / ".join(
                 f"{p['kernels_by_kind'][k] / per:.1f}" for k in
                 ("gemm", "attention", "norm", "elementwise", "copy", "other")))
+    cheap = [f"{name} {p['kernels_cheapest']}" for name, p in r["programs"].items()
+             if p.get("kernels_cheapest", p["kernels_per_step"]) != p["kernels_per_step"]]
+    if cheap:
+        lines.append("  kernels on each conditional's cheapest branch (every request greedy, no "
+                     "top-k / top-p): " + ", ".join(cheap))
     for name, p in r["programs"].items():
         if p.get("drafting_head_kernels"):
             lines.append(f"  {name}: {p['drafter_layer_kernels']} kernels in the drafter's "
