@@ -90,6 +90,15 @@ def parse_config(argv: Sequence[str], require_target: bool = True) -> ml_collect
     return config
 
 
+def _starts_from_target(model_type: str | None) -> bool:
+    """Whether drafters of this kind may start from the target's layers
+    (`DrafterKind.init_from_target`)."""
+    from dspark_jax.models.drafters.kind import drafter_kinds
+
+    kind = drafter_kinds().get(model_type)
+    return bool(kind and kind.init_from_target)
+
+
 def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -> None:
     """Checks the values the job itself interprets (the drafter fields are DraftConfig's)."""
     from dspark_jax.train.config_base import get_base_config
@@ -149,10 +158,7 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
     if t.max_nonfinite_steps < 1:
         bad("train.max_nonfinite_steps", f"{t.max_nonfinite_steps} must be ≥ 1 (non-finite "
             "steps in a row that stop the run)")
-    from dspark_jax.models.drafters.kind import drafter_kinds
-
-    kind = drafter_kinds().get(c.draft.get("model_type"))
-    if t.init_from_target and not (kind and kind.init_from_target):
+    if t.init_from_target and not _starts_from_target(c.draft.get("model_type")):
         bad("train.init_from_target", f"only DSpark / DFlash drafters start from the target's "
             f"layers, not draft.model_type={c.draft.get('model_type')!r}")
     if c.checkpoint.every_steps < 1:
