@@ -31,10 +31,6 @@ from dspark_jax.aot.shapes import mesh_and_configs, target_hf_dict
 from dspark_jax.aot.devices import slice_devices
 from dspark_jax.aot.topology import AotError, libtpu_version
 
-# the engine's scheduler per drafter: DSpark has a confidence head (load-aware admission),
-# DFlash and Eagle3 verify every draft ("fixed")
-SCHEDULER = {"dspark": "adaptive", "dflash": "fixed", "eagle3": "fixed"}
-
 
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
@@ -138,6 +134,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     from jax.sharding import NamedSharding, PartitionSpec
 
     from dspark_jax.decoding.draft_adapters import adapter_for
+    from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.serving.modes import Fixed, scheduler_mode
     from dspark_jax.models import layers as L
     from dspark_jax.models.decoder import TargetDecoder, init_cache
@@ -194,7 +191,9 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                        key_data=arr((R, 2), jnp.uint32))
     stop_ids = arr((max(1, len(t_cfg.stop_token_ids or ())),), jnp.int32)
     t_abs, d_abs = abstract_on_mesh(t_state, mesh), abstract_on_mesh(d_state, mesh)
-    mode = Fixed() if shape.tree_budget else scheduler_mode(SCHEDULER[d_cfg.model_type])
+    # the engine's scheduler for the drafter's kind (DSpark: the load-aware `adaptive`)
+    mode = Fixed() if shape.tree_budget else scheduler_mode(
+        drafter_kind(d_cfg.model_type).default_scheduler)
     conf_temps = arr((gamma,), jnp.float32) if mode.needs_confidence else None
     # the engine's fused call: whole rounds (draft → schedule → verify → commit), one program
     replicated = NamedSharding(mesh, PartitionSpec())

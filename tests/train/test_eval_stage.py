@@ -26,8 +26,8 @@ def test_an_import_error_inside_the_package_propagates(monkeypatch, tmp_path):
     """dspark_jax.evaluate fails to import (here: a module it imports is unavailable): the
     speculative evaluation raises instead of reporting itself skipped."""
     monkeypatch.delitem(sys.modules, "dspark_jax.evaluate", raising=False)
-    monkeypatch.setitem(sys.modules, "dspark_jax.decoding.scheduler", None)
-    with pytest.raises(ImportError, match="dspark_jax.decoding.scheduler"):
+    monkeypatch.setitem(sys.modules, "dspark_jax.eval.results_markdown", None)
+    with pytest.raises(ImportError, match="dspark_jax.eval.results_markdown"):
         eval_stage.speculative_hook(_config("--config.eval.speculative=True"), None, None, [],
                                     tmp_path)
 
