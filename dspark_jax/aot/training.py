@@ -79,7 +79,7 @@ def build_abstract_job(c: Any, devices: Sequence[Any]) -> AbstractJob:
                            state_sh=state_sh, frozen=frozen, target_state=t_state if online
                            else None, micro_batches=micro, anchor_chunk=c.train.anchor_chunk,
                            attn_key_chunk=attn_key_chunk(c), remat=bool(c.train.remat),
-                           attn_kernel=attn_kernel(c))
+                           attn_kernel=attn_kernel(c), precision=c.train.precision)
     B, S = int(c.train.global_batch_size), int(c.data.max_length)
     sh: NamedSharding = fns.batch_sharding
     batch = {k: jax.ShapeDtypeStruct((B, S), jnp.int32, sharding=sh) for k in BATCH_KEYS_ONLINE}

@@ -99,7 +99,7 @@ def run(a: argparse.Namespace) -> dict:
                            state_sh=sh, frozen=frozen, target_state=target.state,
                            micro_batches=a.micro_batches, anchor_chunk=a.anchor_chunk,
                            attn_key_chunk=a.attn_key_chunk or None, remat=not a.no_remat,
-                           attn_kernel=not a.no_attn_kernel)
+                           attn_kernel=not a.no_attn_kernel, precision=a.precision)
     B, S = a.batch, a.seq
     rng = np.random.RandomState(0)
     batch = dict(input_ids=rng.randint(0, cfg.vocab_size - 1, (B, S)).astype(np.int32),
@@ -259,7 +259,8 @@ def config_defaults(path: str) -> dict:
                 anchor_chunk=t.anchor_chunk, gamma=d.block_size, rank=d.markov_rank,
                 micro_batches=t.micro_batches, draft_vocab=d.get("draft_vocab_size") or 0,
                 features=c.data.features, attn_key_chunk=t.attn_key_chunk or 0,
-                no_remat=not t.remat, no_attn_kernel=not t.attn_kernel, keep=c.checkpoint.keep)
+                no_remat=not t.remat, no_attn_kernel=not t.attn_kernel, keep=c.checkpoint.keep,
+                precision=t.get("precision", "fp32"))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -273,6 +274,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="an embedded target, a Hugging Face directory, a random shape "
                         "(qwen3-4b, qwen3-8b) or `tiny` (a random 4-layer Qwen3 of width 32)")
     p.add_argument("--dtype", default="float32", help="compute dtype (master weights fp32)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="train.precision: bf16 casts the drafter and the features to bf16 for "
+                        "the step (fp32 master weights), as DeepSpec trains")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--draft-layers", type=int, default=2)
@@ -308,6 +312,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if a.config:
         p.set_defaults(**config_defaults(a.config))
         a = p.parse_args(argv)
+    if a.precision == "bf16" and a.dtype not in ("bfloat16", "bf16"):
+        p.error("--precision bf16 computes in bf16: pass --dtype bfloat16 too")
     return a
 
 
