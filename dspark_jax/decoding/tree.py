@@ -230,22 +230,28 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
     cell_states = jnp.concatenate([state0[:, None], _take(merged["state"], chosen)], axis=1)
     next_position = jnp.clip(jnp.concatenate([jnp.zeros((R, 1), jnp.int32), depth], 1), 0,
                              gamma - 1)
-    logits, _ = child_logits(_take(h, next_position), _take(base, next_position), cell_tokens,
-                             cell_states)
-    probs = jax.lax.cond(   # q matters to the rule only when a request samples
-        jnp.any(sampled), lambda: filtered_probs(logits, t, top_k[:, None], top_p[:, None]),
-        lambda: jnp.zeros(logits.shape, jnp.float32))
     has_children = jnp.concatenate([jnp.ones((R, 1), bool), depth < gamma], axis=1) & \
         jnp.concatenate([jnp.ones((R, 1), bool), valid], axis=1)
-    probs = jnp.where(has_children[..., None], probs, 0.0)
-    if vocab_ids is not None:
-        probs = jnp.zeros(probs.shape[:2] + (int(vocab_size),), probs.dtype).at[
-            ..., vocab_ids].set(probs)
+    width = int(vocab_size) if vocab_ids is not None else base.shape[-1]
+
+    def q() -> jax.Array:   # the children's logits of every kept cell, then their q
+        logits, _ = child_logits(_take(h, next_position), _take(base, next_position),
+                                 cell_tokens, cell_states)
+        probs = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
+        probs = jnp.where(has_children[..., None], probs, 0.0).astype(jnp.float32)
+        if vocab_ids is None:
+            return probs
+        return jnp.zeros(probs.shape[:2] + (width,), jnp.float32).at[..., vocab_ids].set(probs)
+
+    # q matters to the rule only when a request samples: a greedy round computes no logits
+    # of the cells here, only the zeros the tree's shape holds
+    probs = jax.lax.cond(jnp.any(sampled), q,
+                         lambda: jnp.zeros((R, N + 1, width), jnp.float32))
     return DraftTree(tokens=node_tokens, parent=parent_cell.astype(jnp.int32),
                      depth=depth.astype(jnp.int32), rank=rank.astype(jnp.int32), valid=valid,
                      score=jnp.where(valid, _take(merged["score"], chosen), -jnp.inf),
                      chain=valid & _take(merged["chain"], chosen),
-                     children=children, probs=probs.astype(jnp.float32))
+                     children=children, probs=probs)
 
 
 def node_survival(tree: DraftTree, chain_conf: jax.Array | None, max_depth: int) -> jax.Array:
