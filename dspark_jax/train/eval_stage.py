@@ -91,6 +91,7 @@ def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> 
     optional dependency, so it is never skipped for a failed import: an ImportError propagates."""
     import jax
 
+    from dspark_jax.eval.eval_config import EvalConfig
     from dspark_jax.evaluate import evaluate as fn
 
     is_main = jax.process_index() == 0
@@ -115,10 +116,10 @@ def speculative_hook(c, target, draft, heldout_convs, workdir: pathlib.Path) -> 
     for t in temps:
         out_dir = workdir / "speculative" / f"T{t:g}"
         # every process decodes (the target is sharded over all of them); process 0 writes
-        results = fn(target, draft, data_dir, datasets=datasets, max_samples=None,
-                     max_new_tokens=max_new, batch_size=e.speculative_batch_size,
-                     temperature=t, out_dir=out_dir if is_main else None,
-                     progress=c.logging.progress and is_main, plots=False)
+        results = fn(EvalConfig(target, draft, data_dir, datasets=datasets, max_samples=None,
+                                max_new_tokens=max_new, batch_size=e.speculative_batch_size,
+                                temperature=t, out_dir=out_dir if is_main else None,
+                                progress=c.logging.progress and is_main, plots=False))
         by_t[f"{t:g}"] = {"out_dir": str(out_dir), "mean": results.get("mean")}
     first = by_t[f"{temps[0]:g}"]
     return {"out_dir": first["out_dir"], "data_dir": str(data_dir), "mean": first["mean"],
