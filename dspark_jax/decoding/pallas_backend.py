@@ -2,8 +2,7 @@
 acceptance rule) and `pallas_kernels/markov_sample` (Markov head sampling).
 
 A kernel is offered on a backend only where it is no slower than the pure-JAX path it replaces,
-and neither is on an accelerator (figures: BENCHMARKS.md, "GPU (H200)", and
-`python -m dspark_jax.bench.kernel_traffic`):
+and neither is on an accelerator (figures: `python -m dspark_jax.bench.kernel_traffic`):
 - GPU: both Triton kernels lose to XLA on an H200. The Markov sampler's grid is one program per
   block of rows, so at a few requests one program streams all of W2 for every slot while XLA
   spreads the same product over the chip; the verification kernel's per-row programs do the
@@ -33,8 +32,8 @@ def check_offered(what: str, backend: str | None = None) -> None:
     backend = backend or jax.default_backend()
     if backend not in OFFERED_BACKENDS:
         why = _WHY.get(backend, "it is not built for this backend")
-        raise ValueError(f"{what} is not offered on {backend}: {why} (BENCHMARKS.md, "
-                         "\"GPU (H200)\"; python -m dspark_jax.bench.kernel_traffic); use 'jax'")
+        raise ValueError(f"{what} is not offered on {backend}: {why} (python -m "
+                         "dspark_jax.bench.kernel_traffic measures it); use 'jax'")
 
 
 def kernel_mode() -> dict[str, object]:
