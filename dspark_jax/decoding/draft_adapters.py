@@ -113,8 +113,9 @@ class DSparkAdapter(DrafterAdapter):
         n = lc.num_hidden_layers
         shape = (batch, max_len, lc.num_key_value_heads, lc.head_dim)
         if isinstance(model.layers, UnstackedLayers):
-            zeros = lambda: tuple(jnp.zeros((1,) + shape, model.dtype) for _ in range(n))  # noqa: E731
-            return DraftCache(k=zeros(), v=zeros())
+            k, v = (tuple(jnp.zeros((1,) + shape, model.dtype) for _ in range(n))
+                    for _ in range(2))
+            return DraftCache(k=k, v=v)
         return DraftCache(k=jnp.zeros((n,) + shape, model.dtype),
                           v=jnp.zeros((n,) + shape, model.dtype))
 

@@ -173,7 +173,8 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
         return xla(q, k, v, ctx_k, ctx_v, start_b)
     # the raw products, normed and rotated in each branch as `project_q` / `project_kv` do; as
     # one array, XLA takes the two dots as one GEMM whose output the kernel reads whole
-    qkv = jnp.concatenate([jnp.einsum("BTD,DF->BTF", x_btd, lp["wq"].reshape(x_btd.shape[-1], -1)),
+    wq = lp["wq"].reshape(x_btd.shape[-1], -1)
+    qkv = jnp.concatenate([jnp.einsum("BTD,DF->BTF", x_btd, wq),
                            jnp.einsum("BTD,DF->BTF", x_btd, lp["w_kv"])], axis=-1)
     qkv = qkv.reshape(b, t, n + 2 * kh, h)
     norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None

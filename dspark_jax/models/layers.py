@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig, RopeConfig, rope_inv_freq
-from dspark_jax.sharding import constrain, shard_kernel
+from dspark_jax.sharding import active_mesh, constrain, shard_kernel
 
 NEG_INF = -1e30
 
@@ -537,8 +537,6 @@ def cache_scatter_kv(ck: jax.Array | tuple[jax.Array, ...], cv: jax.Array | tupl
     takes two scatters a layer; elsewhere, and inside `flash_kernels(False)`, the scatters."""
     def xla(ck, cv, rows, pos, k, v):
         return cache_scatter(ck, (rows, pos), k), cache_scatter(cv, (rows, pos), v)
-
-    from dspark_jax.sharding import active_mesh
 
     mesh = active_mesh()
     one_layer_groups = (isinstance(ck, tuple) and isinstance(cv, tuple)

@@ -105,8 +105,9 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     sampling (the target's and the drafter's distributions alike). `record_confidence`: return
     the confidence logits of every round. `progress`: a tqdm bar of the emitted tokens.
     A `SpecSettings` as `settings`, or `EngineSettings` fields as keywords, are folded into
-    one `EngineSettings` (`_folded_settings`). Returns the generated ids per prompt and per-round statistics (proposed/accepted
-    counts and acceptance lengths in DeepSpec's bookkeeping on stop tokens).
+    one `EngineSettings` (`_folded_settings`). Returns the generated ids per prompt and
+    per-round statistics (proposed/accepted counts and acceptance lengths in DeepSpec's
+    bookkeeping on stop tokens).
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")

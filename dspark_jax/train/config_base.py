@@ -131,9 +131,10 @@ def get_base_config() -> ml_collections.ConfigDict:
         feature_cache="",          # default: <workdir>/data/features
         feature_batch_size=8,
         data_seed=0,               # shuffle seed of the training order
-        order="grain",             # "grain": grain's seeded per-epoch shuffle; "deepspec": DeepSpec's
-                                   # StatelessResumableDistributedSampler (epoch e: torch.randperm
-                                   # seeded data_seed + e, its first full global batches;
+        order="grain",             # "grain": grain's seeded per-epoch shuffle; "deepspec":
+                                   # DeepSpec's StatelessResumableDistributedSampler (epoch e:
+                                   # torch.randperm seeded data_seed + e, its first full
+                                   # global batches;
                                    # DeepSpec's trainer uses seed 42)
     ))
 

@@ -269,5 +269,5 @@ def _eagle3_terms(cfg: DraftConfig) -> tuple[tuple[float, str], ...]:
 EAGLE3_LOSS = DrafterLoss(sums=eagle3_batch_sums, terms=_eagle3_terms,
                           metrics=lambda sums, cfg: eagle3_metrics_from_sums(sums))
 
-__all__ = ["EAGLE3_LOSS", "eagle3_loss", "eagle3_loss_sums", "eagle3_metrics_from_sums", "step_weights",
-           "inverse_sequence_lengths"]
+__all__ = ["EAGLE3_LOSS", "eagle3_loss", "eagle3_loss_sums", "eagle3_metrics_from_sums",
+           "step_weights", "inverse_sequence_lengths"]

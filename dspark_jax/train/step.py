@@ -201,7 +201,8 @@ def make_loss_sums_fn(draft_graphdef: Any, cfg: DraftConfig, target_graphdef: An
 
     def fn(params, frozen, target_state, mb, key):
         if bf16:
-            params, frozen = cast_floating(params, jnp.bfloat16), cast_floating(frozen, jnp.bfloat16)
+            params = cast_floating(params, jnp.bfloat16)
+            frozen = cast_floating(frozen, jnp.bfloat16)
         draft = nnx.merge(draft_graphdef, params, frozen)
         if target_graphdef is not None:
             target = nnx.merge(target_graphdef, target_state)
