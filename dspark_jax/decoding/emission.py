@@ -3,7 +3,8 @@ evaluator's bookkeeping on stop tokens and its token-budget rule).
 
 A pure step on small per-slot arrays, after the acceptance rule: the accepted drafts then the
 correction (or bonus) token, cut after the first stop token among them and at the request's
-token budget. DeepSpec's bookkeeping: a stop token among the accepted drafts at index e records
+token budget. Plain decoding's one-token steps end requests by the same rule
+(`step_emission`). DeepSpec's bookkeeping: a stop token among the accepted drafts at index e records
 e + 1 as both accepted and proposed, and e + 1 (no bonus) as the round's acceptance length.
 """
 
@@ -39,6 +40,23 @@ BUDGET_ENDS: dict[str, Callable[[jax.Array, jax.Array, jax.Array], jax.Array]] =
     "serving": _serving_finished, "deepspec": _deepspec_finished}
 
 
+def check_budget_rule(budget_rule: str) -> None:
+    """Raises ValueError for a rule that is not in `round_types.BUDGET_RULES`."""
+    if budget_rule not in BUDGET_ENDS:
+        raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from {BUDGET_RULES}")
+
+
+def step_emission(live: jax.Array, remaining: jax.Array, stop_hit: jax.Array,
+                  budget_rule: str) -> tuple[jax.Array, jax.Array]:
+    """A one-token step of plain decoding, per slot [R]: (emits, ends). A live slot emits its
+    token while it has budget left, and ends at a stop token or by `budget_rule` — a round
+    with no drafts under `emit_and_finish`'s rule."""
+    emit = live & (remaining > 0)
+    budget_ends = BUDGET_ENDS[budget_rule](emit.astype(jnp.int32), jnp.ones_like(remaining),
+                                           remaining)
+    return emit, live & (stop_hit | budget_ends)
+
+
 def emitted_tokens(drafts: jax.Array, num_accepted: jax.Array,
                    next_token: jax.Array) -> jax.Array:
     """[R, γ+1]: each slot's first `num_accepted` drafts, then `next_token` (the correction or
@@ -55,8 +73,7 @@ def emit_and_finish(tokens: jax.Array, num_accepted: jax.Array, draft_lengths: j
     drafts [R], the verified drafts ℓ [R], which slots run a request [R], their remaining
     budgets [R] and the stop ids (padded with −1). Inactive slots emit nothing and do not
     finish."""
-    if budget_rule not in BUDGET_ENDS:
-        raise ValueError(f"unknown budget_rule {budget_rule!r}; choose from {BUDGET_RULES}")
+    check_budget_rule(budget_rule)
     cell = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     n_round = num_accepted + 1                  # accepted drafts + the correction / bonus
     stop_hit = is_stop(tokens, stop_ids) & (cell[None] < n_round[:, None])

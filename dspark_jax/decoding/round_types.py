@@ -180,15 +180,19 @@ class DraftOutputs:
     tree: Any = None         # the draft trees (`decoding.tree.DraftTree`) or None
 
 
-@flax.struct.dataclass
+@flax.struct.dataclass(kw_only=True)
 class RoundOutputs:
-    """Per slot, what one verification emitted, and DeepSpec's bookkeeping (SPEC §1 step 6)."""
+    """Per slot, what one verification emitted, and DeepSpec's bookkeeping (SPEC §1 step 6).
+
+    A device call of plain decoding steps (`plain_steps`) returns its steps' outputs together:
+    tokens [R, steps] (−1 past n_emit), no drafts (`accepted`, `proposed` None) and as τ term
+    the steps each slot ran, each a round of acceptance length 1."""
 
     tokens: jax.Array     # [R, γ+1] accepted drafts then the correction / bonus (first n_emit)
     n_emit: jax.Array     # [R] int32 tokens emitted (cut after a stop token, at the budget)
     finished: jax.Array   # [R] bool: the request ends with this round
-    accepted: jax.Array   # [R] int32 accepted drafts as recorded
-    proposed: jax.Array   # [R] int32 verified drafts as recorded
+    accepted: jax.Array | None = None   # [R] int32 accepted drafts as recorded (plain: None)
+    proposed: jax.Array | None = None   # [R] int32 verified drafts as recorded (plain: None)
     tau_term: jax.Array   # [R] int32 the round's acceptance length (τ term)
 
 

@@ -134,8 +134,8 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     per = res.per_request
     conf = None
     if sampling["record_confidence"]:
-        conf = [np.asarray(p["confidence"], np.float32).reshape(-1, g) for p in per]
-    return SpecResult(tokens=res.tokens, proposed=[p["proposed"] for p in per],
-                      accepted=[p["accepted"] for p in per],
-                      rounds=sum(r["steps"] for r in res.rounds),
-                      confidence=conf, acceptance=[p["acceptance"] for p in per])
+        conf = [np.asarray(p.confidence, np.float32).reshape(-1, g) for p in per]
+    return SpecResult(tokens=res.tokens, proposed=[p.proposed for p in per],
+                      accepted=[p.accepted for p in per],
+                      rounds=sum(r.steps for r in res.rounds),
+                      confidence=conf, acceptance=[p.acceptance for p in per])

@@ -7,9 +7,10 @@ the caches' layout and the drafting policy; a run drives them."""
 from __future__ import annotations
 
 import collections
+import collections.abc
 import dataclasses
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,19 +24,75 @@ from dspark_jax.decoding.sampling import top_k_cap_for
 from dspark_jax.serving import cost_profile, policy
 
 
+class _ReadsByName(collections.abc.Mapping):
+    """A record that also reads as a mapping of its fields (`record["accepted"]`, `set(record)`,
+    `record.get("admitted_capacity")`): `EngineResult`'s records, whose names are part of the
+    stable API."""
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(eq=False)
+class RequestRecord(_ReadsByName):
+    """One request of a run: per round its accepted and verified drafts, its acceptance length
+    (τ term) and (drafting rounds) its proposals' confidence logits; when it arrived, joined,
+    got its first token and finished (seconds into the run)."""
+
+    arrival_s: float
+    prompt_tokens: int
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    proposed: list[int] = dataclasses.field(default_factory=list)
+    acceptance: list[int] = dataclasses.field(default_factory=list)
+    confidence: list[np.ndarray] = dataclasses.field(default_factory=list)
+    join_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class RoundSummary(_ReadsByName):
+    """One round (a drafting round of a device call) or one device call of plain steps or
+    plain rounds: the requests active, the drafts verified, the capacity bucket K it ran in,
+    the tokens emitted, whether it drafted, its seconds (a call's, for its rounds), the steps
+    or rounds it stands for, and (plain steps) the cache length or (drafting) the capacity
+    its schedule admitted."""
+
+    active: int
+    verified_tokens: int
+    capacity: int
+    tokens: int
+    drafted: bool
+    seconds: float
+    steps: int
+    cache_len: int | None = None
+    admitted_capacity: int | None = None
+
+
 @dataclasses.dataclass
 class EngineResult:
     """Output of `Engine.generate` (the names are part of the stable API)."""
 
-    tokens: list[list[int]]          # generated ids per prompt (prompt excluded)
-    rounds: list[dict[str, Any]]     # per engine step: active, verified_tokens, capacity, seconds
-    per_request: list[dict[str, Any]]  # accepted/proposed per round, first_token_s, finish_s
+    tokens: list[list[int]]              # generated ids per prompt (prompt excluded)
+    rounds: list[RoundSummary]           # per engine step: active, verified_tokens, capacity, …
+    per_request: list[RequestRecord]     # accepted/proposed per round, first_token_s, finish_s
     wall_s: float = 0.0
 
     @property
     def tau(self) -> float:
         """DeepSpec's pooled accepted length over all requests and rounds."""
-        terms = [t for r in self.per_request for t in r["acceptance"]]
+        terms = [t for r in self.per_request for t in r.acceptance]
         return float(sum(terms) / max(len(terms), 1))
 
 
@@ -77,10 +134,10 @@ class Run:
         self.requests: list[Request] = []
         self.prompts: list[list[int]] = []
         self.out: list[list[int]] = []
-        self.per: list[dict[str, Any]] = []
+        self.per: list[RequestRecord] = []
         self.on_reply, self.after_replies = on_reply, after_replies
         self.ended = 0          # requests ended since `after_replies` last ran
-        self.rounds: list[dict[str, Any]] = []
+        self.rounds: list[RoundSummary] = []
         self.host = eng.host_arrays()
         self.slot_req = [-1] * eng.R
         self.free = collections.deque(range(eng.R))
@@ -110,10 +167,8 @@ class Run:
         self.requests.append(req)
         self.prompts.append(list(map(int, req.prompt)))
         self.out.append([])
-        self.per.append(dict(accepted=[], proposed=[], acceptance=[], confidence=[],
-                             arrival_s=float(req.arrival_s), join_s=None,
-                             prompt_tokens=len(req.prompt), first_token_s=None,
-                             finish_s=None))
+        self.per.append(RequestRecord(arrival_s=float(req.arrival_s),
+                                      prompt_tokens=len(req.prompt)))
         self.pending.append(i)
         return i
 
@@ -125,7 +180,7 @@ class Run:
             i = self.pending.popleft()
             r = self.free.popleft()
             self.slot_req[r] = i
-            self.per[i]["join_s"] = now
+            self.per[i].join_s = now
             req, host = self.requests[i], self.host
             host["temperature"][r], host["top_k"][r], host["top_p"][r] = (
                 req.temperature, req.top_k, req.top_p)
@@ -192,7 +247,7 @@ class Run:
             self.out[i].append(t)
             if self.bar is not None:
                 self.bar.update(1)
-            self.per[i]["first_token_s"] = now
+            self.per[i].first_token_s = now
             # DeepSpec's loop runs a round even with a budget of one token
             if t in stops or (self.max_new <= 1 and eng.budget_rule == "serving"):
                 self._finish(r, now)
@@ -201,7 +256,7 @@ class Run:
 
     def _finish(self, r: int, now: float) -> None:
         i = self.slot_req[r]
-        self.per[i]["finish_s"] = now
+        self.per[i].finish_s = now
         self.host["active"][r] = False
         self.slot_req[r] = -1
         self.free.append(r)
@@ -216,9 +271,9 @@ class Run:
         i = self.slot_req[r]
         self.out[i].extend(int(x) for x in tokens)
         pr = self.per[i]
-        pr["accepted"].extend(accepted)
-        pr["proposed"].extend(proposed)
-        pr["acceptance"].extend(acceptance)
+        pr.accepted.extend(accepted)
+        pr.proposed.extend(proposed)
+        pr.acceptance.extend(acceptance)
         self.host["remaining"][r] -= len(tokens)
         self.host["counter"][r] += rounds
 
@@ -237,22 +292,14 @@ class Run:
                                  max_steps=eng.plain_steps_per_call, top_k_cap=cap,
                                  budget_rule=eng.budget_rule)
         out = jax.device_get(out)
-        now = time.perf_counter() - self.t0
-        emitted = 0
-        for r in np.nonzero(host["active"])[0]:
-            m, k = int(out["n_emit"][r]), int(out["steps"][r])
-            self._record(r, out["tokens"][r, :m], [0] * k, [0] * k, [1] * k, k)
-            emitted += m
-            if out["finished"][r]:
-                self._finish(r, now)
-        if self.bar is not None:
-            self.bar.update(emitted)
-        n_steps = int(out["steps"].max(initial=0))
+        emitted = self._book_round(out, host["active"].copy(), time.perf_counter() - self.t0)
+        n_steps = int(out.tau_term.max(initial=0))
         seconds = time.perf_counter() - t_start
         self.step_s = seconds / max(n_steps, 1)
-        self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=eng.buckets[0],
-                                tokens=emitted, drafted=False, seconds=seconds, steps=n_steps,
-                                cache_len=int(state.cache.max_len)))
+        self.rounds.append(RoundSummary(active=n_active, verified_tokens=0,
+                                        capacity=eng.buckets[0], tokens=emitted, drafted=False,
+                                        seconds=seconds, steps=n_steps,
+                                        cache_len=int(state.cache.max_len)))
         return state
 
     def _call_budget(self, max_steps: int | None, per_call: int) -> tuple[int, int]:
@@ -300,11 +347,10 @@ class Run:
                                float(decided.predicted),
                                float(np.sum(record.outputs.accepted[live])))
             emitted = self._book_round(record.outputs, live, now, decided.confidence)
-            self.rounds.append(dict(active=int(live.sum()),
-                                    verified_tokens=int(decided.lengths[live].sum()),
-                                    capacity=int(decided.capacity), tokens=emitted,
-                                    drafted=True, steps=1, seconds=seconds,
-                                    admitted_capacity=int(decided.admitted)))
+            self.rounds.append(RoundSummary(
+                active=int(live.sum()), verified_tokens=int(decided.lengths[live].sum()),
+                capacity=int(decided.capacity), tokens=emitted, drafted=True, seconds=seconds,
+                steps=1, admitted_capacity=int(decided.admitted)))
         return state
 
     def _fetch_rounds(self, result: RoundsResult, t_start: float
@@ -319,15 +365,21 @@ class Run:
     def _book_round(self, outputs: RoundOutputs, live: np.ndarray, now: float,
                     confidence: np.ndarray | None = None) -> int:
         """Books one round's per-slot outputs ([R, …] on the host) for the slots in `live`:
-        tokens, acceptance records, confidence logits, finished requests. → tokens emitted."""
+        tokens, acceptance records, confidence logits, finished requests; a call of plain
+        steps (no drafts) books each slot's `tau_term` steps as rounds of one token. → tokens
+        emitted."""
         emitted = 0
         for r in np.nonzero(live)[0]:
             m = int(outputs.n_emit[r])
             if confidence is not None:   # confidence logits of this round's proposals
-                self.per[self.slot_req[r]]["confidence"].append(
+                self.per[self.slot_req[r]].confidence.append(
                     np.asarray(confidence[r], np.float32))
-            self._record(r, outputs.tokens[r, :m], [int(outputs.accepted[r])],
-                         [int(outputs.proposed[r])], [int(outputs.tau_term[r])], 1)
+            if outputs.accepted is None:   # plain steps
+                k = int(outputs.tau_term[r])
+                self._record(r, outputs.tokens[r, :m], [0] * k, [0] * k, [1] * k, k)
+            else:
+                self._record(r, outputs.tokens[r, :m], [int(outputs.accepted[r])],
+                             [int(outputs.proposed[r])], [int(outputs.tau_term[r])], 1)
             emitted += m
             if outputs.finished[r]:
                 self._finish(r, now)
@@ -355,8 +407,9 @@ class Run:
             self.policy.update(False)
             record = jax.tree.map(lambda a: a[i], result.records)
             emitted = self._book_round(record.outputs, record.live, now)
-            self.rounds.append(dict(active=n_active, verified_tokens=0, capacity=K,
-                                    tokens=emitted, drafted=False, steps=1, seconds=seconds))
+            self.rounds.append(RoundSummary(active=n_active, verified_tokens=0, capacity=K,
+                                            tokens=emitted, drafted=False, seconds=seconds,
+                                            steps=1))
         return state
 
     def start_state(self) -> EngineState:
