@@ -92,9 +92,10 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
     tokens at start + t, causal) the cache layer's k and v with the rows written at
     `positions_bt` (a position ≥ S dropped). On a GPU the attention kernel stores them in
     place; elsewhere the rows are written after the attention has read the cache. The GPU's
-    kernel takes the own keys as a chain (`causal`: the T tokens at start + t, a query seeing
-    the keys up to its own, as `own_mask_btq` then marks them, or a superset of the rows
-    whose outputs are used); a draft tree's (`causal=False`) stays with XLA's ops."""
+    layer kernel takes the own keys as a chain (`causal`: the T tokens at start + t, a query
+    seeing the keys up to its own, as `own_mask_btq` then marks them, or a superset of the rows
+    whose outputs are used); a draft tree's nodes (`causal=False`) take XLA's q/k/v, norms and
+    RoPE, then the decode-attention kernel under their ancestor mask."""
     b, t = x_btd.shape[:2]
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]

@@ -249,9 +249,13 @@ def flash_attention_tpu(q: jax.Array, k: jax.Array, v: jax.Array,
 # up to this many queries a row, attention over a cache runs as multiply-reduce loops (with a
 # verification block's 8 queries XLA:GPU re-lays the whole cache out in fp32 for them)
 CACHE_REDUCE_MAX_QUERIES = 1
-# query heads a row and key head (T·G) up to which the decode-attention kernel takes a call:
-# decoding steps and verification blocks; a draft tree's nodes stay with XLA
+# query heads a row and key head (T·G) up to which the layer-attention kernel takes a call
+# (`decoding_layer.cached_attention`): decoding steps and verification blocks
 DECODE_KERNEL_MAX_ROWS = 64
+# own keys a row up to which the decode-attention kernel takes a call: one [Q, H] tile beside
+# the queries (a draft tree's nodes); its queries it tiles as it needs (prefill chunks, with
+# more own keys, stay with XLA's dots)
+DECODE_KERNEL_MAX_OWN = 128
 # the decode-attention kernels' cache tile (`pallas_kernels.decode_attention.DEFAULT_BLOCK_K`):
 # a cache they take is a whole number of tiles long
 DECODE_KERNEL_TILE = 64
@@ -270,9 +274,10 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
     with no visible key gives zeros.
 
     On a GPU, for power-of-two head sizes and query heads a key head, and up to
-    `DECODE_KERNEL_MAX_ROWS` queries a key head, this is the decode-attention kernel
-    (`pallas_kernels.decode_attention`: the partial softmaxes of cache splits in one Triton
-    kernel, then their merge), two kernels where XLA takes about fifteen; elsewhere, and inside
+    `DECODE_KERNEL_MAX_OWN` own keys, this is the decode-attention kernel
+    (`pallas_kernels.decode_attention`: the partial softmaxes of cache splits and query tiles
+    in one Triton kernel, then their merge), two kernels where XLA takes about fifteen and
+    materialises every score; elsewhere, and inside
     `flash_kernels(False)`, `attend_cache_and_own_xla`. The branch is chosen for the platform
     being compiled for, so an ahead-of-time compile for a GPU takes the kernel. Inside a
     sharded program the kernel runs per device on its rows and KV heads."""
@@ -281,7 +286,7 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
     g = n // kvh
     start = cache_start_b.astype(jnp.int32)
     pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
-    if (not (pow2(h) and h >= 16 and pow2(g)) or t * g > DECODE_KERNEL_MAX_ROWS
+    if (not (pow2(h) and h >= 16 and pow2(g)) or own_k.shape[1] > DECODE_KERNEL_MAX_OWN
             or cache_k.shape[1] % DECODE_KERNEL_TILE or not _flash_kernels.get()):
         return attend_cache_and_own_xla(q_btnh, cache_k, cache_v, start, own_k, own_v,
                                         own_mask_btq)

@@ -20,7 +20,9 @@ Layout. A row's T queries act as M = T·G query heads of each of the Kh key head
 so one program reads each cache tile once for all of them: a program reads its key head's G
 query heads for T queries as one [Tp, G, H] tile (Tp·G ≥ 16, Triton's smallest dot; reads past
 T masked) and the merge writes them back the same way, so nothing is regrouped around the
-kernels. The cache stays where it lies, [B, S, Kh, H]: a program reads its key head's column of
+kernels. Where T·G exceeds `MAX_TILE_ROWS` (a draft tree's nodes) `decode_attention` splits the
+queries into tiles of `TILED_ROWS` rows, the grid's last axis: the programs of one cache split
+run side by side and read its tiles once from HBM, the others from L2. The cache stays where it lies, [B, S, Kh, H]: a program reads its key head's column of
 each tile in place. Partial programs: grid (B, Kh, P), program p walks the cache tiles of its
 split of [0, start) (a split past `start` does nothing), and the last program also takes the
 own keys, so every partial is an online softmax (FlashAttention-2) over disjoint keys. P is
@@ -51,6 +53,11 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 2
 # programs to aim for: about two per multiprocessor of an H100 / H200 (132)
 TARGET_PROGRAMS = 256
+# query rows (T·G) one program takes whole; beyond it `decode_attention` tiles the queries,
+# `TILED_ROWS` rows a program (FlashAttention-2's [128, H] accumulator, eight warps)
+MAX_TILE_ROWS = 64
+TILED_ROWS = 128
+TILED_NUM_WARPS = 8
 
 
 
@@ -258,15 +265,17 @@ def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
                                                        num_stages=num_stages)
 
 
-def _merge(o, m, l, q, tp: int, g: int, interpret: bool) -> jax.Array:
-    """The merge kernel: each row's queries written where q has them, [B, T, N, H]."""
-    B, Kh, P, Mp, H = o.shape
+def _merge(o, m, l, q, tp: int, g: int, interpret: bool, n_tiles: int = 1) -> jax.Array:
+    """The merge kernel, one program a (row, key head, query tile): each row's queries written
+    where q has them, [B, T, N, H]."""
+    B, Kh, P, _, H = o.shape
+    Mp = tp * g
     return pl.pallas_call(
-        _merge_kernel, grid=(B, Kh),
-        in_specs=[pl.BlockSpec((None, None, P, Mp, H), lambda b, k: (b, k, 0, 0, 0)),
-                  pl.BlockSpec((None, None, P, Mp), lambda b, k: (b, k, 0, 0)),
-                  pl.BlockSpec((None, None, P, Mp), lambda b, k: (b, k, 0, 0))],
-        out_specs=pl.BlockSpec((None, tp, g, H), lambda b, k: (b, 0, k, 0)),
+        _merge_kernel, grid=(B, Kh, n_tiles),
+        in_specs=[pl.BlockSpec((None, None, P, Mp, H), lambda b, k, j: (b, k, 0, j, 0)),
+                  pl.BlockSpec((None, None, P, Mp), lambda b, k, j: (b, k, 0, j)),
+                  pl.BlockSpec((None, None, P, Mp), lambda b, k, j: (b, k, 0, j))],
+        out_specs=pl.BlockSpec((None, tp, g, H), lambda b, k, j: (b, j, k, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(interpret, 1, 1), interpret=interpret,
         name="decode_attention_merge",
@@ -289,22 +298,27 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start
     S, Kh = cache_k.shape[1], cache_k.shape[2]
     G, Q = N // Kh, own_k.shape[1]
     P, Tp, split_len = _tiling(B, T, G, Kh, S, block_k, splits)
+    n_tiles = 1
+    if Tp * G > MAX_TILE_ROWS:   # query tiles of TILED_ROWS rows, the grid's last axis
+        Tp = max(1, TILED_ROWS // G)
+        n_tiles = -(-T // Tp)
+        num_warps = max(num_warps, TILED_NUM_WARPS)
     Mp, Qp = Tp * G, max(16, next_pow2(Q))
     mask = jnp.broadcast_to(own_mask[:, :, None, :], (B, T, G, Q)).reshape(B, T * G, Q)
-    mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, Mp - T * G), (0, Qp - Q)))
+    mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, n_tiles * Mp - T * G), (0, Qp - Q)))
     kernel = functools.partial(_partial_kernel, qk_scale=scale * LOG2E, block_k=block_k,
                                split_len=split_len, seq=S, own_rows=Qp)
     o, m, l = pl.pallas_call(
-        kernel, grid=(B, Kh, P),
+        kernel, grid=(B, Kh, P, n_tiles),
         in_specs=[_query_rows(Tp, G, H), _key_head(S, H), _key_head(S, H), _per_row(),
                   _key_head(Q, H), _key_head(Q, H),
-                  pl.BlockSpec((None, Mp, Qp), lambda b, k, p: (b, 0, 0))],
-        out_specs=_partial_specs(Mp, H), out_shape=_partial_shapes(B, Kh, P, Mp, H),
+                  pl.BlockSpec((None, Mp, Qp), lambda b, k, p, j: (b, j, 0))],
+        out_specs=_partial_specs(Mp, H), out_shape=_partial_shapes(B, Kh, P, n_tiles * Mp, H),
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret, name="decode_attention_splits",
     )(q, cache_k, cache_v, start.astype(jnp.int32), own_k.astype(cache_k.dtype),
       own_v.astype(cache_v.dtype), mask)
-    return _merge(o, m, l, q, Tp, G, interpret)
+    return _merge(o, m, l, q, Tp, G, interpret, n_tiles)
 
 
 def _tiling(B: int, T: int, G: int, Kh: int, S: int, block_k: int, splits: int | None
@@ -320,23 +334,25 @@ def _tiling(B: int, T: int, G: int, Kh: int, S: int, block_k: int, splits: int |
 
 
 def _query_rows(tp: int, g: int, h: int) -> pl.BlockSpec:
-    """A key head's G query heads for the row's Tp queries (reads past T masked)."""
-    return pl.BlockSpec((None, tp, g, h), lambda b, k, *_: (b, 0, k, 0))
+    """A key head's G query heads for Tp of the row's queries: query tile j (the grid's fourth
+    axis where there is one; reads past T masked)."""
+    return pl.BlockSpec((None, tp, g, h), lambda b, k, p=0, j=0: (b, j, k, 0))
 
 
 def _key_head(n: int, h: int, first: int = 0) -> pl.BlockSpec:
     """Key head k's column of a [B, n, heads, H] array, its heads counted from `first`."""
-    return pl.BlockSpec((None, n, None, h), lambda b, k, p: (b, 0, first + k, 0))
+    return pl.BlockSpec((None, n, None, h), lambda b, k, *_: (b, 0, first + k, 0))
 
 
 def _per_row() -> pl.BlockSpec:
-    return pl.BlockSpec((None,), lambda b, k, p: (b,))
+    return pl.BlockSpec((None,), lambda b, *_: (b,))
 
 
 def _partial_specs(mp: int, h: int) -> list[pl.BlockSpec]:
-    return [pl.BlockSpec((None, None, None, mp, h), lambda b, k, p: (b, k, p, 0, 0)),
-            pl.BlockSpec((None, None, None, mp), lambda b, k, p: (b, k, p, 0)),
-            pl.BlockSpec((None, None, None, mp), lambda b, k, p: (b, k, p, 0))]
+    """Program (b, k, p[, j])'s partial softmax: rows [j·mp, (j + 1)·mp) of split p."""
+    return [pl.BlockSpec((None, None, None, mp, h), lambda b, k, p, j=0: (b, k, p, j, 0)),
+            pl.BlockSpec((None, None, None, mp), lambda b, k, p, j=0: (b, k, p, j)),
+            pl.BlockSpec((None, None, None, mp), lambda b, k, p, j=0: (b, k, p, j))]
 
 
 def _partial_shapes(B: int, Kh: int, P: int, mp: int, h: int) -> list[jax.ShapeDtypeStruct]:

@@ -30,10 +30,11 @@ def _inputs(seed: int, t: int, q_len: int):
     return q, ck, cv, ok, ov
 
 
-@pytest.mark.parametrize("t,q_len,splits", [(1, 1, 2), (3, 5, 4), (8, 8, 8)])
+@pytest.mark.parametrize("t,q_len,splits", [(1, 1, 2), (3, 5, 4), (8, 8, 8), (37, 37, 2)])
 def test_own_keys_apart_match_the_oracle(t, q_len, splits):
     """Own keys [B, Q, Kh, H] under an arbitrary mask (a draft tree's), cache prefixes 0, mid
-    and whole; row 0 sees nothing at all and gives zeros."""
+    and whole; row 0 sees nothing at all and gives zeros. At T = 37 (T·G = 148 query rows) the
+    queries run in two tiles, the last one partial."""
     q, ck, cv, ok, ov = _inputs(0, t, q_len)
     start = jnp.asarray([0, 57, S], jnp.int32)
     mask = jax.random.bernoulli(jax.random.key(9), 0.6, (B, t, q_len)).at[0].set(False)
@@ -150,3 +151,27 @@ def test_lowers_for_gpu_with_triton_at_a_decoding_shape():
     grids = [int(x) * int(y) * int(z) for x, y, z in re.findall(
         r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)]
     assert sorted(grids) == [8, 256], grids
+
+
+@pytest.mark.gpu
+def test_lowers_for_gpu_with_triton_at_a_tree_shape():
+    """A draft tree's verification at Qwen3-8B's heads (65 cells a row, 64 rows, a 1024-
+    position cache) lowers to Triton: the 260 query rows a key head run as three tiles of the
+    grid's fourth axis."""
+    from jax import export
+
+    spec = jax.ShapeDtypeStruct
+    q = spec((64, 65, 32, 128), jnp.bfloat16)
+    cache = spec((64, 1024, 8, 128), jnp.bfloat16)
+    own = spec((64, 65, 8, 128), jnp.bfloat16)
+    fn = functools.partial(decode_attention, scale=128 ** -0.5)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    try:
+        text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+            q, cache, cache, spec((64,), jnp.int32), own, own,
+            spec((64, 65, 65), jnp.bool_)).mlir_module()
+    except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Triton dialect
+        pytest.skip(f"Triton lowering unavailable: {e}")
+    grids = [int(x) * int(y) * int(z) for x, y, z in re.findall(
+        r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)]
+    assert sorted(grids) == [64 * 8 * 3, 64 * 8 * 2 * 3], grids

@@ -7,6 +7,7 @@ distribution test is `test_engine_distribution.test_trees_sample_the_target_with
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -117,3 +118,31 @@ def test_tree_engine_does_not_recompile_after_warmup(target):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert events == [], f"{len(events)} compilations after warm-up"
     assert len(res.tokens) == len(PROMPTS) and all(len(t) >= 1 for t in res.tokens)
+
+
+def test_the_gpu_tree_round_interpreted_is_exact(target, greedy_ref, monkeypatch):
+    """The tree round a GPU compiles, run on a CPU with its kernels interpreted
+    (`layers.interpret_kernels`): the tree's verification attends through the decode-attention
+    kernel under the ancestor mask (traced with more own keys than one query, so as a tree),
+    and greedy output equals autoregressive decoding."""
+    import pallas_kernels.decode_attention as DA
+    from dspark_jax.models import layers as L
+
+    own_keys = []
+    kernel = DA.decode_attention
+
+    def counted(q, *args, **kw):
+        own_keys.append(args[3].shape[1])
+        return kernel(q, *args, **kw)
+
+    monkeypatch.setattr(DA, "decode_attention", counted)
+    draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
+    with L.interpret_kernels():
+        eng = Engine(target, draft, max_requests=2, max_len=64, scheduler="fixed",
+                     stop_token_ids=[], tree_budget=8, tree_branching=4)
+        res = eng.generate(PROMPTS, max_new_tokens=16)
+        if 9 not in own_keys:   # the rounds came from the compilation cache of an earlier test
+            jax.clear_caches()
+            res = eng.generate(PROMPTS, max_new_tokens=16)
+    assert 9 in own_keys, own_keys   # the tree's cells: the anchor and its 8 nodes
+    assert res.tokens == greedy_ref
