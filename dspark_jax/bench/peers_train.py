@@ -1,0 +1,461 @@
+"""Training side by side with DeepSpec's own trainer: the same DSpark drafter, the same settings,
+the same micro-batches in the same order, trained by our jitted step and by DeepSpec's
+`Qwen3DSparkTrainer` (`bench/deepspec_trainer.py`: its own code, only the CPU environment
+replaced), in one process, step by step in alternating order (ours first on even steps, DeepSpec
+first on odd ones), so both see the same machine load.
+
+    python -m dspark_jax.bench.peers_train [--config configs/smollm2_dspark.py]
+        [--data-dir runs/smollm2_dspark/data] [--steps 24] [--seeds 0,1]
+        [--precisions fp32,bf16] [--deepspec-src ../shared/reference/deepspec]
+        [--json OUT.json] [--plot OUT.png] [--set KEY=VALUE ...]
+
+The config (the main job's by default) is trained as DeepSpec trains: full vocabulary
+(`draft.draft_vocab_size=0`), DeepSpec's random init (`train.init_from_target=False`), its warmup
+and cosine (`--warmup-ratio`, over `--steps`), `data.order=deepspec` (its sampler's order,
+`data.data_seed`), one micro-batch of `train.global_batch_size` rows a step, and the precision:
+"fp32", or "bf16" (ours `train.precision=bf16`, DeepSpec's `precision: bf16`: bf16 forward and
+backward, fp32 master weights and AdamW). The records and target features are the main job's
+data stage's (`data/regenerated.jsonl` and `data/features` under `--data-dir`, reused; written
+there by the data stage when absent); each batch reaches DeepSpec as cache items of each
+sample's own length, which its collator pads to the batch's longest. Each trainer initialises its
+own drafter from the seed and draws its own anchors: `--seeds` gives the seed-to-seed noise.
+
+Reported per (precision, seed) and trainer: the loss and CE of every step, seconds per step (the
+first `--warmup-steps` left out: compilation), and the held-out teacher-forced acceptance after
+the last step, both drafters measured by one evaluator (ours, DeepSpec's weights loaded into our
+drafter; the same anchors): accept_rate@k and `tau_probabilistic` counted both ways, over the
+blocks DeepSpec counts (kept with a supervised slot: `tau_probabilistic`) and over every kept
+block (`tau_kept_blocks`, where a block without a supervised slot counts 1). Per precision: our
+s/step over DeepSpec's, the median over steps of the per-step ratio and its quartiles (bar:
+≤ 0.67), and each trainer's held-out τ with its spread over the seeds. `--json` saves everything,
+`--plot` draws both trainers' loss curves. Without DeepSpec's source (or torch) it prints one line
+saying so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parents[2] / "configs" / "smollm2_dspark.py"
+DEFAULT_DEEPSPEC = (pathlib.Path(__file__).resolve().parents[2] / ".." / "shared" / "reference"
+                    / "deepspec")
+GOAL_RATIO = 0.67        # ours ≤ 0.67× DeepSpec's seconds per step
+PRECISIONS = ("fp32", "bf16")
+DEEPSPEC_DATA_SEED = 42  # DeepSpec's sampler seed
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a training config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override (as --config.KEY=VALUE of the training job)")
+    p.add_argument("--data-dir", default=None,
+                   help="the main job's data directory (regenerated.jsonl, features/); "
+                        "default WORKDIR/data, written by the data stage when absent")
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup-ratio", type=float, default=0.1)
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="first steps left out of the seconds per step")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--precisions", default="fp32,bf16")
+    p.add_argument("--deepspec-src", default=os.environ.get("DEEPSPEC_SRC", str(DEFAULT_DEEPSPEC)))
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None)
+    a = p.parse_args(argv)
+    a.seeds = [int(s) for s in a.seeds.split(",") if s]
+    a.precisions = [s for s in a.precisions.split(",") if s]
+    bad = [s for s in a.precisions if s not in PRECISIONS]
+    if bad:
+        p.error(f"--precisions: {bad} not in {PRECISIONS}")
+    if a.steps <= a.warmup_steps:
+        p.error("--steps must exceed --warmup-steps")
+    return a
+
+
+# ------------------------------------------------------------------------------ data
+@dataclasses.dataclass
+class Prepared:
+    config: Any              # the ConfigDict (precision applied per run)
+    target: Any
+    draft_cfg: Any
+    batches: list[dict[str, np.ndarray]]    # our local batches, in training order
+    held_records: list
+    target_hf: pathlib.Path  # the Hugging Face directory DeepSpec's trainer reads
+
+
+def job_config(a: argparse.Namespace, data_dir: pathlib.Path, workdir: pathlib.Path) -> Any:
+    """The training config with DeepSpec's recipe switches and `--set` overrides."""
+    from dspark_jax.train.job_config import parse_config, validate_config
+
+    argv = ["peers_train", f"--config={a.config}",
+            f"--config.workdir={workdir}",
+            "--config.draft.draft_vocab_size=0",
+            "--config.train.init_from_target=False",
+            "--config.data.order=deepspec",
+            f"--config.data.data_seed={DEEPSPEC_DATA_SEED}",
+            f"--config.data.regenerated={data_dir / 'regenerated.jsonl'}",
+            f"--config.data.feature_cache={data_dir / 'features'}",
+            "--config.data.features=offline",
+            f"--config.train.max_steps={a.steps}",
+            f"--config.train.warmup_ratio={a.warmup_ratio}",
+            "--config.train.micro_batches=1",
+            "--config.logging.progress=False",
+            *(f"--config.{s}" for s in a.set)]
+    if not (data_dir / "regenerated.jsonl").is_file():
+        argv = [x for x in argv if not x.startswith("--config.data.regenerated=")]
+    c = parse_config(argv)
+    validate_config(c)
+    return c
+
+
+def prepare(a: argparse.Namespace, workdir: pathlib.Path) -> Prepared:
+    """The target, the drafter config, the training batches and the held-out records (the main
+    job's data stage, its outputs reused where they exist)."""
+    from dspark_jax.data.pipeline import make_dataset
+    from dspark_jax.models import load_target
+    from dspark_jax.models.io.gguf_to_hf import write_target_hf
+    from dspark_jax.train import data_stage
+    from dspark_jax.train.job_config import build_draft_config
+    from dspark_jax.train.train_stage import schedule_length
+
+    data_dir = pathlib.Path(a.data_dir).absolute() if a.data_dir else workdir / "data"
+    c = job_config(a, data_dir, workdir)
+    target = load_target(c.target, dtype=c.train.target_dtype)
+    draft_cfg = build_draft_config(c, target)
+    data = data_stage.prepare_data(c, target, draft_cfg, workdir, True)
+    pc, _, total = schedule_length(c, data)
+    it = iter(make_dataset(data.source, pc))
+    batches = [next(it) for _ in range(total)]
+    target_hf = pathlib.Path(c.target)
+    if not target_hf.is_dir():
+        target_hf = write_target_hf(workdir / "target_hf")
+    return Prepared(config=c, target=target, draft_cfg=draft_cfg, batches=batches,
+                    held_records=data.held_records, target_hf=target_hf)
+
+
+def deepspec_items(local: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    """Our padded batch as DeepSpec cache items, each row cut to its own length."""
+    import torch
+
+    out = []
+    for r in range(local["input_ids"].shape[0]):
+        n = int((np.asarray(local["segment_ids"][r]) > 0).sum())
+        out.append(dict(
+            input_ids=torch.from_numpy(np.asarray(local["input_ids"][r, :n], np.int64)),
+            loss_mask=torch.from_numpy(np.asarray(local["loss_mask"][r, :n], np.int64)),
+            target_hidden_states=torch.from_numpy(np.asarray(local["features"][r, :n],
+                                                             np.float32)),
+            target_last_hidden_states=torch.from_numpy(np.asarray(local["target_hidden"][r, :n],
+                                                                  np.float32))))
+    return out
+
+
+# ------------------------------------------------------------------------------ our trainer
+def precision_config(c: Any, precision: str) -> Any:
+    """A copy of `c` training in `precision` ("bf16": bfloat16 compute, `train.precision`)."""
+    c = c.copy_and_resolve_references()
+    c.unlock()
+    c.train.precision = precision
+    c.train.compute_dtype = "bfloat16" if precision == "bf16" else "float32"
+    c.lock()
+    return c
+
+
+@dataclasses.dataclass
+class Ours:
+    graphdef: Any
+    state: Any
+    frozen: Any
+    fns: Any
+
+    def step(self, local: dict[str, np.ndarray]) -> tuple[dict[str, float], float]:
+        import jax
+
+        from dspark_jax.data.pipeline import to_global_batch
+
+        t0 = time.perf_counter()
+        batch = to_global_batch(local, self.fns.batch_sharding)
+        self.state, metrics = self.fns.train(self.state, self.frozen, None, batch)
+        host = jax.device_get(metrics)
+        seconds = time.perf_counter() - t0
+        return {k: float(np.asarray(v)) for k, v in host.items()}, seconds
+
+
+def build_ours(c: Any, p: Prepared, seed: int, mesh: Any) -> Ours:
+    """Our train step as the training loop builds it (train_stage.train_loop), offline
+    features, one micro-batch."""
+    from dspark_jax.models import init_draft
+    from dspark_jax.train.job_config import attn_kernel, attn_key_chunk
+    from dspark_jax.train.step import (OptimConfig, build_train_step, init_train_state,
+                                       make_optimizer, make_schedule, split_draft)
+
+    oc = OptimConfig(lr=c.train.lr, b1=c.train.b1, b2=c.train.b2, eps=c.train.eps,
+                     weight_decay=c.train.weight_decay, clip_norm=c.train.clip_norm,
+                     warmup_ratio=c.train.warmup_ratio, total_steps=len(p.batches))
+    tx, schedule = make_optimizer(oc), make_schedule(oc)
+    draft = init_draft(p.target, p.draft_cfg, seed=seed, dtype=c.train.compute_dtype,
+                       param_dtype="float32", from_target=False)
+    graphdef, params, frozen = split_draft(draft.model)
+    state, state_sh = init_train_state(params, tx, seed, mesh)
+    fns = build_train_step(graphdef, p.draft_cfg, tx, schedule, target_graphdef=None, mesh=mesh,
+                           state_sh=state_sh, frozen=frozen, target_state=None, micro_batches=1,
+                           anchor_chunk=c.train.anchor_chunk, attn_key_chunk=attn_key_chunk(c),
+                           remat=bool(c.train.remat), attn_kernel=attn_kernel(c),
+                           precision=c.train.precision)
+    return Ours(graphdef=graphdef, state=state, frozen=frozen, fns=fns)
+
+
+# ------------------------------------------------------------------------------ held-out
+def heldout_evaluator(c: Any, p: Prepared, mesh: Any, graphdef: Any
+                      ) -> Callable[[Any, Any], dict[str, float]]:
+    """Teacher-forced acceptance of a drafter (params, frozen) on the held-out records, as the
+    training job's held-out evaluation measures it (the target's features computed in the step,
+    pooled over batches, the same anchors for every drafter: `eval.seed`), compiled once: our
+    metrics (`tau_probabilistic` over the blocks DeepSpec counts) plus `tau_kept_blocks` over
+    every kept block."""
+    import jax
+
+    from dspark_jax.data.pipeline import PipelineConfig, batch_sharding, make_dataset
+    from dspark_jax.data.pipeline import to_global_batch
+    from dspark_jax.sharding import use_mesh
+    from dspark_jax.train.job_config import attn_kernel, attn_key_chunk
+    from dspark_jax.train.step import make_loss_sums_fn, metrics_fn
+
+    sums_fn = make_loss_sums_fn(graphdef, p.draft_cfg, p.target.graphdef, c.train.anchor_chunk,
+                                attn_key_chunk=attn_key_chunk(c), attn_kernel=attn_kernel(c),
+                                precision=c.train.precision)
+
+    @jax.jit
+    def eval_sums(params, frozen, target_state, batch, key):
+        with use_mesh(mesh):
+            return sums_fn(params, frozen, target_state, batch, key)
+
+    pc = PipelineConfig(batch_size=c.eval.batch_size, max_length=c.data.max_length,
+                        shuffle=False, num_epochs=1, drop_remainder=False)
+
+    def evaluate(params: Any, frozen: Any) -> dict[str, float]:
+        key = jax.random.key(c.eval.seed)
+        total = None
+        for i, local in enumerate(make_dataset(p.held_records, pc)):
+            batch = to_global_batch(local, batch_sharding(mesh))
+            sums = jax.device_get(eval_sums(params, frozen, p.target.state, batch,
+                                            jax.random.fold_in(key, i)))
+            sums = jax.tree.map(lambda x: np.asarray(x, np.float64), sums)
+            total = sums if total is None else jax.tree.map(np.add, total, sums)
+        out = {k: float(np.asarray(v)) for k, v in metrics_fn(p.draft_cfg)(total).items()}
+        kept, counted = float(total["sampled_anchors"]), float(total["tau_blocks"])
+        out["tau_kept_blocks"] = (float(total["tau_sum"]) + kept - counted) / max(kept, 1e-6)
+        out["blocks_counted"], out["blocks_kept"] = counted, kept
+        return out
+
+    return evaluate
+
+
+def ours_from_deepspec(c: Any, p: Prepared, tensors: dict[str, np.ndarray]) -> tuple[Any, Any]:
+    """DeepSpec's trained tensors as our drafter's (params, frozen)."""
+    from flax import nnx
+
+    from dspark_jax.models import init_draft
+    from dspark_jax.models.io.deepspec import draft_pure_from_deepspec
+    from dspark_jax.train.step import split_draft
+
+    draft = init_draft(p.target, p.draft_cfg, seed=0, dtype=c.train.compute_dtype,
+                       param_dtype="float32", from_target=False)
+    graphdef, state = nnx.split(draft.model)
+    pure = draft_pure_from_deepspec(p.draft_cfg, tensors, "DeepSpec's trainer")
+    nnx.replace_by_pure_dict(state, pure)
+    _, params, frozen = split_draft(nnx.merge(graphdef, state))
+    return params, frozen
+
+
+# ------------------------------------------------------------------------------ one run
+def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: int,
+             workdir: pathlib.Path) -> dict[str, Any]:
+    """Both trainers, `len(p.batches)` steps of the same batches, alternating which goes first;
+    then both drafters' held-out acceptance."""
+    import jax
+
+    from dspark_jax.bench.deepspec_trainer import build_dspark_trainer
+    from dspark_jax.sharding import make_mesh
+
+    c = precision_config(p.config, precision)
+    mesh = make_mesh(data=1, devices=jax.devices()[:1])
+    ours = build_ours(c, p, seed, mesh)
+    theirs = build_dspark_trainer(
+        ds, p.draft_cfg, p.target_hf, workdir / f"deepspec_{precision}_{seed}", seed=seed,
+        lr=c.train.lr, warmup_ratio=c.train.warmup_ratio, weight_decay=c.train.weight_decay,
+        max_grad_norm=c.train.clip_norm, total_steps=len(p.batches),
+        batch_size=c.train.global_batch_size, precision=precision,
+        dataset_size=len(p.batches) * c.train.global_batch_size)
+    logs: dict[str, list[dict[str, float]]] = {"ours": [], "deepspec": []}
+    secs: dict[str, list[float]] = {"ours": [], "deepspec": []}
+    for i, local in enumerate(p.batches):
+        items = deepspec_items(local)
+        order = ("ours", "deepspec") if i % 2 == 0 else ("deepspec", "ours")
+        for who in order:
+            m, s = ours.step(local) if who == "ours" else theirs.step(items)
+            logs[who].append(m)
+            secs[who].append(s)
+        print(f"  {precision} seed {seed} step {i + 1}/{len(p.batches)}: loss ours "
+              f"{logs['ours'][-1]['loss']:.4f} DeepSpec {logs['deepspec'][-1]['loss']:.4f}; "
+              f"s ours {secs['ours'][-1]:.2f} DeepSpec {secs['deepspec'][-1]:.2f}", flush=True)
+    evaluate = heldout_evaluator(c, p, mesh, ours.graphdef)
+    held = {"ours": evaluate(ours.state.params, ours.frozen),
+            "deepspec": evaluate(*ours_from_deepspec(c, p, theirs.master_tensors()))}
+    keys = ("loss", "ce_loss", "l1_loss", "tau_probabilistic", "grad_norm", "lr")
+    out: dict[str, Any] = {"precision": precision, "seed": seed}
+    for who in ("ours", "deepspec"):
+        w = a.warmup_steps
+        out[who] = {k: [m.get(k) for m in logs[who]] for k in keys}
+        out[who]["seconds"] = secs[who]
+        out[who]["s_per_step"] = statistics.median(secs[who][w:])
+        out[who]["heldout"] = held[who]
+    ratios = [o / t for o, t in zip(secs["ours"][a.warmup_steps:],
+                                    secs["deepspec"][a.warmup_steps:])]
+    out["step_ratios"] = ratios
+    theirs.trainer.draft_model.to("meta")      # free DeepSpec's copy before the next run
+    return out
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float, float]:
+    q = np.quantile(np.asarray(xs, np.float64), [0.25, 0.5, 0.75])
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def timed(run: dict[str, Any], who: str) -> list[float]:
+    """A trainer's step seconds in `run` past the warm-up steps (those the ratios cover)."""
+    n = len(run["step_ratios"])
+    return run[who]["seconds"][len(run[who]["seconds"]) - n:]
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per precision: the per-step s/step ratio (median, quartiles over every seed's steps),
+    each trainer's median s/step, and the held-out τ of each trainer per seed with the seed
+    spread (max − min) and our mean minus DeepSpec's."""
+    out: dict[str, Any] = {}
+    for precision in sorted({r["precision"] for r in runs}):
+        rs = [r for r in runs if r["precision"] == precision]
+        ratios = [x for r in rs for x in r["step_ratios"]]
+        q1, med, q3 = quartiles(ratios)
+        s: dict[str, Any] = {"ratio_median": med, "ratio_q1": q1, "ratio_q3": q3,
+                             "ratio_to_bar": med / GOAL_RATIO, "bar": GOAL_RATIO,
+                             "met": med <= GOAL_RATIO}
+        for who in ("ours", "deepspec"):
+            s[f"{who}_s_per_step"] = statistics.median(x for r in rs for x in timed(r, who))
+            for k in ("tau_probabilistic", "tau_kept_blocks", "accept_rate@0"):
+                vals = [r[who]["heldout"][k] for r in rs]
+                s[f"{who}_{k}"] = vals
+                s[f"{who}_{k}_mean"] = float(np.mean(vals))
+                s[f"{who}_{k}_seed_spread"] = float(max(vals) - min(vals))
+        for k in ("tau_probabilistic", "tau_kept_blocks"):
+            s[f"{k}_difference"] = s[f"ours_{k}_mean"] - s[f"deepspec_{k}_mean"]
+            s[f"{k}_noise"] = max(s[f"ours_{k}_seed_spread"], s[f"deepspec_{k}_seed_spread"])
+            s[f"{k}_within_noise"] = abs(s[f"{k}_difference"]) <= s[f"{k}_noise"]
+        out[precision] = s
+    return out
+
+
+def plot_losses(runs: list[dict[str, Any]], path: pathlib.Path, title: str) -> None:
+    """Both trainers' loss per step, one panel per precision, one line per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    precisions = sorted({r["precision"] for r in runs}, key=PRECISIONS.index)
+    fig, axes = plt.subplots(1, len(precisions), figsize=(5.5 * len(precisions), 4),
+                             squeeze=False, sharey=True)
+    for ax, precision in zip(axes[0], precisions):
+        for r in (r for r in runs if r["precision"] == precision):
+            steps = np.arange(1, len(r["ours"]["loss"]) + 1)
+            ax.plot(steps, r["ours"]["loss"], "-", color="C0",
+                    alpha=1.0 if r["seed"] == runs[0]["seed"] else 0.5,
+                    label=f"dspark_jax, seed {r['seed']}")
+            ax.plot(steps, r["deepspec"]["loss"], "--", color="C3",
+                    alpha=1.0 if r["seed"] == runs[0]["seed"] else 0.5,
+                    label=f"DeepSpec trainer, seed {r['seed']}")
+        ax.set_title(f"{precision}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("training loss (CE·0.1 + L1·0.9 + confidence)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    for precision, s in summary.items():
+        print(f"{precision}: s/step ours {s['ours_s_per_step']:.3f}, DeepSpec "
+              f"{s['deepspec_s_per_step']:.3f}; ours/DeepSpec per step median "
+              f"{s['ratio_median']:.3f} (quartiles {s['ratio_q1']:.3f}–{s['ratio_q3']:.3f}), "
+              f"bar ≤ {GOAL_RATIO}: {'met' if s['met'] else 'NOT met'}")
+        for k in ("tau_probabilistic", "tau_kept_blocks"):
+            print(f"  held-out {k}: ours {s[f'ours_{k}']}, DeepSpec {s[f'deepspec_{k}']}; "
+                  f"difference of means {s[f'{k}_difference']:+.4f}, seed noise "
+                  f"{s[f'{k}_noise']:.4f}: {'within' if s[f'{k}_within_noise'] else 'OUTSIDE'}"
+                  " noise")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    a = parse_args(argv)
+    from dspark_jax.bench.deepspec_trainer import (deepspec_source_problem, import_deepspec,
+                                                   start_process_group)
+
+    src = pathlib.Path(a.deepspec_src)
+    problem = deepspec_source_problem(src)
+    if problem is not None:
+        print(f"peers_train: skipped: {problem}", flush=True)
+        return None
+    with tempfile.TemporaryDirectory(prefix="peers_train_") as tmp:
+        workdir = pathlib.Path(a.workdir).absolute() if a.workdir else pathlib.Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        p = prepare(a, workdir)
+        print(f"data: {len(p.batches)} batches of {p.config.train.global_batch_size}, "
+              f"{len(p.held_records)} held-out records ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+        ds = import_deepspec(src)
+        start_process_group(pathlib.Path(tmp) / "gloo_store")
+        runs = [run_pair(a, p, ds, precision, seed, workdir)
+                for precision in a.precisions for seed in a.seeds]
+    from dspark_jax.bench.common import host_facts
+
+    summary = summarise(runs)
+    result = {"benchmark": "peers_train", "argv": list(sys.argv if argv is None else argv),
+              "host": host_facts(), "config": a.config, "sets": a.set, "steps": a.steps,
+              "warmup_ratio": a.warmup_ratio, "seeds": a.seeds,
+              "batch": int(p.config.train.global_batch_size),
+              "draft": {k: getattr(p.draft_cfg, k) for k in
+                        ("block_size", "num_draft_layers", "num_anchors", "markov_rank",
+                         "draft_vocab_size")},
+              "summary": summary, "runs": runs}
+    print_summary(summary)
+    if a.json:
+        from dspark_jax.bench.common import save_json
+
+        save_json(result, a.json)
+    if a.plot:
+        plot_losses(runs, pathlib.Path(a.plot),
+                    f"{pathlib.Path(a.config).stem}, full vocabulary, random init, batch "
+                    f"{result['batch']}, {a.steps} steps: dspark_jax vs DeepSpec's trainer")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""`bench.peers_train`'s plumbing on a tiny target: two steps of both trainers (ours and
+DeepSpec's own, imported from ../shared/reference/deepspec) on the data stage's records, the
+held-out acceptance of both drafters, the summary, the JSON and the plot (marked slow: it
+imports torch and DeepSpec and compiles both trainers' steps). Skipped where DeepSpec's source
+is absent; the benchmark then prints one line saying so."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+
+from dspark_jax.bench import peers_train
+from train.tiny_job import TINY_CONFIG, make_tiny_target, write_regenerated
+
+DEEPSPEC = pathlib.Path(__file__).resolve().parents[2] / ".." / "shared" / "reference" / "deepspec"
+
+
+def test_without_deepspec_it_says_so_and_returns(tmp_path, capsys):
+    assert peers_train.main(["--deepspec-src", str(tmp_path / "nowhere"), "--steps", "2",
+                             "--warmup-steps", "1"]) is None
+    assert "peers_train: skipped: DeepSpec's source is not at" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning",
+                            "ignore:To get the last learning rate computed:UserWarning")
+def test_two_steps_of_both_trainers(tmp_path):
+    if not (DEEPSPEC / "deepspec").is_dir():
+        pytest.skip(f"DeepSpec's source is not at {DEEPSPEC} (../shared/reference is absent)")
+    pytest.importorskip("torch", reason="DeepSpec's trainer is PyTorch")
+    target = make_tiny_target(tmp_path / "target", seed=3)
+    data = tmp_path / "data"
+    write_regenerated(data / "regenerated.jsonl", n=10)
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    result = peers_train.main([
+        "--config", str(TINY_CONFIG), "--set", f"target={target}", "--data-dir", str(data),
+        "--workdir", str(tmp_path / "w"), "--steps", "2", "--warmup-steps", "1",
+        "--seeds", "0", "--precisions", "fp32", "--deepspec-src", str(DEEPSPEC),
+        "--json", str(out_json), "--plot", str(out_png)])
+    (run,) = result["runs"]
+    for who in ("ours", "deepspec"):
+        assert len(run[who]["loss"]) == len(run[who]["seconds"]) == 2
+        assert all(math.isfinite(x) for x in run[who]["loss"] + run[who]["ce_loss"])
+        held = run[who]["heldout"]
+        assert held["blocks_kept"] > 0 and held["blocks_counted"] <= held["blocks_kept"]
+        assert 1.0 <= held["tau_probabilistic"] and 1.0 <= held["tau_kept_blocks"]
+    # the same schedule on both sides (DeepSpec logs the next step's lr)
+    assert run["ours"]["lr"][1] == pytest.approx(run["deepspec"]["lr"][0], rel=1e-5)
+    s = result["summary"]["fp32"]
+    assert len(run["step_ratios"]) == 1 and s["ratio_median"] == pytest.approx(
+        run["step_ratios"][0])
+    assert json.loads(out_json.read_text())["summary"]["fp32"]["bar"] == peers_train.GOAL_RATIO
+    assert out_png.stat().st_size > 0
