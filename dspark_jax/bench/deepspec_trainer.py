@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
-import time
 import types
 from typing import Any, Callable, Sequence
 
@@ -186,18 +185,15 @@ class DeepSpecRun:
     summaries: list
     names: list[str]
 
-    def step(self, items: Sequence[dict[str, Any]]) -> tuple[dict[str, float], float]:
+    def step(self, items: Sequence[dict[str, Any]]) -> dict[str, float]:
         """One optimizer step of DeepSpec's `train()` over `items` (cache items: `input_ids`,
         `loss_mask`, `target_hidden_states`, `target_last_hidden_states` as torch tensors of
-        each sample's own length); returns its logged summary (without the `train/` prefix)
-        and the step's wall seconds."""
+        each sample's own length); returns its logged summary (without the `train/` prefix)."""
         self.feed[:] = items
         n = len(self.summaries)
-        t0 = time.perf_counter()
         self.trainer.train()
-        seconds = time.perf_counter() - t0
         assert len(self.summaries) == n + 1, "one optimizer step per call"
-        return {k.removeprefix("train/"): float(v) for k, v in self.summaries[-1].items()}, seconds
+        return {k.removeprefix("train/"): float(v) for k, v in self.summaries[-1].items()}
 
     def master_tensors(self) -> dict[str, np.ndarray]:
         """The drafter's tensors under DeepSpec's names: the fp32 master weights of the trained

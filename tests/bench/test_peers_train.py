@@ -50,7 +50,10 @@ def test_two_steps_of_both_trainers(tmp_path):
     # the same schedule on both sides (DeepSpec logs the next step's lr)
     assert run["ours"]["lr"][1] == pytest.approx(run["deepspec"]["lr"][0], rel=1e-5)
     s = result["summary"]["fp32"]
-    assert len(run["step_ratios"]) == 1 and s["ratio_median"] == pytest.approx(
-        run["step_ratios"][0])
+    (pair,) = run["pairs"]                        # step 2: step 1 is the warm-up
+    assert pair["step"] == 2 and pair["ratio"] == pytest.approx(pair["ours"] / pair["deepspec"])
+    assert pair["others_cores"] is None or pair["others_cores"] >= 0
+    assert s["all"]["ratio_median"] == pytest.approx(pair["ratio"])
+    assert s["judged_on"] == "all"                # fewer quiet pairs than the bar needs
     assert json.loads(out_json.read_text())["summary"]["fp32"]["bar"] == peers_train.GOAL_RATIO
     assert out_png.stat().st_size > 0
