@@ -79,6 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspec-src", default=os.environ.get("DEEPSPEC_SRC", str(DEFAULT_DEEPSPEC)))
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--export", default=None,
+                   help="write both trained drafters (DeepSpec's format) under this directory: "
+                        "PRECISION_seedN/{ours,deepspec}")
     a = p.parse_args(argv)
     a.seeds = [int(s) for s in a.seeds.split(",") if s]
     a.precisions = [s for s in a.precisions.split(",") if s]
@@ -362,8 +365,15 @@ def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: 
               f"{logs['ours'][-1]['loss']:.4f} DeepSpec {logs['deepspec'][-1]['loss']:.4f}; "
               f"s ours {secs['ours'][-1]:.2f} DeepSpec {secs['deepspec'][-1]:.2f}", flush=True)
     evaluate = heldout_evaluator(c, p, mesh, ours.graphdef)
-    held = {"ours": evaluate(ours.state.params, ours.frozen),
-            "deepspec": evaluate(*ours_from_deepspec(c, p, theirs.master_tensors()))}
+    trained = {"ours": (ours.state.params, ours.frozen),
+               "deepspec": ours_from_deepspec(c, p, theirs.master_tensors())}
+    held = {who: evaluate(*pf) for who, pf in trained.items()}
+    if a.export:
+        from dspark_jax.train.eval_stage import export_draft
+
+        for who, (params, frozen) in trained.items():
+            export_draft(ours.graphdef, params, frozen,
+                         pathlib.Path(a.export) / f"{precision}_seed{seed}" / who)
     keys = ("loss", "ce_loss", "l1_loss", "tau_probabilistic", "grad_norm", "lr")
     out: dict[str, Any] = {"precision": precision, "seed": seed}
     for who in ("ours", "deepspec"):
