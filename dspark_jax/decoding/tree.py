@@ -8,8 +8,11 @@ siblings): admitting the first n nodes of a request admits a smaller tree.
 
 Growing it (`grow_tree`) needs one function from the drafter: the logits of the children of a
 batch of parents (`ChildLogits`). For DSpark that is U_k + the Markov head's rank-r bias on the
-parent's token (a rank-r product per parent, no backbone pass); for DFlash U_k alone. Depth by
-depth, every frontier node proposes `branching` children:
+parent's token (a rank-r product per parent, no backbone pass); for DFlash U_k alone. Given
+in that low-rank form (`LowRankChildren`), a greedy depth on a GPU takes its children from
+`pallas_kernels.tree_children` without writing the frontier's [R, F, V] logits to HBM, and a
+DFlash depth ranks U_k once a request. Depth by depth, every frontier node proposes
+`branching` children:
   - T > 0: a sample without replacement from the request's drafter distribution q (top-k / top-p
     and temperature applied), in sampling order: the top of log q plus Gumbel noise;
   - T ≤ 0: the top tokens of the logits (the first is the argmax: the greedy chain).
@@ -26,6 +29,7 @@ it), so a node that is kept is still a draw from q without the siblings drawn be
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import flax.struct
@@ -33,6 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.decoding.sampling import filtered_probs
+from dspark_jax.models import layers as L
+from dspark_jax.sharding import active_mesh
 
 # a node's most children by default: wide trees accept more than deep ones where the drafter's
 # first choice is often wrong (`python -m dspark_jax.experiments.tree_tau --branching C`)
@@ -43,6 +49,66 @@ _CHAIN_BONUS = 1e4
 # (h [R, F, D], U [R, F, Vd], parent tokens [R, F] (target ids), parent states [R, F, r])
 #   → (children's logits [R, F, Vd] f32, the children's states [R, F, r])
 ChildLogits = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def _top_of(logits: jax.Array, c: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The c largest logits, their ids and their softmax masses (one top-k, one
+    log-sum-exp)."""
+    top_val, ids = jax.lax.top_k(logits, c)
+    return top_val, ids, jnp.exp(top_val - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class LowRankChildren:
+    """`ChildLogits` as U + z·W2ᵀ: `project(h, parent tokens, parent states)` → (z [R, F, r],
+    the children's states) and `w2` [Vd, r] (the draft vocabulary's rows); `project=None`:
+    the children's logits are U alone (DFlash, the same for every node of a request)."""
+
+    project: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None
+    w2: jax.Array | None = None
+
+    def __call__(self, h: jax.Array, u: jax.Array, tokens: jax.Array, states: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+        z, new_states = self.lowrank(h, tokens, states)
+        return self.logits(u, z), new_states
+
+    def lowrank(self, h: jax.Array, tokens: jax.Array, states: jax.Array
+                ) -> tuple[jax.Array | None, jax.Array]:
+        return (None, states) if self.project is None else self.project(h, tokens, states)
+
+    def logits(self, u: jax.Array, z: jax.Array | None) -> jax.Array:
+        """[R, F, Vd] f32 from u [R, F, Vd] (or [R, Vd]) and z [R, F, r]."""
+        u = u.astype(jnp.float32)
+        u = u[:, None] if u.ndim == 2 else u
+        if z is None:
+            return u
+        return u + jnp.einsum("RFr,Vr->RFV", z, self.w2.astype(z.dtype),
+                              preferred_element_type=jnp.float32)
+
+    def top(self, u: jax.Array, z: jax.Array | None, c: int, frontier: int
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`_top_of` the children's logits of every frontier node, u [R, Vd]: for U alone from
+        u once a request; on a GPU (one device, kernels enabled) from the tree-children kernel,
+        the logits never stored; elsewhere from XLA's materialised logits."""
+        R = u.shape[0]
+        if z is None:
+            out = _top_of(u.astype(jnp.float32), c)
+            return tuple(jnp.broadcast_to(x[:, None], (R, frontier, c)) for x in out)
+
+        def xla(u, z):
+            return _top_of(self.logits(u, z), c)
+
+        mesh = active_mesh()
+        if not L.kernels_enabled() or (mesh is not None and mesh.size > 1):
+            return xla(u, z)
+
+        def gpu(u, z, interpret):
+            from pallas_kernels.tree_children import top_children
+
+            top_val, ids, lse = top_children(u, z, self.w2, c=c, interpret=interpret)
+            return top_val, ids, jnp.exp(top_val - lse[..., None])
+
+        return L.on_gpu(gpu, xla, u, z)
 
 
 @flax.struct.dataclass
@@ -142,25 +208,27 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
         """Children of the F frontier nodes [R, F] at block position k → candidates [R, F·c]."""
         F = tokens.shape[1]
         hk = jnp.broadcast_to(h[:, k][:, None], (R, F, h.shape[-1]))
-        uk = jnp.broadcast_to(base[:, k][:, None], (R, F, base.shape[-1]))
-        logits, child_states = child_logits(hk, uk, tokens, states)             # [R,F,Vd]
-
-        def greedy() -> tuple[jax.Array, jax.Array, jax.Array]:
-            """The top tokens and their softmax mass: one top-k and one log-sum-exp."""
-            top_val, child = jax.lax.top_k(logits, c)
-            mass = jnp.exp(top_val - jax.nn.logsumexp(logits, axis=-1, keepdims=True))
-            return top_val, child, mass
+        if isinstance(child_logits, LowRankChildren):
+            z, child_states = child_logits.lowrank(hk, tokens, states)         # [R,F,r]
+            logits_of = lambda: child_logits.logits(base[:, k], z)             # noqa: E731
+            greedy = lambda: child_logits.top(base[:, k], z, c, F)             # noqa: E731
+        else:
+            uk = jnp.broadcast_to(base[:, k][:, None], (R, F, base.shape[-1]))
+            logits, child_states = child_logits(hk, uk, tokens, states)         # [R,F,Vd]
+            logits_of = lambda: logits                                          # noqa: E731
+            greedy = lambda: _top_of(logits, c)                                 # noqa: E731
 
         def mixed() -> tuple[jax.Array, jax.Array, jax.Array]:
             """Sampling rows: Gumbel-top-c of log q and the rank masses of q; greedy rows
-            as `greedy`."""
+            the top tokens and their softmax masses."""
+            logits = jnp.broadcast_to(logits_of(), (R, F, base.shape[-1]))
             q = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
             noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
                                                            logits.shape[1:], jnp.float32))(keys)
             perturbed = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + noise, -jnp.inf)
             top_val, child = jax.lax.top_k(perturbed, c)
             mass = jax.lax.top_k(q, c)[0]
-            g_val, g_child, g_mass = greedy()
+            g_val, g_child, g_mass = _top_of(logits, c)
             row = sampled[:, None, None]
             return (jnp.where(row, top_val, g_val), jnp.where(row, child, g_child),
                     jnp.where(row, mass, g_mass))
@@ -280,18 +348,20 @@ def node_survival(tree: DraftTree, chain_conf: jax.Array | None, max_depth: int)
     return jax.lax.cummin(reach[:, 1:], axis=1)
 
 
-def markov_child_logits(model: Any, vocab_weights: Any = None) -> ChildLogits:
-    """`ChildLogits` of a DSpark drafter: U plus the sequential head's bias on the parent's
-    token (any head kind: the state is carried per node); U alone without a Markov head
-    (DFlash)."""
+def markov_child_logits(model: Any, vocab_weights: Any = None) -> LowRankChildren:
+    """The children's logits of a DSpark drafter: U plus the sequential head's bias on the
+    parent's token, z·W2ᵀ (any head kind: the state is carried per node); U alone without a
+    Markov head (DFlash)."""
     if not model.cfg.has_markov:
-        return lambda h, u, tokens, states: (u.astype(jnp.float32), states)
+        return LowRankChildren(None)
     ids = model.vocab_ids()
     w2 = None if vocab_weights is None else vocab_weights.get("markov_w2")
+    if w2 is None:
+        w2 = model.markov.w2.get_value()
+        if ids is not None:
+            w2 = jnp.take(w2, ids, axis=0)
 
-    def fn(h: jax.Array, u: jax.Array, tokens: jax.Array, states: jax.Array):
-        bias, new_states = model.markov.step(h, tokens, states.astype(h.dtype), rows=ids,
-                                             w2_rows=w2)
-        return u.astype(jnp.float32) + bias, new_states
+    def project(h: jax.Array, tokens: jax.Array, states: jax.Array):
+        return model.markov.project(h, tokens, states.astype(h.dtype))
 
-    return fn
+    return LowRankChildren(project, w2)

@@ -122,20 +122,27 @@ def test_tree_engine_does_not_recompile_after_warmup(target):
 
 def test_the_gpu_tree_round_interpreted_is_exact(target, greedy_ref, monkeypatch):
     """The tree round a GPU compiles, run on a CPU with its kernels interpreted
-    (`layers.interpret_kernels`): the tree's verification attends through the decode-attention
-    kernel under the ancestor mask (traced with more own keys than one query, so as a tree),
-    and greedy output equals autoregressive decoding."""
+    (`layers.interpret_kernels`): the tree grows its greedy children through the tree-children
+    kernel, its verification attends through the decode-attention kernel under the ancestor
+    mask (traced with the tree's cells as own keys), and greedy output equals autoregressive
+    decoding."""
     import pallas_kernels.decode_attention as DA
+    import pallas_kernels.tree_children as TC
     from dspark_jax.models import layers as L
 
-    own_keys = []
-    kernel = DA.decode_attention
+    own_keys, frontiers = [], []
+    kernel, children = DA.decode_attention, TC.top_children
 
     def counted(q, *args, **kw):
         own_keys.append(args[3].shape[1])
         return kernel(q, *args, **kw)
 
+    def counted_children(u, z, w2, **kw):
+        frontiers.append(z.shape[1])
+        return children(u, z, w2, **kw)
+
     monkeypatch.setattr(DA, "decode_attention", counted)
+    monkeypatch.setattr(TC, "top_children", counted_children)
     draft = init_draft(target, DRAFTS["dspark_vanilla"], seed=3)
     with L.interpret_kernels():
         eng = Engine(target, draft, max_requests=2, max_len=64, scheduler="fixed",
@@ -145,4 +152,5 @@ def test_the_gpu_tree_round_interpreted_is_exact(target, greedy_ref, monkeypatch
             jax.clear_caches()
             res = eng.generate(PROMPTS, max_new_tokens=16)
     assert 9 in own_keys, own_keys   # the tree's cells: the anchor and its 8 nodes
+    assert frontiers and max(frontiers) == 8, frontiers   # the widest frontier: the budget
     assert res.tokens == greedy_ref

@@ -49,6 +49,24 @@ class MarkovHead(nnx.Module):
         """One slot: h [..., D], x_{k−1} [...], s_{k−1} [..., r] → (bias [..., V] f32, s_k);
         `rows` [K] (a pruned draft vocabulary): the bias of those tokens only, [..., K], from
         `w2_rows` = w2[rows] when the caller gathered them already."""
+        z, state_r = self.project(h_d, prev_tok, state_r)
+        return self.bias(z, rows, w2_rows), state_r
+
+    def bias(self, z_r: jax.Array, rows: jax.Array | None = None,
+             w2_rows: jax.Array | None = None) -> jax.Array:
+        """The bias z·W2ᵀ [..., V] f32 of projections z [..., r] (`step`'s `rows`, `w2_rows`)."""
+        w2 = self.w2.get_value()
+        if w2_rows is not None:
+            w2 = w2_rows
+        elif rows is not None:
+            w2 = jnp.take(w2, rows, axis=0)
+        return jnp.einsum("...R,VR->...V", z_r, w2.astype(z_r.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def project(self, h_d: jax.Array, prev_tok: jax.Array, state_r: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+        """One slot's rank-r projection z [..., r] (the bias is z·W2ᵀ) and s_k: h [..., D],
+        x_{k−1} [...], s_{k−1} [..., r]."""
         dtype = h_d.dtype
         e = self.embed_prev(prev_tok, dtype)                               # [..., r]
         if self.kind == "vanilla":
@@ -67,14 +85,7 @@ class MarkovHead(nnx.Module):
             sg = jax.nn.sigmoid(gate)
             state_r = sg * state_r + (1.0 - sg) * jnp.tanh(cand)
             z = jnp.tanh(out)
-        w2 = self.w2.get_value()
-        if w2_rows is not None:
-            w2 = w2_rows
-        elif rows is not None:
-            w2 = jnp.take(w2, rows, axis=0)
-        bias = jnp.einsum("...R,VR->...V", z, w2.astype(dtype),
-                          preferred_element_type=jnp.float32)
-        return bias, state_r
+        return z, state_r
 
     def teacher_forced(self, h_btd: jax.Array, prev_bt: jax.Array,
                        rows: jax.Array | None = None) -> jax.Array:
