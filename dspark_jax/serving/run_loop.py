@@ -1,16 +1,17 @@
 """One `Engine.generate` / `Engine.serve` call on the host (paper §5.2–5.4; SPEC §8, §9): the
 request queue, admission into free slots, the prefill of joining prompts, the per-request
 records and the loop of device calls (`Run`), with the records it returns (`EngineResult`) and
-the requests it takes (`Request`). The `Engine` (`serving.engine`) owns the compiled programs,
-the caches' layout and the drafting policy; a run drives them."""
+the requests it takes (`Request`). A run reads its engine's immutable spec
+(`serving.engine_spec.EngineSpec`: the round programs' config and arrays, the caches' layout
+and lengths); the `Engine` (`serving.engine`) holds what lasts across runs — the drafting
+policy, the prefill shapes and capacity buckets compiled so far — and a run drives them."""
 
 from __future__ import annotations
 
 import collections
-import collections.abc
 import dataclasses
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -19,65 +20,11 @@ import numpy as np
 from dspark_jax.decoding import speculative_round as round_
 from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
 from dspark_jax.decoding.prefill_plan import shaped_prefill_groups
-from dspark_jax.decoding.round_types import EngineState, RoundOutputs, RoundsResult
+from dspark_jax.decoding.round_types import EngineState, RoundConfig, RoundOutputs, RoundsResult
 from dspark_jax.decoding.sampling import top_k_cap_for
-from dspark_jax.serving import cost_profile, policy
-
-
-class _ReadsByName(collections.abc.Mapping):
-    """A record that also reads as a mapping of its fields (`record["accepted"]`, `set(record)`,
-    `record.get("admitted_capacity")`): `EngineResult`'s records, whose names are part of the
-    stable API."""
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in self._names():
-            raise KeyError(name)
-        return getattr(self, name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def _names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(self))
-
-
-@dataclasses.dataclass(eq=False)
-class RequestRecord(_ReadsByName):
-    """One request of a run: per round its accepted and verified drafts, its acceptance length
-    (τ term) and (drafting rounds) its proposals' confidence logits; when it arrived, joined,
-    got its first token and finished (seconds into the run)."""
-
-    arrival_s: float
-    prompt_tokens: int
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    proposed: list[int] = dataclasses.field(default_factory=list)
-    acceptance: list[int] = dataclasses.field(default_factory=list)
-    confidence: list[np.ndarray] = dataclasses.field(default_factory=list)
-    join_s: float | None = None
-    first_token_s: float | None = None
-    finish_s: float | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class RoundSummary(_ReadsByName):
-    """One round (a drafting round of a device call) or one device call of plain steps or
-    plain rounds: the requests active, the drafts verified, the capacity bucket K it ran in,
-    the tokens emitted, whether it drafted, its seconds (a call's, for its rounds), the steps
-    or rounds it stands for, and (plain steps) the cache length or (drafting) the capacity
-    its schedule admitted."""
-
-    active: int
-    verified_tokens: int
-    capacity: int
-    tokens: int
-    drafted: bool
-    seconds: float
-    steps: int
-    cache_len: int | None = None
-    admitted_capacity: int | None = None
+from dspark_jax.serving import policy
+from dspark_jax.serving.engine_spec import EngineSpec, bucket_for
+from dspark_jax.serving.records import RequestRecord, RoundSummary
 
 
 @dataclasses.dataclass
@@ -112,6 +59,56 @@ class Request:
     handle: Any = None
 
 
+def _per_prompt(value: Any, n: int, name: str, cast: type) -> list:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} values for {n} prompts")
+        return [cast(v) for v in value]
+    return [cast(value)] * n
+
+
+def requests_for(prompts: Sequence[Sequence[int]], temperature: Any = 0.0, seed: Any = 0,
+                 arrivals: Sequence[float] | None = None, top_k: Any = 0, top_p: Any = 1.0
+                 ) -> list[Request]:
+    """`Engine.generate`'s requests: temperature / top_k / top_p / seed one value or one per
+    prompt (one seed: split into a key per prompt; one per prompt: each its own key);
+    `arrivals` [s after the call] each request's join; `handle` the prompt's index."""
+    n = len(prompts)
+    if n == 0:
+        raise ValueError("no prompts given")
+    temps = _per_prompt(temperature, n, "temperature", float)
+    tks = _per_prompt(top_k, n, "top_k", int)
+    tps = _per_prompt(top_p, n, "top_p", float)
+    seeds = _per_prompt(seed, n, "seed", int)
+    if isinstance(seed, (list, tuple, np.ndarray)):
+        kd = [np.asarray(jax.random.key_data(jax.random.key(s, impl="threefry2x32")))
+              for s in seeds]
+    else:
+        base = jax.random.split(jax.random.key(int(seed), impl="threefry2x32"), n)
+        kd = list(np.asarray(jax.random.key_data(base)))
+    arr_t = [0.0] * n if arrivals is None else [float(a) for a in arrivals]
+    if len(arr_t) != n:
+        raise ValueError(f"arrivals: {len(arr_t)} values for {n} prompts")
+    return [Request(prompts[i], kd[i], temps[i], tks[i], tps[i], arr_t[i], handle=i)
+            for i in range(n)]
+
+
+class Served(Protocol):
+    """What a run reads of its engine (`serving.Engine`): the spec, the state factory that
+    grows the caches, the drafting policy that persists across runs and its factory, the
+    config of a call's rounds, and the prefill shapes compiled so far (by cache length and
+    top-k cap)."""
+
+    spec: EngineSpec
+    policy: policy.Policy | None
+    prefill_shapes: dict[tuple[int, int], set[tuple[int, int]]]
+
+    def grown(self, state: EngineState, cache_len: int) -> EngineState: ...
+
+    def new_policy(self) -> policy.Policy | None: ...
+
+    def rounds_config(self, max_active: int | None = None) -> RoundConfig: ...
+
 
 # What compiling one more prefill shape is worth, in padded prompt tokens: a join prefills in a
 # shape already compiled, or in fewer groups, unless that pads more tokens than this
@@ -123,14 +120,15 @@ class Run:
     """Host bookkeeping of one `Engine.generate` / `Engine.serve` call: the request queue,
     admission into free slots, the per-request records and the run loop."""
 
-    def __init__(self, eng: Any, max_new: int, *, fresh_policy: bool = False,
+    def __init__(self, eng: Served, max_new: int, *, fresh_policy: bool = False,
                  progress: bool = False, total: int | None = None,
                  on_reply: Callable[[Request, list[int]], Sequence[Request]] | None = None,
                  after_replies: Callable[[], None] | None = None,
                  max_active: int | None = None):
-        self.eng, self.max_new = eng, int(max_new)
+        self.eng, self.spec, self.max_new = eng, eng.spec, int(max_new)
+        R, self.plain = self.spec.num_slots, not self.spec.mode.drafts
         # the drafting rounds' program: the buckets `max_active` requests can reach
-        self.config = eng.rounds_config(max_active) if eng.mode.drafts else eng.config
+        self.config = self.spec.config if self.plain else eng.rounds_config(max_active)
         self.requests: list[Request] = []
         self.prompts: list[list[int]] = []
         self.out: list[list[int]] = []
@@ -138,11 +136,10 @@ class Run:
         self.on_reply, self.after_replies = on_reply, after_replies
         self.ended = 0          # requests ended since `after_replies` last ran
         self.rounds: list[RoundSummary] = []
-        self.host = eng.host_arrays()
-        self.slot_req = [-1] * eng.R
-        self.free = collections.deque(range(eng.R))
+        self.host = self.spec.empty_slots()
+        self.slot_req = [-1] * R
+        self.free = collections.deque(range(R))
         self.pending: collections.deque[int] = collections.deque()
-        self.plain = not eng.mode.drafts
         self.step_s = 0.0       # seconds per step / round (last call), for arrivals
         # adaptive: the engine's drafting policy (its state persists across calls);
         # production: a fresh capacity queue for this run
@@ -159,7 +156,7 @@ class Run:
     def add(self, req: Request, label: Any = None) -> int:
         """Queues a request (validated); → its index in the result."""
         i = len(self.requests)
-        self.eng.check_prompt(i if label is None else label, req.prompt, self.max_new)
+        self.spec.check_prompt(i if label is None else label, req.prompt, self.max_new)
         if req.temperature < 0:
             raise ValueError("temperature must be ≥ 0")
         if not 0.0 < req.top_p <= 1.0:
@@ -174,30 +171,32 @@ class Run:
 
     # -------------------------------------------------------------- joins
     def _admit(self, now: float) -> list[int]:
-        joined = []
+        joined, host = [], self.host
         while (self.pending and self.free
                and self.requests[self.pending[0]].arrival_s <= now):
             i = self.pending.popleft()
             r = self.free.popleft()
             self.slot_req[r] = i
             self.per[i].join_s = now
-            req, host = self.requests[i], self.host
-            host["temperature"][r], host["top_k"][r], host["top_p"][r] = (
+            req = self.requests[i]
+            host.temperature[r], host.top_k[r], host.top_p[r] = (
                 req.temperature, req.top_k, req.top_p)
-            host["key_data"][r] = np.asarray(req.key_data, np.uint32)
-            host["counter"][r], host["remaining"][r], host["active"][r] = 1, self.max_new, False
+            host.key_data[r] = np.asarray(req.key_data, np.uint32)
+            host.counter[r], host.remaining[r], host.active[r] = 1, self.max_new, False
             joined.append(r)
         return joined
 
+    def _cache_need(self, prompts: list[int]) -> int:
+        """Cache positions the requests of `prompts` need: prompt, budget and, speculating,
+        one more verified block."""
+        return (max(len(self.prompts[i]) for i in prompts) + self.max_new + 1
+                + (0 if self.plain else self.spec.gamma))
+
     def _fit_cache(self, state: EngineState, slots: list[int]) -> EngineState:
-        """Grows the caches (`Engine.cache_lengths`, up to max_len) to hold the joining
-        requests: prompt, budget and, speculating, one more verified block (attention reads
-        the whole cache, so a short one is a faster step)."""
-        eng = self.eng
-        need = (max(len(self.prompts[self.slot_req[r]]) for r in slots) + self.max_new + 1
-                + (0 if self.plain else eng.gamma))
-        n = eng.cache_length_for(need)
-        return eng._grown(state, n) if n > state.cache.max_len else state
+        """Grows the caches (`EngineSpec.cache_lengths`, up to max_len) to hold the joining
+        requests (attention reads the whole cache, so a short one is a faster step)."""
+        n = self.spec.cache_length_for(self._cache_need([self.slot_req[r] for r in slots]))
+        return self.eng.grown(state, n) if n > state.cache.max_len else state
 
     def _prefill(self, state: EngineState, slots: list[int]) -> EngineState:
         """The joining prompts prefilled together, densely (plain: `plain_steps.plain_prefill`;
@@ -207,41 +206,41 @@ class Run:
         run chunk by chunk), so few shapes compile; `shaped_prefill_groups` splits the joiners
         by length where that computes fewer padded tokens, counting a shape not compiled yet
         as `NEW_PREFILL_SHAPE_TOKENS` more, and may run a group in a larger compiled shape."""
-        eng, st = self.eng, self.eng.settings
+        spec, st = self.spec, self.spec.settings
+        R, arrays = spec.num_slots, spec.arrays
         state = self._fit_cache(state, slots)
-        settings = eng.slot_settings(self.host)
-        cap = top_k_cap_for([int(self.host["top_k"][r]) for r in slots], eng.V)
+        settings = self.host.to_device()
+        cap = top_k_cap_for([int(self.host.top_k[r]) for r in slots], spec.vocab_size)
         lengths = [len(self.prompts[self.slot_req[r]]) for r in slots]
-        compiled = eng.prefill_shapes.setdefault((int(state.cache.max_len), cap), set())
-        for idx, n, width in shaped_prefill_groups(lengths, eng.R, st.len_bucket,
+        compiled = self.eng.prefill_shapes.setdefault((int(state.cache.max_len), cap), set())
+        for idx, n, width in shaped_prefill_groups(lengths, R, st.len_bucket,
                                                    st.prefill_chunk, state.cache.max_len,
                                                    compiled, NEW_PREFILL_SHAPE_TOKENS):
             compiled.add((n, width))
             group = [slots[i] for i in idx]
             tokens = np.zeros((n, width), np.int32)
             lens = np.ones((n,), np.int32)
-            rows = np.full((n,), eng.R, np.int32)     # R: a padding row, dropped
+            rows = np.full((n,), R, np.int32)     # R: a padding row, dropped
             for j, r in enumerate(group):
                 prompt = self.prompts[self.slot_req[r]]
                 tokens[j, :len(prompt)], lens[j], rows[j] = prompt, len(prompt), r
             args = (jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(rows))
             chunk = min(width, st.prefill_chunk)
             if self.plain:
-                state, first = plain_prefill(eng.step_target.graphdef, eng.step_target.state,
+                state, first = plain_prefill(arrays.target_graphdef, arrays.target_state,
                                              state, settings, *args, chunk=chunk,
                                              top_k_cap=cap)
             else:
-                state, first = round_.prefill_prompts(eng.config, eng.arrays, state,
-                                                      settings, *args, chunk=chunk)
+                state, first = round_.prefill_prompts(spec.config, arrays, state, settings,
+                                                      *args, chunk=chunk)
             first = np.asarray(first)
             self._first_tokens([(r, int(first[j])) for j, r in enumerate(group)])
         return state
 
     def _first_tokens(self, firsts: list[tuple[int, int]]) -> None:
         """Books each joined slot's first token (sampled by its prefill)."""
-        eng = self.eng
         now = time.perf_counter() - self.t0
-        stops = set(np.asarray(eng.stop_ids).tolist()) - {-1}
+        stops = set(np.asarray(self.spec.arrays.stop_ids).tolist()) - {-1}
         for r, t in firsts:
             i = self.slot_req[r]
             self.out[i].append(t)
@@ -249,15 +248,15 @@ class Run:
                 self.bar.update(1)
             self.per[i].first_token_s = now
             # DeepSpec's loop runs a round even with a budget of one token
-            if t in stops or (self.max_new <= 1 and eng.budget_rule == "serving"):
+            if t in stops or (self.max_new <= 1 and self.config.budget_rule == "serving"):
                 self._finish(r, now)
             else:
-                self.host["active"][r], self.host["remaining"][r] = True, self.max_new - 1
+                self.host.active[r], self.host.remaining[r] = True, self.max_new - 1
 
     def _finish(self, r: int, now: float) -> None:
         i = self.slot_req[r]
         self.per[i].finish_s = now
-        self.host["active"][r] = False
+        self.host.active[r] = False
         self.slot_req[r] = -1
         self.free.append(r)
         self.ended += 1
@@ -274,30 +273,30 @@ class Run:
         pr.accepted.extend(accepted)
         pr.proposed.extend(proposed)
         pr.acceptance.extend(acceptance)
-        self.host["remaining"][r] -= len(tokens)
-        self.host["counter"][r] += rounds
+        self.host.remaining[r] -= len(tokens)
+        self.host.counter[r] += rounds
 
     def _plain_round(self, state: EngineState, max_steps: int | None = None) -> EngineState:
         """Plain decoding (scheduler "none"): up to `plain_steps_per_call` steps in one device
         call (`decoding.plain_steps`), back on the host as soon as a slot can be handed to a
         waiting request, or when the next one arrives."""
-        eng, host = self.eng, self.host
+        spec, host, config = self.spec, self.host, self.config
         t_start = time.perf_counter()
-        n_active = int(host["active"].sum())
-        steps, min_done = self._call_budget(max_steps, eng.plain_steps_per_call)
-        cap = top_k_cap_for([int(k) for k in host["top_k"][host["active"]]], eng.V)
-        state, out = plain_steps(eng.step_target.graphdef, eng.step_target.state, state,
-                                 eng.slot_settings(host), eng.stop_ids,
+        n_active = int(host.active.sum())
+        steps, min_done = self._call_budget(max_steps, config.plain_rounds_per_call)
+        cap = top_k_cap_for([int(k) for k in host.top_k[host.active]], spec.vocab_size)
+        state, out = plain_steps(spec.arrays.target_graphdef, spec.arrays.target_state, state,
+                                 host.to_device(), spec.arrays.stop_ids,
                                  jnp.asarray(steps, jnp.int32), jnp.asarray(min_done, jnp.int32),
-                                 max_steps=eng.plain_steps_per_call, top_k_cap=cap,
-                                 budget_rule=eng.budget_rule)
+                                 max_steps=config.plain_rounds_per_call, top_k_cap=cap,
+                                 budget_rule=config.budget_rule)
         out = jax.device_get(out)
-        emitted = self._book_round(out, host["active"].copy(), time.perf_counter() - self.t0)
+        emitted = self._book_round(out, host.active.copy(), time.perf_counter() - self.t0)
         n_steps = int(out.tau_term.max(initial=0))
         seconds = time.perf_counter() - t_start
         self.step_s = seconds / max(n_steps, 1)
         self.rounds.append(RoundSummary(active=n_active, verified_tokens=0,
-                                        capacity=eng.buckets[0], tokens=emitted, drafted=False,
+                                        capacity=spec.buckets[0], tokens=emitted, drafted=False,
                                         seconds=seconds, steps=n_steps,
                                         cache_len=int(state.cache.max_len)))
         return state
@@ -305,7 +304,7 @@ class Run:
     def _call_budget(self, max_steps: int | None, per_call: int) -> tuple[int, int]:
         """(steps or rounds for this device call, min_done): back on the host as soon as a
         slot can be handed to a waiting request, or in time for the next arrival."""
-        steps, min_done = per_call, self.eng.R + 1
+        steps, min_done = per_call, self.spec.num_slots + 1
         if max_steps is not None:
             steps = min(steps, int(max_steps))
         if self.pending:
@@ -326,16 +325,16 @@ class Run:
         A round it does not draft verifies the anchors alone (`_anchor_rounds`)."""
         if self.plain:
             return self._plain_round(state, max_steps)
-        eng, host = self.eng, self.host
+        spec = self.spec
         t_start = time.perf_counter()
-        n_active = int(host["active"].sum())
+        n_active = int(self.host.active.sum())
         drafted, capacity = self.policy.decide(n_active)
         if not drafted:   # plain decoding: ℓ = 0, the drafter not run
             return self._anchor_rounds(state, n_active, t_start)
-        rounds, min_done = self._call_budget(max_steps, eng.rounds_per_call)
+        rounds, min_done = self._call_budget(max_steps, self.config.rounds_per_call)
         state, result = round_.speculative_rounds(
-            self.config, eng.arrays, state, eng.slot_settings(host),
-            eng.schedule_state(*self.policy.device_schedule(capacity)),
+            self.config, spec.arrays, state, self.host.to_device(),
+            spec.schedule_state(*self.policy.device_schedule(capacity)),
             jnp.asarray(rounds, jnp.int32), jnp.asarray(min_done, jnp.int32))
         result, now, seconds = self._fetch_rounds(result, t_start)
         for i in range(int(result.rounds)):
@@ -393,13 +392,14 @@ class Run:
         next plain choices are known ahead (`DraftPolicy.plain_rounds`), so up to
         `plain_steps_per_call` of them run in one device call (`anchor_rounds`), back on the
         host once a slot finishes (the active count the choices assumed changes then)."""
-        eng, host = self.eng, self.host
-        want = self.policy.plain_rounds(n_active, eng.plain_steps_per_call)
-        rounds, _ = self._call_budget(want, eng.plain_steps_per_call)
-        K = cost_profile.bucket_for(eng.buckets, max(n_active, 1))
-        state, result = round_.anchor_rounds(eng.config, eng.arrays, state, eng.slot_settings(host),
-                                         jnp.asarray(rounds, jnp.int32),
-                                         jnp.asarray(1, jnp.int32), capacity=K)
+        spec, per_call = self.spec, self.config.plain_rounds_per_call
+        want = self.policy.plain_rounds(n_active, per_call)
+        rounds, _ = self._call_budget(want, per_call)
+        K = bucket_for(spec.buckets, max(n_active, 1))
+        state, result = round_.anchor_rounds(spec.config, spec.arrays, state,
+                                             self.host.to_device(),
+                                             jnp.asarray(rounds, jnp.int32),
+                                             jnp.asarray(1, jnp.int32), capacity=K)
         result, now, seconds = self._fetch_rounds(result, t_start)
         for i in range(int(result.rounds)):
             if i:   # replays the choice made ahead (the same n_active: no slot finished)
@@ -415,23 +415,21 @@ class Run:
     def start_state(self) -> EngineState:
         """Empty slots whose caches hold what the requests joining first need (`_fit_cache`
         for the first R queued at the start), so a run starts with no cache to grow."""
-        first = [i for i in list(self.pending)[:self.eng.R]
+        first = [i for i in list(self.pending)[:self.spec.num_slots]
                  if self.requests[i].arrival_s <= 0]
         if not first:
-            return self.eng.fresh_state(self.eng.cache_lengths()[0])
-        need = (max(len(self.prompts[i]) for i in first) + self.max_new + 1
-                + (0 if self.plain else self.eng.gamma))
-        return self.eng.fresh_state(self.eng.cache_length_for(need))
+            return self.spec.fresh_state(self.spec.cache_lengths()[0])
+        return self.spec.fresh_state(self.spec.cache_length_for(self._cache_need(first)))
 
     def loop(self) -> EngineResult:
         state = self.start_state()
         self.t0 = time.perf_counter()
-        while self.pending or self.host["active"].any():
+        while self.pending or self.host.active.any():
             now = time.perf_counter() - self.t0
             joined = self._admit(now)
             if joined:
                 state = self._prefill(state, joined)
-            if self.host["active"].any():
+            if self.host.active.any():
                 state = self._round(state)
             elif self.pending and self.free:
                 wait = (self.requests[self.pending[0]].arrival_s

@@ -10,17 +10,18 @@ import numpy as np
 import pytest
 
 from dspark_jax.serving import cost_profile as cp
+from dspark_jax.serving.engine_spec import bucket_for, capacity_buckets
 
 
 def test_capacity_buckets():
-    assert cp.capacity_buckets(4, 4) == (4, 8, 16, 20)
-    assert cp.capacity_buckets(1, 7) == (1, 2, 4, 8)
-    assert cp.capacity_buckets(4, 4, [8, 4]) == (4, 8, 20)      # the top R(γ+1) is added
+    assert capacity_buckets(4, 4) == (4, 8, 16, 20)
+    assert capacity_buckets(1, 7) == (1, 2, 4, 8)
+    assert capacity_buckets(4, 4, [8, 4]) == (4, 8, 20)      # the top R(γ+1) is added
     with pytest.raises(ValueError, match="cannot hold every anchor"):
-        cp.capacity_buckets(4, 4, [2, 20])
-    assert cp.bucket_for((4, 8, 20), 5) == 8
+        capacity_buckets(4, 4, [2, 20])
+    assert bucket_for((4, 8, 20), 5) == 8
     with pytest.raises(ValueError, match="exceed the largest"):
-        cp.bucket_for((4, 8, 20), 21)
+        bucket_for((4, 8, 20), 21)
 
 
 def test_sps_table_is_a_step_function_over_the_buckets():
