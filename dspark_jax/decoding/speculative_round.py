@@ -44,15 +44,14 @@ from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
 from dspark_jax.decoding.draft_adapters import Proposal, adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
-from dspark_jax.decoding.round_types import (BUDGET_RULES, SAMPLERS, DraftChoice,  # noqa: F401
-                                             DraftOutputs, EngineArrays, EngineState,
-                                             RoundConfig, RoundOutputs, RoundRecord,
-                                             RoundsResult, ScheduleRecord, ScheduleState,
-                                             SlotSettings)
+from dspark_jax.decoding.round_types import (DraftChoice, DraftOutputs, EngineArrays,
+                                             EngineState, RoundConfig, RoundOutputs,
+                                             RoundRecord, RoundsResult, ScheduleRecord,
+                                             ScheduleState, SlotSettings)
 from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.tree_verification import verify_tree
-from dspark_jax.decoding.verification import (commit, flatten_plan, no_writes,  # noqa: F401
-                                              row_keys, row_uniforms, verify)
+from dspark_jax.decoding.verification import (commit, no_writes, row_keys, row_uniforms,
+                                              verify)
 from dspark_jax.models import layers as L
 from dspark_jax.models.decoder import prefill
 from pallas_kernels.markov_sample import tiled as markov_tiled

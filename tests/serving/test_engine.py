@@ -96,14 +96,14 @@ def test_caches_grow_as_longer_requests_join(target, draft, greedy_ref, kind, mo
         target, dict(BASE, model_type="eagle3", draft_num_hidden_layers=1, ttt_length=3), seed=4)
     eng = Engine(target, dr, scheduler="fixed", len_bucket=8, **ENGINE_KW)
     assert eng.cache_lengths() == [8, 16, 24, 32]
-    grown, real = [], eng._grown
+    grown, real = [], eng.grown
 
     def record(s, n):
         out = real(s, n)
         grown.append((out.cache.max_len, out.draft_cache.k.shape[2]))
         return out
 
-    monkeypatch.setattr(eng, "_grown", record)
+    monkeypatch.setattr(eng, "grown", record)
     res = eng.generate(PROMPTS, max_new_tokens=4)
     assert res.tokens == [t[:4] for t in greedy_ref]
     assert grown == [(24, 24)]
@@ -474,6 +474,7 @@ def test_the_gpu_drafting_program_interpreted_is_lossless(target, draft, greedy_
     into the rounds that ran, and in the proposal's jaxpr) and greedy output equals
     autoregressive decoding."""
     from dspark_jax.decoding import speculative_round as R_
+    from dspark_jax.decoding.round_types import SlotSettings
     from dspark_jax.models import layers as L
 
     traced = []
@@ -493,7 +494,7 @@ def test_the_gpu_drafting_program_interpreted_is_lossless(target, draft, greedy_
             out = eng.generate(PROMPTS, max_new_tokens=MAX_NEW).tokens
         assert traced, "the rounds did not draft through the tiled kernels"
         R = eng.R
-        slots = R_.SlotSettings(
+        slots = SlotSettings(
             active=jnp.ones((R,), bool), remaining=jnp.full((R,), 8, jnp.int32),
             counter=jnp.zeros((R,), jnp.int32), temperature=jnp.ones((R,), jnp.float32),
             top_k=jnp.zeros((R,), jnp.int32), top_p=jnp.ones((R,), jnp.float32),
