@@ -126,39 +126,26 @@ def decoding_layouts(t_gd: Any, t_state: Any, d_gd: Any, d_state: Any, fuse: boo
     return out["t"], t_state, out["d"], d_state
 
 
-def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
-                         layer_buffers: bool = False) -> AbstractRound:
+def _abstract_models(c: Any, mesh: Any, t_cfg: Any, d_cfg: Any, layer_buffers: bool
+                     ) -> tuple[Any, Any, bool, dict[str, int]]:
+    """The target and the drafter of config `c`, built abstractly in the engine's decoding
+    layout on an accelerator (one buffer per layer, `layer_buffers`; a family without that
+    layout, Gemma4, decodes stacked there too: `Target.decoding_layout`) → (`Target`, `Draft`,
+    whether the layout is per-layer, the stored parameter bytes of each)."""
     import jax
-    import jax.numpy as jnp
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from dspark_jax.decoding.draft_adapters import adapter_for
-    from dspark_jax.models.drafters.kind import drafter_kind
-    from dspark_jax.serving.modes import Fixed, scheduler_mode
     from dspark_jax.models import layers as L
-    from dspark_jax.models.decoder import TargetDecoder, init_cache
-    from dspark_jax.models.drafters.draft import create_draft_module
-    from dspark_jax.models.target import resolve_dtype
-    from dspark_jax.decoding import speculative_round as R_
-    from dspark_jax.sharding import abstract_on_mesh
+    from dspark_jax.models.decoder import TargetDecoder
+    from dspark_jax.models.drafters.draft import Draft, create_draft_module
+    from dspark_jax.models.target import Target, resolve_dtype
 
-    mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
-    gamma = int(d_cfg.num_drafts)
-    if shape.capacity == 0:     # the top bucket: every slot verifies all γ drafts (N nodes)
-        shape = dataclasses.replace(
-            shape, capacity=shape.requests * (shape.per_request(gamma) + 1))
-    shape.check(gamma)
     dtype = resolve_dtype(c.train.target_dtype)       # serving: bf16 weights and caches
-    R, S, K, V = shape.requests, shape.max_len, shape.capacity, t_cfg.vocab_size
-
     target = nnx.eval_shape(lambda: TargetDecoder(t_cfg, rngs=nnx.Rngs(0), dtype=dtype,
                                                   param_dtype=dtype))
     t_gd, t_state = nnx.split(target)
-    draft = nnx.eval_shape(lambda: create_draft_module(d_cfg, c.seed, dtype, dtype))
-    d_gd, d_state = nnx.split(draft)
-    # as the engine decodes on accelerators: one buffer per layer (a family without that
-    # layout, Gemma4, decodes stacked there too: `Target.decoding_layout`)
+    d_gd, d_state = nnx.split(nnx.eval_shape(
+        lambda: create_draft_module(d_cfg, c.seed, dtype, dtype)))
     layer_buffers = layer_buffers and isinstance(target.layers, (L.DecoderLayers,
                                                                  L.UnstackedLayers))
     param_bytes = {name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))
@@ -166,70 +153,107 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     if layer_buffers:   # fused q/k/v and gate/up buffers unless the heads split over chips
         t_gd, t_state, d_gd, d_state = decoding_layouts(
             t_gd, t_state, d_gd, d_state, fuse=int(mesh.shape.get("tensor", 1)) == 1)
-    adapter = adapter_for(d_cfg.model_type)
+    return (Target(config=t_cfg, graphdef=t_gd, state=t_state),
+            Draft(config=d_cfg, graphdef=d_gd, state=d_state), layer_buffers, param_bytes)
 
-    def engine_state():
-        return R_.EngineState(cache=init_cache(t_cfg, R, S, dtype, per_layer=layer_buffers),
-                              draft_cache=adapter.init_cache(nnx.merge(d_gd, d_state), R, S),
-                              anchor=jnp.zeros((R,), jnp.int32))
 
-    def on_mesh(tree):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=_cache_sharding(x, mesh)),
-                            tree)
+def _abstract_spec(settings: Any, target: Any, draft: Any, layer_buffers: bool,
+                   mesh: Any) -> Any:
+    """The engine's spec (`serving.engine_spec.engine_spec`, the function the engine builds
+    its own with) built abstractly under `jax.eval_shape`, laid on `mesh`: the weights over
+    fsdp × tensor, the drafter's vocabulary rows replicated, the small arrays by `_slot_rule`."""
+    import dataclasses as dc
 
-    state = on_mesh(jax.eval_shape(engine_state))
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    def arr(shp: tuple[int, ...], dt: Any) -> Any:   # per-slot arrays [R, …] like the caches
-        x = jax.ShapeDtypeStruct(shp, dt)
-        return jax.ShapeDtypeStruct(shp, dt, sharding=_cache_sharding(x, mesh) if shp and
-                                    shp[0] == R else NamedSharding(mesh, PartitionSpec()))
+    from dspark_jax.serving.engine_spec import engine_spec
+    from dspark_jax.sharding import abstract_on_mesh
 
-    params = R_.SlotSettings(active=arr((R,), jnp.bool_), remaining=arr((R,), jnp.int32),
-                       counter=arr((R,), jnp.int32), temperature=arr((R,), jnp.float32),
-                       top_k=arr((R,), jnp.int32), top_p=arr((R,), jnp.float32),
-                       key_data=arr((R, 2), jnp.uint32))
-    stop_ids = arr((max(1, len(t_cfg.stop_token_ids or ())),), jnp.int32)
-    t_abs, d_abs = abstract_on_mesh(t_state, mesh), abstract_on_mesh(d_state, mesh)
+    t_abs, d_abs = abstract_on_mesh(target.state, mesh), abstract_on_mesh(draft.state, mesh)
+    spec = jax.eval_shape(lambda t, d: engine_spec(
+        settings, dc.replace(target, state=t), dc.replace(draft, state=d),
+        layer_buffers=layer_buffers, default_stops=target.config.stop_token_ids), t_abs, d_abs)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    small = _slot_rule(mesh, settings.max_requests)
+    arrays = small(spec.arrays.replace(target_state=None, draft_state=None, vocab_weights=None))
+    return spec.replace(arrays=arrays.replace(
+        target_state=t_abs, draft_state=d_abs, vocab_weights=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+            spec.arrays.vocab_weights)))
+
+
+def _slot_rule(mesh: Any, num_slots: int) -> Any:
+    """tree → the same tree of abstract arrays, those of R rows ([R, …]) laid like the caches'
+    slots, the others replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(x: Any) -> Any:
+        sharding = (_cache_sharding(x, mesh) if x.shape and x.shape[0] == num_slots
+                    else replicated)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return lambda tree: jax.tree.map(one, tree)
+
+
+def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
+                         layer_buffers: bool = False) -> AbstractRound:
+    """The round programs of config `c` for `devices`, as the engine builds them: the spec is
+    the engine's (`_abstract_spec`) for the settings the shape names, with the scheduler the
+    engine takes for the drafter's kind (trees: `fixed`) and the round config compiled with
+    bucket K alone, and the state, slot settings and schedule come from its factories."""
+    import jax
+    import jax.numpy as jnp
+
+    from dspark_jax.decoding import speculative_round as R_
+    from dspark_jax.models.drafters.kind import drafter_kind
+    from dspark_jax.serving.modes import Fixed, scheduler_mode
+    from dspark_jax.serving.settings import EngineSettings
+
+    mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
+    gamma = int(d_cfg.num_drafts)
+    if shape.capacity == 0:     # the top bucket: every slot verifies all γ drafts (N nodes)
+        shape = dataclasses.replace(
+            shape, capacity=shape.requests * (shape.per_request(gamma) + 1))
+    shape.check(gamma)
+    R, S, K, V = shape.requests, shape.max_len, shape.capacity, t_cfg.vocab_size
+    target, draft, layer_buffers, param_bytes = _abstract_models(c, mesh, t_cfg, d_cfg,
+                                                                 layer_buffers)
     # the engine's scheduler for the drafter's kind (DSpark: the load-aware `adaptive`)
     mode = Fixed() if shape.tree_budget else scheduler_mode(
         drafter_kind(d_cfg.model_type).default_scheduler)
-    conf_temps = arr((gamma,), jnp.float32) if mode.needs_confidence else None
-    # the engine's fused call: whole rounds (draft → schedule → verify → commit), one program
-    replicated = NamedSharding(mesh, PartitionSpec())
-    vocab_w = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-        jax.eval_shape(lambda st: adapter.vocab_weights(nnx.merge(d_gd, st)), d_abs))
-    sps = arr((R * (shape.per_request(gamma) + 1) + 1,), jnp.float32)
-    config = R_.RoundConfig(mode=mode, verifier="jax", sampler="jax", budget_rule="serving",
-                            cap_budget=True, tap_layer_ids=tuple(d_cfg.target_layer_ids),
-                            buckets=(K,), rounds_per_call=8, tree_budget=shape.tree_budget)
-    arrays = R_.EngineArrays(target_graphdef=t_gd, draft_graphdef=d_gd, target_state=t_abs,
-                             draft_state=d_abs, stop_ids=stop_ids,
-                             confidence_temperatures=conf_temps,
-                             threshold=arr((), jnp.float32), sps=sps, sps_draft=sps,
-                             vocab_weights=vocab_w)
-    draft_fn = functools.partial(R_.draft_and_schedule, config)
-    draft_lower = functools.partial(R_.draft_and_schedule.lower, config)
-    draft_args = (arrays, state, params, arr((), jnp.int32))
-    verify_fn = functools.partial(R_.verify_and_commit, config, capacity=K)
-    verify_lower = functools.partial(R_.verify_and_commit.lower, config, capacity=K)
-    verify_args = (arrays, state, params, arr((R, gamma), jnp.int32),
-                   arr((R, gamma, V), jnp.float32), arr((R,), jnp.int32))
-    choice = None
-    if mode.prices_drafting:   # the drafting choice the device makes after a call's first round
-        choice = R_.DraftChoice(gain=arr((2,), jnp.float32), n_then=arr((2,), jnp.int32),
-                                predicted=arr((), jnp.float32), realised=arr((), jnp.float32),
-                                decay=arr((), jnp.float32), plain_sps=arr((R + 1,), jnp.float32))
-    schedule = R_.ScheduleState(capacities=arr((2,), jnp.int32), choice=choice)
-    round_fn = functools.partial(R_.speculative_rounds, config)
-    round_lower = functools.partial(R_.speculative_rounds.lower, config)
-    round_args = (arrays, state, params, schedule, arr((), jnp.int32), arr((), jnp.int32))
-    return AbstractRound(draft_fn=draft_fn, draft_lower=draft_lower, draft_args=draft_args,
-                         verify_fn=verify_fn, verify_lower=verify_lower,
-                         verify_args=verify_args, round_fn=round_fn, round_lower=round_lower,
-                         round_args=round_args, mesh=mesh, scheduler=mode.name, gamma=gamma,
-                         shape=shape, layer_buffers=layer_buffers, param_bytes=param_bytes)
+    settings = EngineSettings(
+        max_requests=R, max_len=S, scheduler=mode, capacity_buckets=(K,),
+        tree_budget=shape.tree_budget, layer_buffers=layer_buffers,
+        confidence_temperatures=(1.0,) * gamma if mode.needs_confidence else None).validate()
+    spec = _abstract_spec(settings, target, draft, layer_buffers, mesh)
+    small = _slot_rule(mesh, R)
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=_cache_sharding(x, mesh)),
+                         jax.eval_shape(lambda: spec.fresh_state(S)))
+    params = small(jax.eval_shape(lambda: spec.empty_slots().to_device()))
+    config = spec.config_through(spec.buckets.index(K) + 1)   # the rounds of bucket K alone
+    policy = spec.mode.new_policy(spec.policy_inputs())
+    schedule = small(jax.eval_shape(lambda: spec.schedule_state(*policy.device_schedule(K))))
+    arrays, scalar = spec.arrays, jax.ShapeDtypeStruct((), jnp.int32)
+    draft_args = (arrays, state, params, small(scalar))
+    verify_args = (arrays, state, params, small(jax.ShapeDtypeStruct((R, gamma), jnp.int32)),
+                   small(jax.ShapeDtypeStruct((R, gamma, V), jnp.float32)),
+                   small(jax.ShapeDtypeStruct((R,), jnp.int32)))
+    round_args = (arrays, state, params, schedule, small(scalar), small(scalar))
+    return AbstractRound(
+        draft_fn=functools.partial(R_.draft_and_schedule, config),
+        draft_lower=functools.partial(R_.draft_and_schedule.lower, config),
+        draft_args=draft_args,
+        verify_fn=functools.partial(R_.verify_and_commit, config, capacity=K),
+        verify_lower=functools.partial(R_.verify_and_commit.lower, config, capacity=K),
+        verify_args=verify_args, round_fn=functools.partial(R_.speculative_rounds, config),
+        round_lower=functools.partial(R_.speculative_rounds.lower, config),
+        round_args=round_args, mesh=mesh, scheduler=mode.name, gamma=gamma, shape=shape,
+        layer_buffers=layer_buffers, param_bytes=param_bytes)
 
 
 def resident_bytes(args: tuple) -> dict[str, int]:
