@@ -115,7 +115,10 @@ class LowRankChildren:
 class DraftTree:
     """A batch of draft trees, nodes in priority order (cell i + 1 is node i, cell 0 the
     anchor). `probs[r, c]` is the drafter's distribution q of cell c's children over the
-    target vocabulary (what they were drawn from; zeros past depth γ − 1)."""
+    target vocabulary (what they were drawn from; zeros past depth γ − 1), computed where it
+    is read: only a sampled verification reads it, so a greedy round never stores the
+    [R, N + 1, V] array. A tree lives inside the program that grew it (`q_of` closes over its
+    arrays)."""
 
     tokens: jax.Array      # [R, N] int32 node tokens (target vocabulary ids)
     parent: jax.Array      # [R, N] int32 parent cell (0: the anchor)
@@ -125,7 +128,12 @@ class DraftTree:
     score: jax.Array       # [R, N] f32 log score (rank masses along the path)
     chain: jax.Array       # [R, N] bool: on the rank-0 path (the chain)
     children: jax.Array    # [R, N + 1, c] int32 cells of each cell's children by rank (−1: none)
-    probs: jax.Array       # [R, N + 1, V] f32 q of each cell's children
+    q_of: Callable[[], jax.Array] = flax.struct.field(pytree_node=False)   # → `probs`
+
+    @property
+    def probs(self) -> jax.Array:
+        """[R, N + 1, V] f32 q of each cell's children."""
+        return self.q_of()
 
     @property
     def num_nodes(self) -> jax.Array:
@@ -311,15 +319,12 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
             return probs
         return jnp.zeros(probs.shape[:2] + (width,), jnp.float32).at[..., vocab_ids].set(probs)
 
-    # q matters to the rule only when a request samples: a greedy round computes no logits
-    # of the cells here, only the zeros the tree's shape holds
-    probs = jax.lax.cond(jnp.any(sampled), q,
-                         lambda: jnp.zeros((R, N + 1, width), jnp.float32))
+    # q matters to the rule only when a request samples: it is computed where it is read
     return DraftTree(tokens=node_tokens, parent=parent_cell.astype(jnp.int32),
                      depth=depth.astype(jnp.int32), rank=rank.astype(jnp.int32), valid=valid,
                      score=jnp.where(valid, _take(merged["score"], chosen), -jnp.inf),
                      chain=valid & _take(merged["chain"], chosen),
-                     children=children, probs=probs)
+                     children=children, q_of=q)
 
 
 def node_survival(tree: DraftTree, chain_conf: jax.Array | None, max_depth: int) -> jax.Array:
