@@ -58,6 +58,7 @@ class HostSlots(ReadsByName):
                    key_data=np.zeros((R, 2), np.uint32))
 
     def to_device(self) -> SlotSettings:
+        """These settings as the device programs take them."""
         return SlotSettings(**{f: jnp.asarray(getattr(self, f)) for f in SlotSettings._fields})
 
 
