@@ -22,7 +22,9 @@ query heads for T queries as one [Tp, G, H] tile (Tp·G ≥ 16, Triton's smalles
 T masked) and the merge writes them back the same way, so nothing is regrouped around the
 kernels. Where T·G exceeds `MAX_TILE_ROWS` (a draft tree's nodes) `decode_attention` splits the
 queries into tiles of `TILED_ROWS` rows, the grid's last axis: the programs of one cache split
-run side by side and read its tiles once from HBM, the others from L2. The cache stays where it lies, [B, S, Kh, H]: a program reads its key head's column of
+run side by side and read its tiles once from HBM, the others from L2. Where the query tiles
+alone fill the GPU, the cache is one split and each program writes its rows' attention itself:
+no partials, no merge. The cache stays where it lies, [B, S, Kh, H]: a program reads its key head's column of
 each tile in place. Partial programs: grid (B, Kh, P), program p walks the cache tiles of its
 split of [0, start) (a split past `start` does nothing), and the last program also takes the
 own keys, so every partial is an online softmax (FlashAttention-2) over disjoint keys. P is
@@ -106,10 +108,11 @@ def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int):
     return lax.fori_loop(0, jnp.maximum(hi - lo + block_k - 1, 0) // block_k, tile, init)
 
 
-def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, o_ref, m_ref,
-                    l_ref, *, qk_scale: float, block_k: int, split_len: int, seq: int,
-                    own_rows: int):
-    """A split of the cache below `start`; the last split also takes the own keys."""
+def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, *out_refs,
+                    qk_scale: float, block_k: int, split_len: int, seq: int, own_rows: int):
+    """A split of the cache below `start`; the last split also takes the own keys. Its
+    partial softmax (acc, max, sum) into three outputs, or, with one output (the whole cache
+    a single split), the normalised attention of its rows."""
     p_id, n_p = pl.program_id(2), pl.num_programs(2)
     tp, g, h = q_ref.shape
     q = q_ref[...].reshape(tp * g, h)                                        # [M, H]
@@ -128,7 +131,13 @@ def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, o_
         return _online(carry, s, mask_ref[...] != 0, ov)
 
     acc, m, l = lax.cond(p_id == n_p - 1, own, lambda c: c, carry)
-    o_ref[...], m_ref[...], l_ref[...] = acc, m, l
+    if len(out_refs) == 1:
+        out_ref, = out_refs
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
 def _normed_rotated(x1, x2, w_ref, cos, sin, *, eps: float, normed: bool, dtype):
@@ -303,22 +312,31 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start
         Tp = max(1, TILED_ROWS // G)
         n_tiles = -(-T // Tp)
         num_warps = max(num_warps, TILED_NUM_WARPS)
+        if splits is None and B * Kh * n_tiles >= TARGET_PROGRAMS:
+            # the query tiles fill the GPU alone: one split, no partials and no merge
+            P, split_len = 1, -(-S // block_k) * block_k
     Mp, Qp = Tp * G, max(16, next_pow2(Q))
     mask = jnp.broadcast_to(own_mask[:, :, None, :], (B, T, G, Q)).reshape(B, T * G, Q)
     mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, n_tiles * Mp - T * G), (0, Qp - Q)))
     kernel = functools.partial(_partial_kernel, qk_scale=scale * LOG2E, block_k=block_k,
                                split_len=split_len, seq=S, own_rows=Qp)
-    o, m, l = pl.pallas_call(
+    if P == 1:   # each program's rows normalised where q has them, [B, T, N, H]
+        out_specs = pl.BlockSpec((None, Tp, G, H), lambda b, k, p, j: (b, j, k, 0))
+        out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_specs = _partial_specs(Mp, H)
+        out_shape = _partial_shapes(B, Kh, P, n_tiles * Mp, H)
+    out = pl.pallas_call(
         kernel, grid=(B, Kh, P, n_tiles),
         in_specs=[_query_rows(Tp, G, H), _key_head(S, H), _key_head(S, H), _per_row(),
                   _key_head(Q, H), _key_head(Q, H),
                   pl.BlockSpec((None, Mp, Qp), lambda b, k, p, j: (b, j, 0))],
-        out_specs=_partial_specs(Mp, H), out_shape=_partial_shapes(B, Kh, P, n_tiles * Mp, H),
+        out_specs=out_specs, out_shape=out_shape,
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret, name="decode_attention_splits",
     )(q, cache_k, cache_v, start.astype(jnp.int32), own_k.astype(cache_k.dtype),
       own_v.astype(cache_v.dtype), mask)
-    return _merge(o, m, l, q, Tp, G, interpret, n_tiles)
+    return out if P == 1 else _merge(*out, q, Tp, G, interpret, n_tiles)
 
 
 def _tiling(B: int, T: int, G: int, Kh: int, S: int, block_k: int, splits: int | None
