@@ -14,7 +14,8 @@ reply does not depend on its slot, its neighbours or how many steps a call ran),
 and end the slot by the round's rule (`emission.step_emission`). The loop carries a struct
 (`PlainCarry`), returns the round's output type (`round_types.RoundOutputs`) and ends early
 once `min_done` slots have finished (a stop token or the token budget), so the host can hand
-their slots to waiting requests: continuous batching without a host round trip per token. Regeneration (`data/regeneration.py`) runs on it through the engine.
+their slots to waiting requests: continuous batching without a host round trip per token.
+Regeneration (`data/regeneration.py`) runs on it through the engine.
 """
 
 from __future__ import annotations
