@@ -364,3 +364,37 @@ def test_a_row_writing_kernel_reads_none_of_the_buffers_it_writes_into():
     assert write.summary()["bytes_accessed"] == 2 * rows
     other = Program(_ROW_WRITE_HLO.replace("KERNEL", "layer_attention_splits"), lambda _: None)
     assert other.summary()["bytes_accessed"] == rows + cache
+
+
+@pytest.mark.gpu
+@needs_plugin
+def test_h200_greedy_tree_round_keeps_the_vocabulary_wide_arrays_off_hbm(tmp_path):
+    """The tree round compiled for an H200 (tiny Qwen3 with 128-wide heads, 4 requests, trees
+    of 8): with every request greedy (each conditional's cheapest branch) its children come
+    from the tree-children kernel, no kernel computes the frontier's logits or the tree's q, and
+    its verification attends through the decode-attention kernel; the sampled branch still
+    computes them (so the check reads the branches apart)."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_tiny import save_tiny_hf
+
+    path = save_tiny_hf(tmp_path / "t", "qwen3", head_dim=128, layers=2)
+    dump = tmp_path / "dump"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dump}")
+    rc = subprocess.run([sys.executable, "-m", "dspark_jax.aot", "--config", "configs/tiny.py",
+                         "--chip", "h200", "--decode", "--max-len", "256", "--tree-budget",
+                         "8", "--requests", "4", "--programs", "round",
+                         f"--config.target={path}", "--config.train.target_dtype=bfloat16"],
+                        env=env, capture_output=True, timeout=600).returncode
+    assert rc == 0
+    text = next(dump.glob("*jit_speculative_rounds*after_optimizations.txt")).read_text()
+    greedy = Program(text, lambda name: None, branch="cheapest")
+    sampled = Program(text, lambda name: None, branch="costliest")
+    assert greedy.kernels_within("top_children") > 0
+    assert greedy.kernels_within("decode_attention") > 0
+    for fn in ("LowRankChildren.logits", "grow_tree.<locals>.expand.<locals>.mixed",
+               "grow_tree.<locals>.q"):
+        assert greedy.kernels_within(fn) == 0, fn
+        assert sampled.kernels_within(fn) > 0, fn
