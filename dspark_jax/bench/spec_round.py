@@ -275,7 +275,7 @@ def plain_device_step_fn(eng, steps: int = 1):
                                        budget_rule=eng.budget_rule)
         holder["s"] = holder["s"].replace(
             cache=holder["s"].cache.with_lengths(jnp.zeros((R,), jnp.int32)))
-        return out["n_emit"]
+        return out.n_emit
 
     return step
 
