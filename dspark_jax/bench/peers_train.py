@@ -22,9 +22,9 @@ own drafter from the seed and draws its own anchors: `--seeds` gives the seed-to
 
 Reported per (precision, seed) and trainer: the loss and CE of every step, its wall seconds and
 the cores the rest of the machine kept busy meanwhile (/proc/stat less this process), and the
-held-out teacher-forced acceptance after
-the last step, both drafters measured by one evaluator (ours, DeepSpec's weights loaded into our
-drafter; the same anchors): accept_rate@k and `tau_probabilistic` counted both ways, over the
+held-out teacher-forced acceptance after the last step (and every `--eval-every` steps), both
+drafters measured by one evaluator (ours, DeepSpec's weights loaded into our drafter; the same
+anchors): accept_rate@k and `tau_probabilistic` counted both ways, over the
 blocks DeepSpec counts (kept with a supervised slot: `tau_probabilistic`) and over every kept
 block (`tau_kept_blocks`, where a block without a supervised slot counts 1). Per precision: our
 seconds over DeepSpec's for each step past the first `--warmup-steps` (compilation), the median
@@ -79,6 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deepspec-src", default=os.environ.get("DEEPSPEC_SRC", str(DEFAULT_DEEPSPEC)))
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also measure both drafters' held-out acceptance every N steps (a curve)")
     p.add_argument("--export", default=None,
                    help="write both trained drafters (DeepSpec's format) under this directory: "
                         "PRECISION_seedN/{ours,deepspec}")
@@ -352,6 +354,8 @@ def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: 
     logs: dict[str, list[dict[str, float]]] = {"ours": [], "deepspec": []}
     secs: dict[str, list[float]] = {"ours": [], "deepspec": []}
     others: dict[str, list[float | None]] = {"ours": [], "deepspec": []}
+    evaluate = heldout_evaluator(c, p, mesh, ours.graphdef)
+    curve: list[dict[str, Any]] = []
     for i, local in enumerate(batches(p)):
         items = deepspec_items(local)
         order = ("ours", "deepspec") if i % 2 == 0 else ("deepspec", "ours")
@@ -364,7 +368,14 @@ def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: 
         print(f"  {precision} seed {seed} step {i + 1}/{p.steps}: loss ours "
               f"{logs['ours'][-1]['loss']:.4f} DeepSpec {logs['deepspec'][-1]['loss']:.4f}; "
               f"s ours {secs['ours'][-1]:.2f} DeepSpec {secs['deepspec'][-1]:.2f}", flush=True)
-    evaluate = heldout_evaluator(c, p, mesh, ours.graphdef)
+        if a.eval_every > 0 and (i + 1) % a.eval_every == 0 and i + 1 < p.steps:
+            point = {"step": i + 1,
+                     "ours": evaluate(ours.state.params, ours.frozen)["tau_probabilistic"],
+                     "deepspec": evaluate(*ours_from_deepspec(
+                         c, p, theirs.master_tensors()))["tau_probabilistic"]}
+            curve.append(point)
+            print(f"  held-out tau_probabilistic at step {i + 1}: ours {point['ours']:.4f} "
+                  f"DeepSpec {point['deepspec']:.4f}", flush=True)
     trained = {"ours": (ours.state.params, ours.frozen),
                "deepspec": ours_from_deepspec(c, p, theirs.master_tensors())}
     held = {who: evaluate(*pf) for who, pf in trained.items()}
@@ -376,6 +387,8 @@ def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: 
                          pathlib.Path(a.export) / f"{precision}_seed{seed}" / who)
     keys = ("loss", "ce_loss", "l1_loss", "tau_probabilistic", "grad_norm", "lr")
     out: dict[str, Any] = {"precision": precision, "seed": seed}
+    curve.append({"step": p.steps, **{who: held[who]["tau_probabilistic"] for who in held}})
+    out["heldout_curve"] = curve
     for who in ("ours", "deepspec"):
         out[who] = {k: [m.get(k) for m in logs[who]] for k in keys}
         out[who]["seconds"] = secs[who]

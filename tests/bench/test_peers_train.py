@@ -38,8 +38,8 @@ def test_two_steps_of_both_trainers(tmp_path):
     result = peers_train.main([
         "--config", str(TINY_CONFIG), "--set", f"target={target}", "--data-dir", str(data),
         "--workdir", str(tmp_path / "w"), "--steps", "2", "--warmup-steps", "1",
-        "--seeds", "0", "--precisions", "fp32", "--deepspec-src", str(DEEPSPEC),
-        "--json", str(out_json), "--plot", str(out_png)])
+        "--seeds", "0", "--precisions", "fp32", "--eval-every", "1",
+        "--deepspec-src", str(DEEPSPEC), "--json", str(out_json), "--plot", str(out_png)])
     (run,) = result["runs"]
     for who in ("ours", "deepspec"):
         assert len(run[who]["loss"]) == len(run[who]["seconds"]) == 2
@@ -47,6 +47,8 @@ def test_two_steps_of_both_trainers(tmp_path):
         held = run[who]["heldout"]
         assert held["blocks_kept"] > 0 and held["blocks_counted"] <= held["blocks_kept"]
         assert 1.0 <= held["tau_probabilistic"] and 1.0 <= held["tau_kept_blocks"]
+    assert [x["step"] for x in run["heldout_curve"]] == [1, 2]
+    assert run["heldout_curve"][-1]["deepspec"] == run["deepspec"]["heldout"]["tau_probabilistic"]
     # the same schedule on both sides (DeepSpec logs the next step's lr)
     assert run["ours"]["lr"][1] == pytest.approx(run["deepspec"]["lr"][0], rel=1e-5)
     s = result["summary"]["fp32"]
