@@ -23,6 +23,8 @@ from flax import nnx
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.families import family_of
+from dspark_jax.models.gemma4.decoder import Gemma4Stack
+from dspark_jax.models.gemma4.layer_buffers import Gemma4Layers
 from dspark_jax.sharding import constrain
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
@@ -34,9 +36,9 @@ class KVCache:
 
     k and v may instead be tuples of layer groups [n, B, S_max, K, H]: one group per layer
     (n = 1) is the decoding layout (`init_cache(per_layer=True)`, beside the target's per-layer
-    weights), whose buffers a GEMM reads where they lie (`layers.cache_layer`); Gemma4 keeps
-    one group per K/V-owning layer type, since those differ in head shape
-    (models/gemma4/decoder.py).
+    weights), whose buffers a GEMM reads where they lie (`layers.cache_layer`); Gemma4's
+    stacked layout keeps one group per K/V-owning period slot, since layer types differ in head
+    shape (models/gemma4/decoder.py), and its decoding layout one buffer per K/V-owning layer.
 
     Positions ≥ lengths[b] hold stale entries that are overwritten before they become visible,
     so rolling back rejected draft tokens is just `with_lengths(...)`.
@@ -102,8 +104,8 @@ def grown_positions(x: jax.Array, max_len: int) -> jax.Array:
 def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.float32,
                num_layers: int | None = None, per_layer: bool = False) -> KVCache:
     """An empty cache of `batch` rows × `max_len` positions; `per_layer`: one buffer per
-    layer, the layout that decoding with per-layer weights (`with_layer_buffers`) reads in
-    place (Llama/Qwen3)."""
+    layer (Gemma4: per K/V-owning layer), the layout that decoding with per-layer weights
+    (`with_layer_buffers`) reads in place."""
     extra = dict(per_layer=True) if per_layer else {}
     k, v = family_of(cfg).init_kv(cfg, batch, max_len, dtype, num_layers, **extra)
     return KVCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
@@ -112,7 +114,7 @@ def init_cache(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any = jnp.fl
 def has_layer_buffers(model: "TargetDecoder") -> bool:
     """Whether `model` runs one buffer per layer (`with_layer_buffers`): its caches then take
     the per-layer layout too."""
-    return isinstance(model.layers, L.UnstackedLayers)
+    return isinstance(model.layers, (L.UnstackedLayers, Gemma4Layers))
 
 
 def _cast(kv: Any, dtype: Any) -> Any:
@@ -357,17 +359,20 @@ def create_target(cfg: DecoderConfig, seed: int = 0, dtype: Any = jnp.float32,
 
 
 def with_layer_buffers(graphdef: Any, state: Any, fuse: bool = True) -> tuple[Any, Any]:
-    """(graphdef, state) of the same target with one buffer per decoder layer
-    (`layers.UnstackedLayers`), the decoding layout on accelerators; a target whose layers are
-    not one `DecoderLayers` stack (Gemma4's segments) or already unstacked comes back as is.
-    `fuse`: q/k/v and gate/up as one buffer each (fewer dots); False keeps the stack's
-    matrices, which a tensor-parallel mesh splits by head and by MLP column as it splits the
-    stack (a fused buffer's output mixes heads and stays whole on every chip). The per-layer
-    buffers are copies: the stacked state stays valid."""
+    """(graphdef, state) of the same target with one buffer per decoder layer, the decoding
+    layout on accelerators: `layers.UnstackedLayers` for a `DecoderLayers` stack (Llama /
+    Qwen3), `gemma4.layer_buffers.Gemma4Layers` for Gemma4's segments; a target already
+    unstacked comes back as is. `fuse`: q/k/v and gate/up as one buffer each (fewer dots);
+    False keeps the stack's matrices, which a tensor-parallel mesh splits by head and by MLP
+    column as it splits the stack (a fused buffer's output mixes heads and stays whole on every
+    chip). The per-layer buffers are copies: the stacked state stays valid."""
     model = nnx.merge(graphdef, state)
-    if not isinstance(model.layers, L.DecoderLayers):
+    if isinstance(model.layers, L.DecoderLayers):
+        model.layers = L.UnstackedLayers(model.layers, fuse=True if fuse else {})
+    elif isinstance(model.layers, Gemma4Stack):
+        model.layers = Gemma4Layers(model.layers, fuse=fuse)
+    else:
         return graphdef, state
-    model.layers = L.UnstackedLayers(model.layers, fuse=True if fuse else {})
     return nnx.split(model)
 
 

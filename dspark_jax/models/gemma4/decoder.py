@@ -15,6 +15,7 @@ Layers with different shapes cannot share one stacked scan body, so layers are p
 segments (the K/V-owning layers, then the KV-shared ones), each scanned over the shortest
 period of its layer-type pattern (6 for the 5:1 pattern): slot j of a period stacks the
 parameters of layers start + j + P·n over n, and the scan body runs the P slots in order.
+The decoding layout, one buffer per layer run unrolled, is models/gemma4/layer_buffers.py.
 
 KV cache: every K/V-owning layer keeps a FULL-LENGTH cache [n, B, S_max, K, H] per period slot,
 and sliding-window layers apply the window as a mask (key visible iff pos_q − W < pos_k ≤ pos_q)
@@ -25,7 +26,7 @@ stays a move of `lengths` and a rejected draft never overwrites a slot a later q
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ from flax import nnx
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.sharding import constrain
+
+if TYPE_CHECKING:
+    from dspark_jax.models.gemma4.layer_buffers import Gemma4Layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +147,16 @@ def make_stack(cfg: DecoderConfig, *, rngs: nnx.Rngs, param_dtype: Any) -> Gemma
 
 # ----------------------------------------------------------------------------- cache
 def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any,
-            num_layers: int | None = None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+            num_layers: int | None = None, per_layer: bool = False
+            ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Zero K and V caches: one [n, B, S_max, K, H] array per K/V-owning group (`cache_shapes`;
-    `num_layers` is the Llama family's option and does not apply)."""
+    `num_layers` is the Llama family's option and does not apply); `per_layer`: one
+    [1, B, S_max, K, H] buffer per K/V-owning layer (the decoding layout,
+    `layer_buffers.init_kv`)."""
+    if per_layer:
+        from dspark_jax.models.gemma4 import layer_buffers
+
+        return layer_buffers.init_kv(cfg, batch, max_len, dtype)
     shapes = cache_shapes(cfg, batch, max_len)
     return tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes)
 
@@ -184,7 +195,7 @@ def attn_out_and_mlp(lp: dict[str, jax.Array], h: jax.Array, attn_btnh: jax.Arra
     """The sandwich-normed residual updates after attention, the PLE gate, the layer scalar."""
     o = jnp.einsum("BTNH,NHD->BTD", attn_btnh, lp["wo"])
     h = h + L.rms_norm(o, lp["post_attn_norm"], eps)
-    m = L.geglu(L.rms_norm(h, lp["pre_ff_norm"], eps), lp)
+    m = _geglu(L.rms_norm(h, lp["pre_ff_norm"], eps), lp)
     h = h + L.rms_norm(m, lp["post_ff_norm"], eps)
     if ple_btp is not None:
         g = L.gelu_tanh(jnp.einsum("BTD,DP->BTP", h, lp["ple_gate"])) * ple_btp
@@ -193,10 +204,20 @@ def attn_out_and_mlp(lp: dict[str, jax.Array], h: jax.Array, attn_btnh: jax.Arra
     return constrain(h * lp["layer_scalar"], ("batch", "seq", "act_embed"))
 
 
+def _geglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
+    """`layers.geglu`, or with per-layer buffers gate and up as one [D, 2F] dot."""
+    if "w_gate_up" not in lp:
+        return L.geglu(x_btd, lp)
+    gate, up = jnp.split(jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate_up"]), 2, axis=-1)
+    act = constrain(L.gelu_tanh(gate) * up, ("batch", "seq", "act_mlp"))
+    return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
+
+
 # ----------------------------------------------------------------------------- forward
-def per_layer_inputs(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array,
+def per_layer_inputs(stack: Any, cfg: DecoderConfig, tokens_bt: jax.Array,
                      emb_btd: jax.Array, dtype: Any) -> jax.Array:
-    """PLE [B, T, L, P]: (norm(emb·Wm / √D) + table[tok]·√P) / √2."""
+    """PLE [B, T, L, P]: (norm(emb·Wm / √D) + table[tok]·√P) / √2 (`stack`: a `Gemma4Stack` or
+    `layer_buffers.Gemma4Layers`, which hold the same tables)."""
     P, Lh, D = cfg.hidden_size_per_layer_input, cfg.num_hidden_layers, cfg.hidden_size
     B, T = tokens_bt.shape
     table = stack.ple_embed.get_value()
@@ -228,9 +249,10 @@ def _masks(cfg: DecoderConfig, positions_bt: jax.Array, cached: bool, S: int,
     return out
 
 
-def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
-            positions_bt: jax.Array, cache_kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
-            | None, segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any,
+def forward(stack: Gemma4Stack | Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array,
+            h: jax.Array, positions_bt: jax.Array,
+            cache_kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None,
+            segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any,
             ragged: L.RaggedRows | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
     """Runs every layer on the embedded tokens h [B, T, D].
 
@@ -241,7 +263,15 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
     k writes and reads the cache row `ragged` names, so attention is one [1, S] row per token
     (sliding layers: keys with pos − W < key_pos ≤ pos; KV-shared layers: their producer's
     cache row) and every other matmul runs over the T tokens only.
+
+    Per-layer buffers (`layer_buffers.Gemma4Layers`, the decoding layout) run unrolled
+    (`layer_buffers.forward`), their caches one buffer per K/V-owning layer.
     """
+    from dspark_jax.models.gemma4 import layer_buffers
+
+    if isinstance(stack, layer_buffers.Gemma4Layers):
+        return layer_buffers.forward(stack, cfg, tokens_bt, h, positions_bt, cache_kv,
+                                     segment_ids_bt, tap_ids, dtype, ragged)
     B, T, D = h.shape
     eps = cfg.rms_norm_eps
     cached = cache_kv is not None
@@ -364,11 +394,13 @@ def forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax
     return h, (taps if n_taps else None), new_cache
 
 
-def ragged_forward(stack: Gemma4Stack, cfg: DecoderConfig, tokens_1k: jax.Array, h: jax.Array,
-                   positions_1k: jax.Array, cache_kv: Any, rows: L.RaggedRows,
-                   tap_ids: Sequence[int], dtype: Any) -> tuple[jax.Array, jax.Array | None, Any]:
+def ragged_forward(stack: Gemma4Stack | Gemma4Layers, cfg: DecoderConfig,
+                   tokens_1k: jax.Array, h: jax.Array, positions_1k: jax.Array, cache_kv: Any,
+                   rows: L.RaggedRows, tap_ids: Sequence[int], dtype: Any
+                   ) -> tuple[jax.Array, jax.Array | None, Any]:
     """The ragged verification pass (paper §5.2–5.3): the K tokens as one row of `forward`,
-    each reading and writing its own request's row of every per-group cache (sliding windows,
-    KV sharing and per-layer inputs as in the dense path, whose layer math it runs)."""
+    each reading and writing its own request's row of every per-group (or per-layer) cache
+    (sliding windows, KV sharing and per-layer inputs as in the dense path, whose layer math
+    it runs)."""
     return forward(stack, cfg, tokens_1k, h, positions_1k, cache_kv, None, tap_ids, dtype,
                    ragged=rows)

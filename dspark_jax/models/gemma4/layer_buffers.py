@@ -1,0 +1,231 @@
+"""Gemma4's decoding layout: one buffer per decoder layer, the layers run unrolled (SPEC §1–2:
+the target's forward in prefill over a cache, the one-token step and the ragged verification).
+
+A scan over `Gemma4Stack`'s period groups slices each layer's weights out of its group, and XLA
+materialises every slice before the dot reads it, so a one-token step streams the weights three
+times. `Gemma4Layers` holds each layer's weights as its own buffers (q with k, and with v where
+the layer has a v projection, as one product `w_qkv` / `w_qk`; gate/up as one `w_gate_up`), the
+per-layer-input tables as they are, and `forward` runs the layers one after another, each dot
+reading its weights where they lie. Its K/V cache is one buffer [1, B, S_max, K, H] per
+K/V-owning layer (`init_kv(per_layer=True)`), which the KV-shared layers read as their producer's.
+
+Over a cache the layers only read it: each layer attends to the cached keys below its row's
+first new token (sliding layers: within the window) and to the call's own new keys, as one
+softmax (`attend_cache_and_own`), and every owning layer's new K/V are written after the last
+layer (a cache written in the loop and read back is copied whole by XLA first). The ragged
+verification pass writes and reads per token as the stacked layout does (models/gemma4/decoder.py).
+Same arithmetic as the stacked layers; attention stays on XLA's ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dspark_jax.models import layers as L
+from dspark_jax.models.config import DecoderConfig
+from dspark_jax.models.gemma4 import decoder as G
+
+# fused products: name → the stacked matrices it concatenates along its output columns (a
+# group is fused where every member is present; a KV-shared layer keeps its lone `wq`)
+FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_qk": ("wq", "wk"), "w_gate_up": ("w_gate", "w_up")}
+
+
+class Gemma4Layers(nnx.Module):
+    """The parameters of a `Gemma4Stack` as one buffer per layer, in layer order. `fuse`: q/k(/v)
+    and gate/up as one buffer each (fewer dots); False keeps the stack's matrices, which a
+    tensor-parallel mesh splits by head and MLP column (a fused buffer's output mixes heads and
+    stays whole). Each buffer keeps its group's logical axes less "layers" (a fused one names
+    its input axis only). The per-layer-input tables are the stack's parameters themselves."""
+
+    def __init__(self, stack: G.Gemma4Stack, fuse: bool = True):
+        index = {}   # layer id → (group, period index)
+        for seg, j, g in stack.group_index():
+            for n, i in enumerate(seg.layer_ids(j)):
+                index[i] = (g, n)
+        self.num_layers = len(index)
+        names, per_layer = [], []
+        for i in range(self.num_layers):
+            g, n = index[i]
+            group = stack.groups[g]
+            present = [m for m in G.Gemma4Group.NAMES if hasattr(group, m)]
+            fused = {}
+            if fuse:
+                qkv = "w_qkv" if "wv" in present else "w_qk"
+                for name in (qkv, "w_gate_up"):
+                    if all(m in present for m in FUSED[name]):
+                        fused[name] = FUSED[name]
+            parts = {m for members in fused.values() for m in members}
+            layer = {m: nnx.Param(getattr(group, m).get_value()[n], axes=_axes(group, m))
+                     for m in present if m not in parts}
+            for name, members in fused.items():   # [in, out]: the input axis keeps its name
+                first = _axes(group, members[0])
+                layer[name] = nnx.Param(
+                    jnp.concatenate([_flat(getattr(group, m).get_value()[n]) for m in members],
+                                    axis=1),
+                    axes=None if first is None else (first[0], None))
+            names.append(tuple(layer))
+            per_layer.append(nnx.Dict(layer))
+        self.names = tuple(names)   # static: graphdefs must hash
+        self.per_layer = nnx.List(per_layer)
+        if hasattr(stack, "ple_embed"):
+            self.ple_embed = stack.ple_embed
+            self.ple_model_proj = stack.ple_model_proj
+            self.ple_proj_norm = stack.ple_proj_norm
+
+    def layer_params(self, dtype: Any) -> list[dict[str, jax.Array]]:
+        """One dict of arrays per layer, cast to the compute dtype."""
+        return [{m: layer[m].get_value().astype(dtype) for m in names}
+                for names, layer in zip(self.names, self.per_layer)]
+
+
+def _flat(w: jax.Array) -> jax.Array:
+    """A layer's matrix [in, …] as [in, out]."""
+    return w.reshape(w.shape[0], -1)
+
+
+def _axes(group: nnx.Module, name: str) -> tuple[str | None, ...] | None:
+    """A group parameter's logical axes less the leading "layers"."""
+    stacked = getattr(group, name).get_metadata().get("axes")
+    return None if stacked is None else tuple(stacked[1:])
+
+
+def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any
+            ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Zero K and V caches, one [1, B, S_max, K, H] buffer per K/V-owning layer (layers
+    0 … `first_kv_shared_layer` − 1, in order)."""
+    shapes = [(1, batch, max_len) + cfg.attn_shape(cfg.layer_type(i))
+              for i in range(cfg.first_kv_shared_layer)]
+    return tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes)
+
+
+# ----------------------------------------------------------------------------- layer pieces
+def project(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array, rope: Any,
+            eps: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """q [B, T, N, H] and, for a K/V-owning layer, (k, v) [B, T, K, H] as `decoder.project_q`
+    and `decoder.project_kv` take them, from the fused product where the layer has one."""
+    fused = "w_qkv" if "w_qkv" in lp else "w_qk" if "w_qk" in lp else None
+    if fused is None:
+        q = G.project_q(lp, x_btd, positions_bt, rope, eps)
+        return q, (G.project_kv(lp, x_btd, positions_bt, rope, eps) if "wk" in lp else None)
+    B, T = x_btd.shape[:2]
+    N, H = lp["wo"].shape[:2]
+    out = jnp.einsum("BTD,DF->BTF", x_btd, lp[fused])
+    kh = (out.shape[-1] - N * H) // (2 if fused == "w_qkv" else 1)
+    q_raw = out[..., :N * H].reshape(B, T, N, H)
+    k_raw = out[..., N * H:N * H + kh].reshape(B, T, kh // H, H)
+    v_raw = out[..., N * H + kh:].reshape(B, T, kh // H, H) if fused == "w_qkv" else k_raw
+    q = L.apply_rope(L.rms_norm(q_raw, lp["q_norm"], eps), positions_bt, rope)
+    k = L.apply_rope(L.rms_norm(k_raw, lp["k_norm"], eps), positions_bt, rope)
+    return q, (k, L.rms_norm_noscale(v_raw, eps))
+
+
+def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                         cache_mask_bts: jax.Array, own_k: jax.Array, own_v: jax.Array,
+                         own_mask_btq: jax.Array) -> jax.Array:
+    """Grouped-query attention (scale 1) of T queries a row over a read-only cache
+    [B, S, K, H] (`cache_mask_bts`) and this call's own keys [B, Q, K, H] (`own_mask_btq`), as
+    one softmax over both; the cache is read where it lies. A row with no visible key gives
+    zeros."""
+    b, t, n, h = q_btnh.shape
+    kvh = cache_k.shape[2]
+    q = q_btnh.reshape(b, t, kvh, n // kvh, h)
+    s_c = jnp.einsum("BTKGH,BSKH->BKGTS", q, cache_k, preferred_element_type=jnp.float32)
+    s_o = jnp.einsum("BTKGH,BQKH->BKGTQ", q, own_k, preferred_element_type=jnp.float32)
+    S = cache_k.shape[1]
+    mask = jnp.concatenate([cache_mask_bts, own_mask_btq], axis=-1)[:, None, None]
+    probs = L.masked_softmax(jnp.concatenate([s_c, s_o], axis=-1), mask, axis=-1)
+    out = (jnp.einsum("BKGTS,BSKH->BTKGH", probs[..., :S].astype(cache_v.dtype), cache_v,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("BKGTQ,BQKH->BTKGH", probs[..., S:].astype(own_v.dtype), own_v,
+                        preferred_element_type=jnp.float32))
+    return out.reshape(b, t, n, h).astype(q_btnh.dtype)
+
+
+def _split_masks(cfg: DecoderConfig, positions_bt: jax.Array, S: int
+                 ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """Per layer type, which cached keys [B, T, S] (below the row's first new position) and
+    which of the call's own keys [B, T, T] (up to the query's own) a query sees; sliding
+    layers within the window (pos_q − W < pos_k)."""
+    B, T = positions_bt.shape
+    key_pos = jnp.arange(S, dtype=jnp.int32)
+    cached = jnp.broadcast_to(key_pos[None, None, :] < positions_bt[:, :1, None], (B, T, S))
+    own = L.causal_mask(B, T)
+    cache_masks, own_masks = {"full_attention": cached}, {"full_attention": own}
+    if "sliding_attention" in cfg.layer_types:
+        W = cfg.sliding_window
+        cache_masks["sliding_attention"] = cached & (
+            positions_bt[:, :, None] - key_pos[None, None, :] < W)
+        own_masks["sliding_attention"] = own & (
+            positions_bt[:, :, None] - positions_bt[:, None, :] < W)
+    return cache_masks, own_masks
+
+
+# ----------------------------------------------------------------------------- forward
+def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
+            positions_bt: jax.Array, cache_kv: tuple[tuple[jax.Array, ...],
+                                                     tuple[jax.Array, ...]] | None,
+            segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any,
+            ragged: L.RaggedRows | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
+    """`decoder.forward` over per-layer buffers: the same inputs and outputs, its caches one
+    buffer per K/V-owning layer. With a cache and no `ragged`, token t of row b sits at
+    `positions_bt[b, 0]` + t (consecutive, as `TargetDecoder` passes them)."""
+    B, T, D = h.shape
+    eps = cfg.rms_norm_eps
+    cached = cache_kv is not None
+    if ragged is not None and (not cached or B != 1):
+        raise ValueError("gemma4.forward: a ragged call needs a cache and one flattened row "
+                         f"(got batch {B}, cache {'given' if cached else 'None'})")
+    params = layers.layer_params(dtype)
+    ple = (G.per_layer_inputs(layers, cfg, tokens_bt, h, dtype)
+           if cfg.hidden_size_per_layer_input else None)
+    taps: list[jax.Array | None] = [h if lid == -1 else None for lid in tap_ids]
+    ck = list(cache_kv[0]) if cached else []
+    cv = list(cache_kv[1]) if cached else []
+    S = ck[0].shape[2] if cached else T
+    if not cached:
+        masks = G._masks(cfg, positions_bt, False, T, segment_ids_bt)
+    elif ragged is None:
+        cache_masks, own_masks = _split_masks(cfg, positions_bt, S)
+    else:   # each token its own batch row of one query: masks [T, 1, S]
+        masks = {t: m & ragged.valid_k[:, None, None]
+                 for t, m in G._masks(cfg, positions_bt.T, True, S, None).items()}
+    fresh: dict[int, tuple[jax.Array, jax.Array]] = {}   # owning layer → this call's (k, v)
+    for i, lp in enumerate(params):
+        ltype = cfg.layer_type(i)
+        x = L.rms_norm(h, lp["input_norm"], eps)
+        q, kv = project(lp, x, positions_bt, cfg.rope_for(ltype), eps)
+        owner = cfg.kv_producer(i)
+        if kv is not None:
+            fresh[i] = kv
+        k, v = fresh[owner]
+        if not cached:
+            attn = L.attend(q, k, v, masks[ltype], scale=1.0)
+        elif ragged is None:   # the cache read where it lies ⊕ the call's own keys
+            attn = attend_cache_and_own(q, ck[owner][0], cv[owner][0], cache_masks[ltype], k, v,
+                                        own_masks[ltype])
+        else:   # each token writes its row, then reads its request's cache row
+            if kv is not None:
+                index = (0, ragged.write_k[None], positions_bt)
+                ck[i] = ck[i].at[index].set(k.astype(ck[i].dtype), mode="drop")
+                cv[i] = cv[i].at[index].set(v.astype(cv[i].dtype), mode="drop")
+            keys, vals = ck[owner][0][ragged.read_k], cv[owner][0][ragged.read_k]   # [T,S,K,H]
+            attn = jnp.swapaxes(L.attend(jnp.swapaxes(q, 0, 1), keys, vals, masks[ltype],
+                                         scale=1.0), 0, 1)
+        h = G.attn_out_and_mlp(lp, h, attn, eps, None if ple is None else ple[:, :, i])
+        for slot, lid in enumerate(tap_ids):
+            if lid == i:
+                taps[slot] = h
+    taps_out = jnp.stack(taps) if tap_ids else None
+    if not cached:
+        return h, taps_out, None
+    if ragged is None:   # every owning layer's new rows at their positions (out of range: dropped)
+        index = (0, jnp.arange(B)[:, None], positions_bt)
+        for i, (k, v) in fresh.items():
+            ck[i] = ck[i].at[index].set(k.astype(ck[i].dtype), mode="drop")
+            cv[i] = cv[i].at[index].set(v.astype(cv[i].dtype), mode="drop")
+    return h, taps_out, (tuple(ck), tuple(cv))
+

@@ -1,0 +1,176 @@
+"""Gemma4's decoding layout (`with_layer_buffers`: one buffer per layer, unrolled, one cache
+buffer per K/V-owning layer) computes what the stacked layers compute, fp32, on tiny random
+configs with sliding windows, KV sharing and per-layer inputs: the causal forward, prefill over
+a cache, one-token steps and verification chunks, the ragged verification pass and the K/V they
+write; greedy speculative decoding on it equals greedy autoregressive decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.models.decoder import (has_layer_buffers, init_cache, prefill, ragged_forward,
+                                       with_layer_buffers)
+from dspark_jax.models.gemma4.layer_buffers import Gemma4Layers
+from dspark_jax.models.target import Target
+from hf_tiny import save_tiny_gemma4
+
+TAPS = (-1, 0, 3, 7)   # embeddings, an owning sliding layer, a full one, a KV-shared one
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory) -> tuple[Target, Target]:
+    """(stacked, per-layer) views of the all-features tiny Gemma4 (8 layers, window 5, 2
+    KV-shared layers, k=v full layers with their own head shape, per-layer inputs)."""
+    stacked = load_target(save_tiny_gemma4(tmp_path_factory.mktemp("g4"), "all_features"))
+    gd, st = with_layer_buffers(stacked.graphdef, stacked.state)
+    return stacked, dataclasses.replace(stacked, graphdef=gd, state=st)
+
+
+def _ids(b: int, s: int, seed: int) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, 97, (b, s)).astype(np.int32)
+
+
+def _close(got: jax.Array, want: jax.Array, tol: float = 2e-5) -> None:
+    """fp32: the unrolled layers and the scan sum in different orders; max |got − want| ≤ tol
+    relative to the values' scale (at least 1)."""
+    got, want = np.asarray(got), np.asarray(want)
+    scale = max(1.0, float(np.abs(want).max()))
+    err = float(np.abs(got - want).max())
+    assert err <= tol * scale, f"max abs error {err:.3g} > {tol} × scale {scale:.3g}"
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _step(graphdef, state, toks, cache):
+    """A cached forward that commits its tokens → (logits, taps, cache)."""
+    m = nnx.merge(graphdef, state)
+    T = toks.shape[1]
+    out = m(toks, cache=cache, tap_layer_ids=TAPS, advance=jnp.full(toks.shape[:1], T))
+    return m.logits(out.hidden), out.taps, out.cache
+
+
+def _owner_rows(stacked: Target, cache) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A stacked Gemma4 cache's (k, v) [B, S, K, H] per K/V-owning layer, in layer order."""
+    layers = stacked.model.layers
+    owning = [g for seg, _, g in layers.group_index() if seg.owns_kv]
+    out = []
+    for i in range(stacked.config.first_kv_shared_layer):
+        g, n = layers.layer_location(i)
+        c = owning.index(g)
+        out.append((np.asarray(cache.k[c][n]), np.asarray(cache.v[c][n])))
+    return out
+
+
+def test_the_layout_is_one_buffer_per_layer(targets):
+    stacked, view = targets
+    cfg = view.config
+    layers = view.model.layers
+    assert isinstance(layers, Gemma4Layers) and has_layer_buffers(view.model)
+    assert not has_layer_buffers(stacked.model)
+    assert len(layers.per_layer) == cfg.num_hidden_layers
+    names = layers.names
+    assert "w_qk" in names[1] and "w_qkv" in names[0]       # full layers: k = v
+    assert "wq" in names[-1] and "wk" not in names[-1]      # KV-shared: no K/V projection
+    assert all("w_gate_up" in n for n in names)
+    cache = view.init_cache(2, 16)
+    assert len(cache.k) == cfg.first_kv_shared_layer and all(c.shape[0] == 1 for c in cache.k)
+    assert with_layer_buffers(view.graphdef, view.state)[0] is view.graphdef
+
+
+def test_forward_and_prefill_equal_the_stacked_layers(targets):
+    stacked, view = targets
+    ids = _ids(2, 16, seed=1)
+    _close(view.logits(ids), stacked.logits(ids))
+    _close(view.hidden_states(ids, TAPS), stacked.hidden_states(ids, TAPS))
+    outs = [jax.jit(lambda st, t, gd=t_.graphdef: prefill(nnx.merge(gd, st), t, 8, TAPS))(
+        t_.state, jnp.asarray(ids)) for t_ in targets]                      # two chunks of 8
+    _close(outs[1].hidden, outs[0].hidden)
+    _close(outs[1].taps, outs[0].taps)
+    for (k0, v0), k1, v1 in zip(_owner_rows(stacked, outs[0].cache), outs[1].cache.k,
+                                outs[1].cache.v):
+        _close(k1[0], k0)
+        _close(v1[0], v0)
+
+
+def test_steps_and_verification_equal_the_stacked_layers(targets):
+    """Past the sliding window (5): a 12-token prompt, one-token steps, a 4-token block."""
+    stacked, view = targets
+    B, S = 3, 32
+    seq = _ids(B, 20, seed=2)
+    caches = [t.init_cache(B, S) for t in targets]
+    start = 0
+    for n in (12, 1, 1, 4, 1):
+        outs = []
+        for i, t in enumerate(targets):
+            toks = jnp.asarray(seq[:, start:start + n])
+            logits, taps, caches[i] = _step(t.graphdef, t.state, toks, caches[i])
+            outs.append((logits, taps))
+        _close(outs[1][0], outs[0][0])
+        _close(outs[1][1], outs[0][1])
+        start += n
+    assert list(caches[1].lengths) == [start] * B
+    for (k0, v0), k1, v1 in zip(_owner_rows(stacked, caches[0]), caches[1].k, caches[1].v):
+        _close(k1[0], k0)
+        _close(v1[0], v0)
+    full = stacked.logits(seq[:, :start])          # and both equal the uncached forward
+    _close(outs[1][0][:, -1], full[:, -1], 1e-4)
+
+
+def test_ragged_verification_equals_the_stacked_layers(targets):
+    """Requests at different lengths, tokens out of slot order, padding that writes nothing."""
+    stacked, view = targets
+    lens = np.asarray([9, 12, 6])
+    R, S = len(lens), 32
+    toks = _ids(R, 16, seed=5)
+    caches = []
+    for t in targets:
+        _, _, c = _step(t.graphdef, t.state, jnp.asarray(toks), t.init_cache(R, S))
+        caches.append(c.with_lengths(jnp.asarray(lens, jnp.int32)))
+    seq = _ids(R, 5, seed=6)
+    ell, K = [4, 0, 2], 12
+    tok, slot, pos, valid = (np.zeros(K, np.int32) for _ in range(4))
+    order = [(r, j) for r in (2, 0, 1) for j in range(ell[r] + 1)]
+    for k, (r, j) in enumerate(order):
+        tok[k], slot[k], pos[k], valid[k] = seq[r, j], r, lens[r] + j, 1
+    slot[len(order):], pos[len(order):] = 7, 3
+    outs = []
+    for t, c in zip(targets, caches):
+        m = t.model
+        out = jax.jit(lambda *a, m=m: ragged_forward(m, *a, tap_layer_ids=TAPS))(
+            jnp.asarray(tok), jnp.asarray(slot), jnp.asarray(pos), jnp.asarray(valid, bool), c)
+        outs.append((m.logits(out.hidden), out))
+    _close(outs[1][0], outs[0][0])
+    _close(outs[1][1].taps, outs[0][1].taps)
+    for (k0, v0), k1, v1 in zip(_owner_rows(stacked, outs[0][1].cache), outs[1][1].cache.k,
+                                outs[1][1].cache.v):
+        _close(k1[0], k0)
+        _close(v1[0], v0)
+
+
+def test_greedy_speculative_on_layer_buffers_equals_autoregressive(tmp_path):
+    """DeepSpec's Gemma4 drafters take targets without per-layer inputs: the target here has
+    sliding and k=v full layers; both decoders run on the per-layer layout."""
+    from dspark_jax.decoding import autoregressive_generate
+    from dspark_jax.serving import speculative_generate
+
+    stacked = load_target(save_tiny_gemma4(
+        tmp_path / "t", "all_features", seed=2, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=0,
+        num_kv_shared_layers=0))
+    view = stacked.decoding_layout(True)
+    assert isinstance(view.model.layers, Gemma4Layers)
+    draft = init_draft(stacked, dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1, 2),
+                                     mask_token_id=4, markov_rank=8), seed=1)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3]]
+    ref = autoregressive_generate(stacked, prompts, max_new_tokens=12, stop_token_ids=[],
+                                  layer_buffers=False)
+    assert autoregressive_generate(view, prompts, max_new_tokens=12, stop_token_ids=[]) == ref
+    res = speculative_generate(view, draft, prompts, max_new_tokens=12, stop_token_ids=[])
+    assert res.tokens == ref
