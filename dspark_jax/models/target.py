@@ -22,6 +22,8 @@ from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.decoder import (KVCache, TargetDecoder, has_layer_buffers, init_cache,
                                       with_layer_buffers)
+from dspark_jax.models.gemma4.decoder import Gemma4Stack
+from dspark_jax.models.gemma4.layer_buffers import Gemma4Layers
 from dspark_jax.models.io import hf as hf_io
 from dspark_jax.models.io.gguf import locate_smollm2_gguf, read_gguf_checkpoint
 from dspark_jax.models.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
@@ -86,10 +88,11 @@ class Target:
 
     @property
     def supports_layer_buffers(self) -> bool:
-        """Whether this family has the per-layer decoding layout (Llama / Qwen3: one
-        `DecoderLayers` stack, or already unstacked); Gemma4's segments do not."""
+        """Whether this target's layers have the per-layer decoding layout
+        (`models.decoder.with_layer_buffers`): Llama / Qwen3's `DecoderLayers` stack, Gemma4's
+        segments, or either already unstacked."""
         layers = self.model.layers
-        return isinstance(layers, (L.DecoderLayers, L.UnstackedLayers))
+        return isinstance(layers, (L.DecoderLayers, L.UnstackedLayers, Gemma4Stack, Gemma4Layers))
 
     def decoding_layout(self, layer_buffers: bool | None = None) -> "Target":
         """This target in the parameter layout every decoding path runs: prefill, one-token
@@ -101,8 +104,9 @@ class Target:
         before its dots read them, so a one-token step streams them three times (`python -m
         dspark_jax.aot --chip h200 --decode` reports them); the stacked layers on a CPU, where
         steps and rounds run as fast on either layout and the stack compiles several times
-        faster. True / False force one. A family without the per-layer layout (Gemma4) is
-        refused for True, and decodes stacked for None with a warning naming the cost.
+        faster. True / False force one. Layers without the per-layer layout
+        (`supports_layer_buffers`) are refused for True, and decode stacked for None with a
+        warning naming the cost.
 
         The per-layer buffers are copies made once per `state` and kept with it; to hold the
         weights in device memory once, decode with the returned target and drop this one."""

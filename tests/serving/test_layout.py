@@ -1,7 +1,8 @@
 """One decoding layout for every path (`Target.decoding_layout`): chosen from the devices the
 weights live on, taken by the engine, `speculative_generate` and the autoregressive loop for
-prefill and steps alike, so the weights they read are held once; a family without the
-per-layer layout is refused where it is asked for and warned about where it is chosen."""
+prefill and steps alike, so the weights they read are held once (Gemma4 included); layers
+without the per-layer layout are refused where it is asked for and warned about where it is
+chosen."""
 
 from __future__ import annotations
 
@@ -105,10 +106,18 @@ def test_the_weights_are_resident_once(tmp_path, on_accelerator, monkeypatch):
     assert abs(resident - param_bytes) <= 0.02 * param_bytes
 
 
-def test_a_family_without_the_per_layer_layout_is_refused_or_warned(tmp_path, monkeypatch):
+def test_gemma4_takes_the_per_layer_layout(tmp_path, on_accelerator):
     target = load_target(save_tiny_gemma4(tmp_path / "g", "untied_plain"))
-    assert not target.supports_layer_buffers
-    with pytest.raises(ValueError, match="gemma4 targets have no per-layer decoding layout"):
+    assert target.supports_layer_buffers
+    view = target.decoding_layout()
+    assert type(view.model.layers).__name__ == "Gemma4Layers"
+    assert view.decoding_layout() is view
+
+
+def test_layers_without_the_per_layer_layout_are_refused_or_warned(tmp_path, monkeypatch):
+    target = _qwen3(tmp_path)
+    monkeypatch.setattr(Target, "supports_layer_buffers", property(lambda self: False))
+    with pytest.raises(ValueError, match="qwen3 targets have no per-layer decoding layout"):
         target.decoding_layout(True)
     assert target.decoding_layout(False) is target
     monkeypatch.setattr(Target, "on_accelerator", lambda self: True)
