@@ -74,6 +74,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-ratio", type=float, default=0.1)
     p.add_argument("--warmup-steps", type=int, default=2,
                    help="first steps left out of the seconds per step")
+    p.add_argument("--trainers", default="ours,deepspec",
+                   help="which trainers run (both: the side-by-side; one: its curve alone)")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--precisions", default="fp32,bf16")
     p.add_argument("--deepspec-src", default=os.environ.get("DEEPSPEC_SRC", str(DEFAULT_DEEPSPEC)))
@@ -87,6 +89,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.seeds = [int(s) for s in a.seeds.split(",") if s]
     a.precisions = [s for s in a.precisions.split(",") if s]
+    a.trainers = [s for s in a.trainers.split(",") if s]
+    if not a.trainers or any(s not in ("ours", "deepspec") for s in a.trainers):
+        p.error("--trainers: a comma list of ours, deepspec")
     bad = [s for s in a.precisions if s not in PRECISIONS]
     if bad:
         p.error(f"--precisions: {bad} not in {PRECISIONS}")
@@ -335,8 +340,8 @@ def ours_from_deepspec(c: Any, p: Prepared, tensors: dict[str, np.ndarray]) -> t
 # ------------------------------------------------------------------------------ one run
 def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: int,
              workdir: pathlib.Path) -> dict[str, Any]:
-    """Both trainers, `p.steps` steps of the same batches, alternating which goes first;
-    then both drafters' held-out acceptance."""
+    """The trainers of `--trainers` (both by default), `p.steps` steps of the same batches,
+    alternating which goes first; then each drafter's held-out acceptance."""
     import jax
 
     from dspark_jax.bench.deepspec_trainer import build_dspark_trainer
@@ -344,65 +349,74 @@ def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: 
 
     c = precision_config(p.config, precision)
     mesh = make_mesh(data=1, devices=jax.devices()[:1])
-    ours = build_ours(c, p, seed, mesh)
-    theirs = build_dspark_trainer(
-        ds, p.draft_cfg, p.target_hf, workdir / f"deepspec_{precision}_{seed}", seed=seed,
-        lr=c.train.lr, warmup_ratio=c.train.warmup_ratio, weight_decay=c.train.weight_decay,
-        max_grad_norm=c.train.clip_norm, total_steps=p.steps,
-        batch_size=c.train.global_batch_size, precision=precision,
-        dataset_size=p.steps * c.train.global_batch_size)
-    logs: dict[str, list[dict[str, float]]] = {"ours": [], "deepspec": []}
-    secs: dict[str, list[float]] = {"ours": [], "deepspec": []}
-    others: dict[str, list[float | None]] = {"ours": [], "deepspec": []}
+    ours = build_ours(c, p, seed, mesh)        # its graphdef also serves the evaluation
+    theirs = None
+    if "deepspec" in a.trainers:
+        theirs = build_dspark_trainer(
+            ds, p.draft_cfg, p.target_hf, workdir / f"deepspec_{precision}_{seed}", seed=seed,
+            lr=c.train.lr, warmup_ratio=c.train.warmup_ratio,
+            weight_decay=c.train.weight_decay, max_grad_norm=c.train.clip_norm,
+            total_steps=p.steps, batch_size=c.train.global_batch_size, precision=precision,
+            dataset_size=p.steps * c.train.global_batch_size)
+    sides = [who for who in ("ours", "deepspec") if who in a.trainers]
+    logs: dict[str, list[dict[str, float]]] = {who: [] for who in sides}
+    secs: dict[str, list[float]] = {who: [] for who in sides}
+    others: dict[str, list[float | None]] = {who: [] for who in sides}
     evaluate = heldout_evaluator(c, p, mesh, ours.graphdef)
+
+    def trained() -> dict[str, tuple[Any, Any]]:
+        out = {}
+        if "ours" in sides:
+            out["ours"] = (ours.state.params, ours.frozen)
+        if theirs is not None:
+            out["deepspec"] = ours_from_deepspec(c, p, theirs.master_tensors())
+        return out
+
     curve: list[dict[str, Any]] = []
     for i, local in enumerate(batches(p)):
-        items = deepspec_items(local)
-        order = ("ours", "deepspec") if i % 2 == 0 else ("deepspec", "ours")
-        for who in order:
+        items = deepspec_items(local) if theirs is not None else None
+        for who in sides if i % 2 == 0 else sides[::-1]:
             with Timed() as t:
                 m = ours.step(local) if who == "ours" else theirs.step(items)
             logs[who].append(m)
             secs[who].append(t.seconds)
             others[who].append(t.others)
-        print(f"  {precision} seed {seed} step {i + 1}/{p.steps}: loss ours "
-              f"{logs['ours'][-1]['loss']:.4f} DeepSpec {logs['deepspec'][-1]['loss']:.4f}; "
-              f"s ours {secs['ours'][-1]:.2f} DeepSpec {secs['deepspec'][-1]:.2f}", flush=True)
+        print(f"  {precision} seed {seed} step {i + 1}/{p.steps}: "
+              + "; ".join(f"{who} loss {logs[who][-1]['loss']:.4f}, {secs[who][-1]:.2f} s"
+                          for who in sides), flush=True)
         if a.eval_every > 0 and (i + 1) % a.eval_every == 0 and i + 1 < p.steps:
-            point = {"step": i + 1,
-                     "ours": evaluate(ours.state.params, ours.frozen)["tau_probabilistic"],
-                     "deepspec": evaluate(*ours_from_deepspec(
-                         c, p, theirs.master_tensors()))["tau_probabilistic"]}
+            point = {"step": i + 1, **{who: evaluate(*pf)["tau_probabilistic"]
+                                       for who, pf in trained().items()}}
             curve.append(point)
-            print(f"  held-out tau_probabilistic at step {i + 1}: ours {point['ours']:.4f} "
-                  f"DeepSpec {point['deepspec']:.4f}", flush=True)
-    trained = {"ours": (ours.state.params, ours.frozen),
-               "deepspec": ours_from_deepspec(c, p, theirs.master_tensors())}
-    held = {who: evaluate(*pf) for who, pf in trained.items()}
+            print(f"  held-out tau_probabilistic at step {i + 1}: "
+                  + ", ".join(f"{who} {point[who]:.4f}" for who in sides), flush=True)
+    final = trained()
+    held = {who: evaluate(*pf) for who, pf in final.items()}
     if a.export:
         from dspark_jax.train.eval_stage import export_draft
 
-        for who, (params, frozen) in trained.items():
+        for who, (params, frozen) in final.items():
             export_draft(ours.graphdef, params, frozen,
                          pathlib.Path(a.export) / f"{precision}_seed{seed}" / who)
     keys = ("loss", "ce_loss", "l1_loss", "tau_probabilistic", "grad_norm", "lr")
     out: dict[str, Any] = {"precision": precision, "seed": seed}
     curve.append({"step": p.steps, **{who: held[who]["tau_probabilistic"] for who in held}})
     out["heldout_curve"] = curve
-    for who in ("ours", "deepspec"):
+    for who in sides:
         out[who] = {k: [m.get(k) for m in logs[who]] for k in keys}
         out[who]["seconds"] = secs[who]
         out[who]["others_cores"] = others[who]
         out[who]["heldout"] = held[who]
     # one timed pair a step past the warm-up: both trainers' seconds, their ratio, and the most
     # cores the rest of the machine used during either
-    out["pairs"] = [
+    out["pairs"] = [] if len(sides) < 2 else [
         {"step": i + 1, "ours": so, "deepspec": sd, "ratio": so / sd,
          "others_cores": (None if oo is None or od is None else max(oo, od))}
         for i, (so, sd, oo, od) in enumerate(zip(secs["ours"], secs["deepspec"],
                                                  others["ours"], others["deepspec"]))
         if i >= a.warmup_steps]
-    theirs.trainer.draft_model.to("meta")      # free DeepSpec's copy before the next run
+    if theirs is not None:
+        theirs.trainer.draft_model.to("meta")      # free DeepSpec's copy before the next run
     return out
 
 
@@ -436,15 +450,17 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
         s: dict[str, Any] = {"all": timing_summary(pairs), "quiet": timing_summary(quiet),
                              "quiet_cores": QUIET_CORES, "bar": GOAL_RATIO}
         s["judged_on"] = "quiet" if len(quiet) >= MIN_QUIET_PAIRS else "all"
-        ratio = s[s["judged_on"]]["ratio_median"]
-        s["ratio_to_bar"], s["met"] = ratio / GOAL_RATIO, ratio <= GOAL_RATIO
-        for who in ("ours", "deepspec"):
+        ratio = s[s["judged_on"]].get("ratio_median")
+        s["ratio_to_bar"] = None if ratio is None else ratio / GOAL_RATIO
+        s["met"] = None if ratio is None else ratio <= GOAL_RATIO
+        sides = [who for who in ("ours", "deepspec") if who in rs[0]]
+        for who in sides:
             for k in ("tau_probabilistic", "tau_kept_blocks", "accept_rate@0"):
                 vals = [r[who]["heldout"][k] for r in rs]
                 s[f"{who}_{k}"] = vals
                 s[f"{who}_{k}_mean"] = float(np.mean(vals))
                 s[f"{who}_{k}_seed_spread"] = float(max(vals) - min(vals))
-        for k in ("tau_probabilistic", "tau_kept_blocks"):
+        for k in ("tau_probabilistic", "tau_kept_blocks") if len(sides) == 2 else ():
             s[f"{k}_difference"] = s[f"ours_{k}_mean"] - s[f"deepspec_{k}_mean"]
             s[f"{k}_noise"] = max(s[f"ours_{k}_seed_spread"], s[f"deepspec_{k}_seed_spread"])
             s[f"{k}_within_noise"] = abs(s[f"{k}_difference"]) <= s[f"{k}_noise"]
@@ -464,13 +480,13 @@ def plot_losses(runs: list[dict[str, Any]], path: pathlib.Path, title: str) -> N
                              squeeze=False, sharey=True)
     for ax, precision in zip(axes[0], precisions):
         for r in (r for r in runs if r["precision"] == precision):
-            steps = np.arange(1, len(r["ours"]["loss"]) + 1)
-            ax.plot(steps, r["ours"]["loss"], "-", color="C0",
-                    alpha=1.0 if r["seed"] == runs[0]["seed"] else 0.5,
-                    label=f"dspark_jax, seed {r['seed']}")
-            ax.plot(steps, r["deepspec"]["loss"], "--", color="C3",
-                    alpha=1.0 if r["seed"] == runs[0]["seed"] else 0.5,
-                    label=f"DeepSpec trainer, seed {r['seed']}")
+            for who, style, color, name in (("ours", "-", "C0", "dspark_jax"),
+                                            ("deepspec", "--", "C3", "DeepSpec trainer")):
+                if who in r:
+                    steps = np.arange(1, len(r[who]["loss"]) + 1)
+                    ax.plot(steps, r[who]["loss"], style, color=color,
+                            alpha=1.0 if r["seed"] == runs[0]["seed"] else 0.5,
+                            label=f"{name}, seed {r['seed']}")
         ax.set_title(f"{precision}")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -487,20 +503,23 @@ def print_summary(summary: dict[str, Any]) -> None:
     for precision, s in summary.items():
         for which in ("all", "quiet"):
             t = s[which]
-            if not t["pairs"]:
-                print(f"{precision} [{which}]: no timed pairs")
-                continue
-            print(f"{precision} [{which}, {t['pairs']} pairs]: s/step ours "
-                  f"{t['ours_s_per_step']:.3f}, DeepSpec {t['deepspec_s_per_step']:.3f}; "
-                  f"ours/DeepSpec per step median {t['ratio_median']:.3f} (quartiles "
-                  f"{t['ratio_q1']:.3f}–{t['ratio_q3']:.3f})")
-        print(f"  bar ≤ {GOAL_RATIO} judged on {s['judged_on']}: "
-              f"{'met' if s['met'] else 'NOT met'} ({s['ratio_to_bar']:.2f} of the bar)")
+            if t["pairs"]:
+                print(f"{precision} [{which}, {t['pairs']} pairs]: s/step ours "
+                      f"{t['ours_s_per_step']:.3f}, DeepSpec {t['deepspec_s_per_step']:.3f}; "
+                      f"ours/DeepSpec per step median {t['ratio_median']:.3f} (quartiles "
+                      f"{t['ratio_q1']:.3f}–{t['ratio_q3']:.3f})")
+        if s["met"] is not None:
+            print(f"  bar ≤ {GOAL_RATIO} judged on {s['judged_on']}: "
+                  f"{'met' if s['met'] else 'NOT met'} ({s['ratio_to_bar']:.2f} of the bar)")
         for k in ("tau_probabilistic", "tau_kept_blocks"):
-            print(f"  held-out {k}: ours {s[f'ours_{k}']}, DeepSpec {s[f'deepspec_{k}']}; "
-                  f"difference of means {s[f'{k}_difference']:+.4f}, seed noise "
-                  f"{s[f'{k}_noise']:.4f}: {'within' if s[f'{k}_within_noise'] else 'OUTSIDE'}"
-                  " noise")
+            taus = ", ".join(f"{who} {s[f'{who}_{k}']}" for who in ("ours", "deepspec")
+                             if f"{who}_{k}" in s)
+            line = f"  held-out {k}: {taus}"
+            if f"{k}_difference" in s:
+                line += (f"; difference of means {s[f'{k}_difference']:+.4f}, seed noise "
+                         f"{s[f'{k}_noise']:.4f}: "
+                         f"{'within' if s[f'{k}_within_noise'] else 'OUTSIDE'} noise")
+            print(line)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:

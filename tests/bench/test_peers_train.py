@@ -59,3 +59,27 @@ def test_two_steps_of_both_trainers(tmp_path):
     assert s["judged_on"] == "all"                # fewer quiet pairs than the bar needs
     assert json.loads(out_json.read_text())["summary"]["fp32"]["bar"] == peers_train.GOAL_RATIO
     assert out_png.stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning",
+                            "ignore:To get the last learning rate computed:UserWarning")
+def test_deepspec_alone(tmp_path):
+    if not (DEEPSPEC / "deepspec").is_dir():
+        pytest.skip(f"DeepSpec's source is not at {DEEPSPEC} (../shared/reference is absent)")
+    pytest.importorskip("torch", reason="DeepSpec's trainer is PyTorch")
+    target = make_tiny_target(tmp_path / "target", seed=3)
+    data = tmp_path / "data"
+    write_regenerated(data / "regenerated.jsonl", n=10)
+    result = peers_train.main([
+        "--config", str(TINY_CONFIG), "--set", f"target={target}", "--data-dir", str(data),
+        "--workdir", str(tmp_path / "w"), "--steps", "2", "--warmup-steps", "1",
+        "--seeds", "0", "--precisions", "bf16", "--trainers", "deepspec",
+        "--deepspec-src", str(DEEPSPEC), "--plot", str(tmp_path / "r.png")])
+    (run,) = result["runs"]
+    assert "ours" not in run and run["pairs"] == []
+    assert len(run["deepspec"]["loss"]) == 2
+    assert run["deepspec"]["heldout"]["tau_probabilistic"] >= 1
+    s = result["summary"]["bf16"]
+    assert s["met"] is None and s["deepspec_tau_probabilistic"] == [
+        run["deepspec"]["heldout"]["tau_probabilistic"]]
