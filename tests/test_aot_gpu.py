@@ -394,7 +394,7 @@ def test_h200_greedy_tree_round_keeps_the_vocabulary_wide_arrays_off_hbm(tmp_pat
     sampled = Program(text, lambda name: None, branch="costliest")
     assert greedy.kernels_within("top_children") > 0
     assert greedy.kernels_within("decode_attention") > 0
-    for fn in ("LowRankChildren.logits", "grow_tree.<locals>.expand.<locals>.mixed",
-               "grow_tree.<locals>.q"):
+    for fn in ("LowRankChildren.logits", "_candidates.<locals>.mixed",
+               "_cell_probs.<locals>.q"):
         assert greedy.kernels_within(fn) == 0, fn
         assert sampled.kernels_within(fn) > 0, fn

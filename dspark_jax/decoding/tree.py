@@ -189,12 +189,171 @@ def _take(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Growth:
+    """What every depth of one `grow_tree` call reads (its arguments there)."""
+
+    child_logits: ChildLogits
+    h: jax.Array                 # [R, γ, D]
+    base: jax.Array              # [R, γ, Vd]
+    keys: jax.Array              # [R]
+    temperature: jax.Array       # [R]
+    top_k: jax.Array             # [R]
+    top_p: jax.Array             # [R]
+    depth_limit: jax.Array       # [R]
+    vocab_ids: jax.Array | None  # [Vd] target ids of the draft vocabulary
+    c: int                       # children a node
+
+    def q(self, logits: jax.Array) -> jax.Array:
+        """Each row's sampling distribution of children's logits [R, F, Vd]."""
+        return filtered_probs(logits, self.temperature[:, None], self.top_k[:, None],
+                              self.top_p[:, None])
+
+
+def _candidates(g: _Growth, k: int, tokens: jax.Array, states: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The c children of each of the F frontier nodes [R, F] at block position k:
+    (their keys [R, F, c] (finite: drawn), draft-vocabulary ids, rank masses, the children's
+    states [R, F, r]). Greedy rows: the top logits and their softmax masses; sampling rows:
+    Gumbel-top-c of log q and the rank masses of q."""
+    R, F = tokens.shape
+    c, sampled = g.c, g.temperature > 0
+    hk = jnp.broadcast_to(g.h[:, k][:, None], (R, F, g.h.shape[-1]))
+    if isinstance(g.child_logits, LowRankChildren):
+        z, child_states = g.child_logits.lowrank(hk, tokens, states)             # [R,F,r]
+        logits_of = lambda: g.child_logits.logits(g.base[:, k], z)               # noqa: E731
+        greedy = lambda: g.child_logits.top(g.base[:, k], z, c, F)               # noqa: E731
+    else:
+        uk = jnp.broadcast_to(g.base[:, k][:, None], (R, F, g.base.shape[-1]))
+        logits, child_states = g.child_logits(hk, uk, tokens, states)             # [R,F,Vd]
+        logits_of = lambda: logits                                                # noqa: E731
+        greedy = lambda: _top_of(logits, c)                                       # noqa: E731
+
+    def mixed() -> tuple[jax.Array, jax.Array, jax.Array]:
+        logits = jnp.broadcast_to(logits_of(), (R, F, g.base.shape[-1]))
+        q = g.q(logits)
+        noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
+                                                       logits.shape[1:], jnp.float32))(g.keys)
+        perturbed = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + noise, -jnp.inf)
+        top_val, child = jax.lax.top_k(perturbed, c)
+        mass = jax.lax.top_k(q, c)[0]
+        g_val, g_child, g_mass = _top_of(logits, c)
+        row = sampled[:, None, None]
+        return (jnp.where(row, top_val, g_val), jnp.where(row, child, g_child),
+                jnp.where(row, mass, g_mass))
+
+    top_val, child, mass = jax.lax.cond(jnp.any(sampled), mixed, greedy)         # [R,F,c]
+    return top_val, child, mass, child_states
+
+
+def _expand(g: _Growth, k: int, tokens: jax.Array, states: jax.Array, score: jax.Array,
+            chain: jax.Array) -> dict[str, jax.Array]:
+    """The candidates of depth k + 1, [R, F·c] each: token (target ids), score, chain, rank,
+    parent (frontier index) and state."""
+    R, F = tokens.shape
+    c = g.c
+    top_val, child, mass, child_states = _candidates(g, k, tokens, states)
+    if g.vocab_ids is not None:   # draft-vocabulary positions → target ids
+        child = g.vocab_ids[child]
+    ok = (jnp.isfinite(top_val) & (mass > 0) & jnp.isfinite(score)[..., None]
+          & (k < g.depth_limit)[:, None, None])
+    rank = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (R, F, c))
+    out = dict(token=child,
+               score=jnp.where(ok, score[..., None] + jnp.log(jnp.maximum(mass, 1e-38)),
+                               -jnp.inf),
+               chain=chain[..., None] & (rank == 0) & ok, rank=rank,
+               parent=jnp.broadcast_to(jnp.arange(F, dtype=jnp.int32)[:, None], (R, F, c)),
+               state=jnp.broadcast_to(child_states[:, :, None],
+                                      (R, F, c, child_states.shape[-1])))
+    return {name: x.reshape((R, F * c) + x.shape[3:]) for name, x in out.items()}
+
+
+def _priority(nodes: dict[str, jax.Array]) -> jax.Array:
+    return nodes["score"] + jnp.where(nodes["chain"], _CHAIN_BONUS, 0.0)
+
+
+def _grow_pool(g: _Growth, anchor: jax.Array, state0: jax.Array, budget: int
+               ) -> dict[str, jax.Array]:
+    """Depth by depth, each depth's best `budget` candidates: the pool [R, P] of every kept
+    candidate (token, score, chain, rank, state, depth, parent as a pool index, −1 the
+    anchor), the next frontier being the depth's kept candidates."""
+    R, gamma = g.base.shape[:2]
+    tokens, states = anchor.astype(jnp.int32)[:, None], state0[:, None]
+    score, chain = jnp.zeros((R, 1), jnp.float32), jnp.ones((R, 1), bool)
+    pool: list[dict[str, jax.Array]] = []
+    offset = 0
+    for k in range(gamma):
+        cand = _expand(g, k, tokens, states, score, chain)
+        keep = _stable_top(_priority(cand), min(budget, cand["token"].shape[1]))   # [R, F']
+        kept = {name: _take(x, keep) for name, x in cand.items()}
+        kept["parent"] = (offset - tokens.shape[1] + kept["parent"] if k
+                          else jnp.full(keep.shape, -1, jnp.int32))
+        kept["depth"] = jnp.full(keep.shape, k + 1, jnp.int32)
+        pool.append(kept)
+        offset += keep.shape[1]
+        tokens, states, score, chain = (kept[n] for n in ("token", "state", "score", "chain"))
+    return {name: jnp.concatenate([d[name] for d in pool], axis=1) for name in pool[0]}
+
+
+def _select(pool: dict[str, jax.Array], budget: int, c: int) -> dict[str, jax.Array]:
+    """The tree: the pool's `budget` best nodes in priority order (a prefix of valid nodes,
+    closed under parents) with their parent cells, and each cell's children by rank."""
+    N = budget
+    R, P = pool["score"].shape
+    priority = _priority(pool)
+    chosen = _stable_top(priority, N)                                           # [R, N] pool idx
+    valid = jnp.isfinite(_take(priority, chosen))
+    cell_of_pool = jnp.full((R, P), -1, jnp.int32).at[
+        jnp.arange(R)[:, None], chosen].set(jnp.arange(1, N + 1, dtype=jnp.int32))
+    parent_pool = _take(pool["parent"], chosen)
+    parent_cell = jnp.where(parent_pool < 0, 0, jnp.take_along_axis(
+        cell_of_pool, jnp.maximum(parent_pool, 0), axis=1))
+    valid = valid & (parent_cell >= 0)
+    nodes = {name: _take(x, chosen) for name, x in pool.items() if name != "parent"}
+    nodes = {name: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x,
+                             -jnp.inf if name == "score" else 0)
+             for name, x in nodes.items()}
+    nodes.update(valid=valid, parent=jnp.where(valid, parent_cell, 0).astype(jnp.int32))
+    nodes["chain"] = nodes["chain"].astype(bool)
+    nodes["children"] = jnp.full((R, N + 1, c), -1, jnp.int32).at[
+        jnp.arange(R)[:, None], jnp.where(valid, parent_cell, N + 1), nodes["rank"]].set(
+        jnp.arange(1, N + 1, dtype=jnp.int32)[None], mode="drop")
+    return nodes
+
+
+def _cell_probs(g: _Growth, anchor: jax.Array, state0: jax.Array, nodes: dict[str, jax.Array],
+                width: int) -> Callable[[], jax.Array]:
+    """`DraftTree.probs`: q of every kept cell's children over `width` target ids, their
+    logits recomputed from the cells' tokens and states (zeros at depth γ)."""
+    R, gamma = g.base.shape[:2]
+    first = jnp.ones((R, 1), bool)
+    cell_tokens = jnp.concatenate([anchor.astype(jnp.int32)[:, None], nodes["token"]], 1)
+    cell_states = jnp.concatenate([state0[:, None], nodes["state"]], axis=1)
+    position = jnp.clip(jnp.concatenate([jnp.zeros((R, 1), jnp.int32), nodes["depth"]], 1), 0,
+                        gamma - 1)
+    has_children = (jnp.concatenate([first, nodes["depth"] < gamma], axis=1)
+                    & jnp.concatenate([first, nodes["valid"]], axis=1))
+
+    def q() -> jax.Array:
+        logits, _ = g.child_logits(_take(g.h, position), _take(g.base, position), cell_tokens,
+                                   cell_states)
+        probs = jnp.where(has_children[..., None], g.q(logits), 0.0).astype(jnp.float32)
+        if g.vocab_ids is None:
+            return probs
+        return jnp.zeros(probs.shape[:2] + (width,), jnp.float32).at[..., g.vocab_ids].set(
+            probs)
+
+    return q
+
+
 def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: jax.Array,
               state0: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
               top_p: jax.Array, *, budget: int, branching: int,
               depth_limit: jax.Array | None = None, vocab_ids: jax.Array | None = None,
               vocab_size: int | None = None) -> DraftTree:
-    """Grows a batch of draft trees of `budget` nodes (module docstring).
+    """Grows a batch of draft trees of `budget` nodes (module docstring): the candidates of
+    each depth (`_expand`), the pool of each depth's best (`_grow_pool`), the tree's nodes
+    (`_select`) and, where read, their q (`_cell_probs`).
 
     h [R, γ, D] the drafter's block outputs and base [R, γ, Vd] its per-position logits U (over
     the draft vocabulary `vocab_ids` [Vd] when pruned, else Vd = V); anchor [R]; state0 [R, r]
@@ -202,129 +361,21 @@ def grow_tree(child_logits: ChildLogits, h: jax.Array, base: jax.Array, anchor: 
     [R] each request's sampling settings (q is `filtered_probs` of the children's logits);
     depth_limit [R] (default γ): no node deeper (nodes past a request's token budget).
     """
-    R, gamma, _ = base.shape
-    N, c = int(budget), min(int(branching), base.shape[-1])
-    if N < gamma:
-        raise ValueError(f"tree budget {N} is below the block's {gamma} drafts")
-    sampled = temperature > 0                                                   # [R]
+    R, gamma, vd = base.shape
+    if int(budget) < gamma:
+        raise ValueError(f"tree budget {budget} is below the block's {gamma} drafts")
     if depth_limit is None:
         depth_limit = jnp.full((R,), gamma, jnp.int32)
-    t = temperature[:, None]
-
-    def expand(k: int, tokens: jax.Array, states: jax.Array, score: jax.Array,
-               chain: jax.Array) -> tuple[jax.Array, ...]:
-        """Children of the F frontier nodes [R, F] at block position k → candidates [R, F·c]."""
-        F = tokens.shape[1]
-        hk = jnp.broadcast_to(h[:, k][:, None], (R, F, h.shape[-1]))
-        if isinstance(child_logits, LowRankChildren):
-            z, child_states = child_logits.lowrank(hk, tokens, states)         # [R,F,r]
-            logits_of = lambda: child_logits.logits(base[:, k], z)             # noqa: E731
-            greedy = lambda: child_logits.top(base[:, k], z, c, F)             # noqa: E731
-        else:
-            uk = jnp.broadcast_to(base[:, k][:, None], (R, F, base.shape[-1]))
-            logits, child_states = child_logits(hk, uk, tokens, states)         # [R,F,Vd]
-            logits_of = lambda: logits                                          # noqa: E731
-            greedy = lambda: _top_of(logits, c)                                 # noqa: E731
-
-        def mixed() -> tuple[jax.Array, jax.Array, jax.Array]:
-            """Sampling rows: Gumbel-top-c of log q and the rank masses of q; greedy rows
-            the top tokens and their softmax masses."""
-            logits = jnp.broadcast_to(logits_of(), (R, F, base.shape[-1]))
-            q = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
-            noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, k),
-                                                           logits.shape[1:], jnp.float32))(keys)
-            perturbed = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + noise, -jnp.inf)
-            top_val, child = jax.lax.top_k(perturbed, c)
-            mass = jax.lax.top_k(q, c)[0]
-            g_val, g_child, g_mass = _top_of(logits, c)
-            row = sampled[:, None, None]
-            return (jnp.where(row, top_val, g_val), jnp.where(row, child, g_child),
-                    jnp.where(row, mass, g_mass))
-
-        top_val, child, mass = jax.lax.cond(jnp.any(sampled), mixed, greedy)   # [R,F,c]
-        if vocab_ids is not None:   # draft-vocabulary positions → target ids
-            child = vocab_ids[child]
-        ok = (jnp.isfinite(top_val) & (mass > 0) & jnp.isfinite(score)[..., None]
-              & (k < depth_limit)[:, None, None])
-        child_score = jnp.where(ok, score[..., None] + jnp.log(jnp.maximum(mass, 1e-38)),
-                                -jnp.inf)
-        rank = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (R, F, c))
-        child_chain = chain[..., None] & (rank == 0) & ok
-        parent = jnp.broadcast_to(jnp.arange(F, dtype=jnp.int32)[:, None], (R, F, c))
-        states_c = jnp.broadcast_to(child_states[:, :, None], (R, F, c, child_states.shape[-1]))
-        flat = lambda x: x.reshape((R, F * c) + x.shape[3:])                    # noqa: E731
-        return (flat(child), flat(child_score), flat(child_chain), flat(rank), flat(parent),
-                flat(states_c))
-
-    # the frontier: the anchor, then each depth's best `budget` candidates
-    tokens = anchor.astype(jnp.int32)[:, None]
-    states = state0[:, None]
-    score = jnp.zeros((R, 1), jnp.float32)
-    chain = jnp.ones((R, 1), bool)
-    pool: dict[str, list[jax.Array]] = {k: [] for k in ("token", "score", "chain", "rank",
-                                                         "parent", "state", "depth")}
-    offset = 0
-    for k in range(gamma):
-        child, child_score, child_chain, rank, parent, child_states = expand(
-            k, tokens, states, score, chain)
-        priority = child_score + jnp.where(child_chain, _CHAIN_BONUS, 0.0)
-        keep = _stable_top(priority, min(N, child.shape[1]))                   # [R, F']
-        token_ids = _take(child, keep)
-        # parents as pool indices (−1: the anchor)
-        parent_pool = (offset - tokens.shape[1] + _take(parent, keep)) if k else \
-            jnp.full(keep.shape, -1, jnp.int32)
-        pool["token"].append(token_ids)
-        pool["score"].append(_take(child_score, keep))
-        pool["chain"].append(_take(child_chain, keep))
-        pool["rank"].append(_take(rank, keep))
-        pool["parent"].append(parent_pool)
-        pool["state"].append(_take(child_states, keep))
-        pool["depth"].append(jnp.full(keep.shape, k + 1, jnp.int32))
-        offset += keep.shape[1]
-        tokens, states = _take(child, keep), _take(child_states, keep)
-        score, chain = pool["score"][-1], pool["chain"][-1]
-    merged = {k: jnp.concatenate(v, axis=1) for k, v in pool.items()}
-    priority = merged["score"] + jnp.where(merged["chain"], _CHAIN_BONUS, 0.0)
-    chosen = _stable_top(priority, N)                                           # [R, N] pool idx
-    valid = jnp.isfinite(_take(priority, chosen))
-    cell_of_pool = jnp.full((R, offset), -1, jnp.int32).at[
-        jnp.arange(R)[:, None], chosen].set(jnp.arange(1, N + 1, dtype=jnp.int32))
-    parent_pool = _take(merged["parent"], chosen)
-    parent_cell = jnp.where(parent_pool < 0, 0, jnp.take_along_axis(
-        cell_of_pool, jnp.maximum(parent_pool, 0), axis=1))
-    valid = valid & (parent_cell >= 0)
-    parent_cell = jnp.where(valid, parent_cell, 0)
-    node_tokens = jnp.where(valid, _take(merged["token"], chosen), 0)
-    depth = jnp.where(valid, _take(merged["depth"], chosen), 0)
-    rank = jnp.where(valid, _take(merged["rank"], chosen), 0)
-    children = jnp.full((R, N + 1, c), -1, jnp.int32).at[
-        jnp.arange(R)[:, None], jnp.where(valid, parent_cell, N + 1), rank].set(
-        jnp.arange(1, N + 1, dtype=jnp.int32)[None], mode="drop")
-    # q of every cell's children, recomputed for the cells the tree kept
-    cell_tokens = jnp.concatenate([anchor.astype(jnp.int32)[:, None],
-                                   jnp.where(valid, _take(merged["token"], chosen), 0)], 1)
-    cell_states = jnp.concatenate([state0[:, None], _take(merged["state"], chosen)], axis=1)
-    next_position = jnp.clip(jnp.concatenate([jnp.zeros((R, 1), jnp.int32), depth], 1), 0,
-                             gamma - 1)
-    has_children = jnp.concatenate([jnp.ones((R, 1), bool), depth < gamma], axis=1) & \
-        jnp.concatenate([jnp.ones((R, 1), bool), valid], axis=1)
-    width = int(vocab_size) if vocab_ids is not None else base.shape[-1]
-
-    def q() -> jax.Array:   # the children's logits of every kept cell, then their q
-        logits, _ = child_logits(_take(h, next_position), _take(base, next_position),
-                                 cell_tokens, cell_states)
-        probs = filtered_probs(logits, t, top_k[:, None], top_p[:, None])
-        probs = jnp.where(has_children[..., None], probs, 0.0).astype(jnp.float32)
-        if vocab_ids is None:
-            return probs
-        return jnp.zeros(probs.shape[:2] + (width,), jnp.float32).at[..., vocab_ids].set(probs)
-
-    # q matters to the rule only when a request samples: it is computed where it is read
-    return DraftTree(tokens=node_tokens, parent=parent_cell.astype(jnp.int32),
-                     depth=depth.astype(jnp.int32), rank=rank.astype(jnp.int32), valid=valid,
-                     score=jnp.where(valid, _take(merged["score"], chosen), -jnp.inf),
-                     chain=valid & _take(merged["chain"], chosen),
-                     children=children, q_of=q)
+    g = _Growth(child_logits, h, base, keys, temperature, top_k, top_p, depth_limit,
+                vocab_ids, min(int(branching), vd))
+    nodes = _select(_grow_pool(g, anchor, state0, int(budget)), int(budget), g.c)
+    width = int(vocab_size) if vocab_ids is not None else vd
+    return DraftTree(tokens=nodes["token"].astype(jnp.int32), parent=nodes["parent"],
+                     depth=nodes["depth"].astype(jnp.int32),
+                     rank=nodes["rank"].astype(jnp.int32), valid=nodes["valid"],
+                     score=nodes["score"], chain=nodes["valid"] & nodes["chain"],
+                     children=nodes["children"],
+                     q_of=_cell_probs(g, anchor, state0, nodes, width))
 
 
 def node_survival(tree: DraftTree, chain_conf: jax.Array | None, max_depth: int) -> jax.Array:
