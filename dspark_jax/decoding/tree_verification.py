@@ -21,57 +21,40 @@ from dspark_jax.decoding.emission import emit_and_finish
 from dspark_jax.decoding.precision import model_precision
 from dspark_jax.decoding.round_types import (CommitWrites, EngineArrays, EngineState,
                                              RoundConfig, RoundOutputs, SlotSettings)
-from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.tree import DraftTree, ancestor_mask, cell_depths, path_cells
 from dspark_jax.decoding.tree_acceptance import (TreeVerifyResult, tree_greedy_verify,
                                                  tree_rejection_verify_with_uniforms)
-from dspark_jax.decoding.verification import (VerifyPlan, flatten_plan, pad_to, row_keys,
-                                              row_uniforms)
+from dspark_jax.decoding.verification import (VerifyPlan, commit_writes, plan_cells,
+                                              rule_on_target)
 from dspark_jax.models.decoder import RaggedOutput, ragged_forward
 
 
 def tree_plan(state: EngineState, active: jax.Array, tree: DraftTree, num_nodes: jax.Array,
               capacity: int) -> VerifyPlan:
     """Each active request's anchor and first `num_nodes` nodes, flattened into `capacity`
-    slots; a node's position is the request's length plus its depth."""
-    R, N = tree.tokens.shape
-    n_tokens = jnp.where(active, 1 + num_nodes, 0)
-    slot, index, valid, start = flatten_plan(n_tokens, capacity)
-    cells = jnp.concatenate([state.anchor[:, None].astype(jnp.int32), tree.tokens], axis=1)
-    cell_index = jnp.clip(index, 0, N)
-    cell = jnp.arange(N + 1, dtype=jnp.int32)
-    depth = cell_depths(tree)
-    return VerifyPlan(
-        cells=cells, slot=slot, index=index, valid=valid, tokens=cells[slot, cell_index],
-        positions=state.cache.lengths[slot] + depth[slot, cell_index],
-        grid_rows=jnp.where(cell[None] < n_tokens[:, None], start[:, None] + cell[None],
-                            capacity),
-        grid_cells=slot * (N + 1) + cell_index,
-        dense_index=jnp.clip(start[:, None] + cell[None], 0, capacity - 1))
+    slots (`verification.plan_cells`); a node's position is the request's length plus its
+    depth."""
+    return plan_cells(state, active, tree.tokens, num_nodes, capacity, cell_depths(tree))
 
 
 def accept_tree(logits: jax.Array, plan: VerifyPlan, slots: SlotSettings, tree: DraftTree,
                 num_nodes: jax.Array, max_depth: int) -> TreeVerifyResult:
-    """The tree's rule on the target's logits [K, V] under each request's sampling settings;
-    with every live request greedy, from the target's argmax alone."""
-    R, _, branching = tree.children.shape
+    """The tree's rule on the target's logits [K, V] under each request's sampling settings
+    (`verification.rule_on_target`); with every live request greedy, from the target's argmax
+    alone."""
+    branching = tree.children.shape[-1]
 
-    def sampled(logits: jax.Array) -> TreeVerifyResult:
-        probs = filtered_probs(logits, slots.temperature[plan.slot], slots.top_k[plan.slot],
-                               slots.top_p[plan.slot])
-        key_pairs = jax.vmap(lambda k: jax.random.split(k))(row_keys(slots, 1))
-        accept_u = row_uniforms(key_pairs[:, 0], (max_depth, branching))
-        sample_u = row_uniforms(key_pairs[:, 1], ())
-        return tree_rejection_verify_with_uniforms(
-            accept_u, sample_u, probs[plan.dense_index], tree.probs, tree.tokens,
-            tree.children, num_nodes)
+    def sampled(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array
+                ) -> TreeVerifyResult:
+        return tree_rejection_verify_with_uniforms(accept_u, sample_u, target_probs,
+                                                   tree.probs, tree.tokens, tree.children,
+                                                   num_nodes)
 
-    def greedy(logits: jax.Array) -> TreeVerifyResult:
-        return tree_greedy_verify(jnp.argmax(logits, axis=-1)[plan.dense_index], tree.tokens,
-                                  tree.children, num_nodes, max_depth)
+    def greedy(target_argmax: jax.Array) -> TreeVerifyResult:
+        return tree_greedy_verify(target_argmax, tree.tokens, tree.children, num_nodes,
+                                  max_depth)
 
-    all_greedy = jnp.all(jnp.where(slots.active, slots.temperature <= 0, True))
-    return jax.lax.cond(all_greedy, greedy, sampled, logits)
+    return rule_on_target(logits, plan, slots, (max_depth, branching), sampled, greedy)
 
 
 def verify_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
@@ -111,16 +94,9 @@ def verify_tree(config: RoundConfig, arrays: EngineArrays, state: EngineState,
     on_path = jnp.zeros((R, N + 1), bool).at[jnp.arange(R)[:, None], path].set(True)
     committed = plan.valid & on_path[plan.slot, jnp.clip(plan.index, 0, N)] & \
         slots.active[plan.slot]
-    path_index = jnp.take_along_axis(plan.dense_index, path, axis=1)            # [R, γ+1]
-
-    writes = CommitWrites(
-        slot=pad_to(plan.slot, width), positions=pad_to(plan.positions, width),
-        write_rows=pad_to(jnp.where(committed, plan.slot, R), width, R),
-        commit_valid=pad_to(committed, width, False), dense_index=path_index,
-        n_commit=jnp.where(slots.active, verdict.num_accepted + 1, 0), tokens=tokens,
-        next_anchor=verdict.next_token,
-        taps=None if forward.taps is None else pad_to(forward.taps, width),
-        new_kv=jax.tree.map(lambda a: pad_to(a, width, axis=1), forward.new_kv))
+    writes = commit_writes(plan, forward, slots.active, verdict, tokens, width,
+                           committed=committed,
+                           dense_index=jnp.take_along_axis(plan.dense_index, path, axis=1))
     return outputs, writes
 
 

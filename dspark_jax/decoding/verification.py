@@ -76,22 +76,32 @@ class VerifyPlan:
     dense_index: jax.Array  # [R, γ+1] flattened index of each cell, clipped into [0, K)
 
 
-def verify_plan(state: EngineState, active: jax.Array, drafts: jax.Array,
-                draft_lengths: jax.Array, capacity: int) -> VerifyPlan:
-    """Each active request's anchor and first ℓ_r drafts, flattened into `capacity` slots."""
+def plan_cells(state: EngineState, active: jax.Array, drafts: jax.Array,
+               draft_lengths: jax.Array, capacity: int,
+               depths: jax.Array | None = None) -> VerifyPlan:
+    """Each active request's anchor and first ℓ_r cells of `drafts` [R, Q − 1], flattened into
+    `capacity` slots; a cell's position is the request's length plus its depth (`depths`
+    [R, Q], the anchor's 0; default the cell's index: a chain)."""
     num_drafts = drafts.shape[1]
     n_tokens = jnp.where(active, 1 + draft_lengths, 0)
     slot, index, valid, start = flatten_plan(n_tokens, capacity)
-    cells = jnp.concatenate([state.anchor[:, None], drafts], axis=1)            # [R, γ+1]
+    cells = jnp.concatenate([state.anchor[:, None].astype(jnp.int32), drafts], axis=1)
     cell_index = jnp.clip(index, 0, num_drafts)
     cell = jnp.arange(num_drafts + 1, dtype=jnp.int32)
+    depth = index if depths is None else depths[slot, cell_index]
     return VerifyPlan(
         cells=cells, slot=slot, index=index, valid=valid, tokens=cells[slot, cell_index],
-        positions=state.cache.lengths[slot] + index,
+        positions=state.cache.lengths[slot] + depth,
         grid_rows=jnp.where(cell[None] < n_tokens[:, None], start[:, None] + cell[None],
                             capacity),
         grid_cells=slot * (num_drafts + 1) + cell_index,
         dense_index=jnp.clip(start[:, None] + cell[None], 0, capacity - 1))
+
+
+def verify_plan(state: EngineState, active: jax.Array, drafts: jax.Array,
+                draft_lengths: jax.Array, capacity: int) -> VerifyPlan:
+    """Each active request's anchor and first ℓ_r drafts, flattened into `capacity` slots."""
+    return plan_cells(state, active, drafts, draft_lengths, capacity)
 
 
 # ------------------------------------------------------------------------------ forward paths
@@ -163,26 +173,42 @@ def accept(verifier: str, logits: jax.Array, plan: VerifyPlan, slots: SlotSettin
     the rule needs only the argmax — no [K, V] softmax, no [R, γ+1, V] rows gathered."""
     num_slots, num_drafts = drafts.shape
 
-    def sampled(logits: jax.Array) -> VerifyResult:
-        probs = filtered_probs(logits, slots.temperature[plan.slot], slots.top_k[plan.slot],
-                               slots.top_p[plan.slot])
-        target_probs = probs[plan.dense_index]                                  # [R, γ+1, V]
-        key_pairs = jax.vmap(lambda k: jax.random.split(k))(row_keys(slots, 1))
-        accept_u = row_uniforms(key_pairs[:, 0], (num_drafts,))
-        sample_u = row_uniforms(key_pairs[:, 1], ())
+    def sampled(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array
+                ) -> VerifyResult:
         if num_drafts == 0:   # nothing to verify: plain decoding
-            no_drafts = jnp.zeros((num_slots, 0, logits.shape[-1]), jnp.float32)
+            no_drafts = jnp.zeros((num_slots, 0, target_probs.shape[-1]), jnp.float32)
             return rejection_verify_with_uniforms(accept_u, sample_u, target_probs,
                                                   no_drafts, drafts, draft_lengths)
         return VERIFIERS[verifier](accept_u, sample_u, target_probs, draft_probs, drafts,
                                    draft_lengths)
 
-    def greedy(logits: jax.Array) -> VerifyResult:   # the same tokens, from the argmax alone
-        return greedy_verify(jnp.argmax(logits, axis=-1)[plan.dense_index], drafts,
-                             draft_lengths)
+    def greedy(target_argmax: jax.Array) -> VerifyResult:   # the same tokens
+        return greedy_verify(target_argmax, drafts, draft_lengths)
+
+    return rule_on_target(logits, plan, slots, (num_drafts,), sampled, greedy)
+
+
+def rule_on_target(logits: jax.Array, plan: VerifyPlan, slots: SlotSettings,
+                   accept_shape: tuple[int, ...],
+                   sampled: Callable[[jax.Array, jax.Array, jax.Array], Any],
+                   greedy: Callable[[jax.Array], Any]) -> Any:
+    """An acceptance rule on the target's logits [K, V]: `sampled(accept uniforms [R,
+    *accept_shape], sample uniforms [R], target rows [R, Q, V])`, the rows each request's
+    filtered distribution and the uniforms from its own key; or, with every live request
+    greedy, `greedy(target argmax [R, Q])` (no [K, V] softmax, no rows gathered)."""
+
+    def on_probs(logits: jax.Array) -> Any:
+        probs = filtered_probs(logits, slots.temperature[plan.slot], slots.top_k[plan.slot],
+                               slots.top_p[plan.slot])
+        key_pairs = jax.vmap(lambda k: jax.random.split(k))(row_keys(slots, 1))
+        return sampled(row_uniforms(key_pairs[:, 0], accept_shape),
+                       row_uniforms(key_pairs[:, 1], ()), probs[plan.dense_index])
+
+    def on_argmax(logits: jax.Array) -> Any:
+        return greedy(jnp.argmax(logits, axis=-1)[plan.dense_index])
 
     all_greedy = jnp.all(jnp.where(slots.active, slots.temperature <= 0, True))
-    return jax.lax.cond(all_greedy, greedy, sampled, logits)
+    return jax.lax.cond(all_greedy, on_argmax, on_probs, logits)
 
 
 # ------------------------------------------------------------------------------ writes
@@ -195,15 +221,26 @@ def pad_to(x: jax.Array, width: int, fill: Any = 0, axis: int = 0) -> jax.Array:
 
 
 def commit_writes(plan: VerifyPlan, forward: RaggedOutput, active: jax.Array,
-                  verdict: VerifyResult, tokens: jax.Array, width: int) -> CommitWrites:
+                  verdict: VerifyResult, tokens: jax.Array, width: int,
+                  committed: jax.Array | None = None,
+                  dense_index: jax.Array | None = None) -> CommitWrites:
     """The writes of a verification, the token axis padded from K to `width` (padding writes
-    nothing), so that every bucket of a `lax.switch` returns the same shapes."""
+    nothing), so that every bucket of a `lax.switch` returns the same shapes. A chain commits
+    its first cells up to the accepted ones and writes the K/V rows of every admitted cell
+    (those past the accepted are overwritten before they are read); a tree passes its
+    `committed` [K] cells (its accepted path, whose siblings share positions: only they are
+    written) and their flattened indices `dense_index` [R, γ + 1]."""
     drop_row, num_accepted = active.shape[0], verdict.num_accepted
-    committed = plan.valid & (plan.index <= num_accepted[plan.slot]) & active[plan.slot]
+    if committed is None:
+        committed = plan.valid & (plan.index <= num_accepted[plan.slot]) & active[plan.slot]
+        written = plan.valid
+    else:
+        written = committed
     return CommitWrites(
         slot=pad_to(plan.slot, width), positions=pad_to(plan.positions, width),
-        write_rows=pad_to(jnp.where(plan.valid, plan.slot, drop_row), width, drop_row),
-        commit_valid=pad_to(committed, width, False), dense_index=plan.dense_index,
+        write_rows=pad_to(jnp.where(written, plan.slot, drop_row), width, drop_row),
+        commit_valid=pad_to(committed, width, False),
+        dense_index=plan.dense_index if dense_index is None else dense_index,
         n_commit=jnp.where(active, num_accepted + 1, 0), tokens=tokens,
         next_anchor=verdict.next_token,
         taps=None if forward.taps is None else pad_to(forward.taps, width),
