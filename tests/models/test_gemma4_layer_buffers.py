@@ -38,9 +38,10 @@ def _ids(b: int, s: int, seed: int) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, 97, (b, s)).astype(np.int32)
 
 
-def _close(got: jax.Array, want: jax.Array, tol: float = 2e-5) -> None:
-    """fp32: the unrolled layers and the scan sum in different orders; max |got − want| ≤ tol
-    relative to the values' scale (at least 1)."""
+def _close(got: jax.Array, want: jax.Array, tol: float = 1e-4) -> None:
+    """fp32 parity as tests/models/test_gemma4.py takes it: max |got − want| ≤ tol relative to
+    the values' scale (at least 1). The unrolled layers and the scan sum in different orders;
+    on this config either layout's logits are up to ~1.3e-4 from a float64 forward."""
     got, want = np.asarray(got), np.asarray(want)
     scale = max(1.0, float(np.abs(want).max()))
     err = float(np.abs(got - want).max())
@@ -84,6 +85,19 @@ def test_the_layout_is_one_buffer_per_layer(targets):
     assert with_layer_buffers(view.graphdef, view.state)[0] is view.graphdef
 
 
+def test_unfused_buffers_keep_the_stack_matrices(targets):
+    """`fuse=False` (a tensor-parallel mesh): each layer's q/k/v and gate/up stay apart, with
+    the stack's logical axes less "layers", and the forward is the same."""
+    stacked, _ = targets
+    gd, st = with_layer_buffers(stacked.graphdef, stacked.state, fuse=False)
+    view = dataclasses.replace(stacked, graphdef=gd, state=st)
+    layer = view.model.layers.per_layer[0]
+    assert {"wq", "wk", "wv", "w_gate", "w_up"} <= set(view.model.layers.names[0])
+    assert layer["wq"].get_metadata()["axes"] == ("embed", "q_heads", "head_dim")
+    ids = _ids(2, 16, seed=4)
+    _close(view.logits(ids), stacked.logits(ids))
+
+
 def test_forward_and_prefill_equal_the_stacked_layers(targets):
     stacked, view = targets
     ids = _ids(2, 16, seed=1)
@@ -120,7 +134,7 @@ def test_steps_and_verification_equal_the_stacked_layers(targets):
         _close(k1[0], k0)
         _close(v1[0], v0)
     full = stacked.logits(seq[:, :start])          # and both equal the uncached forward
-    _close(outs[1][0][:, -1], full[:, -1], 1e-4)
+    _close(outs[1][0][:, -1], full[:, -1])
 
 
 def test_ragged_verification_equals_the_stacked_layers(targets):
