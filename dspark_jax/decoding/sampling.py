@@ -125,7 +125,8 @@ def sample_request_rows(key_data: jax.Array, index: jax.Array, logits: jax.Array
     then softmax(·/T); T ≤ 0 is greedy (argmax). `top_k_cap` (static, `top_k_cap_for`): when
     every row has 0 < top_k ≤ cap, the draw is made among the cap best candidates only — no
     sort and no noise over the whole vocabulary, which on CPU costs more than the forward
-    itself (figures: BENCHMARKS.md); 0 filters the whole vocabulary per row.
+    itself (the sampling row of docs/benchmark-log/main-job-tests-cpu-reference.md); 0
+    filters the whole vocabulary per row.
     """
     logits = logits.astype(jnp.float32)
     B, V = logits.shape

@@ -114,7 +114,7 @@ def _dense_block(target: Any, state: EngineState, plan: VerifyPlan,
     verifies them, the cache only read and the admitted tokens' rows written by `commit`
     (every bucket of a `lax.switch` takes this path alike). It is faster than the ragged
     path, and XLA:CPU copies a cache that is written inside the branch, which the read-only
-    forward avoids (figures: BENCHMARKS.md)."""
+    forward avoids (`python -m dspark_jax.bench.spec_round`)."""
     capacity = plan.slot.shape[0]
     dense = target(plan.cells[:, :capacity], cache=state.cache, tap_layer_ids=tap_layer_ids,
                    defer_writes=True)
@@ -136,7 +136,8 @@ def _ragged_in_place(target: Any, state: EngineState, plan: VerifyPlan,
 def _dense_anchors(target: Any, state: EngineState, plan: VerifyPlan,
                    tap_layer_ids: tuple[int, ...]) -> RaggedOutput:
     """The anchors alone, one a slot: the dense cached forward over [R, 1], as a plain step
-    (the ragged path costs more at many requests; figures: BENCHMARKS.md). A slot that is not
+    (the ragged path costs more at many requests: `python -m dspark_jax.bench.spec_round`).
+    A slot that is not
     active writes past its length, where nothing reads."""
     dense = target(state.anchor[:, None], cache=state.cache, tap_layer_ids=tap_layer_ids)
     token_slot = jnp.clip(plan.slot, 0, state.anchor.shape[0] - 1)   # token k: its anchor

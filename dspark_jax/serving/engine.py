@@ -198,7 +198,8 @@ class Engine:
         device makes (a dummy state; a choice whose estimate always pays) → the rounds run.
         The one-prompt warm-up generate only ever runs a call's first round; without this, the
         first call that goes on drafting on device pays a one-off cost, once per engine, inside
-        the first timed pass (figures: BENCHMARKS.md)."""
+        the first timed pass (`python -m dspark_jax.bench.load`;
+        docs/benchmark-log/serving-2026-12-04.md)."""
         spec = self.spec
         R, top = spec.num_slots, spec.num_slots * spec.per_request
         choice = dict(gain=np.full((2,), top, np.float32), n_then=np.full((2,), R, np.int32),

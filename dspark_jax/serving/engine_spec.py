@@ -185,8 +185,8 @@ class EngineSpec:
         1.5× it: its programs cost more to compile, and every step attends over the whole
         cache, so a length at most a third too long — powers of two alone: up to twice — keeps
         its rounds' attention near plain decoding's; a cache a third longer than plain
-        decoding's already slows `adaptive`'s plain rounds measurably, figures:
-        BENCHMARKS.md); the last is max_len rounded up to `models.decoder.CACHE_ALIGN`
+        decoding's already slows `adaptive`'s plain rounds measurably: `python -m
+        dspark_jax.bench.load`); the last is max_len rounded up to `models.decoder.CACHE_ALIGN`
         positions, which verification reads without padding the cache."""
         step, out = int(self.settings.len_bucket), []
         n = step

@@ -51,7 +51,8 @@ class EngineSettings:
     weights where they lie (on GPUs and TPUs a scanned stack has them copied out every step);
     False the stacked layers, several times faster to compile; None (default): one buffer per
     layer on accelerators, the stacked layers on CPU, where the engine's steps and rounds run
-    as fast on either (figures: BENCHMARKS.md) and a short job's time is mostly compilation.
+    as fast on either (docs/benchmark-log/serving-2026-12-03.md) and a short job's time is
+    mostly compilation.
     Both layouts compute the same logits bit for bit.
 
     Draft trees (`tree_budget` N > 0, docs/TREES.md): every round drafts a tree of N nodes a

@@ -175,7 +175,8 @@ def target_layers_init(model: nnx.Module, tmodel: nnx.Module) -> None:
 
     The Markov and confidence heads stay random. Training still moves every copied weight; the
     start only spares the drafter from learning the target's representation from scratch, which
-    a small budget cannot buy (BENCHMARKS.md). Not for Eagle3 (its fused first layer
+    a small budget cannot buy (the init A/B of
+    docs/benchmark-log/main-job-tests-cpu-reference.md). Not for Eagle3 (its fused first layer
     reads 2·d) or Gemma4 drafters."""
     if not isinstance(model, DSparkDraft):
         raise ConfigError(f"train.init_from_target: only DSpark / DFlash drafters start from the "
