@@ -7,7 +7,13 @@ first on odd ones), so both see the same machine load.
     python -m dspark_jax.bench.peers_train [--config configs/smollm2_dspark.py]
         [--data-dir runs/smollm2_dspark/data] [--steps 24] [--seeds 0,1]
         [--precisions fp32,bf16] [--deepspec-src ../shared/reference/deepspec]
+        [--trainers ours,deepspec] [--eval-every N] [--export DIR]
         [--json OUT.json] [--plot OUT.png] [--set KEY=VALUE ...]
+
+The small-scale Table 1's DSpark row through DeepSpec's trainer alone (its recipe's bf16):
+    python -m dspark_jax.bench.peers_train --config configs/smollm2_table1_dspark.py \
+        --data-dir TABLE1_WORKDIR/shared/data --steps 300 --warmup-ratio 0.04 --seeds 42 \
+        --precisions bf16 --trainers deepspec --eval-every 60
 
 The config (the main job's by default) is trained as DeepSpec trains: full vocabulary
 (`draft.draft_vocab_size=0`), DeepSpec's random init (`train.init_from_target=False`), its warmup
