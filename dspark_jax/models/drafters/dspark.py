@@ -347,14 +347,22 @@ class DSparkDraft(nnx.Module):
 
 def with_layer_buffers(graphdef: Any, state: Any, fuse: bool = True) -> tuple[Any, Any]:
     """(graphdef, state) of the same drafter with one buffer per draft layer
-    (`layers.UnstackedLayers`, k|v and gate|up fused), the serving engine's drafting layout: a scan over the
-    stacked layers makes XLA copy every layer's weights out of the stack each draft. A drafter whose
-    layers are not one `DecoderLayers` stack (Eagle3, Gemma4's) comes back as is; the stacked
-    state stays valid (training and export use it). `fuse=False` keeps the stack's matrices
-    (a tensor-parallel mesh: `models.decoder.with_layer_buffers`)."""
+    (`layers.UnstackedLayers`), the serving engine's drafting layout: a scan over the stacked
+    layers makes XLA copy every layer's weights out of the stack each draft. DSpark / DFlash
+    fuse k|v and gate|up (their context's k|v product reads `w_kv` alone), Eagle3 q|k|v and
+    gate|up. A drafter whose layers are not one `DecoderLayers` stack (Gemma4's) comes back as
+    is; the stacked state stays valid (training and export use it). `fuse=False` keeps the
+    stack's matrices (a tensor-parallel mesh: `models.decoder.with_layer_buffers`)."""
+    from dspark_jax.models.drafters.eagle3 import Eagle3Draft
+
     model = nnx.merge(graphdef, state)
-    if type(model) is not DSparkDraft or type(model.layers) is not L.DecoderLayers:
+    if type(model.layers) is not L.DecoderLayers:
         return graphdef, state
-    model.layers = L.UnstackedLayers(model.layers,
-                                     fuse=L.UnstackedLayers.FUSED_KV if fuse else {})
+    if type(model) is DSparkDraft:
+        groups = L.UnstackedLayers.FUSED_KV
+    elif type(model) is Eagle3Draft:
+        groups = L.UnstackedLayers.FUSED
+    else:
+        return graphdef, state
+    model.layers = L.UnstackedLayers(model.layers, fuse=groups if fuse else {})
     return nnx.split(model)

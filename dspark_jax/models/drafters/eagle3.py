@@ -223,6 +223,9 @@ class Eagle3Draft(nnx.Module):
         return restrict_to_draft_vocab(self.cfg, self.lm_logits(h_btd))
 
     def _stack(self) -> tuple[dict[str, jax.Array], jax.Array]:
+        if isinstance(self.layers, L.UnstackedLayers):
+            raise ValueError("Eagle3 training runs the stacked layers; one buffer per layer "
+                             "(`drafters.dspark.with_layer_buffers`) is the drafting layout")
         return self.layers.stacked(self.dtype), self.hidden_norm.get_value().astype(self.dtype)
 
     def _layer_out(self, lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array
@@ -237,9 +240,8 @@ class Eagle3Draft(nnx.Module):
         eps, rope = self._eps, self.cfg.target.rope
         x = jnp.concatenate([L.rms_norm(emb_btd, lp["input_norm"], eps),
                              L.rms_norm(h_btd, hn_d, eps)], axis=-1)     # [B,T,2D]
-        q = L.apply_rope(L.project_q(lp, x, eps), positions_bt, rope)
-        k, v = L.project_kv(lp, x, eps)
-        return q, L.apply_rope(k, positions_bt, rope), v
+        q, k, v = L.project_qkv(lp, x, eps)   # one dot where q/k/v are one buffer (`w_qkv`)
+        return L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope), v
 
     # ------------------------------------------------------------------ training (TTT)
     def ttt_hidden(self, feats_bsf: jax.Array, input_ids_bs: jax.Array,
@@ -322,12 +324,28 @@ class Eagle3Draft(nnx.Module):
                         k_cache: jax.Array, v_cache: jax.Array
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the layers on T new inputs at per-row positions; each writes its K/V at its
-        position and sees every cached key at a position ≤ its own. → (h [B,T,D], k, v)."""
-        stack, hn = self._stack()
+        position and sees every cached key at a position ≤ its own. → (h [B,T,D], k, v).
+        Stacked layers run as one scanned body; one buffer per layer (`layers.UnstackedLayers`,
+        the drafting layout) unrolled, each dot reading its layer's weights where they lie
+        (the cache keeps its [Ld, B, S_max, K, H] layout)."""
         B = g_btd.shape[0]
         key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions_bt[:, :, None]             # [B,T,S_max]
         b_idx = jnp.arange(B)[:, None]
+        if isinstance(self.layers, L.UnstackedLayers):
+            hn = self.hidden_norm.get_value().astype(self.dtype)
+            h = g_btd.astype(self.dtype)
+            for i, lp in enumerate(self.layers.layer_params(self.dtype)):
+                q, k, v = self._qkv(lp, hn[i], emb_btd, h, positions_bt)
+                k_cache = k_cache.at[i, b_idx, positions_bt].set(k.astype(k_cache.dtype),
+                                                                 mode="drop")
+                v_cache = v_cache.at[i, b_idx, positions_bt].set(v.astype(v_cache.dtype),
+                                                                 mode="drop")
+                attn = L.attend(q, k_cache[i].astype(self.dtype),
+                                v_cache[i].astype(self.dtype), mask)
+                h = self._layer_out(lp, h, attn)
+            return h, k_cache, v_cache
+        stack, hn = self._stack()
 
         def layer(h, xs):
             lp, hn_d, kc, vc = xs

@@ -1,0 +1,95 @@
+"""An Eagle3 drafter with one buffer per draft layer (`drafters.dspark.with_layer_buffers`: q/k/v
+and gate/up fused, the layers unrolled) drafts what the stacked drafter drafts: the committed
+K/V, the chain's tokens and distributions; greedy speculative decoding with it equals greedy
+autoregressive decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.models import layers as L
+from dspark_jax.models.drafters.dspark import with_layer_buffers
+from hf_tiny import save_tiny_hf
+
+GAMMA = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target, stacked drafter, per-layer drafter): a tiny Qwen3 target and a two-layer Eagle3
+    drafter (DeepSpec's checkpoints have one layer; two exercise the per-layer cache writes)."""
+    target = load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16,
+                                      layers=3, seed=2))
+    draft = init_draft(target, dict(model_type="eagle3", block_size=GAMMA, ttt_length=3,
+                                    draft_num_hidden_layers=2, target_layer_ids=(-1, 0, 1),
+                                    mask_token_id=96), seed=3)
+    rng = np.random.RandomState(1)   # visible norms and weights, so a wrong layer shows
+    model = draft.model
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            w = var.get_value()
+            noise = rng.randn(*w.shape).astype(np.float32)
+            var.set_value(jnp.asarray(1.0 + 0.2 * noise if "norm" in str(path) else 0.2 * noise))
+    model.lm_head.set_value(model.lm_head.get_value() * 20.0)   # peaky drafts
+    gd, st = nnx.split(model)
+    stacked = dataclasses.replace(draft, graphdef=gd, state=st)
+    pgd, pst = with_layer_buffers(gd, st)
+    return target, stacked, dataclasses.replace(draft, graphdef=pgd, state=pst)
+
+
+def test_the_layout_is_one_fused_buffer_per_layer(models):
+    _, stacked, per_layer = models
+    layers = per_layer.model.layers
+    assert type(layers) is L.UnstackedLayers and len(layers.per_layer) == 2
+    assert {"w_qkv", "w_gate_up"} <= set(layers.names) and "wq" not in layers.names
+    assert type(stacked.model.layers) is L.DecoderLayers      # the source is left as it was
+    with pytest.raises(ValueError, match="training runs the stacked layers"):
+        per_layer.model.ttt_hidden(jnp.zeros((1, 4, 3 * 32)), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_commit_and_propose_equal_the_stacked_drafter(models):
+    from dspark_jax.decoding.sampling import sample_probs
+
+    _, stacked, per_layer = models
+    B, F = 3, stacked.config.num_features * stacked.config.target.hidden_size
+    outs = []
+    for d in (stacked, per_layer):
+        m = d.model
+        commit = jax.jit(m.commit)
+        propose = jax.jit(m.propose, static_argnums=(3, 4))
+        cache = m.init_cache(B, 32)
+        r = np.random.RandomState(2)
+        for counts, width in (([6, 3, 5], 6), ([2, 0, 3], 3)):
+            feats = r.randn(B, width, F).astype(np.float32)
+            toks = r.randint(0, 97, (B, width)).astype(np.int32)
+            cache = commit(cache, feats, toks, jnp.asarray(counts))
+        outs.append((cache, propose(cache, jax.random.key(0), 1.0, GAMMA,
+                                    lambda k, p: jnp.argmax(p, -1).astype(jnp.int32)),
+                     propose(cache, jax.random.key(0), 0.0, GAMMA, sample_probs)))
+    (c0, soft0, greedy0), (c1, soft1, greedy1) = outs
+    for a, b in ((c1.k, c0.k), (c1.v, c0.v), (c1.last_hidden, c0.last_hidden),
+                 (c1.last_logits, c0.last_logits), (soft1["probs"], soft0["probs"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
+    np.testing.assert_array_equal(np.asarray(soft1["tokens"]), np.asarray(soft0["tokens"]))
+    np.testing.assert_array_equal(np.asarray(greedy1["tokens"]), np.asarray(greedy0["tokens"]))
+    assert float(jnp.abs(c0.k).sum()) > 0
+
+
+def test_greedy_speculative_with_per_layer_eagle3_equals_autoregressive(models):
+    from dspark_jax.decoding import autoregressive_generate
+    from dspark_jax.serving import speculative_generate
+
+    target, _, per_layer = models
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3]]
+    ref = autoregressive_generate(target, prompts, max_new_tokens=10, stop_token_ids=[])
+    res = speculative_generate(target, per_layer, prompts, max_new_tokens=10,
+                               stop_token_ids=[])
+    assert res.tokens == ref
