@@ -188,3 +188,14 @@ def test_greedy_speculative_on_layer_buffers_equals_autoregressive(tmp_path):
     assert autoregressive_generate(view, prompts, max_new_tokens=12, stop_token_ids=[]) == ref
     res = speculative_generate(view, draft, prompts, max_new_tokens=12, stop_token_ids=[])
     assert res.tokens == ref
+
+
+def test_greedy_autoregressive_on_layer_buffers_equals_the_stacked_layers(targets):
+    """Per-layer inputs and KV-shared layers on: the autoregressive loop's prefill and steps."""
+    from dspark_jax.decoding import autoregressive_generate
+
+    stacked, view = targets
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3]]
+    ref = autoregressive_generate(stacked, prompts, max_new_tokens=12, stop_token_ids=[],
+                                  layer_buffers=False)
+    assert autoregressive_generate(view, prompts, max_new_tokens=12, stop_token_ids=[]) == ref
