@@ -1,7 +1,7 @@
 """An Eagle3 drafter with one buffer per draft layer (`drafters.dspark.with_layer_buffers`: q/k/v
-and gate/up fused, the layers unrolled) drafts what the stacked drafter drafts: the committed
-K/V, the chain's tokens and distributions; greedy speculative decoding with it equals greedy
-autoregressive decoding."""
+and gate/up fused, the layers unrolled), Qwen3's and Gemma4's, drafts what the stacked drafter
+drafts: the committed K/V, the chain's tokens and distributions; greedy speculative decoding
+with it equals greedy autoregressive decoding."""
 
 from __future__ import annotations
 
@@ -16,27 +16,43 @@ from flax import nnx
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.models import layers as L
 from dspark_jax.models.drafters.dspark import with_layer_buffers
-from hf_tiny import save_tiny_hf
+from dspark_jax.models.gemma4.decoder import Gemma4Group
+from dspark_jax.models.gemma4.layer_buffers import Gemma4GroupLayers
+from hf_tiny import save_tiny_gemma4, save_tiny_hf
 
 GAMMA = 4
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(target, stacked drafter, per-layer drafter): a tiny Qwen3 target and a two-layer Eagle3
+# Gemma4: DeepSpec's Gemma4 drafters take targets without per-layer inputs; sliding and k=v
+# full layers, the drafter's layers full with k = v. No logit softcap: capped at 3, the peaky
+# drafts' top logits tie, and a chain's argmax would follow the summation order
+GEMMA4_TARGET = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                     hidden_size_per_layer_input=0, num_kv_shared_layers=0)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma4"])
+def models(request, tmp_path_factory):
+    """(target, stacked drafter, per-layer drafter): a tiny target and a two-layer Eagle3
     drafter (DeepSpec's checkpoints have one layer; two exercise the per-layer cache writes)."""
-    target = load_target(save_tiny_hf(tmp_path_factory.mktemp("t"), "qwen3", head_dim=16,
-                                      layers=3, seed=2))
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3":
+        target = load_target(save_tiny_hf(path, "qwen3", head_dim=16, layers=3, seed=2))
+        ids, mask = (-1, 0, 1), 96
+    else:
+        target = load_target(save_tiny_gemma4(path, "all_features", seed=2,
+                                              final_logit_softcapping=None, **GEMMA4_TARGET))
+        ids, mask = (0, 1, 2), 4
     draft = init_draft(target, dict(model_type="eagle3", block_size=GAMMA, ttt_length=3,
-                                    draft_num_hidden_layers=2, target_layer_ids=(-1, 0, 1),
-                                    mask_token_id=96), seed=3)
+                                    draft_num_hidden_layers=2, target_layer_ids=ids,
+                                    mask_token_id=mask), seed=3)
     rng = np.random.RandomState(1)   # visible norms and weights, so a wrong layer shows
     model = draft.model
     for path, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param):
             w = var.get_value()
             noise = rng.randn(*w.shape).astype(np.float32)
-            var.set_value(jnp.asarray(1.0 + 0.2 * noise if "norm" in str(path) else 0.2 * noise))
+            around_one = "norm" in str(path) or "scalar" in str(path)
+            var.set_value(jnp.asarray(1.0 + 0.2 * noise if around_one else 0.2 * noise))
     model.lm_head.set_value(model.lm_head.get_value() * 20.0)   # peaky drafts
     gd, st = nnx.split(model)
     stacked = dataclasses.replace(draft, graphdef=gd, state=st)
@@ -47,9 +63,14 @@ def models(tmp_path_factory):
 def test_the_layout_is_one_fused_buffer_per_layer(models):
     _, stacked, per_layer = models
     layers = per_layer.model.layers
-    assert type(layers) is L.UnstackedLayers and len(layers.per_layer) == 2
-    assert {"w_qkv", "w_gate_up"} <= set(layers.names) and "wq" not in layers.names
-    assert type(stacked.model.layers) is L.DecoderLayers      # the source is left as it was
+    assert len(layers.per_layer) == 2
+    if isinstance(layers, Gemma4GroupLayers):   # k = v: q|k one buffer
+        assert all({"w_qk", "w_gate_up"} <= set(n) and "wq" not in n for n in layers.names)
+        assert type(stacked.model.layers) is Gemma4Group
+    else:
+        assert type(layers) is L.UnstackedLayers
+        assert {"w_qkv", "w_gate_up"} <= set(layers.names) and "wq" not in layers.names
+        assert type(stacked.model.layers) is L.DecoderLayers   # the source is left as it was
     with pytest.raises(ValueError, match="training runs the stacked layers"):
         per_layer.model.ttt_hidden(jnp.zeros((1, 4, 3 * 32)), jnp.zeros((1, 4), jnp.int32))
 

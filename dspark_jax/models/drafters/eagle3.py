@@ -222,8 +222,13 @@ class Eagle3Draft(nnx.Module):
         """The drafting logits: `lm_logits`, ids outside a pruned draft vocabulary at −1e9."""
         return restrict_to_draft_vocab(self.cfg, self.lm_logits(h_btd))
 
+    def _layer_buffers(self) -> bool:
+        """Whether the layers are one buffer per layer (`layers.UnstackedLayers`, the drafting
+        layout: `drafters.dspark.with_layer_buffers`)."""
+        return isinstance(self.layers, L.UnstackedLayers)
+
     def _stack(self) -> tuple[dict[str, jax.Array], jax.Array]:
-        if isinstance(self.layers, L.UnstackedLayers):
+        if self._layer_buffers():
             raise ValueError("Eagle3 training runs the stacked layers; one buffer per layer "
                              "(`drafters.dspark.with_layer_buffers`) is the drafting layout")
         return self.layers.stacked(self.dtype), self.hidden_norm.get_value().astype(self.dtype)
@@ -325,14 +330,14 @@ class Eagle3Draft(nnx.Module):
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Runs the layers on T new inputs at per-row positions; each writes its K/V at its
         position and sees every cached key at a position ≤ its own. → (h [B,T,D], k, v).
-        Stacked layers run as one scanned body; one buffer per layer (`layers.UnstackedLayers`,
-        the drafting layout) unrolled, each dot reading its layer's weights where they lie
-        (the cache keeps its [Ld, B, S_max, K, H] layout)."""
+        Stacked layers run as one scanned body; one buffer per layer (`_layer_buffers`, the
+        drafting layout) unrolled, each dot reading its layer's weights where they lie (the
+        cache keeps its [Ld, B, S_max, K, H] layout)."""
         B = g_btd.shape[0]
         key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions_bt[:, :, None]             # [B,T,S_max]
         b_idx = jnp.arange(B)[:, None]
-        if isinstance(self.layers, L.UnstackedLayers):
+        if self._layer_buffers():
             hn = self.hidden_norm.get_value().astype(self.dtype)
             h = g_btd.astype(self.dtype)
             for i, lp in enumerate(self.layers.layer_params(self.dtype)):

@@ -26,6 +26,7 @@ from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.drafters.dspark import DSparkDraft
 from dspark_jax.models.drafters.eagle3 import Eagle3Draft
 from dspark_jax.models.gemma4 import decoder as G
+from dspark_jax.models.gemma4 import layer_buffers as LB
 from dspark_jax.models.gemma4.config import gemma4_from_hf, gemma4_to_hf
 
 
@@ -52,9 +53,8 @@ def qkv(lp: Any, x: jax.Array, pos: jax.Array, lc: DecoderConfig
     """Gemma4 q/k/v of a draft layer's input x (q/k norms, scale-free v norm, its RoPE). The
     shared attention helpers (block_attend, L.attend, ttt_attend) scale scores by H^-½ while
     Gemma4 attends with scale 1 (its q/k norms set the scale): q is pre-multiplied by H^½."""
-    q = G.project_q(lp, x, pos, lc.rope, lc.rms_norm_eps) * lc.head_dim ** 0.5
-    k, v = G.project_kv(lp, x, pos, lc.rope, lc.rms_norm_eps)
-    return q, k, v
+    q, kv = LB.project(lp, x, pos, lc.rope, lc.rms_norm_eps)   # fused q|k(|v): one dot
+    return (q * lc.head_dim ** 0.5, *kv)
 
 
 def draft_layers(lc: DecoderConfig, n: int, *, rngs: nnx.Rngs, param_dtype: Any,
@@ -101,6 +101,11 @@ class Gemma4Eagle3Draft(Eagle3Draft):
     """EAGLE-3 drafter with Gemma4 fused draft layers (DeepSpec's `Gemma4Eagle3Model`)."""
 
     make_layers = staticmethod(draft_layers)
+
+    def _layer_buffers(self) -> bool:
+        """Whether the draft layers are one buffer per layer (`LB.Gemma4GroupLayers`, the
+        drafting layout: `drafters.dspark.with_layer_buffers`)."""
+        return isinstance(self.layers, LB.Gemma4GroupLayers)
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         return L.embed(self.embed.get_value(), tokens_bt, scaled=True).astype(self.dtype)

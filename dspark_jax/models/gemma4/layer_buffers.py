@@ -47,30 +47,10 @@ class Gemma4Layers(nnx.Module):
             for n, i in enumerate(seg.layer_ids(j)):
                 index[i] = (g, n)
         self.num_layers = len(index)
-        names, per_layer = [], []
-        for i in range(self.num_layers):
-            g, n = index[i]
-            group = stack.groups[g]
-            present = [m for m in G.Gemma4Group.NAMES if hasattr(group, m)]
-            fused = {}
-            if fuse:
-                qkv = "w_qkv" if "wv" in present else "w_qk"
-                for name in (qkv, "w_gate_up"):
-                    if all(m in present for m in FUSED[name]):
-                        fused[name] = FUSED[name]
-            parts = {m for members in fused.values() for m in members}
-            layer = {m: nnx.Param(getattr(group, m).get_value()[n], axes=_axes(group, m))
-                     for m in present if m not in parts}
-            for name, members in fused.items():   # [in, out]: the input axis keeps its name
-                first = _axes(group, members[0])
-                layer[name] = nnx.Param(
-                    jnp.concatenate([_flat(getattr(group, m).get_value()[n]) for m in members],
-                                    axis=1),
-                    axes=None if first is None else (first[0], None))
-            names.append(tuple(layer))
-            per_layer.append(nnx.Dict(layer))
-        self.names = tuple(names)   # static: graphdefs must hash
-        self.per_layer = nnx.List(per_layer)
+        layers = [layer_buffers(stack.groups[index[i][0]], index[i][1], fuse)
+                  for i in range(self.num_layers)]
+        self.names = tuple(tuple(layer) for layer in layers)   # static: graphdefs must hash
+        self.per_layer = nnx.List([nnx.Dict(layer) for layer in layers])
         if hasattr(stack, "ple_embed"):
             self.ple_embed = stack.ple_embed
             self.ple_model_proj = stack.ple_model_proj
@@ -80,6 +60,38 @@ class Gemma4Layers(nnx.Module):
         """One dict of arrays per layer, cast to the compute dtype."""
         return [{m: layer[m].get_value().astype(dtype) for m in names}
                 for names, layer in zip(self.names, self.per_layer)]
+
+
+class Gemma4GroupLayers(Gemma4Layers):
+    """The n layers of one `Gemma4Group` (a Gemma4 drafter's draft layers) as one buffer per
+    layer, fused as `Gemma4Layers` fuses them: the drafting layout."""
+
+    def __init__(self, group: G.Gemma4Group, fuse: bool = True):
+        self.num_layers = int(group.layer_scalar.get_value().shape[0])
+        layers = [layer_buffers(group, n, fuse) for n in range(self.num_layers)]
+        self.names = tuple(tuple(layer) for layer in layers)
+        self.per_layer = nnx.List([nnx.Dict(layer) for layer in layers])
+
+
+def layer_buffers(group: G.Gemma4Group, n: int, fuse: bool) -> dict[str, nnx.Param]:
+    """Layer n of `group` as its own buffers (`fuse`: q/k(/v) and gate/up each one [in, out]
+    buffer, the input axis keeping its logical name)."""
+    present = [m for m in G.Gemma4Group.NAMES if hasattr(group, m)]
+    fused = {}
+    if fuse:
+        qkv = "w_qkv" if "wv" in present else "w_qk"
+        for name in (qkv, "w_gate_up"):
+            if all(m in present for m in FUSED[name]):
+                fused[name] = FUSED[name]
+    parts = {m for members in fused.values() for m in members}
+    layer = {m: nnx.Param(getattr(group, m).get_value()[n], axes=_axes(group, m))
+             for m in present if m not in parts}
+    for name, members in fused.items():
+        first = _axes(group, members[0])
+        layer[name] = nnx.Param(
+            jnp.concatenate([_flat(getattr(group, m).get_value()[n]) for m in members], axis=1),
+            axes=None if first is None else (first[0], None))
+    return layer
 
 
 def _flat(w: jax.Array) -> jax.Array:
