@@ -65,7 +65,7 @@ def test_the_layout_is_one_fused_buffer_per_layer(models):
     layers = per_layer.model.layers
     assert len(layers.per_layer) == 2
     if isinstance(layers, Gemma4GroupLayers):   # k = v: q|k one buffer
-        assert all({"w_qk", "w_gate_up"} <= set(n) and "wq" not in n for n in layers.names)
+        assert {"w_qk", "w_gate_up"} <= set(layers.names) and "wq" not in layers.names
         assert type(stacked.model.layers) is Gemma4Group
     else:
         assert type(layers) is L.UnstackedLayers

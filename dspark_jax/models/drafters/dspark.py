@@ -350,19 +350,23 @@ def with_layer_buffers(graphdef: Any, state: Any, fuse: bool = True) -> tuple[An
     (`layers.UnstackedLayers`), the serving engine's drafting layout: a scan over the stacked
     layers makes XLA copy every layer's weights out of the stack each draft. DSpark / DFlash
     fuse k|v and gate|up (their context's k|v product reads `w_kv` alone), Eagle3 q|k|v and
-    gate|up; Gemma4's Eagle3 takes `gemma4.layer_buffers.Gemma4GroupLayers` (q|k(|v) and
-    gate|up fused). Gemma4's DSpark / DFlash drafters, and drafters already unstacked, come
-    back as is; the stacked state stays valid (training and export use it). `fuse=False` keeps
-    the stack's matrices (a tensor-parallel mesh: `models.decoder.with_layer_buffers`)."""
+    gate|up; Gemma4's drafters take `gemma4.layer_buffers.Gemma4GroupLayers`, fused alike
+    (k=v layers: q|k for Eagle3, k alone for DSpark / DFlash). A drafter already unstacked
+    comes back as is; the stacked state stays valid (training and export use it).
+    `fuse=False` keeps the stack's matrices (a tensor-parallel mesh:
+    `models.decoder.with_layer_buffers`)."""
     from dspark_jax.models.drafters.eagle3 import Eagle3Draft
     from dspark_jax.models.gemma4 import decoder as gemma4_decoder
     from dspark_jax.models.gemma4 import layer_buffers as gemma4_buffers
-    from dspark_jax.models.gemma4.drafters import Gemma4Eagle3Draft
+    from dspark_jax.models.gemma4.drafters import Gemma4DSparkDraft, Gemma4Eagle3Draft
 
     model = nnx.merge(graphdef, state)
-    if (type(model) is Gemma4Eagle3Draft
-            and type(model.layers) is gemma4_decoder.Gemma4Group):
-        model.layers = gemma4_buffers.Gemma4GroupLayers(model.layers, fuse)
+    if type(model.layers) is gemma4_decoder.Gemma4Group:
+        products = {Gemma4Eagle3Draft: gemma4_buffers.QKV,
+                    Gemma4DSparkDraft: gemma4_buffers.KV}.get(type(model))
+        if products is None:
+            return graphdef, state
+        model.layers = gemma4_buffers.Gemma4GroupLayers(model.layers, products if fuse else ())
         return nnx.split(model)
     if type(model.layers) is not L.DecoderLayers:
         return graphdef, state

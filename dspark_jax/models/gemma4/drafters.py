@@ -23,11 +23,13 @@ from flax import nnx
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
+from dspark_jax.models.drafters.block_attention import block_attend
 from dspark_jax.models.drafters.dspark import DSparkDraft
 from dspark_jax.models.drafters.eagle3 import Eagle3Draft
 from dspark_jax.models.gemma4 import decoder as G
 from dspark_jax.models.gemma4 import layer_buffers as LB
 from dspark_jax.models.gemma4.config import gemma4_from_hf, gemma4_to_hf
+from dspark_jax.sharding import constrain
 
 
 def gemma4_draft_layer_config(target: DecoderConfig, n: int) -> DecoderConfig:
@@ -48,12 +50,21 @@ def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
     return logits if cap is None else jnp.tanh(logits / cap) * cap
 
 
-def qkv(lp: Any, x: jax.Array, pos: jax.Array, lc: DecoderConfig
+def qkv(lp: Any, x: jax.Array, pos: jax.Array, lc: DecoderConfig, own_q: bool = False
         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gemma4 q/k/v of a draft layer's input x (q/k norms, scale-free v norm, its RoPE). The
     shared attention helpers (block_attend, L.attend, ttt_attend) scale scores by H^-½ while
-    Gemma4 attends with scale 1 (its q/k norms set the scale): q is pre-multiplied by H^½."""
-    q, kv = LB.project(lp, x, pos, lc.rope, lc.rms_norm_eps)   # fused q|k(|v): one dot
+    Gemma4 attends with scale 1 (its q/k norms set the scale): q is pre-multiplied by H^½.
+    A fused q|k(|v) product is one dot. `own_q` (per-layer buffers with q apart from k|v): q's
+    dot takes its own handle on x, or XLA merges the q and k(|v) dots into one over their
+    weights concatenated every call (a copy of them)."""
+    eps = lc.rms_norm_eps
+    if own_q and "wq" in lp:
+        x_q, wq = jax.lax.optimization_barrier((x, lp["wq"]))
+        q = G.project_q({**lp, "wq": wq}, x_q, pos, lc.rope, eps)
+        kv = LB.project_kv(lp, x, pos, lc.rope, eps)
+    else:
+        q, kv = LB.project(lp, x, pos, lc.rope, eps)
     return (q * lc.head_dim ** 0.5, *kv)
 
 
@@ -74,6 +85,15 @@ class Gemma4DSparkDraft(DSparkDraft):
         """Per-layer context K/V [Ld, B, S, K, H] (k_norm + RoPE on K, v_norm on V)."""
         ctx = self.context(feats_bsf)
         lc = self.cfg.layer_config()
+        if isinstance(self.layers, LB.Gemma4GroupLayers):   # the drafting layout
+            def own(lp):   # each layer's k(|v) product from its own handle on ctx, as
+                # `DSparkDraft.context_kv` takes them (no merged dot over copied weights)
+                w = {n: lp[n] for n in ("w_kv", "wk", "wv") if n in lp}
+                x, w = jax.lax.optimization_barrier((ctx, w))
+                return LB.project_kv({**lp, **w}, x, positions_bs, lc.rope, lc.rms_norm_eps)
+
+            ks, vs = zip(*(own(lp) for lp in self.layers.layer_params(self.dtype)))
+            return jnp.stack(ks), jnp.stack(vs)
         stack = self.layers.stacked(self.dtype)
         return jax.vmap(lambda lp: G.project_kv(lp, ctx, positions_bs, lc.rope,
                                                 lc.rms_norm_eps))(stack)
@@ -86,7 +106,31 @@ class Gemma4DSparkDraft(DSparkDraft):
     def block_qkv(self, lp: Any, x: jax.Array, pos: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Gemma4 q/k/v, q pre-scaled for block_attend (`qkv`)."""
-        return qkv(lp, x, pos, self.cfg.layer_config())
+        return qkv(lp, x, pos, self.cfg.layer_config(),
+                   own_q=isinstance(self.layers, LB.Gemma4GroupLayers))
+
+    def backbone_over_cache(self, anchor_b: jax.Array, anchor_pos_b: jax.Array,
+                            ctx_k: Any, ctx_v: Any) -> jax.Array:
+        """`DSparkDraft.backbone_over_cache`: one block a row over the cached context below
+        each anchor → final-normed [B, γ, D]. Per-layer buffers (the drafting layout) run
+        unrolled, each layer's block attention (`block_attend`, XLA's ops) over its own context
+        buffer where it lies; stacked layers take `DSparkDraft`'s path."""
+        if not isinstance(self.layers, LB.Gemma4GroupLayers):
+            return super().backbone_over_cache(anchor_b, anchor_pos_b, ctx_k, ctx_v)
+        eps = self.cfg.layer_config().rms_norm_eps
+        g, B = self.cfg.block_size, anchor_b.shape[0]
+        S = L.cache_positions(ctx_k)
+        pos = anchor_pos_b[:, None].astype(jnp.int32) + jnp.arange(g, dtype=jnp.int32)
+        visible = (jnp.arange(S)[None] < anchor_pos_b[:, None])[:, None, :]      # [B,1,S]
+        ones = jnp.ones((B, 1), bool)
+        h = self.embed_block(self.block_tokens(anchor_b))                    # [B,γ,D]
+        for i, lp in enumerate(self.layers.layer_params(self.dtype)):
+            q, k, v = self.block_qkv(lp, L.rms_norm(h, lp["input_norm"], eps), pos)
+            ck, cv = (L.cache_layer(c, i).astype(self.dtype) for c in (ctx_k, ctx_v))
+            attn = block_attend(q[:, None], ck, cv, k[:, None], v[:, None], visible, ones)
+            h = self.attn_out_and_mlp(lp, h, attn[:, 0])
+        h = L.rms_norm(h, self.norm.get_value(), eps)
+        return constrain(h, ("batch", None, "act_embed"))
 
     def attn_out_and_mlp(self, lp: Any, h: jax.Array, attn: jax.Array) -> jax.Array:
         """Gemma4's sandwich norms, GELU-tanh MLP and layer scalar."""
@@ -101,11 +145,6 @@ class Gemma4Eagle3Draft(Eagle3Draft):
     """EAGLE-3 drafter with Gemma4 fused draft layers (DeepSpec's `Gemma4Eagle3Model`)."""
 
     make_layers = staticmethod(draft_layers)
-
-    def _layer_buffers(self) -> bool:
-        """Whether the draft layers are one buffer per layer (`LB.Gemma4GroupLayers`, the
-        drafting layout: `drafters.dspark.with_layer_buffers`)."""
-        return isinstance(self.layers, LB.Gemma4GroupLayers)
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         return L.embed(self.embed.get_value(), tokens_bt, scaled=True).astype(self.dtype)

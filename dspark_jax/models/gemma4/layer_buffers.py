@@ -30,8 +30,13 @@ from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.gemma4 import decoder as G
 
 # fused products: name → the stacked matrices it concatenates along its output columns (a
-# group is fused where every member is present; a KV-shared layer keeps its lone `wq`)
-FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_qk": ("wq", "wk"), "w_gate_up": ("w_gate", "w_up")}
+# product is fused where every member is present and none is fused already; a KV-shared layer
+# keeps its lone `wq`, a k=v layer's `wk` stays alone under `KV`)
+FUSED = {"w_qkv": ("wq", "wk", "wv"), "w_qk": ("wq", "wk"), "w_kv": ("wk", "wv"),
+         "w_gate_up": ("w_gate", "w_up")}
+QKV = ("w_qkv", "w_qk", "w_gate_up")   # the target's and Eagle3's layers: one q/k(/v) product
+KV = ("w_kv", "w_gate_up")             # DSpark / DFlash draft layers: their context's k|v
+                                       # product reads `w_kv` (or `wk`) alone
 
 
 class Gemma4Layers(nnx.Module):
@@ -47,7 +52,7 @@ class Gemma4Layers(nnx.Module):
             for n, i in enumerate(seg.layer_ids(j)):
                 index[i] = (g, n)
         self.num_layers = len(index)
-        layers = [layer_buffers(stack.groups[index[i][0]], index[i][1], fuse)
+        layers = [layer_buffers(stack.groups[index[i][0]], index[i][1], QKV if fuse else ())
                   for i in range(self.num_layers)]
         self.names = tuple(tuple(layer) for layer in layers)   # static: graphdefs must hash
         self.per_layer = nnx.List([nnx.Dict(layer) for layer in layers])
@@ -62,31 +67,34 @@ class Gemma4Layers(nnx.Module):
                 for names, layer in zip(self.names, self.per_layer)]
 
 
-class Gemma4GroupLayers(Gemma4Layers):
-    """The n layers of one `Gemma4Group` (a Gemma4 drafter's draft layers) as one buffer per
-    layer, fused as `Gemma4Layers` fuses them: the drafting layout."""
+class Gemma4GroupLayers(L.UnstackedLayers):
+    """The n layers of one `Gemma4Group` (a Gemma4 drafter's draft layers, one shape) as one
+    buffer per layer: the drafting layout, an `UnstackedLayers` as the other drafters' is (the
+    drafters and their caches take it where they take those). `fused`: the products to fuse
+    (`QKV` for Eagle3, `KV` for DSpark / DFlash, () to keep the group's matrices)."""
 
-    def __init__(self, group: G.Gemma4Group, fuse: bool = True):
+    def __init__(self, group: G.Gemma4Group, fused: tuple[str, ...] = QKV):
         self.num_layers = int(group.layer_scalar.get_value().shape[0])
-        layers = [layer_buffers(group, n, fuse) for n in range(self.num_layers)]
-        self.names = tuple(tuple(layer) for layer in layers)
+        self.qk_norm = True
+        layers = [layer_buffers(group, n, fused) for n in range(self.num_layers)]
+        self.names = tuple(layers[0])
         self.per_layer = nnx.List([nnx.Dict(layer) for layer in layers])
 
 
-def layer_buffers(group: G.Gemma4Group, n: int, fuse: bool) -> dict[str, nnx.Param]:
-    """Layer n of `group` as its own buffers (`fuse`: q/k(/v) and gate/up each one [in, out]
-    buffer, the input axis keeping its logical name)."""
+def layer_buffers(group: G.Gemma4Group, n: int, fused: tuple[str, ...]) -> dict[str, nnx.Param]:
+    """Layer n of `group` as its own buffers, the products named in `fused` (`FUSED`) each one
+    [in, out] buffer whose input axis keeps its logical name."""
     present = [m for m in G.Gemma4Group.NAMES if hasattr(group, m)]
-    fused = {}
-    if fuse:
-        qkv = "w_qkv" if "wv" in present else "w_qk"
-        for name in (qkv, "w_gate_up"):
-            if all(m in present for m in FUSED[name]):
-                fused[name] = FUSED[name]
-    parts = {m for members in fused.values() for m in members}
+    groups: dict[str, tuple[str, ...]] = {}
+    for name in fused:
+        members = FUSED[name]
+        taken = {m for ms in groups.values() for m in ms}
+        if all(m in present and m not in taken for m in members):
+            groups[name] = members
+    parts = {m for members in groups.values() for m in members}
     layer = {m: nnx.Param(getattr(group, m).get_value()[n], axes=_axes(group, m))
              for m in present if m not in parts}
-    for name, members in fused.items():
+    for name, members in groups.items():
         first = _axes(group, members[0])
         layer[name] = nnx.Param(
             jnp.concatenate([_flat(getattr(group, m).get_value()[n]) for m in members], axis=1),
@@ -122,7 +130,8 @@ def project(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
     fused = "w_qkv" if "w_qkv" in lp else "w_qk" if "w_qk" in lp else None
     if fused is None:
         q = G.project_q(lp, x_btd, positions_bt, rope, eps)
-        return q, (G.project_kv(lp, x_btd, positions_bt, rope, eps) if "wk" in lp else None)
+        has_kv = "wk" in lp or "w_kv" in lp
+        return q, (project_kv(lp, x_btd, positions_bt, rope, eps) if has_kv else None)
     B, T = x_btd.shape[:2]
     N, H = lp["wo"].shape[:2]
     out = jnp.einsum("BTD,DF->BTF", x_btd, lp[fused])
@@ -133,6 +142,20 @@ def project(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
     q = L.apply_rope(L.rms_norm(q_raw, lp["q_norm"], eps), positions_bt, rope)
     k = L.apply_rope(L.rms_norm(k_raw, lp["k_norm"], eps), positions_bt, rope)
     return q, (k, L.rms_norm_noscale(v_raw, eps))
+
+
+def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array, rope: Any,
+               eps: float) -> tuple[jax.Array, jax.Array]:
+    """`decoder.project_kv`, from a fused k|v product (`w_kv`) where the layer has one."""
+    if "w_kv" not in lp:
+        return G.project_kv(lp, x_btd, positions_bt, rope, eps)
+    B, T = x_btd.shape[:2]
+    H = lp["wo"].shape[1]
+    kv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_kv"])
+    kh = kv.shape[-1] // 2
+    k_raw, v_raw = kv[..., :kh].reshape(B, T, kh // H, H), kv[..., kh:].reshape(B, T, kh // H, H)
+    k = L.apply_rope(L.rms_norm(k_raw, lp["k_norm"], eps), positions_bt, rope)
+    return k, L.rms_norm_noscale(v_raw, eps)
 
 
 def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,

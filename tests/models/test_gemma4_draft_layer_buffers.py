@@ -1,0 +1,88 @@
+"""Gemma4's DSpark / DFlash drafters with one buffer per draft layer
+(`drafters.dspark.with_layer_buffers` → `gemma4.layer_buffers.Gemma4GroupLayers`: k alone on
+k=v layers, k|v where the layer has a v projection, gate|up fused) draft what the stacked
+drafters draft: the context K/V they commit and the block hidden states over a per-layer
+context cache; greedy speculative decoding with them equals greedy autoregressive decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dspark_jax.decoding.draft_adapters import DSparkAdapter
+from dspark_jax.models import init_draft, load_target
+from dspark_jax.models.drafters.dspark import with_layer_buffers
+from dspark_jax.models.gemma4.decoder import Gemma4Group
+from dspark_jax.models.gemma4.layer_buffers import Gemma4GroupLayers
+from hf_tiny import save_tiny_gemma4
+
+# DeepSpec's Gemma4 drafters take targets without per-layer inputs
+TARGET_KW = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                 hidden_size_per_layer_input=0, num_kv_shared_layers=0)
+BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1, 2), mask_token_id=4)
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3]]
+
+
+@pytest.fixture(scope="module", params=["k_eq_v", "v_proj"])
+def target(request, tmp_path_factory):
+    """The drafters' layers take the target's full-attention shape: k = v (no v projection)
+    or a v projection of their own."""
+    kw = dict(TARGET_KW, attention_k_eq_v=request.param == "k_eq_v")
+    return load_target(save_tiny_gemma4(tmp_path_factory.mktemp("g4"), "all_features", seed=2,
+                                        **kw))
+
+
+def _views(target, draft_kw):
+    draft = init_draft(target, draft_kw, seed=1)
+    gd, st = with_layer_buffers(draft.graphdef, draft.state)
+    return draft, dataclasses.replace(draft, graphdef=gd, state=st)
+
+
+def test_context_and_block_over_the_cache_equal_the_stacked_drafter(target):
+    stacked, per_layer = _views(target, dict(BASE, markov_rank=8))
+    s_model, p_model = stacked.model, per_layer.model
+    assert type(s_model.layers) is Gemma4Group
+    layers = p_model.layers
+    assert type(layers) is Gemma4GroupLayers and len(layers.per_layer) == 2
+    k_eq_v = not hasattr(s_model.layers, "wv")
+    assert {"wq", "w_gate_up"} <= set(layers.names)
+    assert ("wk" in layers.names) == k_eq_v and ("w_kv" in layers.names) == (not k_eq_v)
+    B, S = 3, 64
+    n_feat = stacked.config.num_features * target.config.hidden_size
+    feats = jnp.asarray(np.random.RandomState(3).randn(B, 40, n_feat), jnp.float32)
+    anchor = jnp.asarray([7, 8, 9], jnp.int32)
+    anchor_pos = jnp.asarray([0, 17, 40], jnp.int32)
+
+    def outputs(model):
+        cache = DSparkAdapter.init_cache(model, B, S)
+        cache = DSparkAdapter.commit(model, cache, feats, jnp.zeros((B,), jnp.int32),
+                                     jnp.full((B,), 40, jnp.int32), None)
+        h = jax.jit(model.backbone_over_cache)(anchor, anchor_pos, cache.k, cache.v)
+        return cache, np.asarray(h)
+
+    (c0, h0), (c1, h1) = outputs(s_model), outputs(p_model)
+    assert isinstance(c1.k, tuple) and len(c1.k) == 2        # one context buffer a layer
+    for i in range(2):
+        for a, b in ((c1.k[i][0], c0.k[i]), (c1.v[i][0], c0.v[i])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(h1, h0, atol=2e-5, rtol=1e-5)
+    assert float(np.abs(h0).sum()) > 0
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_greedy_speculative_with_per_layer_drafter_equals_autoregressive(target, kind):
+    from dspark_jax.decoding import autoregressive_generate
+    from dspark_jax.serving import speculative_generate
+
+    kw = (dict(BASE, markov_rank=8) if kind == "dspark"
+          else dict(BASE, model_type="dflash", markov_rank=0, enable_confidence_head=False))
+    _, per_layer = _views(target, kw)
+    assert type(per_layer.model.layers) is Gemma4GroupLayers
+    ref = autoregressive_generate(target, PROMPTS, max_new_tokens=10, stop_token_ids=[])
+    res = speculative_generate(target, per_layer, PROMPTS, max_new_tokens=10, stop_token_ids=[])
+    assert res.tokens == ref
