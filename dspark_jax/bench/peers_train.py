@@ -567,8 +567,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
 
         save_json(result, a.json)
     if a.plot:
+        names = {"ours": "dspark_jax (solid)", "deepspec": "DeepSpec's trainer (dashed)"}
         plot_losses(runs, pathlib.Path(a.plot),
-                    f"dspark_jax (solid) vs DeepSpec's trainer (dashed): "
+                    f"{' vs '.join(names[who] for who in a.trainers)}: "
                     f"{pathlib.Path(a.config).stem}\nfull vocabulary, random init, batch "
                     f"{result['batch']}, {a.steps} steps, the same batches")
     return result
