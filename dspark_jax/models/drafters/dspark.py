@@ -349,25 +349,24 @@ def with_layer_buffers(graphdef: Any, state: Any, fuse: bool = True) -> tuple[An
     """(graphdef, state) of the same drafter with one buffer per draft layer
     (`layers.UnstackedLayers`), the serving engine's drafting layout: a scan over the stacked
     layers makes XLA copy every layer's weights out of the stack each draft. DSpark / DFlash
-    fuse k|v and gate|up (their context's k|v product reads `w_kv` alone), Eagle3 q|k|v and
-    gate|up; Gemma4's drafters take `gemma4.layer_buffers.Gemma4GroupLayers`, fused alike
-    (k=v layers: q|k for Eagle3, k alone for DSpark / DFlash). A drafter already unstacked
-    comes back as is; the stacked state stays valid (training and export use it).
-    `fuse=False` keeps the stack's matrices (a tensor-parallel mesh:
-    `models.decoder.with_layer_buffers`)."""
-    from dspark_jax.models.drafters.eagle3 import Eagle3Draft
-    from dspark_jax.models.gemma4 import decoder as gemma4_decoder
-    from dspark_jax.models.gemma4 import layer_buffers as gemma4_buffers
-    from dspark_jax.models.gemma4.drafters import Gemma4DSparkDraft, Gemma4Eagle3Draft
-
+    fuse k|v and gate|up (their context's k|v product reads `w_kv` alone); a drafter class
+    with `unstacked_layers(fuse)` builds its own (Eagle3: q|k|v and gate|up; Gemma4's
+    drafters: `gemma4.layer_buffers.Gemma4GroupLayers`). A drafter already unstacked comes
+    back as is; the stacked state stays valid (training and export use it). `fuse=False`
+    keeps the stack's matrices (a tensor-parallel mesh: `models.decoder.with_layer_buffers`)."""
     model = nnx.merge(graphdef, state)
-    if type(model.layers) is gemma4_decoder.Gemma4Group:
-        products = {Gemma4Eagle3Draft: gemma4_buffers.QKV,
-                    Gemma4DSparkDraft: gemma4_buffers.KV}.get(type(model))
-        if products is None:
-            return graphdef, state
-        model.layers = gemma4_buffers.Gemma4GroupLayers(model.layers, products if fuse else ())
-        return nnx.split(model)
+    own = getattr(model, "unstacked_layers", None)
+    if own is not None:
+        layers = own(fuse)
+    elif type(model) is DSparkDraft and type(model.layers) is L.DecoderLayers:
+        layers = L.UnstackedLayers(model.layers,
+                                   fuse=L.UnstackedLayers.FUSED_KV if fuse else {})
+    else:
+        layers = None
+    if layers is None:
+        return graphdef, state
+    model.layers = layers
+    return nnx.split(model)
     if type(model.layers) is not L.DecoderLayers:
         return graphdef, state
     if type(model) is DSparkDraft:

@@ -222,6 +222,14 @@ class Eagle3Draft(nnx.Module):
         """The drafting logits: `lm_logits`, ids outside a pruned draft vocabulary at −1e9."""
         return restrict_to_draft_vocab(self.cfg, self.lm_logits(h_btd))
 
+    def unstacked_layers(self, fuse: bool) -> nnx.Module | None:
+        """These draft layers as one buffer per layer (`layers.UnstackedLayers`, q|k|v and
+        gate|up fused unless not `fuse`), or None where they are not one `DecoderLayers` stack:
+        what `drafters.dspark.with_layer_buffers` installs."""
+        if type(self.layers) is not L.DecoderLayers:
+            return None
+        return L.UnstackedLayers(self.layers, fuse=True if fuse else {})
+
     def _layer_buffers(self) -> bool:
         """Whether the layers are one buffer per layer (`layers.UnstackedLayers`, the drafting
         layout: `drafters.dspark.with_layer_buffers`)."""

@@ -26,7 +26,7 @@ stays a move of `lengths` and a rejected draft never overwrites a slot a later q
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +35,6 @@ from flax import nnx
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.sharding import constrain
-
-if TYPE_CHECKING:
-    from dspark_jax.models.gemma4.layer_buffers import Gemma4Layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,13 +148,13 @@ def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any,
             ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Zero K and V caches: one [n, B, S_max, K, H] array per K/V-owning group (`cache_shapes`;
     `num_layers` is the Llama family's option and does not apply); `per_layer`: one
-    [1, B, S_max, K, H] buffer per K/V-owning layer (the decoding layout,
-    `layer_buffers.init_kv`)."""
+    [1, B, S_max, K, H] buffer per K/V-owning layer, layers 0 … `first_kv_shared_layer` − 1 in
+    order (the decoding layout, models/gemma4/layer_buffers.py)."""
     if per_layer:
-        from dspark_jax.models.gemma4 import layer_buffers
-
-        return layer_buffers.init_kv(cfg, batch, max_len, dtype)
-    shapes = cache_shapes(cfg, batch, max_len)
+        shapes = [(1, batch, max_len) + cfg.attn_shape(cfg.layer_type(i))
+                  for i in range(cfg.first_kv_shared_layer)]
+    else:
+        shapes = cache_shapes(cfg, batch, max_len)
     return tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes)
 
 
@@ -249,7 +246,7 @@ def _masks(cfg: DecoderConfig, positions_bt: jax.Array, cached: bool, S: int,
     return out
 
 
-def forward(stack: Gemma4Stack | Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array,
+def forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig, tokens_bt: jax.Array,
             h: jax.Array, positions_bt: jax.Array,
             cache_kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None,
             segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any,
@@ -264,14 +261,12 @@ def forward(stack: Gemma4Stack | Gemma4Layers, cfg: DecoderConfig, tokens_bt: ja
     (sliding layers: keys with pos − W < key_pos ≤ pos; KV-shared layers: their producer's
     cache row) and every other matmul runs over the T tokens only.
 
-    Per-layer buffers (`layer_buffers.Gemma4Layers`, the decoding layout) run unrolled
-    (`layer_buffers.forward`), their caches one buffer per K/V-owning layer.
+    Per-layer buffers (`layer_buffers.Gemma4Layers`, the decoding layout) run their own
+    unrolled forward (`Gemma4Layers.forward`), their caches one buffer per K/V-owning layer.
     """
-    from dspark_jax.models.gemma4 import layer_buffers
-
-    if isinstance(stack, layer_buffers.Gemma4Layers):
-        return layer_buffers.forward(stack, cfg, tokens_bt, h, positions_bt, cache_kv,
-                                     segment_ids_bt, tap_ids, dtype, ragged)
+    if not isinstance(stack, Gemma4Stack):
+        return stack.forward(cfg, tokens_bt, h, positions_bt, cache_kv, segment_ids_bt,
+                             tap_ids, dtype, ragged)
     B, T, D = h.shape
     eps = cfg.rms_norm_eps
     cached = cache_kv is not None
@@ -394,7 +389,7 @@ def forward(stack: Gemma4Stack | Gemma4Layers, cfg: DecoderConfig, tokens_bt: ja
     return h, (taps if n_taps else None), new_cache
 
 
-def ragged_forward(stack: Gemma4Stack | Gemma4Layers, cfg: DecoderConfig,
+def ragged_forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig,
                    tokens_1k: jax.Array, h: jax.Array, positions_1k: jax.Array, cache_kv: Any,
                    rows: L.RaggedRows, tap_ids: Sequence[int], dtype: Any
                    ) -> tuple[jax.Array, jax.Array | None, Any]:

@@ -75,10 +75,25 @@ def draft_layers(lc: DecoderConfig, n: int, *, rngs: nnx.Rngs, param_dtype: Any,
                          attn_in_dim=attn_in_dim)
 
 
+def _unstacked(layers: nnx.Module, products: tuple[str, ...], fuse: bool
+               ) -> LB.Gemma4GroupLayers | None:
+    """A drafter's `Gemma4Group` as `LB.Gemma4GroupLayers` with `products` fused (none unless
+    `fuse`); None for layers already unstacked."""
+    if type(layers) is not G.Gemma4Group:
+        return None
+    return LB.Gemma4GroupLayers(layers, products if fuse else ())
+
+
 class Gemma4DSparkDraft(DSparkDraft):
     """DSpark (Markov + confidence heads) or DFlash drafter with Gemma4 draft layers."""
 
     make_layers = staticmethod(draft_layers)
+
+    def unstacked_layers(self, fuse: bool) -> nnx.Module | None:
+        """The draft layers as one buffer per layer (k|v, or k alone on k=v layers, and gate|up
+        fused unless not `fuse`), or None if they are already: for
+        `drafters.dspark.with_layer_buffers`."""
+        return _unstacked(self.layers, LB.KV, fuse)
 
     def context_kv(self, feats_bsf: jax.Array, positions_bs: jax.Array
                    ) -> tuple[jax.Array, jax.Array]:
@@ -145,6 +160,11 @@ class Gemma4Eagle3Draft(Eagle3Draft):
     """EAGLE-3 drafter with Gemma4 fused draft layers (DeepSpec's `Gemma4Eagle3Model`)."""
 
     make_layers = staticmethod(draft_layers)
+
+    def unstacked_layers(self, fuse: bool) -> nnx.Module | None:
+        """The draft layers as one buffer per layer (q|k(|v) and gate|up fused unless not
+        `fuse`), or None if they are already: for `drafters.dspark.with_layer_buffers`."""
+        return _unstacked(self.layers, LB.QKV, fuse)
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
         return L.embed(self.embed.get_value(), tokens_bt, scaled=True).astype(self.dtype)

@@ -7,7 +7,8 @@ times. `Gemma4Layers` holds each layer's weights as its own buffers (q with k, a
 the layer has a v projection, as one product `w_qkv` / `w_qk`; gate/up as one `w_gate_up`), the
 per-layer-input tables as they are, and `forward` runs the layers one after another, each dot
 reading its weights where they lie. Its K/V cache is one buffer [1, B, S_max, K, H] per
-K/V-owning layer (`init_kv(per_layer=True)`), which the KV-shared layers read as their producer's.
+K/V-owning layer (`decoder.init_kv(per_layer=True)`), which the KV-shared layers read as their
+producer's.
 
 Over a cache the layers only read it: each layer attends to the cached keys below its row's
 first new token (sliding layers: within the window) and to the call's own new keys, as one
@@ -15,6 +16,8 @@ softmax (`attend_cache_and_own`), and every owning layer's new K/V are written a
 layer (a cache written in the loop and read back is copied whole by XLA first). The ragged
 verification pass writes and reads per token as the stacked layout does (models/gemma4/decoder.py).
 Same arithmetic as the stacked layers; attention stays on XLA's ops.
+
+`Gemma4GroupLayers` is the drafting layout of a Gemma4 drafter's layers (one `Gemma4Group`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,10 @@ class Gemma4Layers(nnx.Module):
         return [{m: layer[m].get_value().astype(dtype) for m in names}
                 for names, layer in zip(self.names, self.per_layer)]
 
+    def forward(self, *args: Any) -> tuple[jax.Array, jax.Array | None, Any]:
+        """`forward(self, *args)`: what `decoder.forward` runs for these layers."""
+        return forward(self, *args)
+
 
 class Gemma4GroupLayers(L.UnstackedLayers):
     """The n layers of one `Gemma4Group` (a Gemma4 drafter's draft layers, one shape) as one
@@ -111,15 +118,6 @@ def _axes(group: nnx.Module, name: str) -> tuple[str | None, ...] | None:
     """A group parameter's logical axes less the leading "layers"."""
     stacked = getattr(group, name).get_metadata().get("axes")
     return None if stacked is None else tuple(stacked[1:])
-
-
-def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any
-            ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """Zero K and V caches, one [1, B, S_max, K, H] buffer per K/V-owning layer (layers
-    0 … `first_kv_shared_layer` − 1, in order)."""
-    shapes = [(1, batch, max_len) + cfg.attn_shape(cfg.layer_type(i))
-              for i in range(cfg.first_kv_shared_layer)]
-    return tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes)
 
 
 # ----------------------------------------------------------------------------- layer pieces
