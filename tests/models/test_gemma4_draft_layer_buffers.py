@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from dspark_jax.decoding.draft_adapters import DSparkAdapter
 from dspark_jax.models import init_draft, load_target

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from dspark_jax.models import init_draft, load_target
-from dspark_jax.models.decoder import (has_layer_buffers, init_cache, prefill, ragged_forward,
+from dspark_jax.models.decoder import (has_layer_buffers, prefill, ragged_forward,
                                        with_layer_buffers)
 from dspark_jax.models.gemma4.layer_buffers import Gemma4Layers
 from dspark_jax.models.target import Target
