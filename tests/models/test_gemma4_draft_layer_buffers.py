@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dspark_jax.decoding.draft_adapters import DSparkAdapter
 from dspark_jax.models import init_draft, load_target
@@ -85,3 +86,27 @@ def test_greedy_speculative_with_per_layer_drafter_equals_autoregressive(target,
     ref = autoregressive_generate(target, PROMPTS, max_new_tokens=10, stop_token_ids=[])
     res = speculative_generate(target, per_layer, PROMPTS, max_new_tokens=10, stop_token_ids=[])
     assert res.tokens == ref
+
+
+def test_the_engine_on_an_accelerator_holds_the_layout_aot_builds(target, monkeypatch):
+    """On a GPU or TPU the engine decodes a Gemma4 target and its DSpark drafter on per-layer
+    buffers, with the structure, shapes and dtypes `aot.decode.decoding_layouts` builds
+    abstractly."""
+    from dspark_jax.aot.decode import decoding_layouts
+    from dspark_jax.models.gemma4.layer_buffers import Gemma4Layers
+    from dspark_jax.models.target import Target
+    from dspark_jax.serving.engine import Engine
+
+    monkeypatch.setattr(Target, "on_accelerator", lambda self: True)
+    draft = init_draft(target, dict(BASE, markov_rank=8), seed=1)
+    eng = Engine(target, draft, max_requests=2, max_len=32, prefill_chunk=8, stop_token_ids=[],
+                 sps=np.ones(11, np.float32))
+    abstract = lambda st: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), st)
+    t_gd, t_st, d_gd, d_st = decoding_layouts(target.graphdef, abstract(target.state),
+                                              draft.graphdef, abstract(draft.state))
+    assert t_gd == eng.arrays.target_graphdef and d_gd == eng.arrays.draft_graphdef
+    assert abstract(eng.arrays.target_state) == t_st
+    assert abstract(eng.arrays.draft_state) == d_st
+    held = nnx.merge(eng.arrays.target_graphdef, eng.arrays.target_state)
+    assert isinstance(held.layers, Gemma4Layers)
+    assert type(nnx.merge(d_gd, eng.arrays.draft_state).layers) is Gemma4GroupLayers
