@@ -70,7 +70,8 @@ class Gemma4Layers(nnx.Module):
                 for names, layer in zip(self.names, self.per_layer)]
 
     def forward(self, *args: Any) -> tuple[jax.Array, jax.Array | None, Any]:
-        """`forward(self, *args)`: what `decoder.forward` runs for these layers."""
+        """These layers over a batch: this module's `forward` with `decoder.forward`'s
+        arguments after the stack (`decoder.forward` hands them over)."""
         return forward(self, *args)
 
 
