@@ -129,13 +129,12 @@ def decoding_layouts(t_gd: Any, t_state: Any, d_gd: Any, d_state: Any, fuse: boo
 def _abstract_models(c: Any, mesh: Any, t_cfg: Any, d_cfg: Any, layer_buffers: bool
                      ) -> tuple[Any, Any, bool, dict[str, int]]:
     """The target and the drafter of config `c`, built abstractly in the engine's decoding
-    layout on an accelerator (one buffer per layer, `layer_buffers`; a family without that
-    layout, Gemma4, decodes stacked there too: `Target.decoding_layout`) → (`Target`, `Draft`,
-    whether the layout is per-layer, the stored parameter bytes of each)."""
+    layout on an accelerator (one buffer per layer, `layer_buffers`, which every family has:
+    `Target.decoding_layout`) → (`Target`, `Draft`, whether the layout is per-layer, the
+    stored parameter bytes of each)."""
     import jax
     from flax import nnx
 
-    from dspark_jax.models import layers as L
     from dspark_jax.models.decoder import TargetDecoder
     from dspark_jax.models.drafters.draft import Draft, create_draft_module
     from dspark_jax.models.target import Target, resolve_dtype
@@ -146,8 +145,8 @@ def _abstract_models(c: Any, mesh: Any, t_cfg: Any, d_cfg: Any, layer_buffers: b
     t_gd, t_state = nnx.split(target)
     d_gd, d_state = nnx.split(nnx.eval_shape(
         lambda: create_draft_module(d_cfg, c.seed, dtype, dtype)))
-    layer_buffers = layer_buffers and isinstance(target.layers, (L.DecoderLayers,
-                                                                 L.UnstackedLayers))
+    layer_buffers = layer_buffers and Target(config=t_cfg, graphdef=t_gd,
+                                             state=t_state).supports_layer_buffers
     param_bytes = {name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(st))
                    for name, st in (("target", t_state), ("draft", d_state))}
     if layer_buffers:   # fused q/k/v and gate/up buffers unless the heads split over chips

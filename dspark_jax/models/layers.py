@@ -496,7 +496,8 @@ def run_layers(body: Any, carry: Any, params: dict[str, jax.Array] | list[dict[s
 # A cache array is stacked, [L, B, S, K, H], or a tuple of layer groups [n, B, S, K, H]: one
 # group per layer (n = 1) is the decoding layout, beside `UnstackedLayers`, because a GEMM reads
 # a per-layer buffer where it lies while a layer's slice of a stack is copied out first
-# (XLA:GPU); Gemma4's groups are its layer types.
+# (XLA:GPU); Gemma4's stacked groups are its layer types, its decoding layout one buffer per
+# K/V-owning layer.
 
 def cache_positions(c: jax.Array | tuple[jax.Array, ...]) -> int:
     """S, the positions of a cache array in either layout."""
