@@ -90,18 +90,24 @@ def _online(carry, s, mask, v):
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
 
-def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int):
-    """Online softmax of the rows q [M, H] over the cache positions [lo, hi): (acc, max,
-    sum)."""
+def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int, row_lo=None):
+    """Online softmax of the rows q [M, H] over the cache positions [lo, hi) (`lo` a whole
+    tile), each row's from `row_lo` [M] on where given (a sliding window: the tiles wholly
+    below every row's are skipped): (acc, max, sum)."""
     mp, h = q.shape
     offsets = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    if row_lo is not None:
+        lo = jnp.maximum(lo, jnp.min(row_lo) // block_k * block_k)
 
     def tile(i, carry):
         first = lo + i * block_k
         keys = pl.ds(pl.multiple_of(first, block_k), block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         s = _dot(q, k.T) * qk_scale
-        return _online(carry, s, first + offsets < hi, v)
+        seen = first + offsets < hi
+        if row_lo is not None:
+            seen = seen & (first + offsets >= row_lo[:, None])
+        return _online(carry, s, seen, v)
 
     init = (jnp.zeros((mp, h), jnp.float32), jnp.full((mp,), MASKED_SCORE, jnp.float32),
             jnp.zeros((mp,), jnp.float32))
@@ -109,16 +115,24 @@ def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int):
 
 
 def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, *out_refs,
-                    qk_scale: float, block_k: int, split_len: int, seq: int, own_rows: int):
+                    qk_scale: float, block_k: int, split_len: int, seq: int, own_rows: int,
+                    window: int = 0):
     """A split of the cache below `start`; the last split also takes the own keys. Its
     partial softmax (acc, max, sum) into three outputs, or, with one output (the whole cache
-    a single split), the normalised attention of its rows."""
+    a single split), the normalised attention of its rows. `window` > 0: query t (at
+    start + t) sees the cache positions above start + t − window only."""
     p_id, n_p = pl.program_id(2), pl.num_programs(2)
     tp, g, h = q_ref.shape
     q = q_ref[...].reshape(tp * g, h)                                        # [M, H]
+    start = start_ref[...]
     lo = p_id * split_len
-    hi = jnp.minimum(jnp.minimum(lo + split_len, start_ref[...]), seq)
-    carry = _cache_part(q, k_ref, v_ref, lo, hi, qk_scale=qk_scale, block_k=block_k)
+    hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
+    row_lo = None
+    if window:   # the query's position: its tile's first token plus its row's
+        t = pl.program_id(3) * tp + lax.broadcasted_iota(jnp.int32, (tp * g,), 0) // g
+        row_lo = start + t - window + 1
+    carry = _cache_part(q, k_ref, v_ref, lo, hi, qk_scale=qk_scale, block_k=block_k,
+                        row_lo=row_lo)
 
     def own(carry):   # the Q own rows read as a [Qp, H] tile, the rows past Q masked
         from jax.experimental.pallas import triton as plgpu
@@ -291,17 +305,20 @@ def _merge(o, m, l, q, tp: int, g: int, interpret: bool, n_tiles: int = 1) -> ja
     )(o, m, l)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_k", "splits", "interpret",
-                                             "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("scale", "window", "block_k", "splits",
+                                             "interpret", "num_warps", "num_stages"))
 def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start: jax.Array,
                      own_k: jax.Array, own_v: jax.Array, own_mask: jax.Array, *, scale: float,
-                     block_k: int = DEFAULT_BLOCK_K, splits: int | None = None,
-                     interpret: bool = False, num_warps: int = DEFAULT_NUM_WARPS,
+                     window: int = 0, block_k: int = DEFAULT_BLOCK_K,
+                     splits: int | None = None, interpret: bool = False,
+                     num_warps: int = DEFAULT_NUM_WARPS,
                      num_stages: int = DEFAULT_NUM_STAGES) -> jax.Array:
     """Grouped-query attention of q [B, T, N, H] over cache k / v [B, S, Kh, H] at positions
     below `start` [B] and over own k / v [B, Q, Kh, H] where `own_mask` [B, T, Q] is set (any
-    mask: a draft tree's); [B, T, N, H] in q's dtype. `splits`: cache splits a row and key
-    head (default `splits_for`; a power of two ≥ 2)."""
+    mask: a draft tree's); [B, T, N, H] in q's dtype. `window` > 0 (a sliding-window layer,
+    query t at position start + t): the cache positions above start + t − window only, the
+    tiles below every query's window never read (the own keys' window is `own_mask`'s).
+    `splits`: cache splits a row and key head (default `splits_for`; a power of two ≥ 2)."""
     _check(q, cache_k, cache_v, start, own_k, own_v, own_mask)
     B, T, N, H = q.shape
     S, Kh = cache_k.shape[1], cache_k.shape[2]
@@ -319,7 +336,7 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start
     mask = jnp.broadcast_to(own_mask[:, :, None, :], (B, T, G, Q)).reshape(B, T * G, Q)
     mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, n_tiles * Mp - T * G), (0, Qp - Q)))
     kernel = functools.partial(_partial_kernel, qk_scale=scale * LOG2E, block_k=block_k,
-                               split_len=split_len, seq=S, own_rows=Qp)
+                               split_len=split_len, seq=S, own_rows=Qp, window=int(window))
     if P == 1:   # each program's rows normalised where q has them, [B, T, N, H]
         out_specs = pl.BlockSpec((None, Tp, G, H), lambda b, k, p, j: (b, j, k, 0))
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -455,7 +472,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
 
 def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                          start: jax.Array, own_k: jax.Array, own_v: jax.Array,
-                         own_mask: jax.Array, *, scale: float) -> jax.Array:
+                         own_mask: jax.Array, *, scale: float, window: int = 0) -> jax.Array:
     """The oracle: the same attention over the concatenated keys, every score materialised."""
     _check(q, cache_k, cache_v, start, own_k, own_v, own_mask)
     B, T, N, H = q.shape
@@ -463,9 +480,12 @@ def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
     G = N // Kh
     keys = jnp.concatenate([cache_k, own_k.astype(cache_k.dtype)], axis=1).astype(jnp.float32)
     vals = jnp.concatenate([cache_v, own_v.astype(cache_v.dtype)], axis=1).astype(jnp.float32)
-    visible = jnp.concatenate(
-        [jnp.broadcast_to((jnp.arange(S)[None, :] < start[:, None])[:, None], (B, T, S)),
-         own_mask.astype(bool)], axis=2)                                     # [B, T, S+Q]
+    pos = jnp.arange(S)[None, None, :]
+    cached = pos < start[:, None, None]                                      # [B, 1, S]
+    if window:
+        cached = cached & (pos > start[:, None, None] + jnp.arange(T)[None, :, None] - window)
+    visible = jnp.concatenate([jnp.broadcast_to(cached, (B, T, S)), own_mask.astype(bool)],
+                              axis=2)                                        # [B, T, S+Q]
     s = jnp.einsum("btkgh,bskh->btkgs", q.astype(jnp.float32).reshape(B, T, Kh, G, H),
                    keys, precision=lax.Precision.HIGHEST) * scale
     s = jnp.where(visible[:, :, None, None], s, -jnp.inf)

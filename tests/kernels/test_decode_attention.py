@@ -44,6 +44,22 @@ def test_own_keys_apart_match_the_oracle(t, q_len, splits):
     assert not np.asarray(got[0]).any()
 
 
+@pytest.mark.parametrize("t,window,splits", [(1, 20, 2), (4, 33, 4), (37, 70, 2)])
+def test_a_sliding_window_matches_the_oracle(t, window, splits):
+    """A sliding-window layer (Gemma4's): query t at start + t sees the cache above
+    start + t − window, across cache splits and query tiles; tiles below every window unread
+    (a window wider than the cache sees it all)."""
+    q, ck, cv, ok, ov = _inputs(6, t, t)
+    start = jnp.asarray([0, 57, S], jnp.int32)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (B, t, t))
+    want = ref_decode_attention(q, ck, cv, start, ok, ov, mask, scale=SCALE, window=window)
+    got = decode_attention(q, ck, cv, start, ok, ov, mask, scale=SCALE, window=window,
+                           splits=splits, **TILES)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    full = ref_decode_attention(q, ck, cv, start, ok, ov, mask, scale=SCALE)
+    assert not np.allclose(np.asarray(got[2]), np.asarray(full[2]))   # the window cut keys
+
+
 def test_query_tiles_that_fill_the_gpu_write_their_rows_without_a_merge(monkeypatch):
     """When the query tiles alone make enough programs, the cache is one split and each program
     writes its normalised rows: still the oracle, rows seeing nothing still zeros."""

@@ -199,3 +199,43 @@ def test_greedy_autoregressive_on_layer_buffers_equals_the_stacked_layers(target
     ref = autoregressive_generate(stacked, prompts, max_new_tokens=12, stop_token_ids=[],
                                   layer_buffers=False)
     assert autoregressive_generate(view, prompts, max_new_tokens=12, stop_token_ids=[]) == ref
+
+
+def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_path,
+                                                                           monkeypatch):
+    """The program a GPU compiles, its kernels interpreted (`layers.interpret_kernels`): each
+    layer's attention over the cache runs in the decode-attention kernel (a sliding layer with
+    its window), past the window, and equals the stacked layers'."""
+    import pallas_kernels.decode_attention as DA
+    from dspark_jax.models import layers as L
+
+    windows = []
+    kernel = DA.decode_attention
+
+    def counted(*args, **kw):
+        windows.append(kw.get("window", 0))
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(DA, "decode_attention", counted)
+    # sliding heads of 16 (the kernel's smallest tile), a window of 5
+    stacked = load_target(save_tiny_gemma4(tmp_path, "all_features", head_dim=16,
+                                           global_head_dim=32))
+    gd, st = with_layer_buffers(stacked.graphdef, stacked.state)
+    targets = (stacked, dataclasses.replace(stacked, graphdef=gd, state=st))
+    B, S = 2, 64                     # the kernel's cache tile divides the cache
+    seq = _ids(B, 20, seed=5)
+    caches = [t.init_cache(B, S) for t in targets]
+    start = 0
+    with L.interpret_kernels():
+        for n in (9, 1, 4, 1):
+            outs = []
+            for i, t in enumerate(targets):
+                toks = jnp.asarray(seq[:, start:start + n])
+                m = nnx.merge(t.graphdef, t.state)
+                out = m(toks, cache=caches[i], advance=jnp.full((B,), n))
+                caches[i] = out.cache
+                outs.append(m.logits(out.hidden))
+            _close(outs[1], outs[0])
+            start += n
+    window = stacked.config.sliding_window
+    assert window in windows and 0 in windows, windows   # sliding and full layers

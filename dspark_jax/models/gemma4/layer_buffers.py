@@ -31,6 +31,7 @@ from flax import nnx
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.gemma4 import decoder as G
+from dspark_jax.sharding import active_mesh
 
 # fused products: name → the stacked matrices it concatenates along its output columns (a
 # product is fused where every member is present and none is fused already; a KV-shared layer
@@ -159,11 +160,46 @@ def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Arr
 
 def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                          cache_mask_bts: jax.Array, own_k: jax.Array, own_v: jax.Array,
-                         own_mask_btq: jax.Array) -> jax.Array:
+                         own_mask_btq: jax.Array, start_b: jax.Array | None = None,
+                         window: int = 0) -> jax.Array:
     """Grouped-query attention (scale 1) of T queries a row over a read-only cache
     [B, S, K, H] (`cache_mask_bts`) and this call's own keys [B, Q, K, H] (`own_mask_btq`), as
     one softmax over both; the cache is read where it lies. A row with no visible key gives
-    zeros."""
+    zeros.
+
+    Given the rows' first positions `start_b` [B] (query t at start + t; the cache mask then
+    is the positions below start, above start + t − `window` for a sliding layer), on a GPU,
+    one device, for the head sizes and own keys it takes, this is the decode-attention kernel
+    (`pallas_kernels.decode_attention`: a sliding layer reads its window's cache tiles
+    alone); elsewhere XLA's ops below."""
+    b, t, n, h = q_btnh.shape
+    kvh = cache_k.shape[2]
+    mesh = active_mesh()
+    pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
+    if (start_b is None or not L.kernels_enabled() or (mesh is not None and mesh.size > 1)
+            or not (pow2(h) and h >= 16 and pow2(n // kvh))
+            or own_k.shape[1] > L.DECODE_KERNEL_MAX_OWN
+            or cache_k.shape[1] % L.DECODE_KERNEL_TILE):
+        return _attend_xla(q_btnh, cache_k, cache_v, cache_mask_bts, own_k, own_v, own_mask_btq)
+
+    def gpu(q, ck, cv, start, ok, ov, om, cm, interpret):
+        from pallas_kernels.decode_attention import decode_attention
+
+        return decode_attention(q, ck, cv, start, ok, ov, om, scale=1.0, window=int(window),
+                                interpret=interpret)
+
+    def default(q, ck, cv, start, ok, ov, om, cm):
+        return _attend_xla(q, ck, cv, cm, ok, ov, om)
+
+    return L.on_gpu(gpu, default, q_btnh, cache_k, cache_v, start_b.astype(jnp.int32),
+                    own_k.astype(cache_k.dtype), own_v.astype(cache_v.dtype), own_mask_btq,
+                    cache_mask_bts)
+
+
+def _attend_xla(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                cache_mask_bts: jax.Array, own_k: jax.Array, own_v: jax.Array,
+                own_mask_btq: jax.Array) -> jax.Array:
+    """`attend_cache_and_own` in XLA's ops: every score materialised, under the masks."""
     b, t, n, h = q_btnh.shape
     kvh = cache_k.shape[2]
     q = q_btnh.reshape(b, t, kvh, n // kvh, h)
@@ -239,8 +275,10 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
         if not cached:
             attn = L.attend(q, k, v, masks[ltype], scale=1.0)
         elif ragged is None:   # the cache read where it lies ⊕ the call's own keys
-            attn = attend_cache_and_own(q, ck[owner][0], cv[owner][0], cache_masks[ltype], k, v,
-                                        own_masks[ltype])
+            attn = attend_cache_and_own(
+                q, ck[owner][0], cv[owner][0], cache_masks[ltype], k, v, own_masks[ltype],
+                positions_bt[:, 0],
+                cfg.sliding_window if ltype == "sliding_attention" else 0)
         else:   # each token writes its row, then reads its request's cache row
             if kv is not None:
                 index = (0, ragged.write_k[None], positions_bt)
