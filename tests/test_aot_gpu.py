@@ -266,33 +266,31 @@ def _dot_precisions(text: str) -> list[str]:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decoding_dots_carry_the_policy_precision(dtype, tmp_path):
-    """Under the backend's default precision, the lowered decode step and the lowered round
-    run every dot at HIGHEST for fp32 weights and leave bf16 at the default."""
+    """Under the backend's default precision, every lowered decoding program (the decode step,
+    the engine's plain steps, drafting, verification, the chain round and the tree round) runs
+    every dot at HIGHEST for fp32 weights and leaves bf16 at the default."""
     from hf_tiny import save_tiny_hf
-    from dspark_jax.aot.decode import DecodeShape, build_abstract_round
-    from dspark_jax.decoding.autoregressive import ARState, ar_decode
+    from dspark_jax.aot.decode import DecodeShape
+    from dspark_jax.aot.decode_floor import _programs
     from dspark_jax.train.job_config import parse_config
 
     path = save_tiny_hf(tmp_path, "qwen3")
     c = parse_config(["x", "--config=configs/tiny.py", f"--config.target={path}",
                       f"--config.train.target_dtype={dtype}"], require_target=False)
-    rnd = build_abstract_round(c, jax.devices("cpu")[:1], DecodeShape(1, 64, 0),
-                               layer_buffers=True)
-    arrays, state = rnd.verify_args[:2]
-    t_gd, t_abs = arrays.target_graphdef, arrays.target_state
-    s = ARState(cache=state.cache, last_token=jnp.zeros((1,), jnp.int32),
-                out=jnp.zeros((1, 8), jnp.int32), num_out=jnp.ones((1,), jnp.int32),
-                done=jnp.zeros((1,), bool), key_data=jnp.zeros((1, 2), jnp.uint32),
-                steps=jnp.zeros((), jnp.int32))
+    cpu = jax.devices("cpu")[:1]
+    chain, _, _ = _programs(c, cpu, DecodeShape(1, 64, 0))
+    tree, _, _ = _programs(c, cpu, DecodeShape(2, 64, 0, tree_budget=8))
+    lowered = {name: chain[name] for name in ("decode_step", "plain_step", "draft", "verify",
+                                             "round")}
+    lowered["tree round"] = tree["round"]
     with jax.default_matmul_precision("default"):
-        texts = [ar_decode.lower(t_gd, t_abs, s, jnp.float32(0), jnp.asarray([-1]),
-                                 num_steps=jnp.int32(1)).as_text(),
-                 rnd.round_lower(*rnd.round_args).as_text()]
-    for text in texts:
+        texts = {name: lower(*args, **kw).as_text()
+                 for name, (lower, args, kw) in lowered.items()}
+    for name, text in texts.items():
         dots = _dot_precisions(text)
-        assert len(dots) > 4
+        assert len(dots) > 2, name
         highest = ["HIGHEST" in d for d in dots]
-        assert all(highest) if dtype == "float32" else not any(highest), dots[:2]
+        assert all(highest) if dtype == "float32" else not any(highest), (name, dots[:2])
 
 
 def test_the_policy_is_per_dtype():

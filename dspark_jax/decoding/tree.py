@@ -36,6 +36,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from dspark_jax.decoding.precision import precision_for
 from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.models import layers as L
 from dspark_jax.sharding import active_mesh
@@ -324,7 +325,8 @@ def _select(pool: dict[str, jax.Array], budget: int, c: int) -> dict[str, jax.Ar
 def _cell_probs(g: _Growth, anchor: jax.Array, state0: jax.Array, nodes: dict[str, jax.Array],
                 width: int) -> Callable[[], jax.Array]:
     """`DraftTree.probs`: q of every kept cell's children over `width` target ids, their
-    logits recomputed from the cells' tokens and states (zeros at depth γ)."""
+    logits recomputed from the cells' tokens and states (zeros at depth γ), the dots at the
+    precision of the drafter's compute dtype."""
     R, gamma = g.base.shape[:2]
     first = jnp.ones((R, 1), bool)
     cell_tokens = jnp.concatenate([anchor.astype(jnp.int32)[:, None], nodes["token"]], 1)
@@ -334,9 +336,10 @@ def _cell_probs(g: _Growth, anchor: jax.Array, state0: jax.Array, nodes: dict[st
     has_children = (jnp.concatenate([first, nodes["depth"] < gamma], axis=1)
                     & jnp.concatenate([first, nodes["valid"]], axis=1))
 
-    def q() -> jax.Array:
-        logits, _ = g.child_logits(_take(g.h, position), _take(g.base, position), cell_tokens,
-                                   cell_states)
+    def q() -> jax.Array:   # read where the drafter's precision context has ended
+        with precision_for(g.h.dtype):
+            logits, _ = g.child_logits(_take(g.h, position), _take(g.base, position),
+                                       cell_tokens, cell_states)
         probs = jnp.where(has_children[..., None], g.q(logits), 0.0).astype(jnp.float32)
         if g.vocab_ids is None:
             return probs
