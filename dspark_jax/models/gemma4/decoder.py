@@ -246,6 +246,13 @@ def _masks(cfg: DecoderConfig, positions_bt: jax.Array, cached: bool, S: int,
     return out
 
 
+def check_ragged(ragged: L.RaggedRows | None, cached: bool, batch: int) -> None:
+    """A ragged call (`ragged_forward`) needs a cache and one flattened row."""
+    if ragged is not None and (not cached or batch != 1):
+        raise ValueError("gemma4.forward: a ragged call needs a cache and one flattened row "
+                         f"(got batch {batch}, cache {'given' if cached else 'None'})")
+
+
 def forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig, tokens_bt: jax.Array,
             h: jax.Array, positions_bt: jax.Array,
             cache_kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None,
@@ -270,9 +277,7 @@ def forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig, tokens_bt: jax.
     B, T, D = h.shape
     eps = cfg.rms_norm_eps
     cached = cache_kv is not None
-    if ragged is not None and (not cached or B != 1):
-        raise ValueError("gemma4.forward: a ragged call needs a cache and one flattened row "
-                         f"(got batch {B}, cache {'given' if cached else 'None'})")
+    check_ragged(ragged, cached, B)
     S = cache_kv[0][0].shape[2] if cached else T
     if ragged is None:
         masks = _masks(cfg, positions_bt, cached, S, segment_ids_bt)

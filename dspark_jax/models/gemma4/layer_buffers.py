@@ -246,9 +246,7 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
     B, T, D = h.shape
     eps = cfg.rms_norm_eps
     cached = cache_kv is not None
-    if ragged is not None and (not cached or B != 1):
-        raise ValueError("gemma4.forward: a ragged call needs a cache and one flattened row "
-                         f"(got batch {B}, cache {'given' if cached else 'None'})")
+    G.check_ragged(ragged, cached, B)
     params = layers.layer_params(dtype)
     ple = (G.per_layer_inputs(layers, cfg, tokens_bt, h, dtype)
            if cfg.hidden_size_per_layer_input else None)
