@@ -10,11 +10,18 @@ fixed-shape numpy batches [b_local, S] for the jitted train step:
                                                  sampler, `data/deepspec_order.py`)
     per-host slice of every global batch      → host h takes rows [h·b, (h+1)·b) of each global
                                                  batch of B = batch_size rows, b = B / shard_count
-    pad (or pack) to max_length, then batch   → `to_iter_dataset()`: a checkpointable iterator
+    pad (or pack) to the batch width, batch   → `to_iter_dataset()`: a checkpointable iterator
 
 Each batch holds `input_ids`, `loss_mask`, `positions`, `segment_ids` (int32 [b, S]; segment 0 is
 padding) and, from a feature cache, `features` f32 [b, S, n·d] and `target_hidden` f32 [b, S, d]
 (zero-padded). Records longer than `max_length` are truncated (right).
+
+The width S is `pad_to`'s: "max_length" (default) pads every row to `max_length`, one static
+shape for every step; "longest" pads each global batch to its longest record rounded up to a
+multiple of `pad_multiple`, capped at `max_length` — DeepSpec's collator pads each micro-batch to
+its longest sample, which `pad_multiple=1` reproduces at the granularity of the global batch (the
+train step scans its micro-batches over one [m, B/m, S] array, so they share one width). The
+jitted step compiles once per width: at most ⌈max_length / pad_multiple⌉ shapes.
 
 Design decisions:
 - Everything is index arithmetic over a grain `MapDataset`, so the iterator state is one integer
@@ -28,6 +35,10 @@ Design decisions:
   Packed segments get `segment_ids` 1, 2, 3, … and `positions` restarting at 0.
 - `drop_remainder=False`: the last, partial global batch is completed with all-padding rows
   (loss_mask 0, segment_ids 0) so every batch keeps its static shape and every host its share.
+- "longest" reads the record lengths (a FeatureCache's manifest) and takes the width of global
+  batch k from the global plan, which every host computes alike: the hosts agree on the shape of
+  the global array without communicating, and the width is a function of k alone, so a resumed
+  iterator yields the same batches, shapes included.
 """
 
 from __future__ import annotations
@@ -50,6 +61,10 @@ from dspark_jax.data.prompts import Conversation
 
 Records = Sequence[Mapping[str, np.ndarray]] | FeatureCache
 ORDERS = ("grain", "deepspec")
+PAD_TO = ("max_length", "longest")
+# the default bucket: the target's flash-attention tile (`models.layers.FLASH_BLOCK`), so that an
+# online target forward over a "longest" batch keeps its kernels on a GPU or TPU
+DEFAULT_PAD_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +74,9 @@ class PipelineConfig:
     `prefetch`: grain ReadOptions (0 threads = read synchronously, best for in-memory records).
     `order` (with `shuffle`): "grain", grain's seeded shuffle; "deepspec", DeepSpec's sampler
     with seed `seed` (one record a row, full batches only), its micro-step j in the rows of
-    micro-batch j of `micro_batches` (`DeepSpecOrder`)."""
+    micro-batch j of `micro_batches` (`DeepSpecOrder`). `pad_to`: the row width, "max_length"
+    or "longest" (each global batch's longest record rounded up to a multiple of `pad_multiple`,
+    capped at `max_length`; one record a row, so `pack=False`)."""
 
     batch_size: int
     max_length: int
@@ -73,10 +90,20 @@ class PipelineConfig:
     prefetch: int = 2
     order: str = "grain"
     micro_batches: int = 1
+    pad_to: str = "max_length"
+    pad_multiple: int = DEFAULT_PAD_MULTIPLE
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if self.pad_to not in PAD_TO:
+            raise ValueError(f"pad_to must be one of {PAD_TO}, got {self.pad_to!r}")
+        if isinstance(self.pad_multiple, bool) or not isinstance(self.pad_multiple, int) \
+                or self.pad_multiple < 1:
+            raise ValueError(f"pad_multiple must be an integer >= 1, got {self.pad_multiple!r}")
+        if self.pad_to == "longest" and self.pack:
+            raise ValueError("pad_to 'longest' pads one record a row to its batch's longest; "
+                             "packed rows fill max_length: needs pack=False")
         if self.order == "deepspec" and (self.pack or not self.shuffle or not self.drop_remainder):
             raise ValueError("order 'deepspec' (DeepSpec's sampler) takes one record a row and "
                              "full batches: needs pack=False, shuffle=True, drop_remainder=True")
@@ -184,15 +211,16 @@ def steps_per_epoch(n_records: int, pc: PipelineConfig, *, lengths: Sequence[int
 
 
 class _RowBuilder:
-    """Makes one padded/packed row [S] from a unit (a tuple of record indices; () = all padding)."""
+    """Makes one padded/packed row [width] from a unit (a tuple of record indices; () = all
+    padding); records are truncated to `max_length`, then to the width."""
 
     def __init__(self, source: grain.MapDataset, max_length: int, feature_dims: tuple[int, int] | None):
         self.source = source
         self.S = max_length
         self.feature_dims = feature_dims
 
-    def __call__(self, unit: tuple[int, ...]) -> dict[str, np.ndarray]:
-        S = self.S
+    def __call__(self, unit: tuple[int, ...], width: int | None = None) -> dict[str, np.ndarray]:
+        S = self.S if width is None else width
         row = {k: np.zeros((S,), np.int32) for k in ("input_ids", "loss_mask", "positions", "segment_ids")}
         if self.feature_dims is not None:
             f, d = self.feature_dims
@@ -223,11 +251,8 @@ class _HostRows:
         self.order, self.units, self.n_units = order, units, n_units
         self.steps, self.B, self.b, self.h = steps, global_batch, local_batch, shard_index
 
-    def __call__(self, local_index: int) -> tuple[int, ...]:
-        per_epoch = self.steps * self.b
-        epoch, within = divmod(int(local_index), per_epoch)
-        step, slot = divmod(within, self.b)
-        pos = step * self.B + self.h * self.b + slot  # position in this epoch's unit order
+    def unit(self, epoch: int, pos: int) -> tuple[int, ...]:
+        """The unit at position `pos` of epoch `epoch`'s unit order (() past its end)."""
         if pos >= self.n_units:
             return ()  # filler row of the last, partial batch (grain would drop a None)
         if isinstance(self.order, DeepSpecOrder):
@@ -237,6 +262,47 @@ class _HostRows:
         else:
             u = pos
         return self.units[u] if self.units is not None else (u,)
+
+    def __call__(self, local_index: int) -> tuple[int, ...]:
+        per_epoch = self.steps * self.b
+        epoch, within = divmod(int(local_index), per_epoch)
+        step, slot = divmod(within, self.b)
+        return self.unit(epoch, step * self.B + self.h * self.b + slot)
+
+    def global_units(self, batch_index: int) -> list[tuple[int, ...]]:
+        """The units of every row of global batch `batch_index`, all hosts' rows."""
+        epoch, step = divmod(int(batch_index), self.steps)
+        return [self.unit(epoch, step * self.B + j) for j in range(self.B)]
+
+
+def batch_width(lengths: np.ndarray, max_length: int, pad_multiple: int) -> int:
+    """The row width `pad_to="longest"` gives a batch of records of `lengths`: the longest (each
+    capped at `max_length`) rounded up to a multiple of `pad_multiple`, capped at `max_length`."""
+    longest = max(1, min(int(np.max(lengths, initial=1)), max_length))
+    return min(max_length, -(-longest // pad_multiple) * pad_multiple)
+
+
+class _HostBatch:
+    """Local batch index (= global step, counted over epochs) → this host's batch [b, width]."""
+
+    def __init__(self, rows: _HostRows, build: _RowBuilder, pc: PipelineConfig,
+                 lengths: np.ndarray | None):
+        self.rows, self.build, self.pc, self.lengths = rows, build, pc, lengths
+
+    def width(self, batch_index: int) -> int:
+        if self.pc.pad_to == "max_length":
+            return self.pc.max_length
+        assert self.lengths is not None
+        units = [u for u in self.rows.global_units(batch_index) if u]
+        lengths = [sum(int(self.lengths[i]) for i in u) for u in units]
+        return batch_width(np.asarray(lengths, np.int64), self.pc.max_length,
+                           self.pc.pad_multiple)
+
+    def __call__(self, batch_index: int) -> dict[str, np.ndarray]:
+        width = self.width(batch_index)
+        b = self.rows.b
+        rows = [self.build(self.rows(batch_index * b + j), width) for j in range(b)]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def make_dataset(records: Records, pc: PipelineConfig, *, shard_index: int | None = None,
@@ -263,7 +329,7 @@ def make_dataset(records: Records, pc: PipelineConfig, *, shard_index: int | Non
     if "features" in first:
         feature_dims = (int(np.shape(first["features"])[-1]), int(np.shape(first["target_hidden"])[-1]))
 
-    lengths = record_lengths(records) if pc.pack else None
+    lengths = record_lengths(records) if pc.pack or pc.pad_to == "longest" else None
     units = _units(lengths, pc)
     n_units = len(units) if units is not None else n_records
     steps = steps_per_epoch(n_records, pc, lengths=lengths)
@@ -278,14 +344,12 @@ def make_dataset(records: Records, pc: PipelineConfig, *, shard_index: int | Non
     elif pc.shuffle:
         order = grain.MapDataset.range(n_units).shuffle(seed=_mixed_seed(pc.seed, "epoch"))
         order = order.repeat(pc.num_epochs)
-    n_local_rows = sys.maxsize if pc.num_epochs is None else pc.num_epochs * steps * local
-    n_local_rows -= n_local_rows % local
+    n_batches = sys.maxsize // local if pc.num_epochs is None else pc.num_epochs * steps
 
     source = grain.MapDataset.source(records)
-    ds = (grain.MapDataset.range(n_local_rows)
-          .map(_HostRows(order, units, n_units, steps, pc.batch_size, local, shard_index))
-          .map(_RowBuilder(source, pc.max_length, feature_dims))
-          .batch(local, drop_remainder=True))
+    rows = _HostRows(order, units, n_units, steps, pc.batch_size, local, shard_index)
+    build = _RowBuilder(source, pc.max_length, feature_dims)
+    ds = grain.MapDataset.range(n_batches).map(_HostBatch(rows, build, pc, lengths))
     options = grain.ReadOptions(num_threads=pc.read_threads, prefetch_buffer_size=pc.prefetch)
     return ds.to_iter_dataset(options)
 
@@ -310,4 +374,4 @@ def to_global_batch(local_batch: Mapping[str, np.ndarray],
 
 __all__ = ["PipelineConfig", "make_dataset", "records_from_conversations", "steps_per_epoch",
            "pack_rows", "record_lengths", "max_segments_per_row", "batch_sharding",
-           "to_global_batch"]
+           "to_global_batch", "batch_width", "PAD_TO", "DEFAULT_PAD_MULTIPLE"]

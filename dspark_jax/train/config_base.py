@@ -127,6 +127,14 @@ def get_base_config() -> ml_collections.ConfigDict:
         regen_seed=0,
         max_length=4096,           # training sequence length (right-padded / truncated)
         pack=False,
+        pad_to="max_length",       # row width: "max_length", every row padded (or packed) to
+                                   # max_length, one static shape; "longest", each global batch
+                                   # padded to its longest sample rounded up to pad_multiple,
+                                   # capped at max_length (needs pack=False; the step compiles
+                                   # once per width, at most ceil(max_length / pad_multiple));
+                                   # DeepSpec pads each micro-batch to its longest sample
+        pad_multiple=128,          # "longest"'s bucket: 1 pads to the exact longest as DeepSpec
+                                   # does; 128 keeps the target's flash-attention tiles
         features="online",         # "online": target runs inside the step; "offline": cached once
         feature_cache="",          # default: <workdir>/data/features
         feature_batch_size=8,

@@ -16,6 +16,7 @@ import ml_collections
 
 FEATURE_MODES = ("online", "offline")
 DATA_ORDERS = ("grain", "deepspec")
+PAD_TO = ("max_length", "longest")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -133,6 +134,15 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
     if c.data.order == "deepspec" and c.data.pack:
         bad("data.order", "'deepspec' orders one sample per row, as DeepSpec's sampler does; "
             "set data.pack=False")
+    if c.data.pad_to not in PAD_TO:
+        bad("data.pad_to", f"{c.data.pad_to!r} is not one of {PAD_TO}")
+    if (isinstance(c.data.pad_multiple, bool) or not isinstance(c.data.pad_multiple, int)
+            or c.data.pad_multiple < 1):
+        bad("data.pad_multiple", f"{c.data.pad_multiple!r} must be an integer ≥ 1 (1: each "
+            "batch padded to its exact longest sample)")
+    if c.data.pad_to == "longest" and c.data.pack:
+        bad("data.pad_to", "'longest' pads one sample a row to its batch's longest, packed rows "
+            "fill data.max_length; set data.pack=False or data.pad_to=max_length")
     t = c.train
     if t.global_batch_size < 1:
         bad("train.global_batch_size", "must be ≥ 1")

@@ -102,7 +102,8 @@ def schedule_length(c: ml_collections.ConfigDict, data: Any) -> tuple[Any, int, 
     gbs = c.train.global_batch_size
     pc = PipelineConfig(batch_size=gbs, max_length=c.data.max_length, pack=c.data.pack,
                         shuffle=True, seed=c.data.data_seed, num_epochs=None, drop_remainder=True,
-                        order=c.data.order, micro_batches=c.train.micro_batches)
+                        order=c.data.order, micro_batches=c.train.micro_batches,
+                        pad_to=c.data.pad_to, pad_multiple=c.data.pad_multiple)
     if len(data.records) < gbs:
         raise UsageError(f"{len(data.records)} training records make no global batch of {gbs}; "
                          "lower config.train.global_batch_size or add prompts")

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from dspark_jax.data.pipeline import (PipelineConfig, batch_sharding, make_dataset, pack_rows,
-                                      record_lengths, records_from_conversations, steps_per_epoch,
-                                      to_global_batch)
+from dspark_jax.data.pipeline import (PipelineConfig, batch_sharding, batch_width, make_dataset,
+                                      pack_rows, record_lengths, records_from_conversations,
+                                      steps_per_epoch, to_global_batch)
 
 N = 23
 TAG = 1000  # record i starts with token TAG + i, so every row says which records it holds
@@ -173,6 +173,83 @@ def test_config_errors():
         make_dataset([], PipelineConfig(batch_size=2, max_length=16), shard_index=0, shard_count=1)
     with pytest.raises(ValueError, match="lengths"):
         steps_per_epoch(N, PipelineConfig(batch_size=2, max_length=16, pack=True))
+
+
+def _with_features(recs: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    """The records with per-token `features` [L, 3] and `target_hidden` [L, 2] (a feature
+    cache's fields), nonzero on every real token."""
+    rng = np.random.default_rng(1)
+    return [dict(r, features=rng.random((len(r["input_ids"]), 3), np.float32) + 1,
+                 target_hidden=rng.random((len(r["input_ids"]), 2), np.float32) + 1) for r in recs]
+
+
+@pytest.mark.parametrize("multiple,max_length", [(1, 32), (8, 32), (8, 20)])
+def test_pad_to_longest_pads_each_global_batch_to_its_rounded_longest(multiple, max_length):
+    """pad_to "longest": each batch is as wide as its longest record (truncated to max_length)
+    rounded up to pad_multiple and capped at max_length; its real tokens, masks and features are
+    those of the max_length batch, which holds only padding beyond that width."""
+    recs = _with_features(_records())
+    kw = dict(batch_size=4, max_length=max_length, seed=3, num_epochs=2, drop_remainder=False)
+    full = list(make_dataset(recs, PipelineConfig(**kw), shard_index=0, shard_count=1))
+    got = list(make_dataset(recs, PipelineConfig(**kw, pad_to="longest", pad_multiple=multiple),
+                            shard_index=0, shard_count=1))
+    assert len(got) == len(full) == 2 * steps_per_epoch(N, PipelineConfig(**kw))
+    widths = []
+    for f, b in zip(full, got):
+        longest = min(max(len(recs[i]["input_ids"]) for i in _record_ids([f])), max_length)
+        width = min(max_length, -(-longest // multiple) * multiple)
+        assert b["input_ids"].shape == (4, width), (b["input_ids"].shape, longest)
+        assert int((b["segment_ids"] > 0).sum(axis=1).max()) == longest
+        for k in f:
+            assert b[k].dtype == f[k].dtype and b[k].shape[1] == width
+            np.testing.assert_array_equal(b[k], f[k][:, :width], err_msg=k)
+            assert not f[k][:, width:].any(), k
+        widths.append(width)
+    if max_length == 32:     # records are 3..20 tokens: the widths vary, none is max_length
+        assert len(set(widths)) > 1 and max(widths) < max_length, widths
+    else:                    # some batches capped at max_length, some below it
+        assert min(widths) < max_length == max(widths), widths
+    assert batch_width(np.array([5, 40]), 32, 8) == 32 and batch_width(np.array([9]), 32, 8) == 16
+
+
+@pytest.mark.parametrize("order", ["grain", "deepspec"])
+def test_pad_to_longest_agrees_across_hosts_and_resumes_exactly(order):
+    """Every host pads to the GLOBAL batch's longest (its own rows may all be shorter), so the
+    hosts' rows form the single-host global batch; a resumed iterator yields the same batches,
+    widths included."""
+    recs = _records()
+    pc = PipelineConfig(batch_size=4, max_length=24, seed=5, pad_to="longest", pad_multiple=4,
+                        order=order, micro_batches=2)
+    H = 2
+    glob = _take(make_dataset(recs, pc, shard_index=0, shard_count=1), 8)
+    hosts = [_take(make_dataset(recs, pc, shard_index=h, shard_count=H), 8) for h in range(H)]
+    short_host = 0       # steps where a host's own rows would round to a narrower width
+    for step, g in enumerate(glob):
+        for k in g:
+            np.testing.assert_array_equal(np.concatenate([h[step][k] for h in hosts]), g[k])
+        own = [batch_width((h[step]["segment_ids"] > 0).sum(axis=1), 24, 4) for h in hosts]
+        short_host += min(own) < g["input_ids"].shape[1]
+    assert len({g["input_ids"].shape[1] for g in glob}) > 1 and short_host > 0
+    it = iter(make_dataset(recs, pc, shard_index=1, shard_count=H))
+    for _ in range(3):
+        next(it)
+    state = it.get_state()
+    expected = [next(it) for _ in range(5)]    # crosses the epoch boundary (5 steps an epoch)
+    fresh = iter(make_dataset(recs, pc, shard_index=1, shard_count=H))
+    fresh.set_state(state)
+    for x, y in zip(expected, (next(fresh) for _ in range(5))):
+        assert all(x[k].shape == y[k].shape and np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_pad_options_are_checked():
+    with pytest.raises(ValueError, match="pad_to must be one of"):
+        PipelineConfig(batch_size=2, max_length=16, pad_to="shortest")
+    for bad in (0, -8, 1.5, True):
+        with pytest.raises(ValueError, match="pad_multiple must be an integer >= 1"):
+            PipelineConfig(batch_size=2, max_length=16, pad_to="longest", pad_multiple=bad)
+    with pytest.raises(ValueError, match="pad_to 'longest'.*pack=False"):
+        PipelineConfig(batch_size=2, max_length=16, pad_to="longest", pack=True)
+    PipelineConfig(batch_size=2, max_length=16, pad_to="max_length", pack=True)
 
 
 def test_to_global_batch_on_a_data_mesh():

@@ -137,6 +137,25 @@ def test_unknown_keys_and_bad_values_are_clear_errors(tiny):
         cli.parse_config(["p", "--config=configs/nope.py"])
 
 
+def test_padding_options_are_checked(tiny):
+    """data.pad_to / data.pad_multiple: a bad value names its field; "longest" with packing is
+    refused; "longest" with a bucket of 1 (DeepSpec's exact padding) parses."""
+    target, prompts, root = tiny
+    base = cli_args(target, root / "x", prompts)
+    cases = [("--config.data.pad_to=shortest", "data.pad_to.*not one of"),
+             ("--config.data.pad_multiple=0", "data.pad_multiple.*integer ≥ 1"),
+             ("--config.data.pad_multiple=-64", "data.pad_multiple.*integer ≥ 1")]
+    for arg, msg in cases:
+        with pytest.raises(cli.UsageError, match=msg):
+            cli.parse_config(base + [arg])
+    with pytest.raises(cli.UsageError, match="data.pad_to.*data.pack=False"):
+        cli.parse_config(base + ["--config.data.pad_to=longest", "--config.data.pack=True"])
+    c = cli.parse_config(base + ["--config.data.pad_to=longest", "--config.data.pad_multiple=1"])
+    assert (c.data.pad_to, c.data.pad_multiple) == ("longest", 1)
+    assert (cli.parse_config(base).data.pad_to, cli.parse_config(base).data.pad_multiple) == (
+        "max_length", 128)
+
+
 @pytest.mark.parametrize("arg,field", [("--config.draft.block_size=0", "block_size"),
                                        ("--config.draft.target_layer_ids=(0,3)", "target_layer_ids"),
                                        ("--config.draft.markov_rank=-2", "markov_rank"),
