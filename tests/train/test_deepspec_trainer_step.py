@@ -36,7 +36,10 @@ gradients (our first Adam moment after a first step is exactly (1 − β1)·g), 
 and the fp32 parameter updates after one step, after a second step (the schedule's next lr),
 and after a first step accumulated over two micro-batches (DeepSpec normalises each micro-step
 by its own Σw and divides by the accumulation count; ours with `micro_batches` = 2 and the
-"deepspec" loss normalisation).
+"deepspec" loss normalisation); and that accumulated step on micro-batches of different longest
+samples, which DeepSpec's collator pads each to its own longest (24 and 18 tokens) and our data
+pipeline with `pad_to="longest"` pads together to the global batch's longest rounded up to
+`pad_multiple` (32).
 
 Tolerances, fp32 on both sides with different reduction orders:
   * scalars rtol 2e-5;
@@ -98,6 +101,7 @@ from flax import nnx  # noqa: E402
 from torch.nn.attention.flex_attention import create_mask, flex_attention  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
+from dspark_jax.data.pipeline import PipelineConfig, make_dataset  # noqa: E402
 from dspark_jax.models import init_draft, load_target  # noqa: E402
 from dspark_jax.models.io.deepspec import deepspec_tensors_from_pure  # noqa: E402
 from dspark_jax.sharding import make_mesh  # noqa: E402
@@ -143,15 +147,18 @@ DEEPSPEC_MODEL_ARGS = {
 
 
 # ---------------------------------------------------------------------------- the data
-def _samples(target: Any, seed: int, n: int) -> list[dict[str, np.ndarray]]:
+def _samples(target: Any, seed: int, n: int,
+             lengths: tuple[int, ...] | None = None) -> list[dict[str, np.ndarray]]:
     """n samples (DeepSpec cache items, numpy): random ids, a prompt then an assistant reply
     (loss mask 1), some with a second turn (a hole in the mask) or few candidates, lengths ≤ S
-    with the even-numbered ones exactly S; target taps and final hidden states from our
-    target. Every loss mask is distinct (the anchor replay is keyed by it)."""
+    with the even-numbered ones exactly S (or `lengths`); target taps and final hidden states
+    from our target. Every loss mask is distinct (the anchor replay is keyed by it)."""
     rng = np.random.RandomState(seed)
     out = []
     for i in range(n):
         length = S if i % 2 == 0 else int(rng.randint(S - 7, S))
+        if lengths is not None:
+            length = lengths[i]
         ids = rng.randint(3, 98, length).astype(np.int64)
         lm = np.zeros(length, np.int64)
         prompt = 2 + (3 * i + seed) % 7
@@ -191,10 +198,12 @@ def _our_batch(samples: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 
 
 def _mask_key(row: np.ndarray) -> bytes:
-    """A padded loss-mask row as a lookup key (padding is zeros on both sides)."""
+    """A padded loss-mask row of any width as a lookup key (padding is zeros on both sides;
+    samples are at most S long)."""
     row = np.asarray(row) > 0.5
+    assert not row[S:].any()
     full = np.zeros(S, bool)
-    full[: row.shape[0]] = row
+    full[: min(S, row.shape[0])] = row[:S]
     return full.tobytes()
 
 
@@ -655,6 +664,43 @@ def accumulated(ds, drafters, target_dir, process_group, tmp_path_factory):
                     nu_ours=ours.adam("nu"), nu_theirs=theirs.adam("nu"))
 
 
+@pytest.fixture(scope="module")
+def accumulated_longest(ds, drafters, target_dir, process_group, tmp_path_factory):
+    """One DSpark optimizer step over two micro-batches of different longest samples: DeepSpec's
+    collator pads each micro-batch to its own longest (24 and 18 tokens); our data pipeline with
+    `pad_to="longest"`, `pad_multiple=16` pads the global batch to 32 (its longest, 24, rounded
+    up; max_length 64)."""
+    target, draft = drafters("dspark")
+    with pytest.MonkeyPatch.context() as mp:
+        ours = _build_ours(draft, 2, mp)
+        seen, checked = [], []
+        theirs = _build_theirs(ds, "dspark", tmp_path_factory.mktemp("longest"), target_dir,
+                               draft, 2, ours.drawn, mp, seen, checked)
+        p0_ours, p0_theirs = ours.tensors(ours.state.params), theirs.params()
+        samples = _samples(target, seed=30, n=2 * LOCAL_BATCH, lengths=(S, S - 3, S - 6, S - 8))
+        items = [{k: torch.from_numpy(v) for k, v in it.items()} for it in samples]
+        collate = theirs.trainer.data_collator_cls()
+        widths_theirs = [collate(items[i: i + LOCAL_BATCH])["input_ids"].shape[1]
+                         for i in range(0, len(items), LOCAL_BATCH)]
+        # DeepSpec's micro-step i takes items [2i, 2i + 1]; our micro-batch i is rows i, i + 2
+        records = [dict(input_ids=s["input_ids"].astype(np.int32),
+                        loss_mask=s["loss_mask"].astype(np.int32),
+                        features=s["target_hidden_states"],
+                        target_hidden=s["target_last_hidden_states"])
+                   for s in (samples[j] for j in (0, 2, 1, 3))]
+        pc = PipelineConfig(batch_size=2 * LOCAL_BATCH, max_length=64, shuffle=False,
+                            micro_batches=2, pad_to="longest", pad_multiple=16)
+        batch = next(iter(make_dataset(records, pc, shard_index=0, shard_count=1)))
+        m_ours = ours.step(batch)
+        m_theirs = theirs.step(items)
+        return dict(checked=checked, width_ours=batch["input_ids"].shape[1],
+                    widths_theirs=widths_theirs, p0_ours=p0_ours, p0_theirs=p0_theirs,
+                    m_ours=m_ours, m_theirs=m_theirs, clipped=theirs.clipped[-1],
+                    p_ours=ours.tensors(ours.state.params), p_theirs=theirs.params(),
+                    mu_ours=ours.adam("mu"), mu_theirs=theirs.adam("mu"),
+                    nu_ours=ours.adam("nu"), nu_theirs=theirs.adam("nu"))
+
+
 def _recast(draft: Any, target: Any, dtype: str) -> Any:
     """`draft`'s weights in a drafter of the same kind that computes in `dtype`."""
     other = init_draft(target, draft.config, seed=1, dtype=dtype)
@@ -845,3 +891,19 @@ def test_accumulated_step_equal(accumulated):
                                    a["nu_theirs"], 1, "accumulated step")
     _report("dspark accumulated", scalars=max(rel.values()), grad=g_err, nu=nu_err, update=u_err,
             left_to_moments=left)
+
+
+def test_accumulated_step_on_longest_padding_equal(accumulated_longest):
+    """`data.pad_to="longest"`: our step on the global batch padded to its rounded longest
+    equals DeepSpec's accumulated step on micro-batches each padded to its own longest."""
+    a = accumulated_longest
+    assert (a["width_ours"], a["widths_theirs"]) == (32, [S, S - 6])
+    assert len(a["checked"]) == 2
+    rel = _compare_scalars("dspark", a["m_ours"], a["m_theirs"])
+    grads = {n: mu / (1 - B1) for n, mu in a["mu_ours"].items()}
+    g_err = _compare_tensors(grads, a["clipped"], "clipped gradient")
+    nu_err = _compare_tensors(a["nu_ours"], a["nu_theirs"], "Adam second moment", atol=1e-14)
+    u_err, left = _compare_updates(a["p0_ours"], a["p_ours"], a["p0_theirs"], a["p_theirs"],
+                                   a["nu_theirs"], 1, "accumulated step, longest padding")
+    _report("dspark accumulated, longest padding", scalars=max(rel.values()), grad=g_err,
+            nu=nu_err, update=u_err, left_to_moments=left)
