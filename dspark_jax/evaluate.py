@@ -69,7 +69,8 @@ from dspark_jax.eval.dataset_runs import (decode_baseline, decode_datasets, mean
                                           pooled_calibration)
 from dspark_jax.eval.eval_config import (DEFAULT_BATCH_SIZE, DEFAULT_DATASETS,
                                          DEFAULT_MAX_NEW_TOKENS, DEFAULT_OUT_DIR,
-                                         DEFAULT_TEMPERATURE, EvalConfig)
+                                         DEFAULT_TEMPERATURE, EvalConfig,
+                                         config_from_fields)
 from dspark_jax.eval.model_loading import load_models
 from dspark_jax.eval.paper_table import paper_reference, paper_reference_for
 from dspark_jax.eval.results_document import (RESULTS_SCHEMA, results_document, run_config,
@@ -88,14 +89,16 @@ def evaluate(config: EvalConfig, *fields: Any, **named: Any) -> dict[str, Any]:
     the files listed in the module docstring to `config.out_dir` when it is set).
 
     Decoding runs through the serving engine (`dspark_jax.serving.Engine`, one slot per prompt
-    of a batch) with `config.engine_settings()`. `evaluate(target, draft, data_dir, **fields)`,
-    the `EvalConfig` fields as arguments, runs `EvalConfig(target, draft, data_dir, **fields)`.
+    of a batch) with `config.engine_settings()`.
 
     Raises `EvalDatasetError` for missing datasets, `ConfigError` for a drafter built for
-    another target, `ValueError` for bad settings.
+    another target, `ValueError` for bad settings. Deprecated, kept for existing callers:
+    `evaluate(target, draft, data_dir, **fields)`, the `EvalConfig` fields as arguments, runs
+    `evaluate(EvalConfig(target, draft, data_dir, **fields))` with a `DeprecationWarning`
+    (`eval_config.config_from_fields`; TypeError naming a keyword that is no field).
     """
     if not isinstance(config, EvalConfig):
-        config = EvalConfig(config, *fields, **named)
+        config = config_from_fields((config, *fields), named)
     elif fields or named:
         raise TypeError("evaluate(config) takes the EvalConfig alone")
     data_dir = Path(config.data_dir)

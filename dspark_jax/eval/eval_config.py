@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from dspark_jax.data.prompts import DEEPSPEC_EVAL_SEED, DEFAULT_EVAL_SAMPLES
@@ -20,8 +21,8 @@ from dspark_jax.eval.paper_table import PAPER_DATASETS, paper_reference_for
 if TYPE_CHECKING:
     from dspark_jax.serving.settings import EngineSettings
 
-__all__ = ["EvalConfig", "DEFAULT_DATASETS", "DEFAULT_MAX_NEW_TOKENS", "DEFAULT_TEMPERATURE",
-           "DEFAULT_BATCH_SIZE", "DEFAULT_OUT_DIR"]
+__all__ = ["EvalConfig", "config_from_fields", "DEFAULT_DATASETS", "DEFAULT_MAX_NEW_TOKENS",
+           "DEFAULT_TEMPERATURE", "DEFAULT_BATCH_SIZE", "DEFAULT_OUT_DIR"]
 
 #: The DeepSpec protocol's datasets in the column order of the paper's Table 1.
 DEFAULT_DATASETS: tuple[str, ...] = PAPER_DATASETS
@@ -108,6 +109,21 @@ class EvalConfig:
         if m == "default":
             return DEFAULT_EVAL_SAMPLES.get(name)
         return None if m is None or m == "all" else int(m)
+
+
+def config_from_fields(args: Sequence[Any], named: Mapping[str, Any]) -> EvalConfig:
+    """`EvalConfig(*args, **named)` for the deprecated call `evaluate(target, draft, data_dir,
+    **fields)`: TypeError naming every keyword that is not a field, else a `DeprecationWarning`
+    naming the call to write, `evaluate(EvalConfig(...))`."""
+    names = [f.name for f in dataclasses.fields(EvalConfig)]
+    unknown = sorted(set(named) - set(names))
+    if unknown:
+        raise TypeError(f"evaluate() got unexpected keyword argument(s) "
+                        f"{', '.join(map(repr, unknown))}: not EvalConfig fields")
+    shown = ", ".join(names[:len(args)] + [f"{k}=..." for k in named])
+    warnings.warn(f"evaluate() with EvalConfig fields as arguments is deprecated: pass "
+                  f"evaluate(EvalConfig({shown}))", DeprecationWarning, stacklevel=3)
+    return EvalConfig(*args, **named)
 
 
 def _check_max_samples(m: Any) -> None:

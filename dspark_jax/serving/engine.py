@@ -34,7 +34,6 @@ loop of device calls) is `serving.run_loop.Run`.
 
 from __future__ import annotations
 
-import dataclasses
 from operator import attrgetter
 from typing import Any, Callable, Sequence
 
@@ -49,24 +48,23 @@ from dspark_jax.serving.engine_spec import (EngineSpec, bucket_for, decoding_mod
                                             engine_spec)
 from dspark_jax.serving.records import HostSlots
 from dspark_jax.serving.run_loop import EngineResult, Request, Run as _Run, requests_for
-from dspark_jax.serving.settings import EngineSettings
+from dspark_jax.serving.settings import EngineSettings, with_fields
 
 
 class Engine:
     """Continuous-batching speculative decoding engine (see module docstring).
 
-    `Engine(target, draft, **kw)`: the keywords are the fields of `EngineSettings` (what each
-    does: its docstring), or pass `settings=`; they are validated before anything is built.
+    `Engine(target, draft, settings=EngineSettings(...))` (None: the defaults; what each field
+    does: `EngineSettings`); the settings are validated before anything is built. Deprecated:
+    `EngineSettings` fields as keywords, `Engine(target, draft, scheduler=...)`, which are
+    folded into the settings with a `DeprecationWarning` (`settings.with_fields`).
     The adaptive policy's learned state persists across `generate` calls; `reset_policy()`
     forgets it. `production`'s two-rounds-old capacity queue starts over with every call.
     """
 
     def __init__(self, target: Any, draft: Any = None, *,
-                 settings: EngineSettings | None = None, **kwargs: Any):
-        if settings is None:
-            settings = EngineSettings(**kwargs)
-        elif kwargs:
-            settings = dataclasses.replace(settings, **kwargs)
+                 settings: EngineSettings | None = None, **fields: Any):
+        settings = with_fields(settings, fields, caller="Engine")
         settings.validate().check_models(target, draft)
         self.target, self.draft = target, draft if settings.mode.drafts else None
         # prefill, decoding steps and verification run on the target in one layout, so the

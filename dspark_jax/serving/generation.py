@@ -13,6 +13,7 @@ Evaluation, calibration and `python -m dspark_jax.generate` decode through it.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,7 +21,7 @@ import numpy as np
 from dspark_jax.decoding.autoregressive import pad_prompts
 from dspark_jax.models.drafters.config import validate_against_target
 from dspark_jax.serving.engine import Engine
-from dspark_jax.serving.settings import EngineSettings
+from dspark_jax.serving.settings import EngineSettings, with_fields
 
 _PREFILL_BUCKET = 256
 _MAX_PREFILL_CHUNK = 8192
@@ -28,8 +29,9 @@ _MAX_PREFILL_CHUNK = 8192
 
 @dataclasses.dataclass(frozen=True)
 class SpecSettings:
-    """Sampling and verification settings `speculative_generate` also takes as `settings`: it
-    folds `verifier` into its `EngineSettings` and the rest into its keywords."""
+    """Deprecated: pass `settings=generation_settings(verifier=...)` and `top_k`, `top_p`,
+    `record_confidence` as keywords of `speculative_generate`. Given as its `settings`, a
+    `SpecSettings` is read that way, with a `DeprecationWarning`."""
 
     top_k: int = 0
     top_p: float = 1.0
@@ -70,21 +72,16 @@ def generation_settings(**fields: Any) -> EngineSettings:
     return EngineSettings(**{"scheduler": "fixed", "budget_rule": "deepspec", **fields})
 
 
-def _folded_settings(settings: EngineSettings | SpecSettings | None, fields: dict[str, Any],
-                     sampling: dict[str, Any]) -> EngineSettings:
-    """One `EngineSettings` from a call whose `settings` is a `SpecSettings` (its top-k, top-p
-    and `record_confidence` go to `sampling`) or whose `fields` are `EngineSettings` fields
-    given as keywords; TypeError for any other keyword."""
-    known = {f.name for f in dataclasses.fields(EngineSettings)}
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise TypeError(f"speculative_generate() got unexpected keyword arguments {unknown}")
-    if isinstance(settings, SpecSettings):
-        sampling.update(top_k=settings.top_k, top_p=settings.top_p,
-                        record_confidence=settings.record_confidence)
-        fields = {"verifier": settings.verifier, **fields}
-        settings = None
-    return dataclasses.replace(settings or generation_settings(), **fields)
+def _from_spec_settings(spec: SpecSettings, sampling: dict[str, Any]) -> EngineSettings:
+    """The `EngineSettings` of a `SpecSettings` given as `settings` (its top-k, top-p and
+    `record_confidence` go to `sampling`), with a `DeprecationWarning` naming the call to write."""
+    warnings.warn(f"speculative_generate(settings=SpecSettings(...)) is deprecated: pass "
+                  f"settings=generation_settings(verifier={spec.verifier!r}), "
+                  f"top_k={spec.top_k!r}, top_p={spec.top_p!r}, "
+                  f"record_confidence={spec.record_confidence!r}",
+                  DeprecationWarning, stacklevel=3)
+    sampling.update(top_k=spec.top_k, top_p=spec.top_p, record_confidence=spec.record_confidence)
+    return generation_settings(verifier=spec.verifier)
 
 
 def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int]], *,
@@ -104,17 +101,22 @@ def speculative_generate(target: Any, draft: Any, prompts: Sequence[Sequence[int
     prompt, the output and one verification of γ+1). `top_k` / `top_p`: every request's
     sampling (the target's and the drafter's distributions alike). `record_confidence`: return
     the confidence logits of every round. `progress`: a tqdm bar of the emitted tokens.
-    A `SpecSettings` as `settings`, or `EngineSettings` fields as keywords, are folded into
-    one `EngineSettings` (`_folded_settings`). Returns the generated ids per prompt and
-    per-round statistics (proposed/accepted counts and acceptance lengths in DeepSpec's
-    bookkeeping on stop tokens).
+    Returns the generated ids per prompt and per-round statistics (proposed/accepted counts
+    and acceptance lengths in DeepSpec's bookkeeping on stop tokens).
+
+    Deprecated, kept for existing callers with a `DeprecationWarning` naming the call to
+    write: `EngineSettings` fields as keywords (`speculative_generate(..., scheduler="none")`,
+    read as `settings=generation_settings(scheduler="none")`, or as
+    `dataclasses.replace(settings, ...)` beside `settings`), and a `SpecSettings` as
+    `settings`. A keyword that is neither a parameter nor a field raises TypeError naming it.
     """
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be ≥ 1")
     sampling = {"top_k": top_k, "top_p": top_p, "record_confidence": record_confidence}
-    if fields or not isinstance(settings, (EngineSettings, type(None))):
-        settings = _folded_settings(settings, fields, sampling)
-    settings = settings or generation_settings()
+    if isinstance(settings, SpecSettings):
+        settings = _from_spec_settings(settings, sampling)
+    settings = with_fields(settings, fields, caller="speculative_generate",
+                           default=generation_settings, spelled="generation_settings")
     check_compatible(target, draft)
     g = draft.config.num_drafts
     # validates the prompts; room for the prompt, the output and one verification of γ+1

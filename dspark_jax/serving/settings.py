@@ -1,15 +1,19 @@
 """The serving engine's settings (paper §3.2.2, §5.2–5.4; SPEC §8, §9): one frozen, validated
-object (`EngineSettings`), built from the keyword arguments of `Engine(target, draft, **kw)`.
+object (`EngineSettings`), the one way serving settings reach `Engine(target, draft,
+settings=...)` and `speculative_generate(..., settings=...)`.
 
 `validate()` checks what the settings say by themselves; `check_models(target, draft)` what
 they ask of the target and the drafter (a drafter for every mode but `none`, a confidence head
 for the modes that schedule on confidences, the vanilla Markov head for `sampler="pallas"`).
+`with_fields` is the deprecated keyword form of both callers: settings fields given as keywords
+are folded into one `EngineSettings` with a `DeprecationWarning` naming the call to write.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Sequence
 
 from dspark_jax.decoding.acceptance_rule import VERIFIERS
 from dspark_jax.decoding.draft_adapters import adapter_for
@@ -32,7 +36,7 @@ def check_verifier(verifier: str) -> None:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class EngineSettings:
-    """Every setting of `Engine` (the keywords of `Engine(target, draft, **kw)`).
+    """Every setting of `Engine` (`Engine(target, draft, settings=EngineSettings(...))`).
 
     Costs of the `adaptive` drafting choice (`serving.policy`): `draft_seconds` (the drafter's
     time per round) and `plain_seconds` (a plain decoding step), in the units of `sps`; when
@@ -209,3 +213,36 @@ class EngineSettings:
             raise ValueError(f"confidence_temperatures must be {gamma} positive floats (one "
                              f"per draft slot), got {temps}")
         return temps
+
+
+def with_fields(settings: EngineSettings | None, fields: Mapping[str, Any], *, caller: str,
+                default: Callable[[], EngineSettings] = EngineSettings,
+                spelled: str = "EngineSettings") -> EngineSettings:
+    """`settings` (None: `default()`) with `fields` replaced: the deprecated keyword form of
+    `caller` (`Engine`, `speculative_generate`), whose users pass `EngineSettings` fields as
+    keywords. Raises TypeError for `settings` that are no `EngineSettings` and naming every
+    keyword that is not a field; otherwise warns with a `DeprecationWarning` naming the call to
+    write instead (`spelled`: how the replacement's constructor is written, e.g.
+    "generation_settings"). No `fields`: `settings` unchanged."""
+    if settings is not None and not isinstance(settings, EngineSettings):
+        raise TypeError(f"{caller}(settings=...) takes an EngineSettings, got "
+                        f"{type(settings).__name__}")
+    if not fields:
+        return settings if settings is not None else default()
+    known = {f.name for f in dataclasses.fields(EngineSettings)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"{caller}() got unexpected keyword argument(s) "
+                        f"{', '.join(map(repr, unknown))}: neither a parameter of {caller}() "
+                        "nor an EngineSettings field")
+    shown = ", ".join(f"{k}={_short_repr(v)}" for k, v in fields.items())
+    call = (f"{spelled}({shown})" if settings is None
+            else f"dataclasses.replace(settings, {shown})")
+    warnings.warn(f"{caller}() with settings fields as keywords ({', '.join(fields)}) is "
+                  f"deprecated: pass settings={call}", DeprecationWarning, stacklevel=3)
+    return dataclasses.replace(settings if settings is not None else default(), **fields)
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else "..."
