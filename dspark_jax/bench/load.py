@@ -153,14 +153,15 @@ def engine_mode(mode: str) -> tuple[str, int]:
 def build_engine(target: Any, draft: Any, mode: str, c: int, prompts: list[list[int]],
                  a: argparse.Namespace) -> Any:
     """An engine with c slots for `mode`, compiled (warm-up) and run once over c prompts."""
-    from dspark_jax.serving import Engine
+    from dspark_jax.serving import Engine, EngineSettings
 
     scheduler, tree_budget = engine_mode(mode)
-    eng = Engine(target, draft if mode != "none" else None, max_requests=c,
-                 max_len=a.max_len, scheduler=scheduler, tree_budget=tree_budget,
-                 threshold=a.threshold,
-                 prefill_chunk=a.prefill_chunk, sampler=a.sampler, verifier=a.verifier,
-                 sps_cache_dir=a.sps_cache_dir, explore=a.explore)
+    settings = EngineSettings(max_requests=c, max_len=a.max_len, scheduler=scheduler,
+                              tree_budget=tree_budget, threshold=a.threshold,
+                              prefill_chunk=a.prefill_chunk, sampler=a.sampler,
+                              verifier=a.verifier, sps_cache_dir=a.sps_cache_dir,
+                              explore=a.explore)
+    eng = Engine(target, draft if mode != "none" else None, settings=settings)
     eng.warmup(max(len(x) for x in prompts) + a.max_new_tokens)
     eng.generate(prompts[:c], max_new_tokens=a.max_new_tokens, temperature=a.temperature)
     return eng

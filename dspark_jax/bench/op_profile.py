@@ -165,17 +165,17 @@ def summarise(events: list[Event], wall_s: float, steps: int, nbytes: float | No
 def run(a: argparse.Namespace) -> dict:
     from dspark_jax.bench.spec_round import plain_device_step_fn
     from dspark_jax.models import load_draft
-    from dspark_jax.serving import Engine, cost_profile
+    from dspark_jax.serving import Engine, EngineSettings, cost_profile
 
     target = build_target(a.target, a.dtype)
     kw = dict(max_requests=a.requests, max_len=a.max_len, stop_token_ids=[])
-    plain = Engine(target, None, scheduler="none", **kw)
+    plain = Engine(target, None, settings=EngineSettings(scheduler="none", **kw))
     plain_fn = plain_device_step_fn(plain, steps=a.steps)
     calls = {"plain step": (plain_fn, weight_bytes(target))}
     if a.draft:
         draft = load_draft(a.draft, target=target)
         g = int(draft.config.num_drafts)
-        eng = Engine(target, draft, scheduler="fixed", **kw)
+        eng = Engine(target, draft, settings=EngineSettings(scheduler="fixed", **kw))
         verify = cost_profile.verify_step_fn(eng, a.steps)
         drafting = cost_profile.draft_step_fn(eng, a.steps)
         calls |= {"verify K = 2": (lambda: verify(2), weight_bytes(target)),

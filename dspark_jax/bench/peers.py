@@ -6,7 +6,8 @@ Measured, for SmolLM2-135M-Instruct with f32 weights on every side (the embedded
 dequantized: ours by `read_gguf_checkpoint`; llama.cpp's F32 GGUF written by llama.cpp's own
 `llama_model_quantize`; vLLM reading a Hugging Face directory of the same fp32 tensors):
 
-- **dspark_jax engine**: `serving.Engine(target, None, scheduler="none")`, continuous batching;
+- **dspark_jax engine**: `serving.Engine` with `EngineSettings(scheduler="none")`, continuous
+  batching;
 - **dspark_jax autoregressive**: `decoding.autoregressive_generate`, the on-device loop;
 - **llama.cpp f32**: the llama.cpp of `llama-cpp-python==0.3.36` through its ctypes bindings,
   one sequence per prompt, one `llama_decode` of the whole batch per step;

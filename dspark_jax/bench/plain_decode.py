@@ -22,7 +22,7 @@ import numpy as np
 from dspark_jax.bench.common import build_target, device_name, host_facts, median, print_table, \
     save_json
 from dspark_jax.decoding.autoregressive import autoregressive_generate
-from dspark_jax.serving import Engine
+from dspark_jax.serving import Engine, EngineSettings
 
 
 def _prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -48,9 +48,10 @@ def time_both(target: Any, prompts: list[list[int]], max_new: int, repeats: int,
     longest = max(map(len, prompts))
     ar_s, ar_out = _timed(lambda: autoregressive_generate(
         target, prompts, max_new_tokens=max_new, stop_token_ids=[]), repeats)
-    eng = Engine(target, None, scheduler="none", max_requests=len(prompts),
-                 max_len=-(-(longest + max_new + 2) // 64) * 64, stop_token_ids=[],
-                 plain_steps_per_call=steps_per_call, prefill_chunk=max(128, longest))
+    eng = Engine(target, None, settings=EngineSettings(
+        scheduler="none", max_requests=len(prompts),
+        max_len=-(-(longest + max_new + 2) // 64) * 64, stop_token_ids=[],
+        plain_steps_per_call=steps_per_call, prefill_chunk=max(128, longest)))
     eng_s, eng_res = _timed(lambda: eng.generate(prompts, max_new_tokens=max_new), repeats)
     return ar_s, ar_out, eng_s, eng_res
 

@@ -10,11 +10,11 @@ what the first pass stored):
   against Hugging Face transformers' `generate` on the same chat-rendered prompts, same batch and
   new-token cap (static left-padded batches, in its own process, model loading excluded:
   `bench.regenerate.run_transformers`). Bar: ours ≤ theirs (ratio ≥ 1).
-- **engine**: `Engine(target, draft, scheduler="fixed")` (default settings otherwise) built and
-  run once on `--engine-prompts` prompts × `--engine-new-tokens` greedy tokens, construction and
-  compilation included, model loading excluded, against DeepSpec's own batch-1 loop
-  (`interop.deepspec_loop`, PyTorch) on the same prompts with the DeepSpec-format export of the
-  same drafter, model loading excluded. Bar: ours ≥ 1.5× faster.
+- **engine**: `Engine(target, draft, settings=EngineSettings(scheduler="fixed"))` (default
+  settings otherwise) built and run once on `--engine-prompts` prompts × `--engine-new-tokens`
+  greedy tokens, construction and compilation included, model loading excluded, against
+  DeepSpec's own batch-1 loop (`interop.deepspec_loop`, PyTorch) on the same prompts with the
+  DeepSpec-format export of the same drafter, model loading excluded. Bar: ours ≥ 1.5× faster.
 
 Every job's process counts the XLA programs it compiles with `jax.monitoring`'s events
 (`/jax/core/compile/backend_compile_duration` per program, less the persistent cache's hits,
@@ -144,9 +144,10 @@ def child_transformers(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_engine(a: argparse.Namespace) -> dict[str, Any]:
-    """Engine(scheduler="fixed") built and run once, counted per phase (loading excluded)."""
+    """An engine with `EngineSettings(scheduler="fixed")` built and run once, counted per
+    phase (loading excluded)."""
     from dspark_jax.models import load_draft, load_target
-    from dspark_jax.serving import Engine
+    from dspark_jax.serving import Engine, EngineSettings
 
     counter, phases = CompileCounter(), {}
     with counter.phase("load", phases):
@@ -154,7 +155,7 @@ def child_engine(a: argparse.Namespace) -> dict[str, Any]:
         draft = load_draft(a.draft, target)
         prompts = read_prompts(a.prompt_file, a.engine_prompts, target.tokenizer)
     with counter.phase("construct", phases):
-        eng = Engine(target, draft, scheduler="fixed")
+        eng = Engine(target, draft, settings=EngineSettings(scheduler="fixed"))
     with counter.phase("generate", phases):
         res = eng.generate(prompts, max_new_tokens=a.engine_new_tokens)
     return {"phases": phases, "tau": res.tau, "tokens": res.tokens}

@@ -335,19 +335,19 @@ def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileTimes)
     plain decoding, each device call once (verify at each K, draft, sequential stage;
     round-robin), then `a.rounds` rounds of the `fixed` engine. Each pass's `round_seconds`
     prefills its requests again (untimed)."""
-    from dspark_jax.serving import Engine
+    from dspark_jax.serving import Engine, EngineSettings
 
     g, C = int(draft.config.num_drafts), int(a.context)
     rng = np.random.RandomState(0)
     prompts = [list(rng.randint(0, target.config.vocab_size - 1, C)) for _ in range(R)]
     max_len = C + (a.rounds + 2) * (g + 1) + 2 * g + 8
     kw = dict(max_requests=R, max_len=max_len, prefill_chunk=min(C * R, 512),
-              stop_token_ids=[])
+              stop_token_ids=[])   # the settings every engine here shares
     interpreted = jax.default_backend() not in ("gpu", "tpu")
     T = a.temperature
 
-    plain = Engine(target, None, scheduler="none", **kw)
-    eng = Engine(target, draft, scheduler="fixed", **kw)
+    plain = Engine(target, None, settings=EngineSettings(scheduler="none", **kw))
+    eng = Engine(target, draft, settings=EngineSettings(scheduler="fixed", **kw))
     ks = per_request_ks(g, a.verify_ks)
     verify, drafting = cost_profile.verify_step_fn(eng), cost_profile.draft_step_fn(eng)
     calls = {"plain_device": plain_device_step_fn(plain)}
@@ -376,8 +376,8 @@ def anatomy(target, draft, R: int, a: argparse.Namespace, counter: CompileTimes)
     if not a.no_pallas_rows and jax.default_backend() in OFFERED_BACKENDS:
         for sampler, verifier in ENGINE_ROWS[1:]:
             n = min(a.rounds, 3) if interpreted else a.rounds
-            e2 = Engine(target, draft, scheduler="fixed", sampler=sampler, verifier=verifier,
-                        **kw)
+            e2 = Engine(target, draft, settings=EngineSettings(
+                scheduler="fixed", sampler=sampler, verifier=verifier, **kw))
             rows.append(dict(sampler=sampler, verifier=verifier, rounds=n,
                              round_ms=1e3 * median(round_seconds(e2, prompts, n, temperature=T)),
                              interpreted=interpreted))
@@ -402,10 +402,11 @@ def tree_anatomy(target, draft, prompts, budget: int, a: argparse.Namespace, kw:
     """A draft-tree round of `budget` nodes a request (engine `fixed`): its draft call, the
     chain's verification step at the same R·(N+1) tokens and the whole round, ms (medians of
     `a.repeats` passes)."""
-    from dspark_jax.serving import Engine
+    from dspark_jax.serving import Engine, EngineSettings
 
     R = len(prompts)
-    eng = Engine(target, draft, scheduler="fixed", tree_budget=budget, **kw)
+    eng = Engine(target, draft, settings=EngineSettings(scheduler="fixed", tree_budget=budget,
+                                                        **kw))
     calls = {"draft": functools.partial(cost_profile.draft_step_fn(eng), 0),
              "verify": functools.partial(cost_profile.verify_step_fn(eng), R * (budget + 1))}
     samples: dict[str, list[float]] = {"draft": [], "verify": [], "round": []}
