@@ -15,7 +15,7 @@ DeepSpec's bookkeeping (its ``generate_decoding_sample`` / ``verify_draft_tokens
 The rounds themselves must be DeepSpec's too: its loop runs ``while start < max_length``, i.e. a
 request runs another full-block round while it has emitted at most ``max_new_tokens`` tokens
 (one more round than needed when a round ends exactly on the budget) and the output is truncated
-afterwards. ``serving.Engine(..., budget_rule="deepspec")`` does this, as
+afterwards. ``serving.EngineSettings(budget_rule="deepspec")`` does this, as
 ``serving.speculative_generate`` and ``dspark_jax.evaluate`` use it.
 
 Statistics (DeepSpec conventions, pooled over the dataset; identical to its evaluator's

@@ -17,8 +17,8 @@ drafts); "adaptive" the same schedule with the drafter's cost in the search's ob
 drafting choice of `serving.policy.DraftPolicy` (a round may decode plainly instead).
 
 A new mode is one subclass of `SchedulerMode` (decorated `@dataclasses.dataclass(frozen=True)`,
-its parameters as fields): pass an instance as `Engine(target, draft, scheduler=mode)`; listed
-in `BUILTIN_MODES` it is also known by its `name`. Modes are looked up by name once, where
+its parameters as fields): pass an instance as `EngineSettings(scheduler=mode)`; listed in
+`BUILTIN_MODES` it is also known by its `name`. Modes are looked up by name once, where
 settings arrive as strings (`scheduler_mode`); the object is passed on from there.
 """
 
