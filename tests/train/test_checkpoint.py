@@ -438,3 +438,27 @@ def test_another_process_count_is_refused_naming_both(target, tmp_path, monkeypa
     assert (tmp_path / "ck" / "2").is_dir() and not list((tmp_path / "ck").glob("*.corrupt*"))
     assert ck2.restore(abstract_storable(state, sh)).step == 2
     ck2.close()
+
+
+@pytest.mark.slow
+def test_longest_padding_run_resumes_exactly(tiny_run, tmp_path):
+    """`data.pad_to=longest`: a run SIGTERMed after step 5 resumes to exactly the uninterrupted
+    run (each batch's width is a function of its step), and its batches are the default run's
+    records, some in rows narrower than max_length (other fingerprints)."""
+    tgt, data, cache, default = tiny_run
+    opts = ("--config.data.pad_to=longest", "--config.data.pad_multiple=8")
+    ref = tmp_path / "uninterrupted"
+    a = _train(tgt, ref, data, cache, *opts)
+    assert a.returncode == 0, a.stderr[-3000:]
+    run = tmp_path / "preempted"
+    b = _train(tgt, run, data, cache, *opts, "--config.debug.sigterm_at_step=5")
+    assert b.returncode == 0, (b.returncode, b.stderr[-3000:])
+    c = _train(tgt, run, data, cache, *opts)
+    assert c.returncode == 0, c.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 5
+    _assert_same_run(ref, run)
+    cands = lambda w: [r["valid_anchors_abs"] for r in read_jsonl(w / "metrics.jsonl")
+                       if "valid_anchors_abs" in r]
+    assert len(cands(ref)) == 10 and cands(ref) == cands(default)   # the same records each step
+    narrower = [s for s, h in _batches(ref).items() if h != _batches(default)[s]]
+    assert narrower, "no batch narrower than max_length"
