@@ -55,7 +55,7 @@ from dspark_jax.data.prompt_sources import PROMPT_SOURCES, load_named_prompts
 from dspark_jax.data.prompts import Conversation, Message, load_conversations, read_eval_file
 from dspark_jax.decoding.autoregressive import ar_decode, pad_prompts, prefilled_state
 from dspark_jax.decoding.stops import stop_array
-from dspark_jax.serving import Engine, Request
+from dspark_jax.serving import Engine, EngineSettings, Request
 
 log = logging.getLogger(__name__)
 
@@ -393,9 +393,9 @@ def _run_refill(target: Any, todo: list[_Conv], replay: _Replay, finish: Callabl
                 limit: int) -> None:
     """Continuous batching on the serving engine's plain decoding (`Engine.serve`,
     scheduler "none"): a conversation's next turn is queued as soon as its reply ends."""
-    engine = Engine(target, None, scheduler="none", max_requests=batch_size,
-                    max_len=limit + max_new_tokens + 1, stop_token_ids=stops,
-                    plain_steps_per_call=_STEPS_PER_CALL)
+    engine = Engine(target, None, settings=EngineSettings(
+        scheduler="none", max_requests=batch_size, max_len=limit + max_new_tokens + 1,
+        stop_token_ids=stops, plain_steps_per_call=_STEPS_PER_CALL))
 
     def request(i: int, k: int) -> list[Request]:
         c = todo[i]

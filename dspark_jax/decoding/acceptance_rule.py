@@ -135,7 +135,7 @@ def pallas_verify(key: jax.Array, target_probs: jax.Array, draft_probs: jax.Arra
                          **mode)
 
 
-# the rules the engine's round verifies with, by name (`Engine(verifier=...)`)
+# the rules the engine's round verifies with, by name (`EngineSettings(verifier=...)`)
 VERIFIERS: dict[str, Verifier] = {"jax": rejection_verify_with_uniforms,
                                   "pallas": pallas_verify_with_uniforms}
 

@@ -140,8 +140,6 @@ _PARAMETERS = {
     "speculative_generate": {"max_new_tokens", "settings", "temperature", "seed", "top_k",
                              "top_p", "max_cache_len", "record_confidence", "progress"},
 }
-# callers outside the files this change may edit; each is listed until it passes settings=
-_PENDING = {"dspark_jax/data/regeneration.py"}
 
 
 def _keyword_forms(path: pathlib.Path) -> list[str]:
@@ -165,8 +163,6 @@ def test_the_library_passes_settings_one_way():
     for path in sorted((ROOT / "dspark_jax").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         found = _keyword_forms(path)
-        if found and rel not in _PENDING:
+        if found:
             offenders[rel] = found
     assert not offenders
-    for rel in _PENDING:
-        assert _keyword_forms(ROOT / rel), f"{rel} passes settings= now: drop it from _PENDING"
