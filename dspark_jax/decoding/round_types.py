@@ -2,7 +2,8 @@
 §8, §9): one static `RoundConfig`, the per-engine arrays (`EngineArrays`), the device state of
 the request slots (`EngineState`) with what the host sets per slot (`SlotSettings`), and the
 typed outputs of each part of a round — drafting (`DraftOutputs`), verification (`RoundOutputs`,
-`CommitWrites`) and whole device calls of rounds (`RoundRecord`, `RoundsResult`).
+`CommitWrites`) and whole device calls of rounds (`RoundRecord`, `PackedRecords`,
+`RoundsResult`).
 
 A round program is a pure function of these, state in and state out, as Gemma's sampling loop
 (`gm/text/_sampler_loop.py`): static settings in a frozen, hashable config passed as a static
@@ -12,6 +13,7 @@ jit argument, everything else a pytree.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import flax.struct
@@ -260,10 +262,62 @@ class RoundRecord:
 
 
 @flax.struct.dataclass
-class RoundsResult:
-    """A device call of rounds: its records (leading axis: the call's most rounds; entries past
-    `rounds` are fill), how many rounds ran and the schedule it ends with."""
+class PackedRecords:
+    """A call's round records as one [rounds, F] buffer per kind of number: int32 (the bool
+    fields as 0 / 1) and float32. A round stores its record as one row of each, two in-place
+    updates where a field at a time takes one kernel a field; `unpack` gives the stacked
+    `RoundRecord` back, on the host (numpy) or on device. `layout`: the record's tree and, per
+    field, its shape in a round, dtype, buffer (0 ints, 1 floats) and first column."""
 
-    records: RoundRecord
+    ints: jax.Array                        # [rounds, Fi] int32
+    floats: jax.Array                      # [rounds, Ff] float32
+    layout: tuple = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def zeros(cls, stacked: RoundRecord) -> "PackedRecords":
+        """Zero buffers for records shaped as `stacked` (arrays or ShapeDtypeStructs
+        [rounds, …], e.g. `jax.eval_shape` of `RoundRecord.zeros`)."""
+        leaves, treedef = jax.tree.flatten(stacked)
+        fields, widths = [], [0, 0]
+        for leaf in leaves:
+            group = int(jnp.issubdtype(leaf.dtype, jnp.floating))
+            fields.append((tuple(leaf.shape[1:]), jnp.dtype(leaf.dtype).name, group,
+                           widths[group]))
+            widths[group] += math.prod(leaf.shape[1:])
+        rounds = leaves[0].shape[0]
+        return cls(ints=jnp.zeros((rounds, widths[0]), jnp.int32),
+                   floats=jnp.zeros((rounds, widths[1]), jnp.float32),
+                   layout=(treedef, tuple(fields)))
+
+    def set(self, i: jax.Array, record: RoundRecord) -> "PackedRecords":
+        """The records with round `i`'s row set to `record` (one round's fields)."""
+        rows: tuple[list[jax.Array], list[jax.Array]] = ([], [])
+        for leaf, (_, _, group, _) in zip(jax.tree.leaves(record), self.layout[1]):
+            rows[group].append(jnp.ravel(leaf).astype((jnp.int32, jnp.float32)[group]))
+        ints = self.ints.at[i].set(jnp.concatenate(rows[0])) if rows[0] else self.ints
+        floats = self.floats.at[i].set(jnp.concatenate(rows[1])) if rows[1] else self.floats
+        return self.replace(ints=ints, floats=floats)
+
+    def unpack(self) -> RoundRecord:
+        """The stacked `RoundRecord` [rounds, …] (numpy where the buffers are)."""
+        treedef, fields = self.layout
+        rounds = self.ints.shape[0]
+        leaves = [(self.ints, self.floats)[group][:, first:first + math.prod(shape)]
+                  .reshape(rounds, *shape).astype(dtype)
+                  for shape, dtype, group, first in fields]
+        return jax.tree.unflatten(treedef, leaves)
+
+
+@flax.struct.dataclass
+class RoundsResult:
+    """A device call of rounds: its records (`packed`; leading axis: the call's most rounds;
+    entries past `rounds` are fill), how many rounds ran and the schedule it ends with."""
+
+    packed: PackedRecords
     rounds: jax.Array                      # () int32
     schedule: ScheduleState | None = None
+
+    @property
+    def records(self) -> RoundRecord:
+        """The call's records, stacked over its rounds."""
+        return self.packed.unpack()

@@ -45,9 +45,9 @@ from dspark_jax.decoding.draft_adapters import Proposal, adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.round_types import (DraftChoice, DraftOutputs, EngineArrays,
-                                             EngineState, RoundConfig, RoundOutputs,
-                                             RoundRecord, RoundsResult, ScheduleRecord,
-                                             ScheduleState, SlotSettings)
+                                             EngineState, PackedRecords, RoundConfig,
+                                             RoundOutputs, RoundRecord, RoundsResult,
+                                             ScheduleRecord, ScheduleState, SlotSettings)
 from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.decoding.tree_verification import verify_tree
 from dspark_jax.decoding.verification import (commit, no_writes, row_keys, row_uniforms,
@@ -272,7 +272,7 @@ class _Loop:
     done: jax.Array              # [R] bool: finished in this call
     schedule: ScheduleState | None
     index: jax.Array             # () int32 rounds run
-    records: RoundRecord         # [max_rounds, …]
+    records: PackedRecords       # [max_rounds, …]
 
 
 # one round: (state, slots, schedule) → (state, its record, schedule)
@@ -280,7 +280,7 @@ OneRound = Callable[[EngineState, SlotSettings, Any], tuple[EngineState, RoundRe
 
 
 def _round_loop(one_round: OneRound, state: EngineState, slots: SlotSettings,
-                schedule: ScheduleState | None, records: RoundRecord, num_rounds: jax.Array,
+                schedule: ScheduleState | None, records: PackedRecords, num_rounds: jax.Array,
                 min_done: jax.Array,
                 proceed: Callable[[ScheduleState, jax.Array], jax.Array] | None = None
                 ) -> tuple[EngineState, RoundsResult]:
@@ -289,7 +289,7 @@ def _round_loop(one_round: OneRound, state: EngineState, slots: SlotSettings,
     them between single rounds. Stops when no slot is live, after `num_rounds` (≤ the records'
     length) rounds, once `min_done` slots finished, or before a round after the first for which
     `proceed(schedule, live)` is False."""
-    max_rounds = records.live.shape[0]
+    max_rounds = records.ints.shape[0]
 
     def cond(loop: _Loop) -> jax.Array:
         more = (jnp.any(loop.slots.active)
@@ -306,15 +306,14 @@ def _round_loop(one_round: OneRound, state: EngineState, slots: SlotSettings,
         slots = loop.slots._replace(active=live & ~finished,
                                     remaining=loop.slots.remaining - record.outputs.n_emit,
                                     counter=loop.slots.counter + live.astype(jnp.int32))
-        records = jax.tree.map(lambda every, one: every.at[loop.index].set(
-            one.astype(every.dtype)), loop.records, record)
+        records = loop.records.set(loop.index, record)
         return _Loop(state=state, slots=slots, done=loop.done | finished, schedule=schedule,
                      index=loop.index + 1, records=records)
 
     start = _Loop(state=state, slots=slots, done=jnp.zeros_like(slots.active, bool),
                   schedule=schedule, index=jnp.zeros((), jnp.int32), records=records)
     loop = jax.lax.while_loop(cond, body, start)
-    return loop.state, RoundsResult(records=loop.records, rounds=loop.index,
+    return loop.state, RoundsResult(packed=loop.records, rounds=loop.index,
                                     schedule=loop.schedule)
 
 
@@ -374,8 +373,9 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
                                    jnp.sum(live), choice.ratio(), arrays.sps_draft,
                                    choice.plain_sps, config.tree_budget or num_drafts)
 
-    records = RoundRecord.zeros(config.rounds_per_call, num_slots, num_drafts,
-                                num_drafts + 1, scheduled=True)
+    records = PackedRecords.zeros(jax.eval_shape(functools.partial(
+        RoundRecord.zeros, config.rounds_per_call, num_slots, num_drafts, num_drafts + 1,
+        scheduled=True)))
     return _round_loop(one_round, state, slots, schedule, records, num_rounds, min_done,
                        proceed=None if schedule.choice is None else drafting_pays)
 
@@ -403,7 +403,8 @@ def anchor_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineState,
         return (commit(arrays, current, slots, writes),
                 RoundRecord(live=slots.active, outputs=outputs), schedule)
 
-    records = RoundRecord.zeros(config.plain_rounds_per_call, num_slots, 0, 1, scheduled=False)
+    records = PackedRecords.zeros(jax.eval_shape(functools.partial(
+        RoundRecord.zeros, config.plain_rounds_per_call, num_slots, 0, 1, scheduled=False)))
     return _round_loop(one_round, state, slots, None, records, num_rounds, min_done)
 
 
