@@ -314,7 +314,7 @@ def test_h200_decode_step_launches_at_most_twelve_kernels_a_layer(tmp_path):
     sampling a few kernels a draft slot. No weight is copied."""
     from hf_tiny import save_tiny_hf
 
-    kernels, drafter = {}, {}
+    kernels, drafter, chain = {}, {}, {}
     for layers, draft_layers in ((2, 1), (4, 3)):
         path = save_tiny_hf(tmp_path / f"l{layers}", "qwen3", head_dim=128, layers=layers)
         out = tmp_path / f"l{layers}.json"
@@ -332,11 +332,18 @@ def test_h200_decode_step_launches_at_most_twelve_kernels_a_layer(tmp_path):
         # XLA's ops takes about forty)
         assert progs["draft"]["drafting_head_kernels"] <= 12 * report["gamma"], progs["draft"]
         kernels[layers] = progs["decode_step"]["kernels_per_step"]
+        chain[layers] = progs["decode_step"]["target_layer_chain"]
+        assert (progs["decode_step"]["outside_layer_kernels"]
+                + chain[layers] * layers == pytest.approx(kernels[layers]))
         drafter[draft_layers] = progs["draft"]["drafter_layer_kernels"]
         assert progs["draft"]["kernels_per_layer"] == pytest.approx(
             drafter[draft_layers] / draft_layers)
     per_layer = (kernels[4] - kernels[2]) / 2
     assert 8 <= per_layer <= 12, kernels
+    # the report's chain (the kernels its source attributes to the layer function) grows by
+    # exactly what one more layer adds; the first layer holds a kernel or two more
+    assert chain[4] * 4 - chain[2] * 2 == pytest.approx(2 * per_layer), (chain, per_layer)
+    assert all(0 <= c * n - per_layer * n <= 2 for n, c in chain.items()), (chain, per_layer)
     assert 8 <= (drafter[3] - drafter[1]) / 2 <= 12, drafter
 
 

@@ -408,15 +408,33 @@ class Program:
                 # a move into on-chip memory (a TPU prefetch) writes no HBM: not a copy
                 copy = moves_only and bool(flat) and written > 0
                 origin[ins.name] = [flat if copy else _NONE] * n_out
-                frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
-                frames = self.frames.get(int(frame.group(1)), ()) if frame else ()
                 called = [self.comps[c] for c in ins.called() if c in self.comps]
+                frames = self._frames_of(ins, called)
                 self.kernels.append(Kernel(comp.name, ins.name, ins.opcode, ins.shape, times,
                                            read, written, copy, sorted(flat) if copy else [],
                                            kernel_kind(ins, frames, called, self.comps),
                                            frames))
                 moved += (read + written) * times
         return moved
+
+    def _frames_of(self, ins: Instr, called: list["Computation"]) -> tuple[str, ...]:
+        """The Python functions `ins` came from: its own stack frame, or for a fusion the
+        compiler wrote without one (XLA's split-K GEMMs), the first of its instructions'."""
+        frame = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+        if frame:
+            return self.frames.get(int(frame.group(1)), ())
+        stack, seen = list(called), set()
+        while stack:
+            c = stack.pop(0)
+            if c.name in seen:
+                continue
+            seen.add(c.name)
+            for i in c.instrs:
+                frame = re.search(r"stack_frame_id=(\d+)", i.attrs)
+                if frame:
+                    return self.frames.get(int(frame.group(1)), ())
+                stack.extend(self.comps[n] for n in i.called() if n in self.comps)
+        return ()
 
     def _chosen_branch(self, ins: Instr, src: list[Origin], times: int) -> float:
         """Walks each branch of a conditional and keeps the kernels of the costliest (or, with
@@ -570,10 +588,17 @@ class Program:
     def kernels_within(self, function: str) -> int:
         """Kernels a step launched from inside the Python function `function` (a method
         matched by its own name: "backbone" is `DSparkDraft.backbone`)."""
-        def within(k: Kernel) -> bool:
-            return any(f == function or f.endswith("." + function) for f in k.functions)
+        def within(functions: tuple[str, ...]) -> bool:
+            return any(f == function or f.endswith("." + function) for f in functions)
 
-        return sum(k.times for k in self.kernels if within(k))
+        # a kernel the compiler wrote with no source at all (a deduplicated split-K GEMM, its
+        # sum) runs where its neighbour in the schedule before it runs
+        count, last = 0, ("", ())
+        for k in self.kernels:
+            functions = k.functions or (last[1] if last[0] == k.computation else ())
+            last = (k.computation, functions)
+            count += k.times if within(functions) else 0
+        return count
 
     def top_kernels(self, n: int = 10) -> list[dict[str, Any]]:
         """The `n` kernels that move the most bytes a step."""

@@ -198,7 +198,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     params = stack.layer_params(dtype)
     eps = cfg.rms_norm_eps
 
-    def body(carry, xs):
+    def ragged_body(carry, xs):
         (h, delta), taps, kc, vc = carry   # the MLP's sum is taken with the next input norm
         lp, layer_idx, tap_slot = xs
         h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
@@ -232,6 +232,6 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     # no cache in the carry when the writes are deferred: the new K/V rows are the outputs
     caches = (None, None) if defer_writes else cache_kv
     ((h, delta), taps, kc, vc), new_kv = L.run_layers(
-        body, ((h, jnp.zeros_like(h)), taps0, *caches), params, per_layer)
+        ragged_body, ((h, jnp.zeros_like(h)), taps0, *caches), params, per_layer)
     h = constrain(h + delta, ("batch", "seq", "act_embed"))
     return h, (taps if n_taps else None), (new_kv if defer_writes else (kc, vc))
