@@ -38,6 +38,7 @@ Nothing here imports dspark_jax, except the norm oracle from `pallas_kernels.nor
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import jax
@@ -169,22 +170,24 @@ def _normed_rotated(x1, x2, w_ref, cos, sin, *, eps: float, normed: bool, dtype)
     return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
 
 
-def _rows(ref, n: int, rows: int, cols: Any = slice(None)):
-    """The first `rows` rows of a [n, …] ref as a tile, the rows past n zeros."""
+def _rows(ref, n: int, rows: int, cols: Any = slice(None), part: int | None = None):
+    """The first `rows` rows of a [n, …] ref (of its `part`, a [parts, n, …] ref's) as a tile,
+    the rows past n zeros."""
     from jax.experimental.pallas import triton as plgpu
 
     ok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n
-    return plgpu.load(ref.at[pl.ds(0, rows), cols], mask=ok, other=0.0)
+    at = (pl.ds(0, rows), cols) if part is None else (jnp.int32(part), pl.ds(0, rows), cols)
+    return plgpu.load(ref.at[at], mask=ok, other=0.0)
 
 
 def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start_ref, k_ref,
                   v_ref, *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
-                  num_tokens: int, own_rows: int, eps: float, normed: bool, write: bool,
-                  causal: bool):
-    """`_partial_kernel` on the raw q/k/v product: each program norms and rotates its own query
-    rows; the last also norms and rotates the T own keys, attends to them (causally, or all of
-    them to all), returns them (and v) as rows and, with `write`, stores them into the cache
-    at start + t."""
+                  num_tokens: int, own_len: int, eps: float, normed: bool, write: bool,
+                  causal: bool, parts: int | None):
+    """`_partial_kernel` on the raw q/k/v product (or the f32 sum of its `parts`, rounded to the
+    cache's dtype): each program norms and rotates its own query rows; the last also norms and
+    rotates the T own keys, attends to them (causally, or all of them to all), returns them (and
+    v) as rows and, with `write`, stores them into the cache at start + t."""
     from jax.experimental.pallas import triton as plgpu
 
     if write:   # the caches' outputs alias k_ref / v_ref's buffers
@@ -192,14 +195,27 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     else:
         o_ref, m_ref, l_ref, kr_ref, vr_ref = refs
     kh, p_id, n_p = pl.program_id(1), pl.program_id(2), pl.num_programs(2)
-    tp, g, h = x_ref.shape
-    h2, mp, dtype = h // 2, tp * g, x_ref.dtype
+    tp, g, h = x_ref.shape[-3:]
+    h2, mp, dtype = h // 2, tp * g, k_ref.dtype
     first, second = pl.ds(0, h2), pl.ds(h2, h2)
     trig = lambda ref: jnp.broadcast_to(_rows(ref, num_tokens, tp)[:, None, :],  # noqa: E731
                                         (tp, g, h2)).reshape(mp, h2)
-    q1, q2 = _normed_rotated(x_ref[:, :, first].reshape(mp, h2).astype(jnp.float32),
-                             x_ref[:, :, second].reshape(mp, h2).astype(jnp.float32), qw_ref,
-                             trig(cos_ref), trig(sin_ref), eps=eps, normed=normed, dtype=dtype)
+
+    def queries(cols):   # the query rows' columns (the sum of the product's parts, rounded)
+        if parts is None:
+            x = x_ref[:, :, cols]
+        else:
+            x = functools.reduce(operator.add, (x_ref[i, :, :, cols] for i in range(parts)))
+        return x.astype(dtype).reshape(mp, h2).astype(jnp.float32)
+
+    def own_rows(ref, n, cols=slice(None)):   # the same for the own k / v rows
+        if parts is None:
+            return _rows(ref, num_tokens, n, cols)
+        return functools.reduce(operator.add, (_rows(ref, num_tokens, n, cols, part=i)
+                                               for i in range(parts))).astype(dtype)
+
+    q1, q2 = _normed_rotated(queries(first), queries(second), qw_ref, trig(cos_ref),
+                             trig(sin_ref), eps=eps, normed=normed, dtype=dtype)
     start = start_ref[...]
     lo = p_id * split_len
     hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
@@ -216,13 +232,13 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     carry = lax.fori_loop(0, jnp.maximum(hi - lo + block_k - 1, 0) // block_k, tile, init)
 
     def own(carry):
-        qp = own_rows
-        k1, k2 = _normed_rotated(_rows(ok_ref, num_tokens, qp, first).astype(jnp.float32),
-                                 _rows(ok_ref, num_tokens, qp, second).astype(jnp.float32),
+        qp = own_len
+        k1, k2 = _normed_rotated(own_rows(ok_ref, qp, first).astype(jnp.float32),
+                                 own_rows(ok_ref, qp, second).astype(jnp.float32),
                                  kw_ref, _rows(cos_ref, num_tokens, qp),
                                  _rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
                                  dtype=dtype)
-        v = _rows(ov_ref, num_tokens, qp)
+        v = own_rows(ov_ref, qp)
         token = lax.broadcasted_iota(jnp.int32, (mp, 1), 0) // g
         col = lax.broadcasted_iota(jnp.int32, (1, qp), 1)
         s = (_dot(q1, k1.T) + _dot(q2, k2.T)) * qk_scale                      # [M, Qp]
@@ -414,10 +430,20 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     token to all T (a DSpark / DFlash draft block). One kernel does all of it (each program
     norms and rotates its own rows) and the merge a second.
 
+    The product may also come as the f32 parts of a split-K GEMM, [parts, B, Tq, N + 2Kh, H]
+    with Tq ≥ T (rows past T unread): each program sums its rows' parts and rounds them to the
+    cache's dtype, as XLA's sum of its own split-K parts would, one kernel fewer.
+
     Returns (attention [B, T, N, H], k rows, v rows [B, T, Kh, H]: the tokens' normed, rotated
     keys and their values); with `write`, (attention, cache k, cache v) with those rows
     written into the cache [B, S, Kh, H] at start + t in place (a position ≥ S dropped)."""
-    B, T, J, H = qkv.shape
+    parts = qkv.shape[0] if qkv.ndim == 5 else None
+    B, T, J, H = (*qkv.shape[-4:-2], *qkv.shape[-2:]) if parts is None else (
+        qkv.shape[1], cos.shape[1], *qkv.shape[-2:])
+    if parts is not None and (qkv.dtype != jnp.float32 or qkv.shape[2] < T):
+        raise ValueError(f"the product's parts must be f32 [parts, B, ≥ T, heads, H]: "
+                         f"{qkv.shape} {qkv.dtype}, T = {T}")
+    dtype = cache_k.dtype if parts is not None else qkv.dtype
     Kh = cache_k.shape[2]
     N = num_q_heads
     if J != N + 2 * Kh:
@@ -428,10 +454,10 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         raise ValueError("q_norm and k_norm come together")
     if cos.shape != (B, T, H // 2) or sin.shape != cos.shape:
         raise ValueError(f"cos / sin must be [B, T, H/2] = {(B, T, H // 2)}: {cos.shape}")
-    q = jax.ShapeDtypeStruct((B, T, N, H), qkv.dtype)
-    own = jax.ShapeDtypeStruct((B, T, Kh, H), qkv.dtype)
+    q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
+    own = jax.ShapeDtypeStruct((B, T, Kh, H), dtype)
     _check(q, cache_k, cache_v, start, own, own, jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
-    if cache_k.dtype != qkv.dtype:
+    if cache_k.dtype != dtype:
         raise ValueError(f"the cache ({cache_k.dtype}) must be in the product's dtype "
                          f"({qkv.dtype})")
     S, G = cache_k.shape[1], N // Kh
@@ -439,11 +465,15 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     Mp, Qp = Tp * G, max(16, next_pow2(T))
     normed = q_norm is not None
     if not normed:
-        q_norm = k_norm = jnp.ones((H,), qkv.dtype)
+        q_norm = k_norm = jnp.ones((H,), dtype)
     weight = pl.BlockSpec((H,), lambda b, k, p: (0,))
     trig = pl.BlockSpec((None, T, H // 2), lambda b, k, p: (b, 0, 0))
-    in_specs = [_query_rows(Tp, G, H), _key_head(T, H, N), _key_head(T, H, N + Kh), weight,
-                weight, trig, trig, _per_row(), _key_head(S, H), _key_head(S, H)]
+    product = [_query_rows(Tp, G, H), _key_head(T, H, N), _key_head(T, H, N + Kh)]
+    if parts is not None:   # every part of a program's block
+        product = [pl.BlockSpec((parts, *b.block_shape),
+                                lambda *ids, b=b: (0, *b.index_map(*ids))) for b in product]
+    in_specs = product + [weight, weight, trig, trig, _per_row(), _key_head(S, H),
+                          _key_head(S, H)]
     args = [qkv, qkv, qkv, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32),
             start.astype(jnp.int32), cache_k, cache_v]
     out_specs = _partial_specs(Mp, H) + [_key_head(T, H), _key_head(T, H)]
@@ -458,7 +488,8 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         aliases = {8: 5, 9: 6}
     kernel = functools.partial(
         _layer_kernel, qk_scale=scale * LOG2E, block_k=block_k, split_len=split_len, seq=S,
-        num_tokens=T, own_rows=Qp, eps=eps, normed=normed, write=write, causal=causal)
+        num_tokens=T, own_len=Qp, eps=eps, normed=normed, write=write, causal=causal,
+        parts=parts)
     outs = pl.pallas_call(
         kernel, grid=(B, Kh, P), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases,
@@ -505,9 +536,12 @@ def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Ar
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The oracle of `layer_attention` (without the write): Hugging Face's q/k norms and
     rotate-half RoPE, then `ref_decode_attention` with the T tokens as own keys, causal or
-    (`causal=False`) all seen by all."""
+    (`causal=False`) all seen by all. Parts of a split-K product [parts, B, Tq, ·, H] are
+    summed and rounded to the cache's dtype first."""
     from pallas_kernels.norms import ref_rms_norm
 
+    if qkv.ndim == 5:
+        qkv = qkv.sum(axis=0)[:, :cos.shape[1]].astype(cache_k.dtype)
     B, T = qkv.shape[:2]
     n, kh = num_q_heads, cache_k.shape[2]
     q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]

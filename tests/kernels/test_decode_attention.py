@@ -144,6 +144,35 @@ def test_layer_attention_writes_the_rows_into_the_cache():
     np.testing.assert_array_equal(cv2, want_v)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_attention_sums_a_split_k_products_parts(dtype):
+    """The q/k/v product as the f32 parts of a split-K GEMM [parts, B, Tq ≥ T, heads, H]: each
+    program sums its rows' parts and rounds them to the cache's dtype before the norms; equal
+    to the oracle on the summed product, rows past T (NaN here) unread, the cache written."""
+    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(dtype)
+    parts = jax.random.normal(jax.random.key(5), (4, *qkv.shape), jnp.float32) * 0.5
+    parts = parts.at[-1].add(qkv.astype(jnp.float32) - parts.sum(0))   # sums to qkv
+    padded = jnp.concatenate([parts, jnp.full_like(parts[:, :, :1], jnp.nan)], axis=2)
+    start = jnp.asarray([0, 57, S - 3], jnp.int32)
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
+    want = ref_layer_attention(padded, qn, kn, cos, sin, start, ck, cv, **kw)
+    got = layer_attention(padded, qn, kn, cos, sin, start, ck, cv, splits=4, **kw, **TILES)
+    tol = 2e-6 if dtype == jnp.float32 else 1e-2
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(_f32(g), _f32(w), atol=tol, rtol=tol)
+    whole = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, **kw)[0]
+    np.testing.assert_allclose(_f32(got[0]), _f32(whole), atol=max(tol, 1e-5), rtol=tol)
+    written = layer_attention(padded, qn, kn, cos, sin, start, ck, cv, write=True, **kw,
+                              **TILES)
+    rows = (jnp.arange(B)[:, None], start[:, None] + jnp.arange(qkv.shape[1]))
+    np.testing.assert_allclose(_f32(written[1]), _f32(ck.at[rows].set(want[1], mode="drop")),
+                               atol=tol, rtol=tol)
+    for bad in (padded.astype(jnp.bfloat16), padded[:, :, :2]):   # not f32; fewer rows than T
+        with pytest.raises(ValueError, match="parts"):
+            layer_attention(bad, qn, kn, cos, sin, start, ck, cv, **kw, **TILES)
+
+
 def test_splits_and_bad_shapes():
     assert splits_for(1, 8, 4224) == 32 and splits_for(64, 8, 4224) == 2
     assert splits_for(1, 8, 64) == 2             # one tile: still a split and the own part

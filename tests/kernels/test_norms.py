@@ -31,3 +31,28 @@ def test_add_rms_norm_matches_the_oracle(dtype, d):
         np.testing.assert_allclose(_f32(g), _f32(r), atol=tol, rtol=tol)
     with pytest.raises(ValueError, match="weight"):
         add_rms_norm(h, delta, w[:-1], eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_add_rms_norm_sums_a_split_k_products_parts(dtype):
+    """delta as the f32 parts of a split-K product [parts, ≥ R, D]: the kernel sums each row's
+    parts, rounds them to h's dtype and adds, as the oracle (XLA's sum of the parts); rows of
+    the parts past R are never read."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    h = jax.random.normal(ks[0], (3, 40)).astype(dtype)
+    parts = jax.random.normal(ks[1], (4, 5, 40), jnp.float32)
+    parts = parts.at[:, 3:].set(jnp.nan)                       # rows past R: unread
+    w = (1 + 0.1 * jax.random.normal(ks[2], (40,))).astype(dtype)
+    got = add_rms_norm(h, parts, w, eps=EPS, interpret=True)
+    want = ref_add_rms_norm(h, parts, w, eps=EPS)
+    whole = ref_add_rms_norm(h, parts[:, :3].sum(0).astype(dtype), w, eps=EPS)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for g, r, r2 in zip(got, want, whole):
+        assert g.dtype == dtype and np.isfinite(_f32(g)).all()
+        np.testing.assert_allclose(_f32(g), _f32(r), atol=tol, rtol=tol)
+        np.testing.assert_allclose(_f32(g), _f32(r2), atol=tol, rtol=tol)
+    assert float(jnp.max(jnp.abs(_f32(got[0]) - _f32(h + parts[0, :3].astype(dtype))))) > 0.1
+    with pytest.raises(ValueError, match="parts"):
+        add_rms_norm(h, parts.astype(jnp.bfloat16), w, eps=EPS, interpret=True)
+    with pytest.raises(ValueError, match="parts"):
+        add_rms_norm(h, parts[:, :2], w, eps=EPS, interpret=True)
