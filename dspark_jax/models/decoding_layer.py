@@ -17,6 +17,7 @@ for the platform being compiled for, so an ahead-of-time compile for a GPU takes
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -24,28 +25,94 @@ import jax.numpy as jnp
 
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import RopeConfig
-from dspark_jax.sharding import constrain, shard_kernel
+from dspark_jax.sharding import active_mesh, constrain, shard_kernel
 
 _ROWS = ("batch", None, "act_embed")
 _QKV = ("batch", None, None, "head_dim")
 _PER_ROW = ("batch", None, None)
+
+# Split-K products on the kernels' path. At a few rows a GEMM's output columns alone leave
+# most of a GPU's multiprocessors idle, so the contraction is split into parts whose f32 sums
+# another kernel adds up; XLA does the same and sums the parts in a kernel of its own. Here the
+# parts go to the kernel that reads the product (the attention kernel, `add_rms_norm`), which
+# sums them as it loads its rows: one kernel fewer a product. Parts: enough for about
+# `SPLIT_K_COLUMNS` output columns (1,536 programs of 16), at most `SPLIT_K_MAX_PARTS`, each
+# at least `SPLIT_K_MIN_CHUNK` deep; products of more than `SPLIT_K_MAX_ROWS` rows, or under
+# a mesh of several devices, are not split.
+SPLIT_K_COLUMNS = 24576
+SPLIT_K_MAX_PARTS = 8
+SPLIT_K_MIN_CHUNK = 512
+SPLIT_K_MAX_ROWS = 64
 
 
 def _pow2(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
 
 
-def add_rms_norm(h_btd: jax.Array, delta_btd: jax.Array, weight_d: jax.Array, eps: float,
-                 kernel: bool = True) -> tuple[jax.Array, jax.Array]:
+def split_k_parts(rows: int, depth: int, columns: int) -> int:
+    """The parts a [rows, depth] @ [depth, columns] product is split into on the kernels' path
+    (1: not split)."""
+    mesh = active_mesh()
+    if rows > SPLIT_K_MAX_ROWS or not L.kernels_enabled() or (mesh is not None
+                                                              and mesh.size > 1):
+        return 1
+    parts = 1
+    while (parts < SPLIT_K_MAX_PARTS and parts * columns < SPLIT_K_COLUMNS
+           and depth % (2 * parts) == 0 and depth // (2 * parts) >= SPLIT_K_MIN_CHUNK):
+        parts *= 2
+    return parts
+
+
+def product_parts(x_btk: jax.Array, w_kf: jax.Array, parts: int) -> jax.Array:
+    """x @ w as `parts` f32 products over consecutive chunks of the contraction,
+    [parts, B, T', F]: T' = T, or 2 for a single row (XLA would take a one-row product per part
+    as a multiply and a sum over a transposed copy of w; two rows stay one GEMM, the second row
+    a copy of the first that no reader reads)."""
+    b, t, k = x_btk.shape
+    if b * t == 1:
+        x_btk, t = jnp.broadcast_to(x_btk, (1, 2, k)), 2
+    return jnp.einsum("BTPK,PKF->PBTF", x_btk.reshape(b, t, parts, k // parts),
+                      w_kf.reshape(parts, k // parts, -1), preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """x @ w [B, T, F] @ [F, D] left to the kernel that reads it (`add_rms_norm`), which on a
+    GPU takes it as split-K parts it sums itself; `value()` anywhere else."""
+
+    x: jax.Array
+    w: jax.Array
+
+    @property
+    def parts(self) -> int:
+        b, t, k = self.x.shape
+        return split_k_parts(b * t, k, self.w.shape[-1])
+
+    def value(self) -> jax.Array:
+        return jnp.einsum("BTF,FD->BTD", self.x, self.w)
+
+
+def value(delta: "jax.Array | Product") -> jax.Array:
+    """A residual delta as an array (a `Product` taken)."""
+    return delta.value() if isinstance(delta, Product) else delta
+
+
+def add_rms_norm(h_btd: jax.Array, delta_btd: "jax.Array | Product", weight_d: jax.Array,
+                 eps: float, kernel: bool = True) -> tuple[jax.Array, jax.Array]:
     """(h + delta, RMSNorm(h + delta) · weight): the residual sum and the norm after it, one
-    kernel on a GPU (`kernel`), XLA's ops elsewhere."""
+    kernel on a GPU (`kernel`), XLA's ops elsewhere. A `Product` delta is taken here: on a GPU
+    as split-K parts the kernel sums (when `Product.parts` > 1)."""
 
     def xla(h, d, w):
         s = h + d
         return s, L.rms_norm(s, w, eps)
 
     if not kernel or not L.kernels_enabled():
-        return xla(h_btd, delta_btd, weight_d)
+        return xla(h_btd, value(delta_btd), weight_d)
+    if isinstance(delta_btd, Product):
+        if delta_btd.parts > 1:   # no mesh of several devices: no shard_map around the kernel
+            return _add_rms_norm_of_product(h_btd, delta_btd, weight_d, eps, xla)
+        delta_btd = delta_btd.value()
 
     def gpu(h, d, w, interpret):
         from pallas_kernels.norms import add_rms_norm as fused
@@ -60,6 +127,25 @@ def add_rms_norm(h_btd: jax.Array, delta_btd: jax.Array, weight_d: jax.Array, ep
 
     return shard_kernel(local, (h_btd, delta_btd.astype(h_btd.dtype), weight_d),
                         (_ROWS, _ROWS, ("act_embed",)), (_ROWS, _ROWS))
+
+
+def _add_rms_norm_of_product(h_btd: jax.Array, delta: Product, weight_d: jax.Array, eps: float,
+                             xla: Callable[..., Any]) -> tuple[jax.Array, jax.Array]:
+    """`add_rms_norm` of h + x @ w: on a GPU the product's split-K parts go to the kernel."""
+
+    def gpu(h, x, w_kd, w, interpret):
+        from pallas_kernels.norms import add_rms_norm as fused
+
+        b, t, dim = h.shape
+        parts = product_parts(x, w_kd, delta.parts)
+        s, n = fused(h.reshape(b * t, dim), parts.reshape(parts.shape[0], -1, dim),
+                     w.astype(h.dtype), eps=eps, interpret=interpret)
+        return s.reshape(h.shape), n.reshape(h.shape)
+
+    def default(h, x, w_kd, w):
+        return xla(h, jnp.einsum("BTF,FD->BTD", x, w_kd), w)
+
+    return L.on_gpu(gpu, default, h_btd, delta.x, delta.w, weight_d)
 
 
 def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
@@ -107,9 +193,6 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         attn = L.attend_cache_and_own(q, cache_k.astype(k.dtype), cache_v.astype(v.dtype),
                                       start_b, k, v, own_mask_btq)
         return attn, k, v
-    # the product stays [B, T, (N + 2Kh)·H] outside the kernels, sliced as `project_qkv` slices
-    # it (taken as heads, XLA:TPU re-lays w_qkv out for the dot)
-    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"])
     cos, sin = L.rope_cos_sin(positions_bt, rope, h)
     norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
 
@@ -130,17 +213,30 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
     def gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret):
         from pallas_kernels.decode_attention import layer_attention
 
-        qkv = qkv.reshape(qkv.shape[0], t, n + 2 * kh, h)
+        qkv = qkv.reshape(*qkv.shape[:-1], n + 2 * kh, h)   # [(parts,) B, T, heads, H]
         attn, a, c = layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
                                      num_q_heads=n, eps=eps, scale=h ** -0.5, write=write,
                                      interpret=interpret)
         return (attn, a, c) if write else (attn, jnp.concatenate([a, c], axis=2))
 
+    rest = (cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos,
+            sin, own_mask_btq)
+    parts = split_k_parts(b * t, x_btd.shape[-1], lp["w_qkv"].shape[-1])
+    if parts > 1:   # on a GPU the attention kernel sums the product's split-K parts (no mesh
+        # of several devices, `split_k_parts`: the kernel needs no shard_map)
+        out = L.on_gpu(lambda x, w, *a, interpret: gpu(product_parts(x, w, parts), *a,
+                                                       interpret=interpret),
+                       lambda x, w, *a: xla(jnp.einsum("BTD,DF->BTF", x, w), *a),
+                       x_btd, lp["w_qkv"], *rest)
+        return out if write else (out[0], out[1][:, :, :kh], out[1][:, :, kh:])
+    # the product stays [B, T, (N + 2Kh)·H] outside the kernels, sliced as `project_qkv` slices
+    # it (taken as heads, XLA:TPU re-lays w_qkv out for the dot)
+    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"])
+
     def local(*args):
         return L.on_gpu(gpu, xla, *args)
 
-    args = (qkv, cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32),
-            cos, sin, own_mask_btq)
+    args = (qkv, *rest)
     axes = (_PER_ROW, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None), _PER_ROW,
             _PER_ROW, _PER_ROW)
     if write:
@@ -207,6 +303,14 @@ def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.
                      eps: float) -> tuple[jax.Array, jax.Array]:
     """The layer's second half with its MLP's residual sum left for the next input norm: the o
     projection summed into h and normed (`add_rms_norm`), then SwiGLU → (h, delta), the layer's
-    output being h + delta."""
-    h, x = add_rms_norm(h_btd, L.attn_out(lp, attn_btnh), lp["post_norm"], eps)
-    return constrain(h, ("batch", "seq", "act_embed")), L.swiglu(x, lp)
+    output being h + delta. On the kernels' path, for per-layer weights, the o product goes to
+    `add_rms_norm` and the down product is returned untaken (a `Product`, the delta) for the
+    next `add_rms_norm`, each taken there as split-K parts the kernel sums."""
+    B, T, N, H = attn_btnh.shape
+    o = Product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
+    h, x = add_rms_norm(h_btd, o if o.parts > 1 else o.value(), lp["post_norm"], eps)
+    h = constrain(h, ("batch", "seq", "act_embed"))
+    if "w_gate_up" not in lp:   # stacked weights, in a scan: the delta as an array
+        return h, L.swiglu(x, lp)
+    down = Product(L.swiglu_activation(x, lp), lp["w_down"])
+    return h, down if down.parts > 1 else down.value()

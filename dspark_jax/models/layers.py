@@ -361,14 +361,18 @@ def attend_cache_and_own_xla(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax
     return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, n, h).astype(q_btnh.dtype)
 
 
-def swiglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
+def swiglu_activation(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
+    """silu(x·W_gate) · (x·W_up) [B, T, F]: the SwiGLU MLP before its down projection."""
     if "w_gate_up" in lp:   # per-layer buffers: gate and up as one [D, 2F] dot
         gate, up = jnp.split(jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate_up"]), 2, axis=-1)
     else:
         gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
         up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
-    act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
-    return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
+    return constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+
+
+def swiglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
+    return jnp.einsum("BTF,FD->BTD", swiglu_activation(x_btd, lp), lp["w_down"])
 
 
 def gelu_tanh(x: jax.Array) -> jax.Array:

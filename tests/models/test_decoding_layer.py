@@ -29,6 +29,29 @@ def target(tmp_path_factory, request):
                                     head_dim=32, layers=2, seed=4))
 
 
+@pytest.fixture(params=["whole", "split_k"])
+def products(request, monkeypatch):
+    """The layer's products whole, or (`split_k`) split along K into parts the kernels sum
+    (`decoding_layer.split_k_parts`, its threshold lowered to the tiny model's 64 columns):
+    → (the mode, the parts of every split product traced)."""
+    from dspark_jax.models import decoding_layer as DL
+
+    traced: list[int] = []
+    if request.param == "split_k":
+        monkeypatch.setattr(DL, "SPLIT_K_MIN_CHUNK", 16)
+        real = DL.product_parts
+        monkeypatch.setattr(DL, "product_parts",
+                            lambda x, w, parts: traced.append(parts) or real(x, w, parts))
+    return request.param, traced
+
+
+def _check_products(products) -> None:
+    """A split-K run took its products in parts (≥ 2) inside the kernels' branch."""
+    mode, traced = products
+    if mode == "split_k":
+        assert traced and min(traced) >= 2, traced
+
+
 def _steps(model, per_layer_cache: bool):
     """A prefill of 4 and 2 tokens, a one-token step and a 3-token block, over a cache whose
     unwritten positions hold stale values: (logits and taps of each call, the final caches)."""
@@ -52,7 +75,7 @@ def _steps(model, per_layer_cache: bool):
     return outs, [a[:, b, :lens[b]] for a in kv for b in range(2)]   # written positions
 
 
-def test_the_kernels_layer_equals_the_stacked_forward(target):
+def test_the_kernels_layer_equals_the_stacked_forward(target, products):
     per_layer = target.decoding_layout(True).model
     lp = per_layer.layers.layer_params(jnp.float32)[0]
     from dspark_jax.models.decoding_layer import fused_kernels_take
@@ -66,6 +89,7 @@ def test_the_kernels_layer_equals_the_stacked_forward(target):
             cache))
     for name in ("layer_attention_splits", "decode_attention_merge", "add_rms_norm"):   # the interpreted run is the kernels' program
         assert name in jaxpr, name
+    _check_products(products)
     for name, (outs, kv) in runs.items():
         for (logits, taps), (w_logits, w_taps) in zip(outs, want[0]):
             np.testing.assert_allclose(logits, w_logits, atol=2e-5, rtol=2e-5, err_msg=name)
@@ -74,7 +98,7 @@ def test_the_kernels_layer_equals_the_stacked_forward(target):
             np.testing.assert_allclose(a, w, atol=2e-6, err_msg=name)
 
 
-def test_the_kernels_verify_ragged_requests_as_the_dense_forward(target):
+def test_the_kernels_verify_ragged_requests_as_the_dense_forward(target, products):
     """The ragged verification with its per-request grid and deferred writes (what the round's
     bucket switch runs), each request's cells through the layer's attention kernels: the
     admitted tokens' logits and K/V rows equal the stacked dense forward's."""
@@ -118,6 +142,7 @@ def test_the_kernels_verify_ragged_requests_as_the_dense_forward(target):
             with L.interpret_kernels():
                 hidden, cache = run(prefilled(per_layer))
                 assert "layer_attention_splits" in str(jax.make_jaxpr(run)(prefilled(per_layer)))
+            _check_products(products)
         else:
             hidden, cache = run(prefilled(per_layer))
         got = np.asarray(per_layer.logits(hidden))
@@ -134,7 +159,7 @@ def test_the_kernels_verify_ragged_requests_as_the_dense_forward(target):
                 k += 1
 
 
-def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target):
+def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target, products):
     """A DSpark drafter while decoding (`DSparkDraft.backbone_over_cache`): its context cache
     one buffer a layer, a block a row over the context below each anchor. The decoding layout
     with XLA's ops and with the GPU's kernels interpreted equals the stacked backbone with its
@@ -169,4 +194,5 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target)
             anchor, anchor_pos, c.k, c.v))(per_layer_cache))
     for name in ("layer_attention_splits", "decode_attention_merge", "add_rms_norm"):
         assert name in jaxpr, name
+    _check_products(products)
     np.testing.assert_allclose(got_kernels, want, atol=2e-5, rtol=2e-5)

@@ -20,6 +20,7 @@ from dspark_jax.models import init_draft, load_target
 from dspark_jax.models import layers as L
 from dspark_jax.models.target import Target
 from dspark_jax.serving import Engine, speculative_generate
+from dspark_jax.serving.generation import generation_settings
 from hf_tiny import save_tiny_gemma4, save_tiny_hf
 
 BASE = dict(block_size=3, num_draft_layers=1, target_layer_ids=(-1, 0), mask_token_id=96,
@@ -147,3 +148,28 @@ def test_aot_compiles_the_layout_the_engine_runs(tmp_path, on_accelerator):
     assert jax.tree.structure(t_st) == jax.tree.structure(eng.arrays.target_state)
     assert abstract(eng.arrays.target_state) == t_st
     assert abstract(eng.arrays.draft_state) == d_st
+
+
+def test_the_gpu_program_with_split_k_products_interpreted_is_lossless(tmp_path, on_accelerator,
+                                                                      monkeypatch):
+    """The per-layer program a GPU runs, its kernels interpreted on a CPU and its products
+    split along K into parts the kernels sum (`decoding_layer.split_k_parts`, its threshold
+    lowered to the tiny model): greedy speculative output equals greedy autoregressive output,
+    both through the same kernels."""
+    from dspark_jax.models import decoding_layer as DL
+
+    target = load_target(save_tiny_hf(tmp_path / "t", "qwen3", head_dim=32, layers=2, seed=1))
+    draft = init_draft(target, BASE, seed=3)
+    monkeypatch.setattr(DL, "SPLIT_K_MIN_CHUNK", 16)
+    parts: list[int] = []
+    real = DL.product_parts
+    monkeypatch.setattr(DL, "product_parts",
+                        lambda x, w, p: parts.append(p) or real(x, w, p))
+    jax.clear_caches()   # programs traced before the threshold changed hold whole products
+    with L.interpret_kernels():
+        ref = autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW,
+                                      stop_token_ids=[])
+        res = speculative_generate(target, draft, PROMPTS, max_new_tokens=MAX_NEW,
+                                   settings=generation_settings(stop_token_ids=[]))
+    assert parts and min(parts) >= 2, parts
+    assert res.tokens == ref

@@ -66,6 +66,17 @@ def _tapped(taps: jax.Array, slot: Any, h: jax.Array) -> jax.Array:
     return taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
 
 
+def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any) -> tuple[jax.Array, Any]:
+    """(taps with the layer's output h + delta in its slot, the delta): a layer with no slot (a
+    static slot < 0) leaves both as they are, its delta possibly untaken
+    (`decoding_layer.Product`); a tapped layer's delta is taken once, for the tap and the next
+    layer alike."""
+    if isinstance(slot, int) and slot < 0:
+        return taps, delta
+    delta = DL.value(delta)
+    return _tapped(taps, slot, h + delta), delta
+
+
 def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
             tokens_bt: jax.Array, h: jax.Array, positions_bt: jax.Array,
             cache_kv: tuple[jax.Array, jax.Array] | None, segment_ids_bt: jax.Array | None,
@@ -121,7 +132,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
                                          cache_start, own_mask, write=caches is not None)
         h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            taps = _tapped(taps, slot, h + delta)
+            taps, delta = _tap_output(taps, slot, h, delta)
         if caches is not None:   # k, v: the layer's cache buffers with its rows written
             caches = tuple(c[:layer_idx] + (new[None],) + c[layer_idx + 1:]
                            for c, new in zip(caches, (k, v)))
@@ -141,7 +152,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     ((h, delta), taps, caches), new_kv = L.run_layers(
         cached_body, ((h, jnp.zeros_like(h)), taps0, cache_kv if in_layer else None),
         params, per_layer)
-    h = constrain(h + delta, ("batch", "seq", "act_embed"))
+    h = constrain(h + DL.value(delta), ("batch", "seq", "act_embed"))
     taps = taps if n_taps else None
     if in_layer:
         return h, taps, caches
@@ -225,7 +236,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
                 attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]
         h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            taps = _tapped(taps, tap_slot, h + delta)
+            taps, delta = _tap_output(taps, tap_slot, h, delta)
         return ((h, delta), taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
@@ -233,5 +244,5 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     caches = (None, None) if defer_writes else cache_kv
     ((h, delta), taps, kc, vc), new_kv = L.run_layers(
         ragged_body, ((h, jnp.zeros_like(h)), taps0, *caches), params, per_layer)
-    h = constrain(h + delta, ("batch", "seq", "act_embed"))
+    h = constrain(h + DL.value(delta), ("batch", "seq", "act_embed"))
     return h, (taps if n_taps else None), (new_kv if defer_writes else (kc, vc))
