@@ -347,6 +347,35 @@ def test_h200_decode_step_launches_at_most_twelve_kernels_a_layer(tmp_path):
     assert 8 <= (drafter[3] - drafter[1]) / 2 <= 12, drafter
 
 
+@pytest.mark.gpu
+@needs_plugin
+def test_h200_qwen3_8b_layer_sums_its_split_k_parts_in_its_kernels(tmp_path):
+    """At Qwen3-8B's layer shape (hidden 4096, 32 heads over 8, MLP 12288; a config alone, no
+    weights) the decode step's q/k/v, o and down products are split along K and their parts
+    summed by the attention and norm kernels: one more layer adds 9 kernels (12 with XLA's
+    sums of its own split-K parts), and no weight is copied."""
+    from hf_tiny import tiny_hf_config
+
+    kernels = {}
+    for layers in (2, 3):
+        cfg = tiny_hf_config("qwen3", head_dim=128, layers=layers).to_dict()
+        cfg.update(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                   num_key_value_heads=8)
+        path = tmp_path / f"l{layers}"
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(cfg))
+        out = tmp_path / f"l{layers}.json"
+        assert _aot_in_subprocess(["--config", "configs/tiny.py", "--chip", "h200", "--decode",
+                                   "--max-len", "256", "--json", str(out),
+                                   f"--config.target={path}",
+                                   "--config.train.target_dtype=bfloat16",
+                                   "--programs", "decode_step"]) == 0
+        step = json.loads(out.read_text())["programs"]["decode_step"]
+        assert step["weight_copy_bytes"] == 0, step["weight_copies"]
+        kernels[layers] = step["kernels_per_step"]
+    assert kernels[3] - kernels[2] <= 9, kernels
+
+
 _ROW_WRITE_HLO = """HloModule m, entry_computation_layout={(bf16[1,2,64,2,8]{4,3,2,1,0}, bf16[1,4,2,8]{3,2,1,0}, s32[4]{0})->(bf16[1,2,64,2,8]{4,3,2,1,0})}
 
 ENTRY %main (c: bf16[1,2,64,2,8], k: bf16[1,4,2,8], r: s32[4]) -> (bf16[1,2,64,2,8]) {
