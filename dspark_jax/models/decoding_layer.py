@@ -4,12 +4,14 @@ prefill over a cache).
 
 While decoding a few tokens a row the layer's work is its weights' bytes, and every kernel in
 between costs its launch, ramp and tail for kilobytes. On a GPU, for the decoding layout (one
-buffer per layer, q/k/v fused), a layer runs as: the q/k/v product; the attention in two
-kernels (`pallas_kernels.decode_attention.layer_attention`: the q/k norms, the rotary
+buffer per layer, q/k/v fused), a layer runs as nine kernels: the q/k/v product; the attention
+in two (`pallas_kernels.decode_attention.layer_attention`: the q/k norms, the rotary
 embedding, the attention over the cache and the token's own keys, and the write of its K/V rows
 into the cache, then the merge of the cache splits); the o product; the residual sum with the
 post-attention norm in one (`pallas_kernels.norms.add_rms_norm`); the gate/up product, the
 activation, the down product; the MLP's residual sum is taken with the next layer's input norm.
+The q/k/v, o and down products are split along K (`split_k_parts`) and the kernel that reads
+each sums its parts, where XLA would sum its own split in a kernel of its own.
 Elsewhere (CPU, TPU, a stacked or tensor-parallel layout, shapes the kernels do not take, or
 inside `layers.flash_kernels(False)`) the same arithmetic runs as XLA ops. The branch is chosen
 for the platform being compiled for, so an ahead-of-time compile for a GPU takes the kernels.
