@@ -29,8 +29,8 @@ own drafter from the seed and draws its own anchors: `--seeds` gives the seed-to
 Reported per (precision, seed) and trainer: the loss and CE of every step, its wall seconds and
 the cores the rest of the machine kept busy meanwhile (/proc/stat less this process), and the
 held-out teacher-forced acceptance after the last step (and every `--eval-every` steps), both
-drafters measured by one evaluator (ours, DeepSpec's weights loaded into our drafter; the same
-anchors): accept_rate@k and `tau_probabilistic` counted both ways, over the
+drafters measured by the training job's held-out evaluator (`train.eval_stage`; DeepSpec's
+weights loaded into our drafter; the same anchors): accept_rate@k and `tau_probabilistic` counted both ways, over the
 blocks DeepSpec counts (kept with a supervised slot: `tau_probabilistic`) and over every kept
 block (`tau_kept_blocks`, where a block without a supervised slot counts 1). Per precision: our
 seconds over DeepSpec's for each step past the first `--warmup-steps` (compilation), the median
@@ -52,7 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -177,7 +177,7 @@ def job_config(a: argparse.Namespace, data_dir: pathlib.Path, workdir: pathlib.P
     return c
 
 
-def prepare(a: argparse.Namespace, workdir: pathlib.Path) -> Prepared:
+def prepare_training(a: argparse.Namespace, workdir: pathlib.Path) -> Prepared:
     """The target, the drafter config, the training batches and the held-out records (the main
     job's data stage, its outputs reused where they exist)."""
     from dspark_jax.models import load_target
@@ -281,49 +281,13 @@ def build_ours(c: Any, p: Prepared, seed: int, mesh: Any) -> Ours:
 
 
 # ------------------------------------------------------------------------------ held-out
-def heldout_evaluator(c: Any, p: Prepared, mesh: Any, graphdef: Any
-                      ) -> Callable[[Any, Any], dict[str, float]]:
-    """Teacher-forced acceptance of a drafter (params, frozen) on the held-out records, as the
-    training job's held-out evaluation measures it (the target's features computed in the step,
-    pooled over batches, the same anchors for every drafter: `eval.seed`), compiled once: our
-    metrics (`tau_probabilistic` over the blocks DeepSpec counts) plus `tau_kept_blocks` over
-    every kept block."""
-    import jax
-
-    from dspark_jax.data.pipeline import PipelineConfig, batch_sharding, make_dataset
-    from dspark_jax.data.pipeline import to_global_batch
-    from dspark_jax.sharding import use_mesh
-    from dspark_jax.train.job_config import attn_kernel, attn_key_chunk
-    from dspark_jax.train.step import make_loss_sums_fn, metrics_fn
-
-    sums_fn = make_loss_sums_fn(graphdef, p.draft_cfg, p.target.graphdef, c.train.anchor_chunk,
-                                attn_key_chunk=attn_key_chunk(c), attn_kernel=attn_kernel(c),
-                                precision=c.train.precision)
-
-    @jax.jit
-    def eval_sums(params, frozen, target_state, batch, key):
-        with use_mesh(mesh):
-            return sums_fn(params, frozen, target_state, batch, key)
-
-    pc = PipelineConfig(batch_size=c.eval.batch_size, max_length=c.data.max_length,
-                        shuffle=False, num_epochs=1, drop_remainder=False)
-
-    def evaluate(params: Any, frozen: Any) -> dict[str, float]:
-        key = jax.random.key(c.eval.seed)
-        total = None
-        for i, local in enumerate(make_dataset(p.held_records, pc)):
-            batch = to_global_batch(local, batch_sharding(mesh))
-            sums = jax.device_get(eval_sums(params, frozen, p.target.state, batch,
-                                            jax.random.fold_in(key, i)))
-            sums = jax.tree.map(lambda x: np.asarray(x, np.float64), sums)
-            total = sums if total is None else jax.tree.map(np.add, total, sums)
-        out = {k: float(np.asarray(v)) for k, v in metrics_fn(p.draft_cfg)(total).items()}
-        kept, counted = float(total["sampled_anchors"]), float(total["tau_blocks"])
-        out["tau_kept_blocks"] = (float(total["tau_sum"]) + kept - counted) / max(kept, 1e-6)
-        out["blocks_counted"], out["blocks_kept"] = counted, kept
-        return out
-
-    return evaluate
+def kept_block_metrics(sums: dict) -> dict[str, float]:
+    """From the held-out evaluation's pooled sums: `tau_kept_blocks`, τ over every kept block (a
+    block without a supervised slot counts 1; `tau_probabilistic` counts only the blocks DeepSpec
+    counts), with both block counts."""
+    kept, counted = float(sums["sampled_anchors"]), float(sums["tau_blocks"])
+    return {"tau_kept_blocks": (float(sums["tau_sum"]) + kept - counted) / max(kept, 1e-6),
+            "blocks_counted": counted, "blocks_kept": kept}
 
 
 def ours_from_deepspec(c: Any, p: Prepared, tensors: dict[str, np.ndarray]) -> tuple[Any, Any]:
@@ -352,6 +316,7 @@ def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: 
 
     from dspark_jax.bench.deepspec_trainer import build_dspark_trainer
     from dspark_jax.sharding import make_mesh
+    from dspark_jax.train.eval_stage import heldout_evaluator
 
     c = precision_config(p.config, precision)
     mesh = make_mesh(data=1, devices=jax.devices()[:1])
@@ -368,7 +333,10 @@ def run_pair(a: argparse.Namespace, p: Prepared, ds: Any, precision: str, seed: 
     logs: dict[str, list[dict[str, float]]] = {who: [] for who in sides}
     secs: dict[str, list[float]] = {who: [] for who in sides}
     others: dict[str, list[float | None]] = {who: [] for who in sides}
-    evaluate = heldout_evaluator(c, p, mesh, ours.graphdef)
+    # the training job's held-out evaluation (`eval.seed`'s anchors for every drafter), plus
+    # the kept-block τ
+    evaluate = heldout_evaluator(c, (mesh, ours.fns.batch_sharding, ours.graphdef), p.draft_cfg,
+                                 p.target, p.held_records, extra_metrics=kept_block_metrics)
 
     def trained() -> dict[str, tuple[Any, Any]]:
         out = {}
@@ -441,7 +409,7 @@ def timing_summary(pairs: list[dict[str, Any]]) -> dict[str, Any]:
             "deepspec_s_per_step": statistics.median(x["deepspec"] for x in pairs)}
 
 
-def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summary_by_precision(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per precision: the timing over every seed's timed pairs (`all`) and over the quiet ones,
     where the rest of the machine used < QUIET_CORES during both steps (`quiet`); the bar is
     judged on the quiet pairs when there are at least MIN_QUIET_PAIRS of them, else on all.
@@ -542,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         workdir = pathlib.Path(a.workdir).absolute() if a.workdir else pathlib.Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        p = prepare(a, workdir)
+        p = prepare_training(a, workdir)
         print(f"data: {p.steps} batches of {p.config.train.global_batch_size}, "
               f"{len(p.held_records)} held-out records ({time.perf_counter() - t0:.0f} s)",
               flush=True)
@@ -552,7 +520,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
                 for precision in a.precisions for seed in a.seeds]
     from dspark_jax.bench.common import host_facts
 
-    summary = summarise(runs)
+    summary = summary_by_precision(runs)
     result = {"benchmark": "peers_train", "argv": list(sys.argv if argv is None else argv),
               "host": host_facts(), "config": a.config, "sets": a.set, "steps": a.steps,
               "warmup_ratio": a.warmup_ratio, "seeds": a.seeds,

@@ -23,12 +23,14 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def heldout_evaluator(c, fns_mesh, draft_cfg, target, records: list
+def heldout_evaluator(c, fns_mesh, draft_cfg, target, records: list, *,
+                      extra_metrics: Callable[[dict], dict[str, float]] | None = None
                       ) -> Callable[[Any, Any], dict[str, float]] | None:
     """(e) teacher-forced acceptance on held-out regenerated data as a function of the drafter's
     (params, frozen), compiled once (the periodic `eval.every_steps` evaluation calls it during
     training); None without held-out records. Pooled over all batches (sums are added before
-    the ratios are taken, so it equals one big batch); the same anchors every call."""
+    the ratios are taken, so it equals one big batch); the same anchors every call.
+    `extra_metrics` (pooled float64 sums → more scalars) adds to the drafter kind's metrics."""
     import jax
     import numpy as np
 
@@ -65,7 +67,8 @@ def heldout_evaluator(c, fns_mesh, draft_cfg, target, records: list
             total = sums if total is None else jax.tree.map(np.add, total, sums)
         if total is None:
             return {}
-        return {k: float(np.asarray(v)) for k, v in to_metrics(total).items()}
+        out = {k: float(np.asarray(v)) for k, v in to_metrics(total).items()}
+        return out if extra_metrics is None else {**out, **extra_metrics(total)}
 
     return evaluate
 
