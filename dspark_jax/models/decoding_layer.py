@@ -99,55 +99,63 @@ def value(delta: "jax.Array | Product") -> jax.Array:
     return delta.value() if isinstance(delta, Product) else delta
 
 
-def add_rms_norm(h_btd: jax.Array, delta_btd: "jax.Array | Product", weight_d: jax.Array,
-                 eps: float, kernel: bool = True) -> tuple[jax.Array, jax.Array]:
-    """(h + delta, RMSNorm(h + delta) · weight): the residual sum and the norm after it, one
-    kernel on a GPU (`kernel`), XLA's ops elsewhere. A `Product` delta is taken here: on a GPU
-    as split-K parts the kernel sums (when `Product.parts` > 1)."""
+def add_rms_norm(h_btd: jax.Array, delta_btd: "jax.Array | Product", weight_d: jax.Array | None,
+                 eps: float, kernel: bool = True, *, delta_weight: jax.Array | None = None,
+                 scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """(s, RMSNorm(s) · weight) with s = h + delta: the residual sum and the norm after it, one
+    kernel on a GPU (`kernel`), XLA's ops elsewhere; `weight` None: (s, None). A `Product`
+    delta is taken here: on a GPU as split-K parts the kernel sums (when `Product.parts` > 1).
+    Gemma's residual updates: `delta_weight` norms the delta first (s = h + RMSNorm(delta) ·
+    delta_weight) and `scale` (one value) multiplies the sum, in the same kernel."""
+    # the weights present, in the kernel's order: the delta's norm, the output norm, the scale
+    extras = tuple(w for w in (delta_weight, weight_d, scale) if w is not None)
+    has = (delta_weight is not None, weight_d is not None, scale is not None)
 
-    def xla(h, d, w):
-        s = h + d
-        return s, L.rms_norm(s, w, eps)
+    def split(ws):   # the extras back in their places
+        it = iter(ws)
+        return tuple(next(it) if h else None for h in has)
+
+    def xla(h, d, *ws):
+        wd, w, sc = split(ws)
+        s = h + (d if wd is None else L.rms_norm(d, wd, eps))
+        s = s if sc is None else s * sc.astype(s.dtype)
+        return s, (None if w is None else L.rms_norm(s, w, eps))
+
+    def fused(h, d, ws, interpret):   # d: [R, D] or the parts [P, R', D]
+        from pallas_kernels.norms import add_rms_norm as kernel_
+
+        b, t, dim = h.shape
+        wd, w, sc = (None if x is None else x.astype(h.dtype) for x in split(ws))
+        s, n = kernel_(h.reshape(b * t, dim), d, w, eps=eps, delta_weight=wd, scale=sc,
+                       interpret=interpret)
+        return s.reshape(h.shape), (None if n is None else n.reshape(h.shape))
 
     if not kernel or not L.kernels_enabled():
-        return xla(h_btd, value(delta_btd), weight_d)
+        return xla(h_btd, value(delta_btd), *extras)
     if isinstance(delta_btd, Product):
         if delta_btd.parts > 1:   # no mesh of several devices: no shard_map around the kernel
-            return _add_rms_norm_of_product(h_btd, delta_btd, weight_d, eps, xla)
+            product = delta_btd
+
+            def gpu_parts(h, x, w_kd, *ws, interpret):
+                parts = product_parts(x, w_kd, product.parts)
+                return fused(h, parts.reshape(parts.shape[0], -1, h.shape[-1]), ws, interpret)
+
+            def default(h, x, w_kd, *ws):
+                return xla(h, jnp.einsum("BTF,FD->BTD", x, w_kd), *ws)
+
+            return L.on_gpu(gpu_parts, default, h_btd, product.x, product.w, *extras)
         delta_btd = delta_btd.value()
 
-    def gpu(h, d, w, interpret):
-        from pallas_kernels.norms import add_rms_norm as fused
+    def gpu(h, d, *ws, interpret):
+        return fused(h, d.reshape(-1, h.shape[-1]), ws, interpret)
 
-        b, t, dim = h.shape
-        s, n = fused(h.reshape(b * t, dim), d.reshape(b * t, dim), w.astype(h.dtype), eps=eps,
-                     interpret=interpret)
-        return s.reshape(h.shape), n.reshape(h.shape)
+    def local(h, d, *ws):
+        return L.on_gpu(gpu, xla, h, d, *ws)
 
-    def local(h, d, w):
-        return L.on_gpu(gpu, xla, h, d, w)
-
-    return shard_kernel(local, (h_btd, delta_btd.astype(h_btd.dtype), weight_d),
-                        (_ROWS, _ROWS, ("act_embed",)), (_ROWS, _ROWS))
-
-
-def _add_rms_norm_of_product(h_btd: jax.Array, delta: Product, weight_d: jax.Array, eps: float,
-                             xla: Callable[..., Any]) -> tuple[jax.Array, jax.Array]:
-    """`add_rms_norm` of h + x @ w: on a GPU the product's split-K parts go to the kernel."""
-
-    def gpu(h, x, w_kd, w, interpret):
-        from pallas_kernels.norms import add_rms_norm as fused
-
-        b, t, dim = h.shape
-        parts = product_parts(x, w_kd, delta.parts)
-        s, n = fused(h.reshape(b * t, dim), parts.reshape(parts.shape[0], -1, dim),
-                     w.astype(h.dtype), eps=eps, interpret=interpret)
-        return s.reshape(h.shape), n.reshape(h.shape)
-
-    def default(h, x, w_kd, w):
-        return xla(h, jnp.einsum("BTF,FD->BTD", x, w_kd), w)
-
-    return L.on_gpu(gpu, default, h_btd, delta.x, delta.w, weight_d)
+    vec = ("act_embed",)
+    axes = tuple(ax for ax, here in zip((vec, vec, (None,)), has) if here)
+    return shard_kernel(local, (h_btd, delta_btd.astype(h_btd.dtype), *extras),
+                        (_ROWS, _ROWS, *axes), (_ROWS, _ROWS if has[1] else None))
 
 
 def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,

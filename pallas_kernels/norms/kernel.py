@@ -5,7 +5,9 @@ before its attention and before its MLP. XLA runs that as three kernels (the sum
 reduction, the scaling); while decoding a few tokens every kernel costs its launch, ramp and
 tail for a few kilobytes of work. Here:
 
-  `add_rms_norm`      h + delta and its RMS norm, one program a row: [R, D] → ([R, D], [R, D]).
+  `add_rms_norm`      h + delta and its RMS norm, one program a row: [R, D] → ([R, D], [R, D]);
+                      the delta may come as a split-K product's parts or be normed first
+                      (Gemma's sandwich norms), the sum scaled (Gemma's layer scalar).
   `ref_add_rms_norm`  the pure-JAX oracle; `ref_rms_norm` Hugging Face's arithmetic (the norm
                       in fp32, cast to the input dtype before the scale).
 
@@ -66,7 +68,16 @@ def _normed(x, weight, n: int, eps: float, dtype):
             * (x * r).astype(dtype).astype(jnp.float32)).astype(dtype)
 
 
-def _add_norm_kernel(h_ref, d_ref, w_ref, sum_ref, out_ref, *, eps: float, parts: int | None):
+def _add_norm_kernel(*refs, eps: float, parts: int | None, delta_normed: bool, scaled: bool,
+                     normed: bool):
+    """One row: s = (h + delta') · scale, delta' the delta (the f32 sum of its parts, rounded)
+    or its own RMS norm; then the RMS norm of s. The optional refs come in that order."""
+    refs = list(refs)
+    h_ref, d_ref = refs.pop(0), refs.pop(0)
+    wd_ref = refs.pop(0) if delta_normed else None
+    w_ref = refs.pop(0) if normed else None
+    scale_ref = refs.pop(0) if scaled else None
+    sum_ref = refs.pop(0)
     n = h_ref.shape[0]
     dtype = sum_ref.dtype
     if parts is None:
@@ -74,36 +85,64 @@ def _add_norm_kernel(h_ref, d_ref, w_ref, sum_ref, out_ref, *, eps: float, parts
     else:   # the f32 sum of a split-K product's parts, rounded as the product would be
         d = functools.reduce(operator.add, (_load(d_ref, n, part=i) for i in range(parts)))
         d = d.astype(dtype).astype(jnp.float32)
+    if delta_normed:   # a sandwich norm: the delta normed before the residual sum (Gemma)
+        d = _normed(d, _load(wd_ref, n), n, eps, dtype).astype(jnp.float32)
     s = (_load(h_ref, n) + d).astype(dtype)
+    if scaled:
+        s = (s.astype(jnp.float32) * scale_ref[0].astype(jnp.float32)).astype(dtype)
     _store(sum_ref, s, n)
-    _store(out_ref, _normed(s.astype(jnp.float32), _load(w_ref, n), n, eps, dtype), n)
+    if normed:
+        _store(refs.pop(0), _normed(s.astype(jnp.float32), _load(w_ref, n), n, eps, dtype), n)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
-def add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, *, eps: float,
-                 interpret: bool = False, num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
-    """(h + delta, RMSNorm(h + delta) · weight) for h, delta [R, D] (h's dtype), weight [D].
+def add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array | None, *, eps: float,
+                 delta_weight: jax.Array | None = None, scale: jax.Array | None = None,
+                 interpret: bool = False, num_warps: int = 4
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """(s, RMSNorm(s) · weight) with s = h + delta, for h, delta [R, D] (h's dtype), weight [D]
+    (None: s alone, the second output None).
 
     `delta` may also be the f32 parts of a split-K product, [parts, Rp, D] with Rp ≥ R (rows
     past R unread): each program sums its row's parts and rounds the sum to h's dtype, as XLA
-    sums its own split-K parts, so the product's sum costs no kernel of its own."""
+    sums its own split-K parts, so the product's sum costs no kernel of its own.
+    `delta_weight` [D]: the delta is RMS-normed by it first, s = h + RMSNorm(delta) ·
+    delta_weight (Gemma's sandwich norms); `scale` [1]: s is multiplied by it (Gemma's layer
+    scalar), each product rounded to h's dtype as XLA rounds it."""
     parts = delta.shape[0] if delta.ndim == 3 else None
     rows_ok = (delta.shape == h.shape if parts is None else
                delta.dtype == jnp.float32 and delta.shape[1] >= h.shape[0]
                and delta.shape[2:] == h.shape[1:])
-    if not rows_ok or h.ndim != 2 or weight.shape != h.shape[1:]:
-        raise ValueError(f"h must be [R, D], delta [R, D] or f32 [parts, ≥ R, D], weight [D]: "
-                         f"{h.shape}, {delta.shape} {delta.dtype}, {weight.shape}")
+    weights_ok = all(w is None or w.shape == h.shape[1:] for w in (weight, delta_weight))
+    if not rows_ok or h.ndim != 2 or not weights_ok or (scale is not None
+                                                       and scale.size != 1):
+        raise ValueError(f"h must be [R, D], delta [R, D] or f32 [parts, ≥ R, D], weight and "
+                         f"delta_weight [D], scale one value: {h.shape}, {delta.shape} "
+                         f"{delta.dtype}, {None if weight is None else weight.shape}, "
+                         f"{None if delta_weight is None else delta_weight.shape}, "
+                         f"{None if scale is None else scale.shape}")
     R, D = h.shape
     row = pl.BlockSpec((None, D), lambda r: (r, 0))
-    d_row = row if parts is None else pl.BlockSpec((parts, None, D), lambda r: (0, r, 0))
-    return tuple(pl.pallas_call(
-        functools.partial(_add_norm_kernel, eps=eps, parts=parts), grid=(R,),
-        in_specs=[row, d_row, pl.BlockSpec((D,), lambda r: (0,))], out_specs=[row, row],
-        out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype)] * 2,
+    vec = pl.BlockSpec((D,), lambda r: (0,))
+    args = [h, delta if parts is not None else delta.astype(h.dtype)]
+    specs = [row, row if parts is None else pl.BlockSpec((parts, None, D), lambda r: (0, r, 0))]
+    for w in (delta_weight, weight):
+        if w is not None:
+            args.append(w)
+            specs.append(vec)
+    if scale is not None:
+        args.append(scale.reshape(1))
+        specs.append(pl.BlockSpec((1,), lambda r: (0,)))
+    outs = pl.pallas_call(
+        functools.partial(_add_norm_kernel, eps=eps, parts=parts,
+                          delta_normed=delta_weight is not None, scaled=scale is not None,
+                          normed=weight is not None), grid=(R,),
+        in_specs=specs, out_specs=[row] * (1 + (weight is not None)),
+        out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype)] * (1 + (weight is not None)),
         compiler_params=_compiler_params(interpret, num_warps), interpret=interpret,
         name="add_rms_norm",
-    )(h, delta if parts is not None else delta.astype(h.dtype), weight))
+    )(*args)
+    return outs[0], (outs[1] if weight is not None else None)
 
 
 def ref_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -112,9 +151,15 @@ def ref_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def ref_add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, *, eps: float
-                     ) -> tuple[jax.Array, jax.Array]:
+def ref_add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array | None, *, eps: float,
+                     delta_weight: jax.Array | None = None, scale: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array | None]:
     if delta.ndim == h.ndim + 1:   # a split-K product's parts, summed in f32
         delta = delta.sum(axis=0)[:h.shape[0]]
-    s = h + delta.astype(h.dtype)
-    return s, ref_rms_norm(s, weight, eps)
+    delta = delta.astype(h.dtype)
+    if delta_weight is not None:
+        delta = ref_rms_norm(delta, delta_weight, eps)
+    s = h + delta
+    if scale is not None:
+        s = s * scale.astype(h.dtype)
+    return s, None if weight is None else ref_rms_norm(s, weight, eps)

@@ -56,3 +56,31 @@ def test_add_rms_norm_sums_a_split_k_products_parts(dtype):
         add_rms_norm(h, parts.astype(jnp.bfloat16), w, eps=EPS, interpret=True)
     with pytest.raises(ValueError, match="parts"):
         add_rms_norm(h, parts[:, :2], w, eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("split", [False, True])
+def test_a_sandwich_norm_and_a_scale_match_the_oracle(dtype, split):
+    """Gemma's residual update, s = (h + RMSNorm(delta)·w_d)·scale and RMSNorm(s)·w, in one
+    kernel: equal to the oracle with the delta whole or as split-K parts, with and without the
+    output norm; dropping the delta's norm or the scale is visible."""
+    ks = jax.random.split(jax.random.key(2), 5)
+    h = jax.random.normal(ks[0], (3, 40)).astype(dtype)
+    delta = (4 * jax.random.normal(ks[1], (3, 40))).astype(dtype)
+    wd, w = ((1 + 0.1 * jax.random.normal(k, (40,))).astype(dtype) for k in ks[2:4])
+    scale = jnp.asarray([0.7], dtype)
+    d_in = (jnp.stack([delta.astype(jnp.float32) * 0.25] * 4) if split else delta)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for weight in (w, None):
+        got = add_rms_norm(h, d_in, weight, eps=EPS, delta_weight=wd, scale=scale,
+                           interpret=True)
+        want = ref_add_rms_norm(h, d_in, weight, eps=EPS, delta_weight=wd, scale=scale)
+        np.testing.assert_allclose(_f32(got[0]), _f32(want[0]), atol=tol, rtol=tol)
+        if weight is None:
+            assert got[1] is None and want[1] is None
+        else:
+            np.testing.assert_allclose(_f32(got[1]), _f32(want[1]), atol=tol, rtol=tol)
+    plain = ref_add_rms_norm(h, delta, w, eps=EPS)[0]
+    assert float(jnp.max(jnp.abs(_f32(got[0]) - _f32(plain)))) > 0.5
+    with pytest.raises(ValueError, match="scale"):
+        add_rms_norm(h, delta, w, eps=EPS, scale=jnp.ones((2,), dtype), interpret=True)
