@@ -380,12 +380,20 @@ def gelu_tanh(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x, approximate=True)
 
 
+def geglu_activation(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
+    """gelu_tanh(x·W_gate) · (x·W_up) [B, T, F]: the GeGLU MLP (Gemma4) before its down
+    projection; per-layer buffers take gate and up as one [D, 2F] dot."""
+    if "w_gate_up" in lp:
+        gate, up = jnp.split(jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate_up"]), 2, axis=-1)
+    else:
+        gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
+        up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
+    return constrain(gelu_tanh(gate) * up, ("batch", "seq", "act_mlp"))
+
+
 def geglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
     """Gated GELU-tanh MLP (Gemma4): down(gelu_tanh(gate(x)) · up(x))."""
-    gate = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate"])
-    up = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_up"])
-    act = constrain(gelu_tanh(gate) * up, ("batch", "seq", "act_mlp"))
-    return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
+    return jnp.einsum("BTF,FD->BTD", geglu_activation(x_btd, lp), lp["w_down"])
 
 
 class DecoderLayers(nnx.Module):

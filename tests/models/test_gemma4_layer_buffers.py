@@ -205,18 +205,26 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_
                                                                            monkeypatch):
     """The program a GPU compiles, its kernels interpreted (`layers.interpret_kernels`): each
     layer's attention over the cache runs in the decode-attention kernel (a sliding layer with
-    its window), past the window, and equals the stacked layers'."""
+    its window), past the window, its residual updates in the norm kernel (the sandwich norms,
+    the layer scalar taken with the next input norm), and equals the stacked layers'."""
     import pallas_kernels.decode_attention as DA
+    import pallas_kernels.norms as NK
     from dspark_jax.models import layers as L
 
-    windows = []
-    kernel = DA.decode_attention
+    windows, norms = [], set()
+    kernel, norm_kernel = DA.decode_attention, NK.add_rms_norm
 
     def counted(*args, **kw):
         windows.append(kw.get("window", 0))
         return kernel(*args, **kw)
 
+    def counted_norm(*args, **kw):
+        norms.add((kw.get("delta_weight") is not None, kw.get("scale") is not None,
+                   args[2] is not None))
+        return norm_kernel(*args, **kw)
+
     monkeypatch.setattr(DA, "decode_attention", counted)
+    monkeypatch.setattr(NK, "add_rms_norm", counted_norm)
     # sliding heads of 16 (the kernel's smallest tile), a window of 5
     stacked = load_target(save_tiny_gemma4(tmp_path, "all_features", head_dim=16,
                                            global_head_dim=32))
@@ -239,3 +247,5 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_
             start += n
     window = stacked.config.sliding_window
     assert window in windows and 0 in windows, windows   # sliding and full layers
+    # (sandwich norm, scale, output norm): after the attention; the PLE's; the next input's
+    assert {(True, False, True), (True, False, False), (True, True, True)} <= norms, norms

@@ -192,22 +192,13 @@ def attn_out_and_mlp(lp: dict[str, jax.Array], h: jax.Array, attn_btnh: jax.Arra
     """The sandwich-normed residual updates after attention, the PLE gate, the layer scalar."""
     o = jnp.einsum("BTNH,NHD->BTD", attn_btnh, lp["wo"])
     h = h + L.rms_norm(o, lp["post_attn_norm"], eps)
-    m = _geglu(L.rms_norm(h, lp["pre_ff_norm"], eps), lp)
+    m = L.geglu(L.rms_norm(h, lp["pre_ff_norm"], eps), lp)
     h = h + L.rms_norm(m, lp["post_ff_norm"], eps)
     if ple_btp is not None:
         g = L.gelu_tanh(jnp.einsum("BTD,DP->BTP", h, lp["ple_gate"])) * ple_btp
         g = jnp.einsum("BTP,PD->BTD", g, lp["ple_proj"])
         h = h + L.rms_norm(g, lp["ple_norm"], eps)
     return constrain(h * lp["layer_scalar"], ("batch", "seq", "act_embed"))
-
-
-def _geglu(x_btd: jax.Array, lp: dict[str, jax.Array]) -> jax.Array:
-    """`layers.geglu`, or with per-layer buffers gate and up as one [D, 2F] dot."""
-    if "w_gate_up" not in lp:
-        return L.geglu(x_btd, lp)
-    gate, up = jnp.split(jnp.einsum("BTD,DF->BTF", x_btd, lp["w_gate_up"]), 2, axis=-1)
-    act = constrain(L.gelu_tanh(gate) * up, ("batch", "seq", "act_mlp"))
-    return jnp.einsum("BTF,FD->BTD", act, lp["w_down"])
 
 
 # ----------------------------------------------------------------------------- forward

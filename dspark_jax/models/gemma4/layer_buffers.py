@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.models import decoding_layer as DL
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.gemma4 import decoder as G
-from dspark_jax.sharding import active_mesh
+from dspark_jax.sharding import active_mesh, constrain
 
 # fused products: name → the stacked matrices it concatenates along its output columns (a
 # product is fused where every member is present and none is fused already; a KV-shared layer
@@ -235,6 +236,30 @@ def _split_masks(cfg: DecoderConfig, positions_bt: jax.Array, S: int
 
 
 # ----------------------------------------------------------------------------- forward
+def residual_updates(lp: dict[str, jax.Array], h: jax.Array, attn_btnh: jax.Array, eps: float,
+                     ple_btp: jax.Array | None) -> tuple[jax.Array, tuple[Any, jax.Array,
+                                                                           jax.Array]]:
+    """`decoder.attn_out_and_mlp` with its residual sums and norms in the decoding layer's
+    kernels (`decoding_layer.add_rms_norm`; on a GPU, one kernel each): h + RMSNorm(o) with the
+    pre-MLP norm, the MLP, then (with per-layer inputs) h + RMSNorm(mlp) and the PLE gate. The
+    layer's last update — h' = (h + RMSNorm(delta) · w) · layer scalar — is returned untaken,
+    (delta, w, scalar), for the next layer's input norm to take in the same kernel; its delta
+    a `decoding_layer.Product` where the product is split along K."""
+    B, T, N, H = attn_btnh.shape
+    o = DL.Product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
+    h, x = DL.add_rms_norm(h, o if o.parts > 1 else o.value(), lp["pre_ff_norm"], eps,
+                           delta_weight=lp["post_attn_norm"])
+    h = constrain(h, ("batch", "seq", "act_embed"))
+    m = DL.Product(L.geglu_activation(x, lp), lp["w_down"])
+    m = m if m.parts > 1 else m.value()
+    if ple_btp is None:
+        return h, (m, lp["post_ff_norm"], lp["layer_scalar"])
+    h = DL.add_rms_norm(h, m, None, eps, delta_weight=lp["post_ff_norm"])[0]
+    g = L.gelu_tanh(jnp.einsum("BTD,DP->BTP", h, lp["ple_gate"])) * ple_btp
+    g = DL.Product(g, lp["ple_proj"])
+    return h, (g if g.parts > 1 else g.value(), lp["ple_norm"], lp["layer_scalar"])
+
+
 def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
             positions_bt: jax.Array, cache_kv: tuple[tuple[jax.Array, ...],
                                                      tuple[jax.Array, ...]] | None,
@@ -262,9 +287,14 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
         masks = {t: m & ragged.valid_k[:, None, None]
                  for t, m in G._masks(cfg, positions_bt.T, True, S, None).items()}
     fresh: dict[int, tuple[jax.Array, jax.Array]] = {}   # owning layer → this call's (k, v)
+    pending = None   # the previous layer's last residual update, taken with this input norm
     for i, lp in enumerate(params):
         ltype = cfg.layer_type(i)
-        x = L.rms_norm(h, lp["input_norm"], eps)
+        if pending is None:
+            x = L.rms_norm(h, lp["input_norm"], eps)
+        else:
+            h, x = DL.add_rms_norm(h, pending[0], lp["input_norm"], eps,
+                                   delta_weight=pending[1], scale=pending[2])
         q, kv = project(lp, x, positions_bt, cfg.rope_for(ltype), eps)
         owner = cfg.kv_producer(i)
         if kv is not None:
@@ -285,7 +315,11 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
             keys, vals = ck[owner][0][ragged.read_k], cv[owner][0][ragged.read_k]   # [T,S,K,H]
             attn = jnp.swapaxes(L.attend(jnp.swapaxes(q, 0, 1), keys, vals, masks[ltype],
                                          scale=1.0), 0, 1)
-        h = G.attn_out_and_mlp(lp, h, attn, eps, None if ple is None else ple[:, :, i])
+        h, pending = residual_updates(lp, h, attn, eps, None if ple is None else ple[:, :, i])
+        if i in tap_ids or i == len(params) - 1:   # the layer's output itself
+            h = DL.add_rms_norm(h, pending[0], None, eps, delta_weight=pending[1],
+                                scale=pending[2])[0]
+            pending = None
         for slot, lid in enumerate(tap_ids):
             if lid == i:
                 taps[slot] = h
