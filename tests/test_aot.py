@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dspark_jax.aot import cli, memory, topology
+from dspark_jax.aot import command as cli, memory, topology
 from dspark_jax.jaxpr_flops import matmul_flops
 from hf_tiny import save_tiny_hf
 

@@ -213,7 +213,7 @@ def test_h200_stacked_layers_copy_the_weights(h200_report, tmp_path):
     """`--stacked-layers` compiles the layout the engine avoids on a GPU, where XLA:GPU copies
     weight slices out of the stack (at the tiny config's sizes only the k and v projections,
     transposed; at Qwen3's every matrix of every layer) and the per-layer layout copies none."""
-    from dspark_jax.aot import cli
+    from dspark_jax.aot import command as cli
 
     out = tmp_path / "stacked.json"
     rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--decode",
@@ -230,7 +230,7 @@ def test_h200_stacked_layers_copy_the_weights(h200_report, tmp_path):
 
 
 def test_a_chip_excludes_a_topology():
-    from dspark_jax.aot import cli
+    from dspark_jax.aot import command as cli
 
     with pytest.raises(SystemExit):
         cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--topology",
@@ -243,7 +243,7 @@ def test_h200_training_step_report(tmp_path):
     """`--chip h200` alone compiles the training step for the H200 and reports its traffic
     beside its FLOPs: a step reads at least its weights, and neither bound is zero."""
     from hf_tiny import save_tiny_hf
-    from dspark_jax.aot import cli
+    from dspark_jax.aot import command as cli
 
     path = save_tiny_hf(tmp_path / "tgt", "qwen3")
     out = tmp_path / "train.json"

@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of one serving round for a TPU topology (`python -m dspark_jax.aot
---decode`, `aot/cli.py`).
+--decode`, `aot/command.py`).
 
 A round of the serving engine (paper §3.2.2, §5.2–5.3; SPEC §8–9;
 `decoding/speculative_round.py`) is compiled as the engine runs it — `speculative_rounds`, whole

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the training step (SPEC §4) for a TPU topology or one chip, on a
 CPU-only machine (`python -m dspark_jax.aot --config configs/NAME.py --topology v5p:2x4x4` or
-`--chip h200`, `aot/cli.py`).
+`--chip h200`, `aot/command.py`).
 
 Builds the frozen target, the drafter, the optimizer state and the global batch abstractly
 (`nnx.eval_shape` / `jax.eval_shape`: no weights are read, no device memory is used), lays the
