@@ -15,7 +15,9 @@ first new token (sliding layers: within the window) and to the call's own new ke
 softmax (`attend_cache_and_own`), and every owning layer's new K/V are written after the last
 layer (a cache written in the loop and read back is copied whole by XLA first). The ragged
 verification pass writes and reads per token as the stacked layout does (models/gemma4/decoder.py).
-Same arithmetic as the stacked layers; attention stays on XLA's ops.
+Same arithmetic as the stacked layers. On a GPU the attention over the cache runs in
+`pallas_kernels.decode_attention` (a sliding layer's with its window) and each residual update
+with the norm after it in one kernel (`residual_updates`, `decoding_layer.add_rms_norm`).
 
 `Gemma4GroupLayers` is the drafting layout of a Gemma4 drafter's layers (one `Gemma4Group`).
 """
