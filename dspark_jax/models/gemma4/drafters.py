@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dspark_jax.models import decoding_layer as DL
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
@@ -129,7 +130,9 @@ class Gemma4DSparkDraft(DSparkDraft):
         """`DSparkDraft.backbone_over_cache`: one block a row over the cached context below
         each anchor → final-normed [B, γ, D]. Per-layer buffers (the drafting layout) run
         unrolled, each layer's block attention (`block_attend`, XLA's ops) over its own context
-        buffer where it lies; stacked layers take `DSparkDraft`'s path."""
+        buffer where it lies and its residual updates as the target's per-layer layers take
+        them (`layer_buffers.residual_updates`: one kernel each on a GPU); stacked layers take
+        `DSparkDraft`'s path."""
         if not isinstance(self.layers, LB.Gemma4GroupLayers):
             return super().backbone_over_cache(anchor_b, anchor_pos_b, ctx_k, ctx_v)
         eps = self.cfg.layer_config().rms_norm_eps
@@ -139,12 +142,19 @@ class Gemma4DSparkDraft(DSparkDraft):
         visible = (jnp.arange(S)[None] < anchor_pos_b[:, None])[:, None, :]      # [B,1,S]
         ones = jnp.ones((B, 1), bool)
         h = self.embed_block(self.block_tokens(anchor_b))                    # [B,γ,D]
+        pending = None   # a layer's last residual update, taken with the next norm
         for i, lp in enumerate(self.layers.layer_params(self.dtype)):
-            q, k, v = self.block_qkv(lp, L.rms_norm(h, lp["input_norm"], eps), pos)
+            if pending is None:
+                x = L.rms_norm(h, lp["input_norm"], eps)
+            else:
+                h, x = DL.add_rms_norm(h, pending[0], lp["input_norm"], eps,
+                                       delta_weight=pending[1], scale=pending[2])
+            q, k, v = self.block_qkv(lp, x, pos)
             ck, cv = (L.cache_layer(c, i).astype(self.dtype) for c in (ctx_k, ctx_v))
             attn = block_attend(q[:, None], ck, cv, k[:, None], v[:, None], visible, ones)
-            h = self.attn_out_and_mlp(lp, h, attn[:, 0])
-        h = L.rms_norm(h, self.norm.get_value(), eps)
+            h, pending = LB.residual_updates(lp, h, attn[:, 0], eps, None)
+        _, h = DL.add_rms_norm(h, pending[0], self.norm.get_value(), eps,
+                               delta_weight=pending[1], scale=pending[2])
         return constrain(h, ("batch", None, "act_embed"))
 
     def attn_out_and_mlp(self, lp: Any, h: jax.Array, attn: jax.Array) -> jax.Array:
