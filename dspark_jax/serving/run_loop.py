@@ -337,8 +337,9 @@ class Run:
             spec.schedule_state(*self.policy.device_schedule(capacity)),
             jnp.asarray(rounds, jnp.int32), jnp.asarray(min_done, jnp.int32))
         result, now, seconds = self._fetch_rounds(result, t_start)
+        records = result.records   # unpacked once, on the host
         for i in range(int(result.rounds)):
-            record = jax.tree.map(lambda a: a[i], result.records)
+            record = jax.tree.map(lambda a: a[i], records)
             live, decided = record.live, record.schedule
             self.policy.replay(i == 0, policy.Estimate(int(decided.capacity_new),
                                                        float(decided.gain_new),
@@ -401,11 +402,12 @@ class Run:
                                              jnp.asarray(rounds, jnp.int32),
                                              jnp.asarray(1, jnp.int32), capacity=K)
         result, now, seconds = self._fetch_rounds(result, t_start)
+        records = result.records   # unpacked once, on the host
         for i in range(int(result.rounds)):
             if i:   # replays the choice made ahead (the same n_active: no slot finished)
                 self.policy.decide(n_active)
             self.policy.update(False)
-            record = jax.tree.map(lambda a: a[i], result.records)
+            record = jax.tree.map(lambda a: a[i], records)
             emitted = self._book_round(record.outputs, record.live, now)
             self.rounds.append(RoundSummary(active=n_active, verified_tokens=0, capacity=K,
                                             tokens=emitted, drafted=False, seconds=seconds,
