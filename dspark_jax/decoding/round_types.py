@@ -281,8 +281,7 @@ class PackedRecords:
         fields, widths = [], [0, 0]
         for leaf in leaves:
             group = int(jnp.issubdtype(leaf.dtype, jnp.floating))
-            fields.append((tuple(leaf.shape[1:]), jnp.dtype(leaf.dtype).name, group,
-                           widths[group]))
+            fields.append((tuple(leaf.shape[1:]), jnp.dtype(leaf.dtype), group, widths[group]))
             widths[group] += math.prod(leaf.shape[1:])
         rounds = leaves[0].shape[0]
         return cls(ints=jnp.zeros((rounds, widths[0]), jnp.int32),
@@ -291,8 +290,12 @@ class PackedRecords:
 
     def set(self, i: jax.Array, record: RoundRecord) -> "PackedRecords":
         """The records with round `i`'s row set to `record` (one round's fields)."""
+        leaves, tree = jax.tree.flatten(record)
+        if tree != self.layout[0]:
+            raise ValueError(f"a round's record {tree} is not shaped as the records "
+                             f"{self.layout[0]}")
         rows: tuple[list[jax.Array], list[jax.Array]] = ([], [])
-        for leaf, (_, _, group, _) in zip(jax.tree.leaves(record), self.layout[1]):
+        for leaf, (_, _, group, _) in zip(leaves, self.layout[1]):
             rows[group].append(jnp.ravel(leaf).astype((jnp.int32, jnp.float32)[group]))
         ints = self.ints.at[i].set(jnp.concatenate(rows[0])) if rows[0] else self.ints
         floats = self.floats.at[i].set(jnp.concatenate(rows[1])) if rows[1] else self.floats

@@ -12,8 +12,9 @@ post-attention norm in one (`pallas_kernels.norms.add_rms_norm`); the gate/up pr
 activation, the down product; the MLP's residual sum is taken with the next layer's input norm.
 The q/k/v, o and down products are split along K (`split_k_parts`) and the kernel that reads
 each sums its parts, where XLA would sum its own split in a kernel of its own.
-Elsewhere (CPU, TPU, a stacked or tensor-parallel layout, shapes the kernels do not take, or
-inside `layers.flash_kernels(False)`) the same arithmetic runs as XLA ops. The branch is chosen
+Elsewhere (CPU, TPU, shapes the kernels do not take, or inside `layers.flash_kernels(False)`)
+the same arithmetic runs as XLA ops; a stacked or tensor-parallel layout keeps XLA's attention
+and q/k/v product and takes the norm kernels. The branch is chosen
 for the platform being compiled for, so an ahead-of-time compile for a GPU takes the kernels.
 """
 
@@ -313,14 +314,15 @@ def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.
                      eps: float) -> tuple[jax.Array, jax.Array]:
     """The layer's second half with its MLP's residual sum left for the next input norm: the o
     projection summed into h and normed (`add_rms_norm`), then SwiGLU → (h, delta), the layer's
-    output being h + delta. On the kernels' path, for per-layer weights, the o product goes to
-    `add_rms_norm` and the down product is returned untaken (a `Product`, the delta) for the
-    next `add_rms_norm`, each taken there as split-K parts the kernel sums."""
+    output being h + delta. On the kernels' path the o product goes to `add_rms_norm` as
+    split-K parts the kernel sums; with gate and up fused (per-layer buffers) the down product
+    is returned untaken (a `Product`, the delta) for the next `add_rms_norm` to take the same
+    way."""
     B, T, N, H = attn_btnh.shape
     o = Product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
     h, x = add_rms_norm(h_btd, o if o.parts > 1 else o.value(), lp["post_norm"], eps)
     h = constrain(h, ("batch", "seq", "act_embed"))
-    if "w_gate_up" not in lp:   # stacked weights, in a scan: the delta as an array
+    if "w_gate_up" not in lp:   # gate and up apart (a stack in a scan, a tensor-parallel layout)
         return h, L.swiglu(x, lp)
     down = Product(L.swiglu_activation(x, lp), lp["w_down"])
     return h, down if down.parts > 1 else down.value()

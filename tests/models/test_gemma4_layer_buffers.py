@@ -201,8 +201,9 @@ def test_greedy_autoregressive_on_layer_buffers_equals_the_stacked_layers(target
     assert autoregressive_generate(view, prompts, max_new_tokens=12, stop_token_ids=[]) == ref
 
 
+@pytest.mark.parametrize("split", [False, True])
 def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_path,
-                                                                           monkeypatch):
+                                                                           monkeypatch, split):
     """The program a GPU compiles, its kernels interpreted (`layers.interpret_kernels`): each
     layer's attention over the cache runs in the decode-attention kernel (a sliding layer with
     its window), past the window, its residual updates in the norm kernel (the sandwich norms,
@@ -225,6 +226,14 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_
 
     monkeypatch.setattr(DA, "decode_attention", counted)
     monkeypatch.setattr(NK, "add_rms_norm", counted_norm)
+    parts: list[int] = []
+    if split:   # the o / down / PLE products split along K (the threshold lowered to the model)
+        from dspark_jax.models import decoding_layer as DL
+
+        monkeypatch.setattr(DL, "SPLIT_K_MIN_CHUNK", 8)
+        real = DL.product_parts
+        monkeypatch.setattr(DL, "product_parts",
+                            lambda x, w, p: parts.append(p) or real(x, w, p))
     # sliding heads of 16 (the kernel's smallest tile), a window of 5
     stacked = load_target(save_tiny_gemma4(tmp_path, "all_features", head_dim=16,
                                            global_head_dim=32))
@@ -249,3 +258,4 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_
     assert window in windows and 0 in windows, windows   # sliding and full layers
     # (sandwich norm, scale, output norm): after the attention; the PLE's; the next input's
     assert {(True, False, True), (True, False, False), (True, True, True)} <= norms, norms
+    assert (min(parts) >= 2) if split else not parts, parts

@@ -166,10 +166,13 @@ def test_the_gpu_program_with_split_k_products_interpreted_is_lossless(tmp_path,
     monkeypatch.setattr(DL, "product_parts",
                         lambda x, w, p: parts.append(p) or real(x, w, p))
     jax.clear_caches()   # programs traced before the threshold changed hold whole products
-    with L.interpret_kernels():
-        ref = autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW,
-                                      stop_token_ids=[])
-        res = speculative_generate(target, draft, PROMPTS, max_new_tokens=MAX_NEW,
-                                   settings=generation_settings(stop_token_ids=[]))
+    try:
+        with L.interpret_kernels():
+            ref = autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW,
+                                          stop_token_ids=[])
+            res = speculative_generate(target, draft, PROMPTS, max_new_tokens=MAX_NEW,
+                                       settings=generation_settings(stop_token_ids=[]))
+    finally:
+        jax.clear_caches()   # and later tests reuse none traced under the lowered one
     assert parts and min(parts) >= 2, parts
     assert res.tokens == ref

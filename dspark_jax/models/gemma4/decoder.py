@@ -190,7 +190,7 @@ def project_kv(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Arr
 def attn_out_and_mlp(lp: dict[str, jax.Array], h: jax.Array, attn_btnh: jax.Array,
                      eps: float, ple_btp: jax.Array | None = None) -> jax.Array:
     """The sandwich-normed residual updates after attention, the PLE gate, the layer scalar."""
-    o = jnp.einsum("BTNH,NHD->BTD", attn_btnh, lp["wo"])
+    o = L.attn_out(lp, attn_btnh)
     h = h + L.rms_norm(o, lp["post_attn_norm"], eps)
     m = L.geglu(L.rms_norm(h, lp["pre_ff_norm"], eps), lp)
     h = h + L.rms_norm(m, lp["post_ff_norm"], eps)
