@@ -91,6 +91,14 @@ def _online(carry, s, mask, v):
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
 
+def _query_rows_ok(shape: tuple[int, ...], num_tokens: int, tile=0) -> jax.Array:
+    """[tp, g, …] (`shape`): which rows of query tile `tile` are the row's queries (t < T). A
+    block's rows past T lie in the next batch row's queries or past the array, and Triton
+    reads and writes a block as it is told: they are loaded masked and never stored."""
+    t = tile * shape[0] + lax.broadcasted_iota(jnp.int32, shape, 0)
+    return t < num_tokens
+
+
 def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int, row_lo=None):
     """Online softmax of the rows q [M, H] over the cache positions [lo, hi) (`lo` a whole
     tile), each row's from `row_lo` [M] on where given (a sliding window: the tiles wholly
@@ -117,14 +125,17 @@ def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int, row_l
 
 def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, *out_refs,
                     qk_scale: float, block_k: int, split_len: int, seq: int, own_rows: int,
-                    window: int = 0):
+                    num_tokens: int, window: int = 0):
     """A split of the cache below `start`; the last split also takes the own keys. Its
     partial softmax (acc, max, sum) into three outputs, or, with one output (the whole cache
     a single split), the normalised attention of its rows. `window` > 0: query t (at
     start + t) sees the cache positions above start + t − window only."""
+    from jax.experimental.pallas import triton as plgpu
+
     p_id, n_p = pl.program_id(2), pl.num_programs(2)
     tp, g, h = q_ref.shape
-    q = q_ref[...].reshape(tp * g, h)                                        # [M, H]
+    rows_ok = _query_rows_ok((tp, g, h), num_tokens, pl.program_id(3))
+    q = plgpu.load(q_ref.at[:, :, :], mask=rows_ok, other=0.0).reshape(tp * g, h)   # [M, H]
     start = start_ref[...]
     lo = p_id * split_len
     hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
@@ -149,7 +160,8 @@ def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, *o
     if len(out_refs) == 1:
         out_ref, = out_refs
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
+        plgpu.store(out_ref.at[:, :, :], out.reshape(out_ref.shape).astype(out_ref.dtype),
+                    mask=rows_ok)
     else:
         o_ref, m_ref, l_ref = out_refs
         o_ref[...], m_ref[...], l_ref[...] = acc, m, l
@@ -201,11 +213,15 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     trig = lambda ref: jnp.broadcast_to(_rows(ref, num_tokens, tp)[:, None, :],  # noqa: E731
                                         (tp, g, h2)).reshape(mp, h2)
 
+    rows_ok = _query_rows_ok((tp, g, h2), num_tokens)
+
     def queries(cols):   # the query rows' columns (the sum of the product's parts, rounded)
+        at = lambda *i: x_ref.at[(*i, slice(None), slice(None), cols)]   # noqa: E731
         if parts is None:
-            x = x_ref[:, :, cols]
+            x = plgpu.load(at(), mask=rows_ok, other=0.0)
         else:
-            x = functools.reduce(operator.add, (x_ref[i, :, :, cols] for i in range(parts)))
+            x = functools.reduce(operator.add, (plgpu.load(at(jnp.int32(i)), mask=rows_ok,
+                                                           other=0.0) for i in range(parts)))
         return x.astype(dtype).reshape(mp, h2).astype(jnp.float32)
 
     def own_rows(ref, n, cols=slice(None)):   # the same for the own k / v rows
@@ -259,8 +275,11 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     o_ref[...], m_ref[...], l_ref[...] = acc, m, l
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
-    """The P partials of one (row, key head) under their shared maximum."""
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, num_tokens: int):
+    """The P partials of one (row, key head) under their shared maximum, stored for the rows
+    that are the row's queries (t < T)."""
+    from jax.experimental.pallas import triton as plgpu
+
     m = m_ref[...]                                                           # [P, M]
     top = jnp.max(m, axis=0)
     w = jnp.exp2(m - top[None, :])
@@ -272,7 +291,8 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref):
 
     acc = lax.fori_loop(0, m.shape[0], part, jnp.zeros(o_ref.shape[1:], jnp.float32))
     out = acc / jnp.where(den > 0, den, 1.0)[:, None]
-    out_ref[...] = out.reshape(out_ref.shape).astype(out_ref.dtype)
+    plgpu.store(out_ref.at[:, :, :], out.reshape(out_ref.shape).astype(out_ref.dtype),
+                mask=_query_rows_ok(out_ref.shape, num_tokens, pl.program_id(2)))
 
 
 def _check(q, cache_k, cache_v, start, own_k, own_v, own_mask):
@@ -310,7 +330,7 @@ def _merge(o, m, l, q, tp: int, g: int, interpret: bool, n_tiles: int = 1) -> ja
     B, Kh, P, _, H = o.shape
     Mp = tp * g
     return pl.pallas_call(
-        _merge_kernel, grid=(B, Kh, n_tiles),
+        functools.partial(_merge_kernel, num_tokens=q.shape[1]), grid=(B, Kh, n_tiles),
         in_specs=[pl.BlockSpec((None, None, P, Mp, H), lambda b, k, j: (b, k, 0, j, 0)),
                   pl.BlockSpec((None, None, P, Mp), lambda b, k, j: (b, k, 0, j)),
                   pl.BlockSpec((None, None, P, Mp), lambda b, k, j: (b, k, 0, j))],
@@ -352,7 +372,8 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start
     mask = jnp.broadcast_to(own_mask[:, :, None, :], (B, T, G, Q)).reshape(B, T * G, Q)
     mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, n_tiles * Mp - T * G), (0, Qp - Q)))
     kernel = functools.partial(_partial_kernel, qk_scale=scale * LOG2E, block_k=block_k,
-                               split_len=split_len, seq=S, own_rows=Qp, window=int(window))
+                               split_len=split_len, seq=S, own_rows=Qp, num_tokens=T,
+                               window=int(window))
     if P == 1:   # each program's rows normalised where q has them, [B, T, N, H]
         out_specs = pl.BlockSpec((None, Tp, G, H), lambda b, k, p, j: (b, j, k, 0))
         out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -386,7 +407,7 @@ def _tiling(B: int, T: int, G: int, Kh: int, S: int, block_k: int, splits: int |
 
 def _query_rows(tp: int, g: int, h: int) -> pl.BlockSpec:
     """A key head's G query heads for Tp of the row's queries: query tile j (the grid's fourth
-    axis where there is one; reads past T masked)."""
+    axis where there is one). Rows past T are the kernels' to mask (`_query_rows_ok`)."""
     return pl.BlockSpec((None, tp, g, h), lambda b, k, p=0, j=0: (b, j, k, 0))
 
 
