@@ -198,6 +198,13 @@ def active_mesh() -> Mesh | None:
     return _active_mesh.get()
 
 
+def on_several_devices() -> bool:
+    """Whether the code being traced runs under a mesh of more than one device (where a kernel
+    needs `shard_kernel`, or its caller XLA's ops)."""
+    mesh = _active_mesh.get()
+    return mesh is not None and mesh.size > 1
+
+
 Axes = Sequence[str | None]
 
 
@@ -229,9 +236,9 @@ def shard_kernel(fn: Callable[..., Any], args: Sequence[jax.Array], in_axes: Seq
     `fn` must compute each output block from the same blocks of the arguments: batch rows and
     heads, never a reduction across a split axis. Without an active mesh of several devices,
     `fn(*args)` as it is."""
-    mesh = _active_mesh.get()
-    if mesh is None or mesh.size == 1:
+    if not on_several_devices():
         return fn(*args)
+    mesh = _active_mesh.get()
     chosen = kernel_specs([a.shape for a in args], in_axes, mesh)
 
     def spec(names: Axes) -> P:

@@ -274,6 +274,13 @@ class PackedRecords:
     layout: tuple = flax.struct.field(pytree_node=False)
 
     @classmethod
+    def for_rounds(cls, rounds: int, num_slots: int, num_drafts: int, width: int,
+                   scheduled: bool) -> "PackedRecords":
+        """Zero records of `rounds` rounds shaped as `RoundRecord.zeros` (same arguments)."""
+        return cls.zeros(jax.eval_shape(lambda: RoundRecord.zeros(
+            rounds, num_slots, num_drafts, width, scheduled)))
+
+    @classmethod
     def zeros(cls, stacked: RoundRecord) -> "PackedRecords":
         """Zero buffers for records shaped as `stacked` (arrays or ShapeDtypeStructs
         [rounds, …], e.g. `jax.eval_shape` of `RoundRecord.zeros`)."""

@@ -373,9 +373,8 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
                                    jnp.sum(live), choice.ratio(), arrays.sps_draft,
                                    choice.plain_sps, config.tree_budget or num_drafts)
 
-    records = PackedRecords.zeros(jax.eval_shape(functools.partial(
-        RoundRecord.zeros, config.rounds_per_call, num_slots, num_drafts, num_drafts + 1,
-        scheduled=True)))
+    records = PackedRecords.for_rounds(config.rounds_per_call, num_slots, num_drafts,
+                                       num_drafts + 1, scheduled=True)
     return _round_loop(one_round, state, slots, schedule, records, num_rounds, min_done,
                        proceed=None if schedule.choice is None else drafting_pays)
 
@@ -403,8 +402,8 @@ def anchor_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineState,
         return (commit(arrays, current, slots, writes),
                 RoundRecord(live=slots.active, outputs=outputs), schedule)
 
-    records = PackedRecords.zeros(jax.eval_shape(functools.partial(
-        RoundRecord.zeros, config.plain_rounds_per_call, num_slots, 0, 1, scheduled=False)))
+    records = PackedRecords.for_rounds(config.plain_rounds_per_call, num_slots, 0, 1,
+                                       scheduled=False)
     return _round_loop(one_round, state, slots, None, records, num_rounds, min_done)
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import RopeConfig
-from dspark_jax.sharding import active_mesh, constrain, shard_kernel
+from dspark_jax.sharding import constrain, on_several_devices, shard_kernel
 
 _ROWS = ("batch", None, "act_embed")
 _QKV = ("batch", None, None, "head_dim")
@@ -48,16 +48,14 @@ SPLIT_K_MIN_CHUNK = 512
 SPLIT_K_MAX_ROWS = 64
 
 
-def _pow2(n: int) -> bool:
+def pow2(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
 
 
 def split_k_parts(rows: int, depth: int, columns: int) -> int:
     """The parts a [rows, depth] @ [depth, columns] product is split into on the kernels' path
     (1: not split)."""
-    mesh = active_mesh()
-    if rows > SPLIT_K_MAX_ROWS or not L.kernels_enabled() or (mesh is not None
-                                                              and mesh.size > 1):
+    if rows > SPLIT_K_MAX_ROWS or not L.kernels_enabled() or on_several_devices():
         return 1
     parts = 1
     while (parts < SPLIT_K_MAX_PARTS and parts * columns < SPLIT_K_COLUMNS
@@ -93,6 +91,13 @@ class Product:
 
     def value(self) -> jax.Array:
         return jnp.einsum("BTF,FD->BTD", self.x, self.w)
+
+
+def product(x: jax.Array, w: jax.Array) -> "jax.Array | Product":
+    """x @ w [B, T, F] @ [F, D]: left untaken (a `Product`) where the kernels' path splits it
+    along K, for `add_rms_norm` to take; taken here otherwise."""
+    p = Product(x, w)
+    return p if p.parts > 1 else p.value()
 
 
 def value(delta: "jax.Array | Product") -> jax.Array:
@@ -134,17 +139,16 @@ def add_rms_norm(h_btd: jax.Array, delta_btd: "jax.Array | Product", weight_d: j
     if not kernel or not L.kernels_enabled():
         return xla(h_btd, value(delta_btd), *extras)
     if isinstance(delta_btd, Product):
-        if delta_btd.parts > 1:   # no mesh of several devices: no shard_map around the kernel
-            product = delta_btd
-
+        n_parts = delta_btd.parts
+        if n_parts > 1:   # no mesh of several devices: no shard_map around the kernel
             def gpu_parts(h, x, w_kd, *ws, interpret):
-                parts = product_parts(x, w_kd, product.parts)
-                return fused(h, parts.reshape(parts.shape[0], -1, h.shape[-1]), ws, interpret)
+                parts = product_parts(x, w_kd, n_parts)
+                return fused(h, parts.reshape(n_parts, -1, h.shape[-1]), ws, interpret)
 
             def default(h, x, w_kd, *ws):
-                return xla(h, jnp.einsum("BTF,FD->BTD", x, w_kd), *ws)
+                return xla(h, Product(x, w_kd).value(), *ws)
 
-            return L.on_gpu(gpu_parts, default, h_btd, product.x, product.w, *extras)
+            return L.on_gpu(gpu_parts, default, h_btd, delta_btd.x, delta_btd.w, *extras)
         delta_btd = delta_btd.value()
 
     def gpu(h, d, *ws, interpret):
@@ -171,7 +175,7 @@ def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
         return False
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]
-    return (_pow2(h) and h >= 32 and _pow2(n // kh) and cache_k.dtype == dtype
+    return (pow2(h) and h >= 32 and pow2(n // kh) and cache_k.dtype == dtype
             and cache_k.shape[-3] % L.DECODE_KERNEL_TILE == 0
             and rows <= L.DECODE_KERNEL_MAX_ROWS)
 
@@ -319,10 +323,9 @@ def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.
     is returned untaken (a `Product`, the delta) for the next `add_rms_norm` to take the same
     way."""
     B, T, N, H = attn_btnh.shape
-    o = Product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
-    h, x = add_rms_norm(h_btd, o if o.parts > 1 else o.value(), lp["post_norm"], eps)
+    o = product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
+    h, x = add_rms_norm(h_btd, o, lp["post_norm"], eps)
     h = constrain(h, ("batch", "seq", "act_embed"))
     if "w_gate_up" not in lp:   # gate and up apart (a stack in a scan, a tensor-parallel layout)
         return h, L.swiglu(x, lp)
-    down = Product(L.swiglu_activation(x, lp), lp["w_down"])
-    return h, down if down.parts > 1 else down.value()
+    return h, product(L.swiglu_activation(x, lp), lp["w_down"])

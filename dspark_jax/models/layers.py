@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models.config import DecoderConfig, RopeConfig, rope_inv_freq
-from dspark_jax.sharding import active_mesh, constrain, shard_kernel
+from dspark_jax.sharding import constrain, on_several_devices, shard_kernel
 
 NEG_INF = -1e30
 
@@ -556,12 +556,11 @@ def cache_scatter_kv(ck: jax.Array | tuple[jax.Array, ...], cv: jax.Array | tupl
     def xla(ck, cv, rows, pos, k, v):
         return cache_scatter(ck, (rows, pos), k), cache_scatter(cv, (rows, pos), v)
 
-    mesh = active_mesh()
     one_layer_groups = (isinstance(ck, tuple) and isinstance(cv, tuple)
                         and all(c.shape[0] == 1 for c in ck + cv))
     if (not one_layer_groups or len({c.dtype for c in ck + cv}) != 1
             or any(jnp.ndim(i) != 1 for i in index) or not _flash_kernels.get()
-            or (mesh is not None and mesh.size > 1)):
+            or on_several_devices()):
         return xla(ck, cv, *index, k_rows, v_rows)
     n = len(ck)
 

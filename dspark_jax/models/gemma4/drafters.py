@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dspark_jax.models import decoding_layer as DL
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import ConfigError, DecoderConfig
 from dspark_jax.models.drafters.config import DraftConfig
@@ -144,17 +143,12 @@ class Gemma4DSparkDraft(DSparkDraft):
         h = self.embed_block(self.block_tokens(anchor_b))                    # [B,γ,D]
         pending = None   # a layer's last residual update, taken with the next norm
         for i, lp in enumerate(self.layers.layer_params(self.dtype)):
-            if pending is None:
-                x = L.rms_norm(h, lp["input_norm"], eps)
-            else:
-                h, x = DL.add_rms_norm(h, pending[0], lp["input_norm"], eps,
-                                       delta_weight=pending[1], scale=pending[2])
+            h, x = LB.take_pending(h, pending, lp["input_norm"], eps)
             q, k, v = self.block_qkv(lp, x, pos)
             ck, cv = (L.cache_layer(c, i).astype(self.dtype) for c in (ctx_k, ctx_v))
             attn = block_attend(q[:, None], ck, cv, k[:, None], v[:, None], visible, ones)
             h, pending = LB.residual_updates(lp, h, attn[:, 0], eps, None)
-        _, h = DL.add_rms_norm(h, pending[0], self.norm.get_value(), eps,
-                               delta_weight=pending[1], scale=pending[2])
+        _, h = LB.take_pending(h, pending, self.norm.get_value(), eps)
         return constrain(h, ("batch", None, "act_embed"))
 
     def attn_out_and_mlp(self, lp: Any, h: jax.Array, attn: jax.Array) -> jax.Array:

@@ -34,7 +34,7 @@ from dspark_jax.models import decoding_layer as DL
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import DecoderConfig
 from dspark_jax.models.gemma4 import decoder as G
-from dspark_jax.sharding import active_mesh, constrain
+from dspark_jax.sharding import constrain, on_several_devices
 
 # fused products: name → the stacked matrices it concatenates along its output columns (a
 # product is fused where every member is present and none is fused already; a KV-shared layer
@@ -177,10 +177,8 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
     alone); elsewhere XLA's ops below."""
     b, t, n, h = q_btnh.shape
     kvh = cache_k.shape[2]
-    mesh = active_mesh()
-    pow2 = lambda x: x >= 1 and not x & (x - 1)  # noqa: E731
-    if (start_b is None or not L.kernels_enabled() or (mesh is not None and mesh.size > 1)
-            or not (pow2(h) and h >= 16 and pow2(n // kvh))
+    if (start_b is None or not L.kernels_enabled() or on_several_devices()
+            or not (DL.pow2(h) and h >= 16 and DL.pow2(n // kvh))
             or own_k.shape[1] > L.DECODE_KERNEL_MAX_OWN
             or cache_k.shape[1] % L.DECODE_KERNEL_TILE):
         return _attend_xla(q_btnh, cache_k, cache_v, cache_mask_bts, own_k, own_v, own_mask_btq)
@@ -248,18 +246,25 @@ def residual_updates(lp: dict[str, jax.Array], h: jax.Array, attn_btnh: jax.Arra
     (delta, w, scalar), for the next layer's input norm to take in the same kernel; its delta
     a `decoding_layer.Product` where the product is split along K."""
     B, T, N, H = attn_btnh.shape
-    o = DL.Product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
-    h, x = DL.add_rms_norm(h, o if o.parts > 1 else o.value(), lp["pre_ff_norm"], eps,
-                           delta_weight=lp["post_attn_norm"])
+    o = DL.product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
+    h, x = DL.add_rms_norm(h, o, lp["pre_ff_norm"], eps, delta_weight=lp["post_attn_norm"])
     h = constrain(h, ("batch", "seq", "act_embed"))
-    m = DL.Product(L.geglu_activation(x, lp), lp["w_down"])
-    m = m if m.parts > 1 else m.value()
+    m = DL.product(L.geglu_activation(x, lp), lp["w_down"])
     if ple_btp is None:
         return h, (m, lp["post_ff_norm"], lp["layer_scalar"])
     h = DL.add_rms_norm(h, m, None, eps, delta_weight=lp["post_ff_norm"])[0]
     g = L.gelu_tanh(jnp.einsum("BTD,DP->BTP", h, lp["ple_gate"])) * ple_btp
-    g = DL.Product(g, lp["ple_proj"])
-    return h, (g if g.parts > 1 else g.value(), lp["ple_norm"], lp["layer_scalar"])
+    return h, (DL.product(g, lp["ple_proj"]), lp["ple_norm"], lp["layer_scalar"])
+
+
+def take_pending(h: jax.Array, pending: tuple[Any, jax.Array, jax.Array] | None,
+                 weight: jax.Array | None, eps: float) -> tuple[jax.Array, jax.Array | None]:
+    """(h with a layer's untaken last update `pending` (`residual_updates`) taken, its RMS norm
+    by `weight`) in one kernel on a GPU; None pending: (h, its norm); None weight: no norm."""
+    if pending is None:
+        return h, (None if weight is None else L.rms_norm(h, weight, eps))
+    delta, delta_weight, scale = pending
+    return DL.add_rms_norm(h, delta, weight, eps, delta_weight=delta_weight, scale=scale)
 
 
 def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: jax.Array,
@@ -292,11 +297,7 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
     pending = None   # the previous layer's last residual update, taken with this input norm
     for i, lp in enumerate(params):
         ltype = cfg.layer_type(i)
-        if pending is None:
-            x = L.rms_norm(h, lp["input_norm"], eps)
-        else:
-            h, x = DL.add_rms_norm(h, pending[0], lp["input_norm"], eps,
-                                   delta_weight=pending[1], scale=pending[2])
+        h, x = take_pending(h, pending, lp["input_norm"], eps)
         q, kv = project(lp, x, positions_bt, cfg.rope_for(ltype), eps)
         owner = cfg.kv_producer(i)
         if kv is not None:
@@ -319,9 +320,7 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
                                          scale=1.0), 0, 1)
         h, pending = residual_updates(lp, h, attn, eps, None if ple is None else ple[:, :, i])
         if i in tap_ids or i == len(params) - 1:   # the layer's output itself
-            h = DL.add_rms_norm(h, pending[0], None, eps, delta_weight=pending[1],
-                                scale=pending[2])[0]
-            pending = None
+            h, pending = take_pending(h, pending, None, eps)[0], None
         for slot, lid in enumerate(tap_ids):
             if lid == i:
                 taps[slot] = h
