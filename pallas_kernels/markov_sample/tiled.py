@@ -9,10 +9,12 @@ about forty kernels a slot (the bias GEMM, the softmax's reductions, the prefix 
 inverse-CDF draw, ...). Here each slot is:
 
   `markov_tiles`  grid (V tiles): for every row, the logits of one vocabulary tile,
-                  U_k + W1[x_{k−1}]·W2ᵀ (the rows W1[x_{k−1}] gathered by XLA before it, W2
-                  read in place and masked at the edges), stored for the pick, with the
-                  tile's softmax partials (max and sum of exp(logits / T)) and its first
-                  argmax.
+                  U_k + W1[x_{k−1}]·W2ᵀ, stored for the pick, with the tile's softmax
+                  partials (max and sum of exp(logits / T)) and its first argmax. The previous
+                  tokens x_{k−1} [B] (the anchor at slot 0, else slot k−1's pick) come in as
+                  an operand, clamped into [0, V − 1]; each program gathers the rows
+                  W1[x_{k−1}] itself with one masked load (rows past B and columns past r
+                  masked); W1 and W2 are read in place and masked at the edges.
   `markov_pick`   grid (rows): the tiles' partials merged, u·Σ located among the tiles' sums,
                   then inside the chosen tile (its logits re-read): the inverse-CDF draw with
                   the given uniform, as `inverse_cdf_sample` takes it, or the first argmax for
@@ -50,7 +52,7 @@ def tiled_block_v(rank: int, itemsize: int) -> int:
     return max(16, min(512, 1 << (TILE_BYTES // (rp * itemsize)).bit_length() - 1))
 
 
-def _tiles_kernel(e_ref, logit_ref, w2_ref, temp_ref,                      # inputs
+def _tiles_kernel(prev_ref, w1_ref, logit_ref, w2_ref, temp_ref,           # inputs
                   x_ref, m_ref, s_ref, best_ref, arg_ref,                    # outputs
                   *, rows: int, batch: int, vocab: int, rank: int, block_v: int, slot: int):
     """One vocabulary tile for every row (`rows` ≥ 16, the rows past `batch` masked)."""
@@ -65,7 +67,14 @@ def _tiles_kernel(e_ref, logit_ref, w2_ref, temp_ref,                      # inp
     idx = i * block_v + c_iota                                               # [1, BV]
     col_ok = idx < vocab
     one = r_iota[:, 0] < batch
-    e = plgpu.load(e_ref.at[pl.ds(0, rows), pl.ds(0, rp)], mask=row_ok & rank_ok, other=0)
+    # the previous tokens (rows past `batch` masked to 0), clamped into the vocabulary; then
+    # W1's rows gathered with one [rows, rp] pair of index arrays (row: the token, column:
+    # 0..rp−1), rows past `batch` and columns past r masked
+    prev = plgpu.load(prev_ref.at[pl.ds(0, rows)], mask=one, other=0)
+    prev = jnp.clip(prev, 0, vocab - 1)[:, None]                             # [rows, 1]
+    e = plgpu.load(w1_ref.at[jnp.broadcast_to(prev, (rows, rp)),
+                             jnp.broadcast_to(k_iota, (rows, rp))],
+                   mask=row_ok & rank_ok, other=0)                           # [rows, rp]
     v_rows = i * block_v + lax.broadcasted_iota(jnp.int32, (block_v, 1), 0)
     w2 = plgpu.load(w2_ref.at[pl.ds(i * block_v, block_v), pl.ds(0, rp)],
                     mask=(v_rows < vocab) & rank_ok, other=0)
@@ -155,18 +164,17 @@ def markov_sample_tiled(uniforms: jax.Array, base_logits: jax.Array, w1: jax.Arr
     rows = max(16, next_pow2(B))
     temp = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))
     u = uniforms.astype(jnp.float32)
-    prev = jnp.clip(anchor.astype(jnp.int32), 0, V - 1)
+    prev = anchor.astype(jnp.int32)          # clamped by `markov_tiles`
     partial = [jax.ShapeDtypeStruct((B, tiles), dt)
                for dt in (jnp.float32, jnp.float32, jnp.float32, jnp.int32)]
     xs, toks, logzs = [], [], []
     for k in range(G):
-        e = jnp.take(w1, prev, axis=0)                                      # [B, r]
         x, m, s, best, arg = pl.pallas_call(
             functools.partial(_tiles_kernel, rows=rows, batch=B, vocab=V, rank=r,
                               block_v=block_v, slot=k),
             grid=(tiles,), out_shape=[jax.ShapeDtypeStruct((B, V), jnp.float32)] + partial,
             compiler_params=_params(interpret, num_warps), interpret=interpret,
-            name="markov_tiles")(e, base_logits, w2, temp)
+            name="markov_tiles")(prev, w1, base_logits, w2, temp)
         tok, logz = pl.pallas_call(
             functools.partial(_pick_kernel, vocab=V, block_v=block_v, tiles=tiles, slot=k),
             grid=(B,), out_shape=[jax.ShapeDtypeStruct((B,), jnp.int32),

@@ -1,7 +1,8 @@
 """The tiled Markov-head sampler (`pallas_kernels.markov_sample.markov_sample_tiled`, two Triton
 kernels a slot, interpreted here) against its oracle `ref_markov_sample`: same uniforms → same
 tokens and probabilities, with greedy rows, a vocabulary that is not a whole number of tiles, a
-rank that is not a power of two, bf16 weights, and the first argmax among tied tiles."""
+rank that is not a power of two, bf16 weights, the first argmax among tied tiles, and the W1 rows
+the kernel gathers for each row's previous token (anchors clamped, rows past B masked)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,24 @@ def test_bad_inputs_and_tiles():
     # a W2 tile in shared memory stays within its budget: Qwen3's r = 256
     assert tiled_block_v(256, 2) == 128 and tiled_block_v(256, 4) == 64
     assert tiled_block_v(8, 4) == 512
+
+
+def test_each_row_gathers_the_w1_row_of_its_own_clamped_previous_token():
+    """`markov_tiles` gathers W1[x_{k−1}] itself: W1's rows large and unlike each other (the
+    bias decides the token), anchors below 0 and past V − 1 clamped to the vocabulary's ends,
+    and B = 5 rows (the kernel's 16, the rows past B masked)."""
+    B, G, V, r = 5, 4, 300, 12
+    u, U, _, w2, _ = _inputs(B, G, V, r, seed=7)
+    rng = np.random.RandomState(8)
+    w1 = jnp.asarray(rng.randn(V, r) * 8, jnp.float32)
+    anchor = jnp.asarray([-4, V + 7, 0, V - 1, 123], jnp.int32)
+    t = jnp.asarray([0.0, 1.0, 0.0, 0.5, 0.0], jnp.float32)
+    clamped = jnp.clip(anchor, 0, V - 1)
+    want_tok, want_p = ref_markov_sample(u, U, w1, w2, clamped, t)
+    tok, p = markov_sample_tiled(u, U, w1, w2, anchor, t, block_v=64, interpret=True)
+    np.testing.assert_array_equal(tok, want_tok)
+    np.testing.assert_allclose(p, want_p, atol=2e-6, rtol=1e-4)
+    # the rows' first tokens follow their anchors' W1 rows: another row's (or a wrapped
+    # index's) would pick another token
+    other_tok, _ = ref_markov_sample(u, U, w1, w2, jnp.roll(clamped, 1), t)
+    assert (np.asarray(other_tok)[:, 0] != np.asarray(want_tok)[:, 0]).sum() >= 3
