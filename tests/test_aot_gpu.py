@@ -430,6 +430,27 @@ def test_a_row_writing_kernel_reads_none_of_the_buffers_it_writes_into():
     assert other.summary()["bytes_accessed"] == rows + cache
 
 
+_GATHER_HLO = """HloModule m, entry_computation_layout={(s32[3]{0}, bf16[1000,64]{1,0})->f32[3,1000]{1,0}}
+
+ENTRY %main (p: s32[3], w: bf16[1000,64]) -> f32[3,1000] {
+  %p = s32[3]{0} parameter(0)
+  %w = bf16[1000,64]{1,0} parameter(1), metadata={op_name="w1"}
+  ROOT %x = f32[3,1000]{1,0} custom-call(%p, %w), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(f)/KERNEL/pallas_call"}
+}
+"""
+
+
+def test_a_gathering_kernel_reads_the_rows_it_names():
+    """`markov_tiles` reads W1 only at the rows of the previous tokens: its traffic counts
+    those rows (and the indices and its output), not the table; another kernel given the same
+    operands counts the whole table."""
+    indices, out, row = 3 * 4, 3 * 1000 * 4, 64 * 2
+    gather = Program(_GATHER_HLO.replace("KERNEL", "markov_tiles"), lambda _: None)
+    assert gather.summary()["bytes_accessed"] == indices + 3 * row + out
+    other = Program(_GATHER_HLO.replace("KERNEL", "markov_pick"), lambda _: None)
+    assert other.summary()["bytes_accessed"] == indices + 1000 * row + out
+
+
 @pytest.mark.gpu
 @needs_plugin
 def test_h200_greedy_tree_round_keeps_the_vocabulary_wide_arrays_off_hbm(tmp_path):

@@ -183,6 +183,13 @@ def _elements(shape: str) -> int:
     return sum(n for _, n, _ in _arrays(shape))
 
 
+def _leading_dim(shape: str) -> int:
+    """The first dimension of an array shape (1 for a scalar)."""
+    m = _ARRAY.search(shape)
+    dims = [d for d in (m.group(2).split(",") if m else []) if d.strip()]
+    return int(dims[0]) if dims else 1
+
+
 def tuple_elements(shape: str) -> list[str]:
     s = shape.strip()
     if not s.startswith("("):
@@ -479,6 +486,14 @@ class Program:
         if ins.opcode == "fusion" or ins.opcode.endswith("-start"):
             fused = self.comps.get(ins.attr("calls") or "")
         if fused is None and ins.opcode == "custom-call":
+            for name, (table, rows) in GATHERING_KERNELS.items():
+                if f"/{name}/" in ins.attrs and max(table, rows) < len(operand_bytes):
+                    # the table's rows the indices name, each read once from memory
+                    t_shape = by[ins.operands[table]].shape
+                    per_row = shape_bytes(t_shape) / max(_leading_dim(t_shape), 1)
+                    operand_bytes[table] = min(
+                        operand_bytes[table],
+                        _elements(by[ins.operands[rows]].shape) * per_row)
             # a kernel's output aliased to an operand is that buffer updated in place: the
             # operand counts as read (the kernel may read all of it, as the decoding layer's
             # attention reads the cache it writes a token's rows into), the output as written
@@ -611,6 +626,10 @@ class Program:
 # Pallas kernels (by their `pallas_call` name) that only store rows into their aliased
 # operands, never reading them: `pallas_kernels.cache_write`
 WRITE_ONLY_KERNELS = ("cache_write_rows",)
+# Pallas kernels that read an operand only at the rows another operand names (a gather inside
+# the kernel): name → (the table's operand, the row indices' operand). `markov_tiles` reads
+# the W1 rows of the previous tokens
+GATHERING_KERNELS = {"markov_tiles": (1, 0)}
 # custom-call targets of Pallas kernels: Mosaic (TPU) and Triton (GPU)
 KERNEL_TARGETS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
 _COLLECTIVE = re.compile(r"^(all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute|"

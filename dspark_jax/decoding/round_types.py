@@ -321,11 +321,14 @@ class PackedRecords:
 @flax.struct.dataclass
 class RoundsResult:
     """A device call of rounds: its records (`packed`; leading axis: the call's most rounds;
-    entries past `rounds` are fill), how many rounds ran and the schedule it ends with."""
+    entries past `rounds` are fill), how many rounds ran, the schedule it ends with and the
+    slots as its rounds left them (budgets, round counters, liveness: the call takes the slots
+    and the schedule donated and returns them, so its loop advances them in place)."""
 
     packed: PackedRecords
     rounds: jax.Array                      # () int32
     schedule: ScheduleState | None = None
+    slots: SlotSettings | None = None      # as the rounds left them (budget, counter, liveness)
 
     @property
     def records(self) -> RoundRecord:

@@ -264,12 +264,12 @@ def verify_and_commit(config: RoundConfig, arrays: EngineArrays, state: EngineSt
 @flax.struct.dataclass
 class _Loop:
     """The carry of a device call of rounds: the state in and out of each round, the slots as
-    the rounds advance them (liveness, budget, round counter), the slots finished, the
-    schedule and the records so far."""
+    the rounds advance them (liveness, budget, round counter), the schedule and the records
+    so far. A slot leaves `slots.active` only by finishing its request, so the slots that
+    finished in the call are those live at its start and not now."""
 
     state: EngineState
     slots: SlotSettings
-    done: jax.Array              # [R] bool: finished in this call
     schedule: ScheduleState | None
     index: jax.Array             # () int32 rounds run
     records: PackedRecords       # [max_rounds, …]
@@ -290,11 +290,12 @@ def _round_loop(one_round: OneRound, state: EngineState, slots: SlotSettings,
     length) rounds, once `min_done` slots finished, or before a round after the first for which
     `proceed(schedule, live)` is False."""
     max_rounds = records.ints.shape[0]
+    live_at_start = jnp.sum(slots.active.astype(jnp.int32))
 
     def cond(loop: _Loop) -> jax.Array:
-        more = (jnp.any(loop.slots.active)
-                & (loop.index < jnp.minimum(num_rounds, max_rounds))
-                & (jnp.sum(loop.done.astype(jnp.int32)) < min_done))
+        live = jnp.sum(loop.slots.active.astype(jnp.int32))
+        more = ((live > 0) & (loop.index < jnp.minimum(num_rounds, max_rounds))
+                & (live_at_start - live < min_done))
         if proceed is None:
             return more
         return more & ((loop.index == 0) | proceed(loop.schedule, loop.slots.active))
@@ -307,17 +308,18 @@ def _round_loop(one_round: OneRound, state: EngineState, slots: SlotSettings,
                                     remaining=loop.slots.remaining - record.outputs.n_emit,
                                     counter=loop.slots.counter + live.astype(jnp.int32))
         records = loop.records.set(loop.index, record)
-        return _Loop(state=state, slots=slots, done=loop.done | finished, schedule=schedule,
-                     index=loop.index + 1, records=records)
+        return _Loop(state=state, slots=slots, schedule=schedule, index=loop.index + 1,
+                     records=records)
 
-    start = _Loop(state=state, slots=slots, done=jnp.zeros_like(slots.active, bool),
-                  schedule=schedule, index=jnp.zeros((), jnp.int32), records=records)
+    start = _Loop(state=state, slots=slots, schedule=schedule, index=jnp.zeros((), jnp.int32),
+                  records=records)
     loop = jax.lax.while_loop(cond, body, start)
     return loop.state, RoundsResult(packed=loop.records, rounds=loop.index,
-                                    schedule=loop.schedule)
+                                    schedule=loop.schedule, slots=loop.slots)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config",),
+                   donate_argnames=("state", "slots", "schedule"))
 @with_precision_policy
 def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineState,
                        slots: SlotSettings, schedule: ScheduleState, num_rounds: jax.Array,
@@ -336,7 +338,9 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
     round first makes the policy's choice on device (`scheduler.drafting_pays` on the estimate
     of two rounds before) and the call ends, back to the host, at the first round that would
     decode plainly (the host's policy then decides it, with its probes and budget).
-    → (state, the rounds' records with their schedules, how many ran, the final schedule)."""
+    `state`, `slots` and `schedule` are donated: the loop advances them in place.
+    → (state, the rounds' records with their schedules, how many ran, the final schedule and
+    slots)."""
     num_slots = state.anchor.shape[0]
     num_drafts = _draft_model(arrays).cfg.num_drafts
     buckets = jnp.asarray(config.buckets, jnp.int32)
@@ -379,7 +383,8 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
                        proceed=None if schedule.choice is None else drafting_pays)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "capacity"),
+                   donate_argnames=("state", "slots"))
 @with_precision_policy
 def anchor_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineState,
                   slots: SlotSettings, num_rounds: jax.Array, min_done: jax.Array, *,
@@ -389,7 +394,7 @@ def anchor_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineState,
     anchors alone (drafts of width 0, ℓ = 0) in `capacity` K and commits them, the drafter's
     context fed with their features, exactly as `verify_and_commit` with no drafts, round after
     round, with the loop and records of `speculative_rounds` (tokens [R, 1] a round, no
-    schedule)."""
+    schedule; `state` and `slots` donated)."""
     num_slots = state.anchor.shape[0]
     vocab = nnx.merge(arrays.target_graphdef, arrays.target_state).cfg.vocab_size
     drafts = jnp.zeros((num_slots, 0), jnp.int32)

@@ -284,11 +284,14 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
         q, k = L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope)
         return xla(q, k, v, ctx_k, ctx_v, start_b)
     # the raw products, normed and rotated in each branch as `project_q` / `project_kv` do; as
-    # one array, XLA takes the two dots as one GEMM whose output the kernel reads whole
+    # one array, XLA takes the two dots as one GEMM (reading both weights where they lie) whose
+    # output the kernel reads whole
     wq = lp["wq"].reshape(x_btd.shape[-1], -1)
-    qkv = jnp.concatenate([jnp.einsum("BTD,DF->BTF", x_btd, wq),
-                           jnp.einsum("BTD,DF->BTF", x_btd, lp["w_kv"])], axis=-1)
-    qkv = qkv.reshape(b, t, n + 2 * kh, h)
+
+    def raw_qkv(x, wq, w_kv):
+        return jnp.concatenate([jnp.einsum("BTD,DF->BTF", x, wq),
+                                jnp.einsum("BTD,DF->BTF", x, w_kv)], axis=-1)
+
     norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
 
     def default(qkv, ck, cv, start, pos):
@@ -309,9 +312,22 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
     def local(*args):
         return L.on_gpu(gpu, default, *args)
 
-    args = (qkv, ctx_k, ctx_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32))
+    rest = (ctx_k, ctx_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32))
+    parts = split_k_parts(b * t, x_btd.shape[-1], (n + 2 * kh) * h)
+    if parts > 1:   # on a GPU the attention kernel sums the product's split-K parts, the two
+        # weights read where they lie by the one GEMM (no mesh of several devices)
+        def gpu_parts(x, wq, w_kv, *a, interpret):
+            w = jnp.concatenate([wq, w_kv], axis=-1)
+            qkv = product_parts(x, w, parts)   # [parts, B, ≥ T, F]: rows past T unread
+            return gpu(qkv.reshape(*qkv.shape[:3], n + 2 * kh, h), *a, interpret=interpret)
+
+        return L.on_gpu(gpu_parts,
+                        lambda x, wq, w_kv, *a: default(
+                            raw_qkv(x, wq, w_kv).reshape(b, t, n + 2 * kh, h), *a),
+                        x_btd, wq, lp["w_kv"], *rest)
+    qkv = raw_qkv(x_btd, wq, lp["w_kv"]).reshape(b, t, n + 2 * kh, h)
     axes = (_QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None))
-    return shard_kernel(local, args, axes, _QKV)
+    return shard_kernel(local, (qkv, *rest), axes, _QKV)
 
 
 def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array,

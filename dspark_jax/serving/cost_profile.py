@@ -250,13 +250,13 @@ def plain_rounds_fn(spec: EngineSpec) -> tuple[Callable[[int], Any], int]:
     """(step_fn(K), n): n rounds that skip drafting in one device call (`anchor_rounds`: the
     anchors alone verified in bucket K, the drafter's context still fed), as `adaptive`'s
     plain stretches run them; the cost of one is the call's time / n."""
-    slots = all_slots_active(spec)
     n = max(1, min(spec.settings.plain_steps_per_call, spec.max_len - 1))
     arrays = spec.arrays.replace(stop_ids=jnp.full_like(spec.arrays.stop_ids, -1))
     holder = {"state": spec.fresh_state()}
 
     def step(capacity: int) -> Any:
-        state, result = round_.anchor_rounds(spec.config, arrays, holder["state"], slots,
+        state, result = round_.anchor_rounds(spec.config, arrays, holder["state"],
+                                             all_slots_active(spec),   # donated: fresh
                                              jnp.asarray(n, jnp.int32),
                                              jnp.asarray(spec.num_slots + 1, jnp.int32),
                                              capacity=capacity)

@@ -178,14 +178,14 @@ class Engine:
             jax.block_until_ready(step(K))
         top = spec.cache_length_for(spec.max_len if max_tokens is None
                                     else int(max_tokens) + 1 + spec.gamma)
-        slots, one = cost_profile.all_slots_active(spec), jnp.asarray(1, jnp.int32)
+        one = jnp.asarray(1, jnp.int32)
         anchor_buckets = sorted({bucket_for(spec.buckets, r) for r in range(1, self.R + 1)})
         for n in [n for n in spec.cache_lengths() if n <= top]:
             if spec.mode.prices_drafting:   # plain stretches at each bucket a load needs
                 for K in anchor_buckets:
                     jax.block_until_ready(round_.anchor_rounds(
-                        spec.config, spec.arrays, spec.fresh_state(n), slots, one, one,
-                        capacity=K)[1])
+                        spec.config, spec.arrays, spec.fresh_state(n),
+                        cost_profile.all_slots_active(spec), one, one, capacity=K)[1])
                 self._warm_device_choice(n)
             # a prompt whose request needs exactly n positions (prompt + 2 + γ + 1)
             self.generate([[0] * max(1, n - 3 - spec.gamma)], max_new_tokens=2)

@@ -254,7 +254,7 @@ class EngineSpec:
         if choice is not None:
             plain = self.costs.plain_sps if plain_sps is None else plain_sps
             choice = DraftChoice(**{k: jnp.asarray(v) for k, v in choice.items()},
-                                 plain_sps=jnp.asarray(plain))
+                                 plain_sps=jnp.array(plain))   # a copy: the call donates it
         return ScheduleState(capacities=jnp.asarray(capacities, jnp.int32), choice=choice)
 
 

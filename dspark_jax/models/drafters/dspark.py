@@ -113,6 +113,10 @@ class DSparkDraft(nnx.Module):
             return L.apply_rope(k, positions_bs, rope), v
 
         if isinstance(self.layers, L.UnstackedLayers):   # the decoding layout
+            layers = list(self.layers.layer_params(self.dtype))
+            if all("w_kv" in lp for lp in layers):
+                return self._stacked_context_kv(layers, ctx, positions_bs)
+
             def own(lp):   # each layer's product from its own handle on ctx: XLA would merge
                 # the layers' k|v dots of one input into one GEMM over their weights
                 # concatenated every call (a copy of them)
@@ -120,9 +124,29 @@ class DSparkDraft(nnx.Module):
                 x, w = jax.lax.optimization_barrier((ctx, w))
                 return one({**lp, **w}, x)
 
-            ks, vs = zip(*(own(lp) for lp in self.layers.layer_params(self.dtype)))
+            ks, vs = zip(*(own(lp) for lp in layers))
             return jnp.stack(ks), jnp.stack(vs)
         return jax.vmap(lambda lp: one(lp, ctx))(self.layers.stacked(self.dtype))
+
+    def _stacked_context_kv(self, layers: list[dict[str, jax.Array]], ctx: jax.Array,
+                            positions_bs: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """`context_kv` over per-layer buffers with k|v fused (`w_kv`): each layer's product
+        from its own handle on ctx (XLA would merge the layers' dots of one input into one
+        GEMM over their weights concatenated every call, a copy of them), then the k norms and
+        RoPE once over the products stacked [Ld, B, S, 2·K·H]: one pass where a layer at a
+        time takes a kernel a layer and the stack another."""
+        eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
+        H = layers[0]["wo"].shape[1]
+        kvs = [jnp.einsum("BSD,DF->BSF", *jax.lax.optimization_barrier((ctx, lp["w_kv"])))
+               for lp in layers]
+        half = kvs[0].shape[-1] // 2
+        k = jnp.stack([kv[..., :half] for kv in kvs])
+        v = jnp.stack([kv[..., half:] for kv in kvs])
+        k, v = (a.reshape(*a.shape[:3], half // H, H) for a in (k, v))
+        if "k_norm" in layers[0]:
+            k = L.rms_norm(k, jnp.stack([lp["k_norm"] for lp in layers])[:, None, None, None],
+                           eps)
+        return L.apply_rope(k, positions_bs, rope), v
 
     # ------------------------------------------------------------------ backbone
     def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:
