@@ -12,7 +12,8 @@ attention of every (row, key head, cache split) in one program each, then their 
                           own query rows; the last program of a (row, key head) also norms and
                           rotates the T new keys, attends to them (causally for the target's
                           tokens, all to all for a drafter's parallel block), returns them and
-                          can store them into the cache in place (input/output aliasing).
+                          can store them into the cache in place (input/output aliasing);
+                          Gemma4's unscaled v norm, k=v heads and sliding window as options.
   `ref_decode_attention`, `ref_layer_attention`  the pure-JAX oracles (every score
                           materialised; Hugging Face's norm and rotate-half RoPE).
 
@@ -102,8 +103,10 @@ def _query_rows_ok(shape: tuple[int, ...], num_tokens: int, tile=0) -> jax.Array
 def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int, row_lo=None):
     """Online softmax of the rows q [M, H] over the cache positions [lo, hi) (`lo` a whole
     tile), each row's from `row_lo` [M] on where given (a sliding window: the tiles wholly
-    below every row's are skipped): (acc, max, sum)."""
-    mp, h = q.shape
+    below every row's are skipped): (acc, max, sum). q may also come as column pieces
+    ((rows [M, h_i], the keys' columns), …), their scores summed (a rotated row's halves)."""
+    pieces = q if isinstance(q, tuple) else ((q, slice(None)),)
+    mp, h = pieces[0][0].shape[0], v_ref.shape[-1]
     offsets = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
     if row_lo is not None:
         lo = jnp.maximum(lo, jnp.min(row_lo) // block_k * block_k)
@@ -111,8 +114,10 @@ def _cache_part(q, k_ref, v_ref, lo, hi, *, qk_scale: float, block_k: int, row_l
     def tile(i, carry):
         first = lo + i * block_k
         keys = pl.ds(pl.multiple_of(first, block_k), block_k)
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        s = _dot(q, k.T) * qk_scale
+        k = [k_ref[keys, cols] for _, cols in pieces]
+        v = v_ref[keys, :]
+        s = functools.reduce(operator.add, (_dot(x, kc.T) for (x, _), kc in zip(pieces, k)))
+        s = s * qk_scale
         seen = first + offsets < hi
         if row_lo is not None:
             seen = seen & (first + offsets >= row_lo[:, None])
@@ -139,12 +144,8 @@ def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, *o
     start = start_ref[...]
     lo = p_id * split_len
     hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
-    row_lo = None
-    if window:   # the query's position: its tile's first token plus its row's
-        t = pl.program_id(3) * tp + lax.broadcasted_iota(jnp.int32, (tp * g,), 0) // g
-        row_lo = start + t - window + 1
     carry = _cache_part(q, k_ref, v_ref, lo, hi, qk_scale=qk_scale, block_k=block_k,
-                        row_lo=row_lo)
+                        row_lo=_window_lo(start, window, tp, g, pl.program_id(3)))
 
     def own(carry):   # the Q own rows read as a [Qp, H] tile, the rows past Q masked
         from jax.experimental.pallas import triton as plgpu
@@ -165,6 +166,23 @@ def _partial_kernel(q_ref, k_ref, v_ref, start_ref, ok_ref, ov_ref, mask_ref, *o
     else:
         o_ref, m_ref, l_ref = out_refs
         o_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def _window_lo(start, window: int, tp: int, g: int, tile=0):
+    """A sliding window's first visible cache position [tp·g] of each row of query tile `tile`
+    ([tp, g] rows: query t at start + t sees the positions above start + t − window); None
+    without a window."""
+    if not window:
+        return None
+    t = tile * tp + lax.broadcasted_iota(jnp.int32, (tp * g,), 0) // g
+    return start + t - window + 1
+
+
+def _noscale_norm(x, *, eps: float, dtype):
+    """Rows [M, H] RMS-normed without a scale in f32, cast to `dtype` (Gemma4's value norm)."""
+    xf = x.astype(jnp.float32)
+    r = lax.rsqrt(jnp.sum(xf * xf, axis=1) / xf.shape[1] + eps)
+    return (xf * r[:, None]).astype(dtype)
 
 
 def _normed_rotated(x1, x2, w_ref, cos, sin, *, eps: float, normed: bool, dtype):
@@ -195,11 +213,13 @@ def _rows(ref, n: int, rows: int, cols: Any = slice(None), part: int | None = No
 def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start_ref, k_ref,
                   v_ref, *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
                   num_tokens: int, own_len: int, eps: float, normed: bool, write: bool,
-                  causal: bool, parts: int | None):
+                  causal: bool, parts: int | None, v_norm: bool = False, window: int = 0):
     """`_partial_kernel` on the raw q/k/v product (or the f32 sum of its `parts`, rounded to the
     cache's dtype): each program norms and rotates its own query rows; the last also norms and
-    rotates the T own keys, attends to them (causally, or all of them to all), returns them (and
-    v) as rows and, with `write`, stores them into the cache at start + t."""
+    rotates the T own keys, takes their values (RMS-normed without a scale with `v_norm`),
+    attends to them (causally, or all of them to all), returns them (and v) as rows and, with
+    `write`, stores them into the cache at start + t. `window` > 0: query t (at start + t) sees
+    the cache positions above start + t − window and the own keys within the window only."""
     from jax.experimental.pallas import triton as plgpu
 
     if write:   # the caches' outputs alias k_ref / v_ref's buffers
@@ -235,17 +255,8 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     start = start_ref[...]
     lo = p_id * split_len
     hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
-    offsets = lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-
-    def tile(i, carry):
-        at = lo + i * block_k
-        keys = pl.ds(pl.multiple_of(at, block_k), block_k)
-        s = (_dot(q1, k_ref[keys, first].T) + _dot(q2, k_ref[keys, second].T)) * qk_scale
-        return _online(carry, s, at + offsets < hi, v_ref[keys, :])
-
-    init = (jnp.zeros((mp, h), jnp.float32), jnp.full((mp,), MASKED_SCORE, jnp.float32),
-            jnp.zeros((mp,), jnp.float32))
-    carry = lax.fori_loop(0, jnp.maximum(hi - lo + block_k - 1, 0) // block_k, tile, init)
+    carry = _cache_part(((q1, first), (q2, second)), k_ref, v_ref, lo, hi, qk_scale=qk_scale,
+                        block_k=block_k, row_lo=_window_lo(start, window, tp, g))
 
     def own(carry):
         qp = own_len
@@ -255,6 +266,8 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
                                  _rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
                                  dtype=dtype)
         v = own_rows(ov_ref, qp)
+        if v_norm:
+            v = _noscale_norm(v, eps=eps, dtype=dtype)
         token = lax.broadcasted_iota(jnp.int32, (mp, 1), 0) // g
         col = lax.broadcasted_iota(jnp.int32, (1, qp), 1)
         s = (_dot(q1, k1.T) + _dot(q2, k2.T)) * qk_scale                      # [M, Qp]
@@ -269,6 +282,8 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
             plgpu.store(ck_ref.at[at, kh, second], k2.astype(ck_ref.dtype), mask=in_cache)
             plgpu.store(cv_ref.at[at, kh, :], v.astype(cv_ref.dtype), mask=in_cache)
         seen = (col <= token) & (col < num_tokens) if causal else col < num_tokens
+        if window:
+            seen = seen & (token - col < window)
         return _online(carry, s, seen, v)
 
     acc, m, l = lax.cond(p_id == n_p - 1, own, lambda c: c, carry)
@@ -434,12 +449,13 @@ def _partial_shapes(B: int, Kh: int, P: int, mp: int, h: int) -> list[jax.ShapeD
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "scale", "write", "causal",
-                                             "block_k", "splits", "interpret", "num_warps",
-                                             "num_stages"))
+                                             "v_norm", "window", "v_from_k", "block_k",
+                                             "splits", "interpret", "num_warps", "num_stages"))
 def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                     cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
                     cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
-                    write: bool = False, causal: bool = True,
+                    write: bool = False, causal: bool = True, v_norm: bool = False,
+                    window: int = 0, v_from_k: bool = False,
                     block_k: int = DEFAULT_BLOCK_K, splits: int | None = None,
                     interpret: bool = False, num_warps: int = DEFAULT_NUM_WARPS,
                     num_stages: int = DEFAULT_NUM_STAGES
@@ -450,6 +466,13 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     to the cache below `start` [B] and to each other: causally, or with `causal=False` every
     token to all T (a DSpark / DFlash draft block). One kernel does all of it (each program
     norms and rotates its own rows) and the merge a second.
+
+    Gemma4's layers: `v_norm` RMS-norms the v rows without a scale (f32, cast to the dtype)
+    before they are attended to, returned or written; `window` > 0 (a sliding layer) lets
+    query t (at start + t) see the cache positions above start + t − window and the own keys
+    within the window only (the cache tiles below every query's window unread); `v_from_k` (a
+    k=v layer) takes a product [B, T, N + Kh, H] without v heads, the values being the raw k
+    heads (normed without a scale with `v_norm`).
 
     The product may also come as the f32 parts of a split-K GEMM, [parts, B, Tq, N + 2Kh, H]
     with Tq ≥ T (rows past T unread): each program sums its rows' parts and rounds them to the
@@ -467,8 +490,9 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     dtype = cache_k.dtype if parts is not None else qkv.dtype
     Kh = cache_k.shape[2]
     N = num_q_heads
-    if J != N + 2 * Kh:
-        raise ValueError(f"qkv has {J} heads, not {N} + 2·{Kh}")
+    kv_heads = Kh if v_from_k else 2 * Kh
+    if J != N + kv_heads:
+        raise ValueError(f"qkv has {J} heads, not {N} + {kv_heads // Kh}·{Kh}")
     if write and not causal:
         raise ValueError("write stores the rows of causal tokens at start + t")
     if (q_norm is None) != (k_norm is None):
@@ -489,7 +513,8 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         q_norm = k_norm = jnp.ones((H,), dtype)
     weight = pl.BlockSpec((H,), lambda b, k, p: (0,))
     trig = pl.BlockSpec((None, T, H // 2), lambda b, k, p: (b, 0, 0))
-    product = [_query_rows(Tp, G, H), _key_head(T, H, N), _key_head(T, H, N + Kh)]
+    product = [_query_rows(Tp, G, H), _key_head(T, H, N),
+               _key_head(T, H, N if v_from_k else N + Kh)]
     if parts is not None:   # every part of a program's block
         product = [pl.BlockSpec((parts, *b.block_shape),
                                 lambda *ids, b=b: (0, *b.index_map(*ids))) for b in product]
@@ -510,7 +535,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     kernel = functools.partial(
         _layer_kernel, qk_scale=scale * LOG2E, block_k=block_k, split_len=split_len, seq=S,
         num_tokens=T, own_len=Qp, eps=eps, normed=normed, write=write, causal=causal,
-        parts=parts)
+        parts=parts, v_norm=v_norm, window=int(window))
     outs = pl.pallas_call(
         kernel, grid=(B, Kh, P), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=aliases,
@@ -553,19 +578,25 @@ def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
 def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
                         cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
-                        causal: bool = True
+                        causal: bool = True, v_norm: bool = False, window: int = 0,
+                        v_from_k: bool = False
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The oracle of `layer_attention` (without the write): Hugging Face's q/k norms and
-    rotate-half RoPE, then `ref_decode_attention` with the T tokens as own keys, causal or
-    (`causal=False`) all seen by all. Parts of a split-K product [parts, B, Tq, ·, H] are
-    summed and rounded to the cache's dtype first."""
+    rotate-half RoPE (and Gemma4's unscaled v norm with `v_norm`, v the raw k heads with
+    `v_from_k`), then `ref_decode_attention` with the T tokens as own keys, causal or
+    (`causal=False`) all seen by all, within `window` where given. Parts of a split-K product
+    [parts, B, Tq, ·, H] are summed and rounded to the cache's dtype first."""
     from pallas_kernels.norms import ref_rms_norm
 
     if qkv.ndim == 5:
         qkv = qkv.sum(axis=0)[:, :cos.shape[1]].astype(cache_k.dtype)
     B, T = qkv.shape[:2]
     n, kh = num_q_heads, cache_k.shape[2]
-    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+    q, k = qkv[:, :, :n], qkv[:, :, n:n + kh]
+    v = k if v_from_k else qkv[:, :, n + kh:]
+    if v_norm:
+        vf = v.astype(jnp.float32)
+        v = (vf * lax.rsqrt(jnp.mean(vf * vf, axis=-1, keepdims=True) + eps)).astype(v.dtype)
     if q_norm is not None:
         q, k = ref_rms_norm(q, q_norm, eps), ref_rms_norm(k, k_norm, eps)
 
@@ -576,5 +607,8 @@ def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Ar
 
     q, k = rope(q), rope(k)
     seen = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
+    if window:
+        seen = seen & (jnp.arange(T)[:, None] - jnp.arange(T)[None, :] < window)
     seen = jnp.broadcast_to(seen, (B, T, T))
-    return ref_decode_attention(q, cache_k, cache_v, start, k, v, seen, scale=scale), k, v
+    return (ref_decode_attention(q, cache_k, cache_v, start, k, v, seen, scale=scale,
+                                 window=window), k, v)

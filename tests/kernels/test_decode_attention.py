@@ -173,6 +173,73 @@ def test_layer_attention_sums_a_split_k_products_parts(dtype):
             layer_attention(bad, qn, kn, cos, sin, start, ck, cv, **kw, **TILES)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("t,window,split_k", [(1, 20, False), (5, 3, True), (8, 40, True)])
+def test_layer_attention_of_a_gemma4_sliding_layer(dtype, t, window, split_k):
+    """Gemma4's sliding layer: v RMS-normed without a scale, query t (at start + t) seeing the
+    cache above start + t − window and the own keys within the window, from the raw product or
+    a split-K product's parts; equal to the oracle, and the window and the v norm both change
+    the result (so both reach the kernel)."""
+    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(dtype, t)
+    qkv = qkv.at[:, :, N + KH:].multiply(3.0)              # v rows far from unit RMS
+    start = jnp.asarray([0, 57, S - t], jnp.int32)
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
+    product = qkv
+    if split_k:   # four f32 parts summing to the product, a row past T (NaN) unread
+        parts = jax.random.normal(jax.random.key(7), (4, *qkv.shape), jnp.float32) * 0.5
+        parts = parts.at[-1].add(qkv.astype(jnp.float32) - parts.sum(0))
+        product = jnp.concatenate([parts, jnp.full_like(parts[:, :, :1], jnp.nan)], axis=2)
+    gemma = dict(v_norm=True, window=window)
+    want = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, **kw, **gemma)
+    got = layer_attention(product, qn, kn, cos, sin, start, ck, cv, splits=4, **kw, **gemma,
+                          **TILES)
+    tol = 2e-6 if dtype == jnp.float32 else 1e-2
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(_f32(g), _f32(w), atol=tol, rtol=tol)
+    vf = _f32(want[2])
+    np.testing.assert_allclose(np.sqrt((vf * vf).mean(-1)), 1.0, rtol=tol * 10)
+    unnormed = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, **kw,
+                                   window=window)[0]
+    assert float(jnp.max(jnp.abs(_f32(unnormed) - _f32(got[0])))) > 0.1
+    if window < S:   # row 2 at S − t: its window cuts the cache
+        whole = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, **kw,
+                                    v_norm=True)[0]
+        assert float(jnp.max(jnp.abs(_f32(whole[2]) - _f32(got[0][2])))) > 1e-2
+    written = layer_attention(product, qn, kn, cos, sin, start, ck, cv, write=True, **kw,
+                              **gemma, **TILES)
+    rows = (jnp.arange(B)[:, None], start[:, None] + jnp.arange(t))
+    np.testing.assert_allclose(_f32(written[0]), _f32(want[0]), atol=tol, rtol=tol)
+    np.testing.assert_allclose(_f32(written[2]), _f32(cv.at[rows].set(want[2], mode="drop")),
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("split_k", [False, True])
+def test_layer_attention_of_a_gemma4_k_eq_v_layer(split_k):
+    """Gemma4's k=v layer: a product [B, T, N + Kh, H] without v heads, the values the raw k
+    heads normed without a scale; equal to the oracle and to the same attention given the k
+    heads twice as k and v."""
+    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(jnp.float32, 4)
+    qk = qkv[:, :, :N + KH]
+    start = jnp.asarray([0, 57, S - 4], jnp.int32)
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE, v_norm=True)
+    product = qk
+    if split_k:
+        parts = jax.random.normal(jax.random.key(8), (2, *qk.shape), jnp.float32) * 0.5
+        product = parts.at[-1].add(qk - parts.sum(0))
+    want = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, v_from_k=True, **kw)
+    got = layer_attention(product, qn, kn, cos, sin, start, ck, cv, v_from_k=True, splits=2,
+                          **kw, **TILES)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(_f32(g), _f32(w), atol=2e-6, rtol=2e-6)
+    twice = jnp.concatenate([qk, qkv[:, :, N:N + KH]], axis=2)
+    same = ref_layer_attention(twice, qn, kn, cos, sin, start, ck, cv, **kw)
+    for g, w in zip(got, same):
+        np.testing.assert_allclose(_f32(g), _f32(w), atol=2e-6, rtol=2e-6)
+    with pytest.raises(ValueError, match="heads"):
+        layer_attention(qk, qn, kn, cos, sin, start, ck, cv, **kw, **TILES)
+
+
 def test_splits_and_bad_shapes():
     assert splits_for(1, 8, 4224) == 32 and splits_for(64, 8, 4224) == 2
     assert splits_for(1, 8, 64) == 2             # one tile: still a split and the own part
