@@ -144,8 +144,12 @@ class DSparkDraft(nnx.Module):
         v = jnp.stack([kv[..., half:] for kv in kvs])
         k, v = (a.reshape(*a.shape[:3], half // H, H) for a in (k, v))
         if "k_norm" in layers[0]:
-            k = L.rms_norm(k, jnp.stack([lp["k_norm"] for lp in layers])[:, None, None, None],
-                           eps)
+            # the norm apart from its scale: XLA:GPU's row-normalisation fusion takes a weight
+            # broadcast along the row alone and would materialise the layers' weights broadcast
+            # to every row (a copy of them); the scale joins RoPE's element-wise pass instead
+            normed = jax.lax.optimization_barrier(L.rms_norm_noscale(k, eps))
+            w = jnp.stack([lp["k_norm"] for lp in layers]).astype(k.dtype)
+            k = w[:, None, None, None] * normed   # `layers.rms_norm`'s arithmetic
         return L.apply_rope(k, positions_bs, rope), v
 
     # ------------------------------------------------------------------ backbone
