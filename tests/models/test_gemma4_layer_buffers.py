@@ -201,19 +201,25 @@ def test_greedy_autoregressive_on_layer_buffers_equals_the_stacked_layers(target
     assert autoregressive_generate(view, prompts, max_new_tokens=12, stop_token_ids=[]) == ref
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_path,
-                                                                           monkeypatch, split):
+@pytest.mark.parametrize("variant,head_dims,split", [
+    ("all_features", (16, 32), False), ("all_features", (16, 32), True),
+    ("all_features", (32, 64), True), ("untied_plain", (32, 64), False),
+    ("untied_plain", (32, 64), True)])
+def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(
+        tmp_path, monkeypatch, variant, head_dims, split):
     """The program a GPU compiles, its kernels interpreted (`layers.interpret_kernels`): each
-    layer's attention over the cache runs in the decode-attention kernel (a sliding layer with
-    its window), past the window, its residual updates in the norm kernel (the sandwich norms,
-    the layer scalar taken with the next input norm), and equals the stacked layers'."""
+    K/V-owning layer with heads of 32 or more runs its q/k/v norms, RoPE and attention in
+    `layer_attention` (a sliding layer with its window, a k=v full layer's values from its k
+    heads, a full layer's proportional RoPE), the other layers' attention over the cache in the
+    decode-attention kernel, past the window; the residual updates in the norm kernel (the
+    sandwich norms, the layer scalar taken with the next input norm); equal to the stacked
+    layers'."""
     import pallas_kernels.decode_attention as DA
     import pallas_kernels.norms as NK
     from dspark_jax.models import layers as L
 
-    windows, norms = [], set()
-    kernel, norm_kernel = DA.decode_attention, NK.add_rms_norm
+    windows, norms, layer_calls = [], set(), []
+    kernel, norm_kernel, layer_kernel = DA.decode_attention, NK.add_rms_norm, DA.layer_attention
 
     def counted(*args, **kw):
         windows.append(kw.get("window", 0))
@@ -224,19 +230,27 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_
                    args[2] is not None))
         return norm_kernel(*args, **kw)
 
+    def counted_layer(*args, **kw):
+        layer_calls.append((args[0].shape[-1], kw["window"], kw["v_from_k"], kw["v_norm"],
+                            args[0].ndim == 5))
+        return layer_kernel(*args, **kw)
+
     monkeypatch.setattr(DA, "decode_attention", counted)
+    monkeypatch.setattr(DA, "layer_attention", counted_layer)
     monkeypatch.setattr(NK, "add_rms_norm", counted_norm)
     parts: list[int] = []
-    if split:   # the o / down / PLE products split along K (the threshold lowered to the model)
+    if split:   # the q/k/v, o, down and PLE products split along K (the threshold lowered)
         from dspark_jax.models import decoding_layer as DL
 
         monkeypatch.setattr(DL, "SPLIT_K_MIN_CHUNK", 8)
         real = DL.product_parts
         monkeypatch.setattr(DL, "product_parts",
                             lambda x, w, p: parts.append(p) or real(x, w, p))
-    # sliding heads of 16 (the kernel's smallest tile), a window of 5
-    stacked = load_target(save_tiny_gemma4(tmp_path, "all_features", head_dim=16,
-                                           global_head_dim=32))
+    # sliding heads of 16 (the decode-attention kernel's smallest tile; `layer_attention`
+    # takes heads of 32 or more) or 32; windows of 5 / 3 within the 15 tokens
+    head_dim, global_head_dim = head_dims
+    stacked = load_target(save_tiny_gemma4(tmp_path, variant, head_dim=head_dim,
+                                           global_head_dim=global_head_dim))
     gd, st = with_layer_buffers(stacked.graphdef, stacked.state)
     targets = (stacked, dataclasses.replace(stacked, graphdef=gd, state=st))
     B, S = 2, 64                     # the kernel's cache tile divides the cache
@@ -254,8 +268,30 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(tmp_
                 outs.append(m.logits(out.hidden))
             _close(outs[1], outs[0])
             start += n
-    window = stacked.config.sliding_window
-    assert window in windows and 0 in windows, windows   # sliding and full layers
+    cfg = stacked.config
+    window = cfg.sliding_window
+    assert window < start
+    k_eq_v = cfg.attention_k_eq_v
+    # `layer_attention`'s calls (head size, window, k=v, v norm, split-K parts): the full
+    # layers' (k=v in all_features), and the sliding layers' at heads of 32
+    want = {(global_head_dim, 0, k_eq_v, True, split)}
+    if head_dim >= 32:
+        want.add((head_dim, window, False, True, split))
+    assert set(layer_calls) == want, layer_calls
+    owners = [cfg.layer_type(i) for i in range(cfg.first_kv_shared_layer)]
+    taken = owners.count("full_attention") + (
+        owners.count("sliding_attention") if head_dim >= 32 else 0)
+    assert len(layer_calls) == 4 * taken, layer_calls    # every owning layer the kernels take
+    # the decode-attention kernel: the KV-shared layers' and the sliding layers' at heads of 16
+    want_windows = set()
+    if head_dim < 32 or cfg.num_kv_shared_layers:
+        want_windows.add(window)
+    if cfg.num_kv_shared_layers:
+        want_windows.add(0)
+    assert set(windows) == want_windows, windows
     # (sandwich norm, scale, output norm): after the attention; the PLE's; the next input's
-    assert {(True, False, True), (True, False, False), (True, True, True)} <= norms, norms
+    want_norms = {(True, False, True), (True, True, True)}
+    if cfg.hidden_size_per_layer_input:
+        want_norms.add((True, False, False))
+    assert want_norms <= norms, norms
     assert (min(parts) >= 2) if split else not parts, parts

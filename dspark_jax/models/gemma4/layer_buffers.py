@@ -15,9 +15,19 @@ first new token (sliding layers: within the window) and to the call's own new ke
 softmax (`attend_cache_and_own`), and every owning layer's new K/V are written after the last
 layer (a cache written in the loop and read back is copied whole by XLA first). The ragged
 verification pass writes and reads per token as the stacked layout does (models/gemma4/decoder.py).
-Same arithmetic as the stacked layers. On a GPU the attention over the cache runs in
-`pallas_kernels.decode_attention` (a sliding layer's with its window) and each residual update
-with the norm after it in one kernel (`residual_updates`, `decoding_layer.add_rms_norm`).
+Same arithmetic as the stacked layers.
+
+On a GPU, one device, a K/V-owning layer that the kernels take (`layer_kernel_product`: its
+q/k/v fused, heads of 32 or more) runs a one-token step or a chain as: the q/k/v product (split
+along K), `layer_attention` (its parts summed, the q/k norms, the unscaled v norm, RoPE, the
+attention over the cache within a sliding layer's window and over the own keys:
+`kernel_attention`), the merge of its cache splits, the o product, the residual sum with the
+norms around it (`residual_updates`, `decoding_layer.add_rms_norm`), the gate/up product, the
+GeGLU, the down product; the next layer's input norm takes the last residual update in one
+kernel with it; the layer's rows go to its cache after the last layer. The other layers (KV-shared,
+heads under 32) take XLA's q/k/v, norms and RoPE, and the attention over the cache in
+`pallas_kernels.decode_attention` (a sliding layer's with its window). Elsewhere (CPU, TPU, a
+mesh of several devices) the same arithmetic runs as XLA's ops.
 
 `Gemma4GroupLayers` is the drafting layout of a Gemma4 drafter's layers (one `Gemma4Group`).
 """
@@ -197,6 +207,74 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
                     cache_mask_bts)
 
 
+def layer_kernel_product(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
+                         tokens: int) -> str | None:
+    """The fused product a K/V-owning layer's attention over its cache layer [B, S, K, H] runs
+    `layer_attention` from (`kernel_attention`), or None where the kernels do not take it: one
+    device, the q/k/v product fused (`w_qkv`; a k=v layer's `w_qk`, its values the raw k
+    heads), both q/k norms, and `decoding_layer.fused_kernels_take`'s shapes (power-of-two
+    head sizes ≥ 32 and query heads a key head, a cache in the compute dtype that the
+    attention's tiles divide, at most `layers.DECODE_KERNEL_MAX_ROWS` query heads a key head
+    for the `tokens`)."""
+    if "w_qkv" in lp:
+        name = "w_qkv"
+    elif "w_qk" in lp and "wv" not in lp:
+        name = "w_qk"
+    else:
+        return None
+    if "q_norm" not in lp or on_several_devices():
+        return None
+    n = lp["wo"].shape[0]
+    rows = tokens * (n // cache_k.shape[-2])
+    return name if DL.fused_kernels_take(lp, cache_k, dtype, rows, (name,)) else None
+
+
+def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
+                     positions_bt: jax.Array, rope: Any, eps: float, cache_k: jax.Array,
+                     cache_v: jax.Array, cache_mask_bts: jax.Array, own_mask_btq: jax.Array,
+                     window: int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """A K/V-owning layer's attention over its cache layer [B, S, K, H] and the call's T own
+    tokens at `positions_bt` (consecutive from the row's first), for a layer
+    `layer_kernel_product` takes (its `product`): (attention [B, T, N, H], (k, v) rows
+    [B, T, K, H]), the rows left for the caller to write.
+
+    On a GPU, two kernels from the raw fused product (its split-K parts where
+    `decoding_layer.split_k_parts` splits it, summed in the kernel):
+    `pallas_kernels.decode_attention.layer_attention` norms q and k (scaled) and v (unscaled),
+    rotates q and k (the layer's RoPE as cos / sin: a full layer's proportional RoPE leaves
+    the pairs past its rotated fraction at angle 0), attends with scale 1 to the cache below
+    the row's first position and to the own keys up to the query's (a sliding layer within
+    its `window`), and returns the rows; the merge of its cache splits is the second.
+    Elsewhere `project` and `attend_cache_and_own`'s XLA ops under the masks."""
+    b, t = x_btd.shape[:2]
+    n, h = lp["wo"].shape[:2]
+    heads = lp[product].shape[-1] // h
+    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
+
+    def default(x, w, ck, cv, start, cos, sin, cm, om):
+        q, (k, v) = project({**lp, product: w}, x, positions_bt, rope, eps)
+        return _attend_xla(q, ck, cv, cm, k, v, om), (k, v)
+
+    def gpu(x, w, ck, cv, start, cos, sin, cm, om, interpret):
+        from pallas_kernels.decode_attention import layer_attention
+
+        parts = DL.split_k_parts(b * t, x.shape[-1], w.shape[-1])
+        if parts > 1:   # [parts, B, T' ≥ T, F], rows past T unread
+            qkv = DL.product_parts(x, w, parts)
+        else:
+            qkv = jnp.einsum("BTD,DF->BTF", x, w)
+        qkv = qkv.reshape(*qkv.shape[:-1], heads, h)
+        attn, k, v = layer_attention(qkv, lp["q_norm"], lp["k_norm"], cos, sin, start, ck, cv,
+                                     num_q_heads=n, eps=eps, scale=1.0, v_norm=True,
+                                     window=int(window), v_from_k=product == "w_qk",
+                                     interpret=interpret)
+        return attn, (k, v)
+
+    return L.on_gpu(gpu, default, x_btd, lp[product], cache_k, cache_v,
+                    positions_bt[:, 0].astype(jnp.int32), cos, sin, cache_mask_bts,
+                    own_mask_btq)
+
+
 def _attend_xla(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                 cache_mask_bts: jax.Array, own_k: jax.Array, own_v: jax.Array,
                 own_mask_btq: jax.Array) -> jax.Array:
@@ -297,27 +375,34 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
     pending = None   # the previous layer's last residual update, taken with this input norm
     for i, lp in enumerate(params):
         ltype = cfg.layer_type(i)
+        window = cfg.sliding_window if ltype == "sliding_attention" else 0
         h, x = take_pending(h, pending, lp["input_norm"], eps)
-        q, kv = project(lp, x, positions_bt, cfg.rope_for(ltype), eps)
-        owner = cfg.kv_producer(i)
-        if kv is not None:
-            fresh[i] = kv
-        k, v = fresh[owner]
-        if not cached:
-            attn = L.attend(q, k, v, masks[ltype], scale=1.0)
-        elif ragged is None:   # the cache read where it lies ⊕ the call's own keys
-            attn = attend_cache_and_own(
-                q, ck[owner][0], cv[owner][0], cache_masks[ltype], k, v, own_masks[ltype],
-                positions_bt[:, 0],
-                cfg.sliding_window if ltype == "sliding_attention" else 0)
-        else:   # each token writes its row, then reads its request's cache row
+        owner, rope = cfg.kv_producer(i), cfg.rope_for(ltype)
+        product = (layer_kernel_product(lp, ck[i], dtype, T)
+                   if cached and ragged is None and owner == i else None)
+        if product is not None:   # q/k/v, their norms, RoPE and the attention in the kernels
+            attn, fresh[i] = kernel_attention(lp, product, x, positions_bt, rope, eps, ck[i][0],
+                                              cv[i][0], cache_masks[ltype], own_masks[ltype],
+                                              window)
+        else:
+            q, kv = project(lp, x, positions_bt, rope, eps)
             if kv is not None:
-                index = (0, ragged.write_k[None], positions_bt)
-                ck[i] = ck[i].at[index].set(k.astype(ck[i].dtype), mode="drop")
-                cv[i] = cv[i].at[index].set(v.astype(cv[i].dtype), mode="drop")
-            keys, vals = ck[owner][0][ragged.read_k], cv[owner][0][ragged.read_k]   # [T,S,K,H]
-            attn = jnp.swapaxes(L.attend(jnp.swapaxes(q, 0, 1), keys, vals, masks[ltype],
-                                         scale=1.0), 0, 1)
+                fresh[i] = kv
+            k, v = fresh[owner]
+            if not cached:
+                attn = L.attend(q, k, v, masks[ltype], scale=1.0)
+            elif ragged is None:   # the cache read where it lies ⊕ the call's own keys
+                attn = attend_cache_and_own(
+                    q, ck[owner][0], cv[owner][0], cache_masks[ltype], k, v, own_masks[ltype],
+                    positions_bt[:, 0], window)
+            else:   # each token writes its row, then reads its request's cache row
+                if kv is not None:
+                    index = (0, ragged.write_k[None], positions_bt)
+                    ck[i] = ck[i].at[index].set(k.astype(ck[i].dtype), mode="drop")
+                    cv[i] = cv[i].at[index].set(v.astype(cv[i].dtype), mode="drop")
+                keys, vals = ck[owner][0][ragged.read_k], cv[owner][0][ragged.read_k]
+                attn = jnp.swapaxes(L.attend(jnp.swapaxes(q, 0, 1), keys, vals, masks[ltype],
+                                             scale=1.0), 0, 1)   # keys, vals [T, S, K, H]
         h, pending = residual_updates(lp, h, attn, eps, None if ple is None else ple[:, :, i])
         if i in tap_ids or i == len(params) - 1:   # the layer's output itself
             h, pending = take_pending(h, pending, None, eps)[0], None
