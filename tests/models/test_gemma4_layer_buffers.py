@@ -210,15 +210,16 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(
     """The program a GPU compiles, its kernels interpreted (`layers.interpret_kernels`): each
     K/V-owning layer with heads of 32 or more runs its q/k/v norms, RoPE and attention in
     `layer_attention` (a sliding layer with its window, a k=v full layer's values from its k
-    heads, a full layer's proportional RoPE), the other layers' attention over the cache in the
+    heads, a full layer's proportional RoPE), which writes its rows into the cache unless a
+    KV-shared layer reads them; the other layers' attention over the cache in the
     decode-attention kernel, past the window; the residual updates in the norm kernel (the
-    sandwich norms, the layer scalar taken with the next input norm); equal to the stacked
-    layers'."""
+    sandwich norms, the layer scalar taken with the next input norm); logits and caches equal
+    to the stacked layers'."""
     import pallas_kernels.decode_attention as DA
     import pallas_kernels.norms as NK
     from dspark_jax.models import layers as L
 
-    windows, norms, layer_calls = [], set(), []
+    windows, norms, layer_calls, writes = [], set(), [], []
     kernel, norm_kernel, layer_kernel = DA.decode_attention, NK.add_rms_norm, DA.layer_attention
 
     def counted(*args, **kw):
@@ -233,6 +234,7 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(
     def counted_layer(*args, **kw):
         layer_calls.append((args[0].shape[-1], kw["window"], kw["v_from_k"], kw["v_norm"],
                             args[0].ndim == 5))
+        writes.append(kw["write"])
         return layer_kernel(*args, **kw)
 
     monkeypatch.setattr(DA, "decode_attention", counted)
@@ -268,6 +270,10 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(
                 outs.append(m.logits(out.hidden))
             _close(outs[1], outs[0])
             start += n
+    # the rows the kernels wrote into the caches (and those written after the layers)
+    for (k0, v0), k1, v1 in zip(_owner_rows(stacked, caches[0]), caches[1].k, caches[1].v):
+        _close(k1[0], k0)
+        _close(v1[0], v0)
     cfg = stacked.config
     window = cfg.sliding_window
     assert window < start
@@ -282,6 +288,8 @@ def test_steps_through_the_decode_attention_kernel_equal_the_stacked_layers(
     taken = owners.count("full_attention") + (
         owners.count("sliding_attention") if head_dim >= 32 else 0)
     assert len(layer_calls) == 4 * taken, layer_calls    # every owning layer the kernels take
+    # each writes its rows into its cache, but for the layers KV-shared layers read
+    assert set(writes) == ({True, False} if cfg.num_kv_shared_layers else {True}), writes
     # the decode-attention kernel: the KV-shared layers' and the sliding layers' at heads of 16
     want_windows = set()
     if head_dim < 32 or cfg.num_kv_shared_layers:

@@ -10,24 +10,26 @@ reading its weights where they lie. Its K/V cache is one buffer [1, B, S_max, K,
 K/V-owning layer (`decoder.init_kv(per_layer=True)`), which the KV-shared layers read as their
 producer's.
 
-Over a cache the layers only read it: each layer attends to the cached keys below its row's
-first new token (sliding layers: within the window) and to the call's own new keys, as one
-softmax (`attend_cache_and_own`), and every owning layer's new K/V are written after the last
-layer (a cache written in the loop and read back is copied whole by XLA first). The ragged
-verification pass writes and reads per token as the stacked layout does (models/gemma4/decoder.py).
-Same arithmetic as the stacked layers.
+Over a cache each layer attends to the cached keys below its row's first new token (sliding
+layers: within the window) and to the call's own new keys, as one softmax, the cache read where
+it lies. An owning layer that `kernel_attention` takes writes its new K/V into its cache once
+its attention has read it (on a GPU the attention kernel stores them in place), unless KV-shared
+layers read them; the other owning layers' rows are written after the last layer (a cache
+written in the loop and read back is copied whole by XLA first). The ragged verification pass
+writes and reads per token as the stacked layout does (models/gemma4/decoder.py). Same
+arithmetic as the stacked layers.
 
 On a GPU, one device, a K/V-owning layer that the kernels take (`layer_kernel_product`: its
-q/k/v fused, heads of 32 or more) runs a one-token step or a chain as: the q/k/v product (split
-along K), `layer_attention` (its parts summed, the q/k norms, the unscaled v norm, RoPE, the
-attention over the cache within a sliding layer's window and over the own keys:
-`kernel_attention`), the merge of its cache splits, the o product, the residual sum with the
-norms around it (`residual_updates`, `decoding_layer.add_rms_norm`), the gate/up product, the
-GeGLU, the down product; the next layer's input norm takes the last residual update in one
-kernel with it; the layer's rows go to its cache after the last layer. The other layers (KV-shared,
-heads under 32) take XLA's q/k/v, norms and RoPE, and the attention over the cache in
-`pallas_kernels.decode_attention` (a sliding layer's with its window). Elsewhere (CPU, TPU, a
-mesh of several devices) the same arithmetic runs as XLA's ops.
+q/k/v fused, heads of 32 or more) runs a one-token step or a chain as nine kernels: the q/k/v
+product (split along K); `layer_attention` (the product's parts summed, the q/k norms, the
+unscaled v norm, RoPE, the attention over the cache within a sliding layer's window and over
+the own keys, the rows stored into the cache: `kernel_attention`); the merge of its cache
+splits; the o product; the residual sum with the norms around it (`residual_updates`,
+`decoding_layer.add_rms_norm`); the gate/up product; the GeGLU; the down product; the next
+layer's input norm taking the last residual update. The other layers (KV-shared, heads under
+32) take XLA's q/k/v, norms and RoPE, and the attention over the cache in
+`pallas_kernels.decode_attention` (`attend_cache_and_own`; a sliding layer's with its window).
+Elsewhere (CPU, TPU, a mesh of several devices) the same arithmetic runs as XLA's ops.
 
 `Gemma4GroupLayers` is the drafting layout of a Gemma4 drafter's layers (one `Gemma4Group`).
 """
@@ -232,11 +234,13 @@ def layer_kernel_product(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: An
 def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
                      positions_bt: jax.Array, rope: Any, eps: float, cache_k: jax.Array,
                      cache_v: jax.Array, cache_mask_bts: jax.Array, own_mask_btq: jax.Array,
-                     window: int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """A K/V-owning layer's attention over its cache layer [B, S, K, H] and the call's T own
-    tokens at `positions_bt` (consecutive from the row's first), for a layer
+                     window: int = 0, write: bool = False
+                     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """A K/V-owning layer's attention over its cache buffer [1, B, S, K, H] and the call's T
+    own tokens at `positions_bt` (consecutive from the row's first), for a layer
     `layer_kernel_product` takes (its `product`): (attention [B, T, N, H], (k, v) rows
-    [B, T, K, H]), the rows left for the caller to write.
+    [B, T, K, H]), the rows left for the caller to write; with `write`, (attention, (cache k,
+    cache v)) with the rows written at `positions_bt` (a position ≥ S dropped).
 
     On a GPU, two kernels from the raw fused product (its split-K parts where
     `decoding_layer.split_k_parts` splits it, summed in the kernel):
@@ -244,8 +248,9 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
     rotates q and k (the layer's RoPE as cos / sin: a full layer's proportional RoPE leaves
     the pairs past its rotated fraction at angle 0), attends with scale 1 to the cache below
     the row's first position and to the own keys up to the query's (a sliding layer within
-    its `window`), and returns the rows; the merge of its cache splits is the second.
-    Elsewhere `project` and `attend_cache_and_own`'s XLA ops under the masks."""
+    its `window`), and returns the rows or stores them into the cache in place; the merge of
+    its cache splits is the second. Elsewhere `project`, `attend_cache_and_own`'s XLA ops
+    under the masks and, with `write`, the rows scattered into the cache after them."""
     b, t = x_btd.shape[:2]
     n, h = lp["wo"].shape[:2]
     heads = lp[product].shape[-1] // h
@@ -253,7 +258,12 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
 
     def default(x, w, ck, cv, start, cos, sin, cm, om):
         q, (k, v) = project({**lp, product: w}, x, positions_bt, rope, eps)
-        return _attend_xla(q, ck, cv, cm, k, v, om), (k, v)
+        attn = _attend_xla(q, ck[0], cv[0], cm, k, v, om)
+        if not write:
+            return attn, (k, v)
+        index = (0, jnp.arange(b)[:, None], positions_bt)
+        return attn, (ck.at[index].set(k.astype(ck.dtype), mode="drop"),
+                      cv.at[index].set(v.astype(cv.dtype), mode="drop"))
 
     def gpu(x, w, ck, cv, start, cos, sin, cm, om, interpret):
         from pallas_kernels.decode_attention import layer_attention
@@ -264,11 +274,11 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
         else:
             qkv = jnp.einsum("BTD,DF->BTF", x, w)
         qkv = qkv.reshape(*qkv.shape[:-1], heads, h)
-        attn, k, v = layer_attention(qkv, lp["q_norm"], lp["k_norm"], cos, sin, start, ck, cv,
-                                     num_q_heads=n, eps=eps, scale=1.0, v_norm=True,
+        attn, k, v = layer_attention(qkv, lp["q_norm"], lp["k_norm"], cos, sin, start, ck[0],
+                                     cv[0], num_q_heads=n, eps=eps, scale=1.0, v_norm=True,
                                      window=int(window), v_from_k=product == "w_qk",
-                                     interpret=interpret)
-        return attn, (k, v)
+                                     write=write, interpret=interpret)
+        return attn, ((k[None], v[None]) if write else (k, v))
 
     return L.on_gpu(gpu, default, x_btd, lp[product], cache_k, cache_v,
                     positions_bt[:, 0].astype(jnp.int32), cos, sin, cache_mask_bts,
@@ -372,6 +382,7 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
         masks = {t: m & ragged.valid_k[:, None, None]
                  for t, m in G._masks(cfg, positions_bt.T, True, S, None).items()}
     fresh: dict[int, tuple[jax.Array, jax.Array]] = {}   # owning layer → this call's (k, v)
+    shared_owners = {cfg.kv_producer(i) for i in range(cfg.first_kv_shared_layer, len(params))}
     pending = None   # the previous layer's last residual update, taken with this input norm
     for i, lp in enumerate(params):
         ltype = cfg.layer_type(i)
@@ -381,9 +392,14 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
         product = (layer_kernel_product(lp, ck[i], dtype, T)
                    if cached and ragged is None and owner == i else None)
         if product is not None:   # q/k/v, their norms, RoPE and the attention in the kernels
-            attn, fresh[i] = kernel_attention(lp, product, x, positions_bt, rope, eps, ck[i][0],
-                                              cv[i][0], cache_masks[ltype], own_masks[ltype],
-                                              window)
+            # (which write the rows into the cache where no KV-shared layer reads them)
+            write = i not in shared_owners
+            attn, out = kernel_attention(lp, product, x, positions_bt, rope, eps, ck[i], cv[i],
+                                         cache_masks[ltype], own_masks[ltype], window, write)
+            if write:
+                ck[i], cv[i] = out
+            else:
+                fresh[i] = out
         else:
             q, kv = project(lp, x, positions_bt, rope, eps)
             if kv is not None:
@@ -412,7 +428,7 @@ def forward(layers: Gemma4Layers, cfg: DecoderConfig, tokens_bt: jax.Array, h: j
     taps_out = jnp.stack(taps) if tap_ids else None
     if not cached:
         return h, taps_out, None
-    if ragged is None:   # every owning layer's new rows at their positions (out of range: dropped)
+    if ragged is None:   # the rows not written in the loop, at their positions (≥ S: dropped)
         index = (0, jnp.arange(B)[:, None], positions_bt)
         for i, (k, v) in fresh.items():
             ck[i] = ck[i].at[index].set(k.astype(ck[i].dtype), mode="drop")
