@@ -285,6 +285,33 @@ def test_lowers_for_gpu_with_triton_at_a_decoding_shape():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h,heads,window,v_from_k", [(256, 32, 1024, False),
+                                                     (512, 32, 0, False), (512, 24, 0, True)])
+def test_lowers_for_gpu_with_triton_at_gemma4_shapes(h, heads, window, v_from_k):
+    """Gemma4-12B's one-token step (16 query heads over 8, an 8192-position cache, the q/k/v
+    product as two split-K parts of two rows): a sliding layer (heads of 256, its window), a
+    full layer (heads of 512) and a k=v full layer lower to Triton with the v norm and the
+    cache write."""
+    from jax import export
+
+    spec = jax.ShapeDtypeStruct
+    parts = spec((2, 1, 2, heads, h), jnp.float32)
+    norm = spec((h,), jnp.bfloat16)
+    trig = spec((1, 1, h // 2), jnp.float32)
+    cache = spec((1, 8192, 8, h), jnp.bfloat16)
+    fn = functools.partial(layer_attention, scale=1.0, num_q_heads=16, eps=1e-6, write=True,
+                           v_norm=True, window=window, v_from_k=v_from_k)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    try:
+        text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+            parts, norm, norm, trig, trig, spec((1,), jnp.int32), cache, cache).mlir_module()
+    except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Triton dialect
+        pytest.skip(f"Triton lowering unavailable: {e}")
+    for name in ("layer_attention_splits", "decode_attention_merge"):
+        assert name in text, name
+
+
+@pytest.mark.gpu
 def test_lowers_for_gpu_with_triton_at_a_tree_shape():
     """A draft tree's verification at Qwen3-8B's heads (65 cells a row, 64 rows, a 1024-
     position cache) lowers to Triton: the 260 query rows a key head run as three tiles of the
