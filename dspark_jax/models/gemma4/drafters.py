@@ -128,26 +128,42 @@ class Gemma4DSparkDraft(DSparkDraft):
                             ctx_k: Any, ctx_v: Any) -> jax.Array:
         """`DSparkDraft.backbone_over_cache`: one block a row over the cached context below
         each anchor → final-normed [B, γ, D]. Per-layer buffers (the drafting layout) run
-        unrolled, each layer's block attention (`block_attend`, XLA's ops) over its own context
-        buffer where it lies and its residual updates as the target's per-layer layers take
-        them (`layer_buffers.residual_updates`: one kernel each on a GPU); stacked layers take
-        `DSparkDraft`'s path."""
+        unrolled, each layer's attention over its own context buffer where it lies and its
+        residual updates as the target's per-layer layers take them
+        (`layer_buffers.residual_updates`: one kernel each on a GPU); stacked layers take
+        `DSparkDraft`'s path. On a GPU, one device, a layer that
+        `layer_buffers.block_kernel_product` takes runs its attention half as
+        `layer_buffers.block_attention`'s kernels (the q and k(|v) products in one GEMM, then
+        `layer_attention`: norms, RoPE, the attention over the context below the anchor and
+        the whole block, and its merge); elsewhere, and for the other layers, `block_qkv` and
+        `block_attend` (XLA's ops)."""
         if not isinstance(self.layers, LB.Gemma4GroupLayers):
             return super().backbone_over_cache(anchor_b, anchor_pos_b, ctx_k, ctx_v)
-        eps = self.cfg.layer_config().rms_norm_eps
+        lc = self.cfg.layer_config()
+        eps = lc.rms_norm_eps
         g, B = self.cfg.block_size, anchor_b.shape[0]
         S = L.cache_positions(ctx_k)
         pos = anchor_pos_b[:, None].astype(jnp.int32) + jnp.arange(g, dtype=jnp.int32)
-        visible = (jnp.arange(S)[None] < anchor_pos_b[:, None])[:, None, :]      # [B,1,S]
         ones = jnp.ones((B, 1), bool)
         h = self.embed_block(self.block_tokens(anchor_b))                    # [B,γ,D]
         pending = None   # a layer's last residual update, taken with the next norm
         for i, lp in enumerate(self.layers.layer_params(self.dtype)):
             h, x = LB.take_pending(h, pending, lp["input_norm"], eps)
-            q, k, v = self.block_qkv(lp, x, pos)
             ck, cv = (L.cache_layer(c, i).astype(self.dtype) for c in (ctx_k, ctx_v))
-            attn = block_attend(q[:, None], ck, cv, k[:, None], v[:, None], visible, ones)
-            h, pending = LB.residual_updates(lp, h, attn[:, 0], eps, None)
+
+            def dense(x, ck, cv, start, lp=lp):   # XLA's block attention, one block a row
+                q, k, v = self.block_qkv(lp, x, pos)
+                visible = (jnp.arange(S)[None] < start[:, None])[:, None, :]     # [B,1,S]
+                return block_attend(q[:, None], ck, cv, k[:, None], v[:, None], visible,
+                                    ones)[:, 0]
+
+            product = LB.block_kernel_product(lp, ck, self.dtype, g)
+            if product is None:
+                attn = dense(x, ck, cv, anchor_pos_b)
+            else:
+                attn = LB.block_attention(lp, product, x, pos, lc.rope, eps, ck, cv,
+                                          anchor_pos_b, dense)
+            h, pending = LB.residual_updates(lp, h, attn, eps, None)
         _, h = LB.take_pending(h, pending, self.norm.get_value(), eps)
         return constrain(h, ("batch", None, "act_embed"))
 

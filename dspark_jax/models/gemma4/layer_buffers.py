@@ -31,7 +31,11 @@ layer's input norm taking the last residual update. The other layers (KV-shared,
 `pallas_kernels.decode_attention` (`attend_cache_and_own`; a sliding layer's with its window).
 Elsewhere (CPU, TPU, a mesh of several devices) the same arithmetic runs as XLA's ops.
 
-`Gemma4GroupLayers` is the drafting layout of a Gemma4 drafter's layers (one `Gemma4Group`).
+`Gemma4GroupLayers` is the drafting layout of a Gemma4 drafter's layers (one `Gemma4Group`). On
+a GPU, one device, a DSpark / DFlash draft layer that the kernels take runs its attention half
+over its context cache as three kernels (`block_attention`): the q and k(|v) products as one
+GEMM over both weights, `layer_attention` over the context below the anchor and the whole
+block, and its merge.
 """
 
 from __future__ import annotations
@@ -283,6 +287,68 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
     return L.on_gpu(gpu, default, x_btd, lp[product], cache_k, cache_v,
                     positions_bt[:, 0].astype(jnp.int32), cos, sin, cache_mask_bts,
                     own_mask_btq)
+
+
+def block_kernel_product(lp: dict[str, jax.Array], ctx_k: jax.Array, dtype: Any,
+                         tokens: int) -> str | None:
+    """The k(|v) buffer a DSpark / DFlash draft layer (the drafting layout, `KV` fused) runs
+    `block_attention`'s kernels from beside its `wq`, or None where the kernels do not take the
+    layer over its context cache layer [B, S, K, H]: one device, `w_kv` (a k=v layer's lone
+    `wk`, its values the raw k heads), both q/k norms, and `decoding_layer.fused_kernels_take`'s
+    shapes for the `tokens` block tokens."""
+    if "w_kv" in lp:
+        name = "w_kv"
+    elif "wk" in lp and "wv" not in lp:
+        name = "wk"
+    else:
+        return None
+    if "wq" not in lp or "q_norm" not in lp or on_several_devices():
+        return None
+    rows = tokens * (lp["wo"].shape[0] // ctx_k.shape[-2])
+    return name if DL.fused_kernels_take(lp, ctx_k, dtype, rows, ("wq", name)) else None
+
+
+def block_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
+                    positions_bt: jax.Array, rope: Any, eps: float, ctx_k: jax.Array,
+                    ctx_v: jax.Array, start_b: jax.Array, xla: Any) -> jax.Array:
+    """The attention half of a Gemma4 DSpark / DFlash draft layer over its context cache layer
+    [B, S, K, H] (normed, rotated keys; values normed without a scale) for a layer
+    `block_kernel_product` takes (its k(|v) `product`): the T block tokens at `positions_bt`
+    (consecutive from the anchor's `start_b` [B]), normed input x, attend to the context below
+    the anchor and to all T block keys → [B, T, N, H] (a draft layer attends to all its
+    context: every draft layer is a full-attention layer, `drafters.gemma4_draft_layer_config`).
+
+    On a GPU, the q and k(|v) products as one GEMM over `wq` and the `product` where they lie
+    (its split-K parts where `decoding_layer.split_k_parts` splits it, summed in the kernel),
+    then `pallas_kernels.decode_attention.layer_attention` (`causal=False`): the q/k norms
+    (scaled), the unscaled v norm (a k=v layer's values from its raw k heads), RoPE as cos /
+    sin, the attention with scale 1, and the merge of its cache splits. Elsewhere
+    `xla(x, ctx_k, ctx_v, start_b)`."""
+    b, t, d = x_btd.shape
+    n, h = lp["wo"].shape[:2]
+    wq, w_kv = lp["wq"].reshape(d, -1), lp[product].reshape(d, -1)
+    heads = (wq.shape[-1] + w_kv.shape[-1]) // h
+    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
+
+    def default(x, wq, w_kv, ck, cv, start, cos, sin):
+        return xla(x, ck, cv, start)
+
+    def gpu(x, wq, w_kv, ck, cv, start, cos, sin, interpret):
+        from pallas_kernels.decode_attention import layer_attention
+
+        parts = DL.split_k_parts(b * t, d, heads * h)
+        if parts > 1:   # [parts, B, T' ≥ T, F], rows past T unread
+            qkv = DL.product_parts(x, jnp.concatenate([wq, w_kv], axis=-1), parts)
+        else:   # one array: XLA takes the two dots as one GEMM over both weights
+            qkv = jnp.concatenate([jnp.einsum("BTD,DF->BTF", x, wq),
+                                   jnp.einsum("BTD,DF->BTF", x, w_kv)], axis=-1)
+        qkv = qkv.reshape(*qkv.shape[:-1], heads, h)
+        return layer_attention(qkv, lp["q_norm"], lp["k_norm"], cos, sin, start, ck, cv,
+                               num_q_heads=n, eps=eps, scale=1.0, causal=False, v_norm=True,
+                               v_from_k=product == "wk", interpret=interpret)[0]
+
+    return L.on_gpu(gpu, default, x_btd, wq, w_kv, ctx_k, ctx_v, start_b.astype(jnp.int32),
+                    cos, sin)
 
 
 def _attend_xla(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
