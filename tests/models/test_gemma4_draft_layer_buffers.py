@@ -110,3 +110,61 @@ def test_the_engine_on_an_accelerator_holds_the_layout_aot_builds(target, monkey
     held = nnx.merge(eng.arrays.target_graphdef, eng.arrays.target_state)
     assert isinstance(held.layers, Gemma4Layers)
     assert type(nnx.merge(d_gd, eng.arrays.draft_state).layers) is Gemma4GroupLayers
+
+
+@pytest.mark.parametrize("k_eq_v", [True, False])
+@pytest.mark.parametrize("split", [False, True])
+def test_block_over_the_cache_through_the_layer_kernel_equals_the_stacked_drafter(
+        tmp_path, monkeypatch, k_eq_v, split):
+    """The program a GPU compiles, its kernels interpreted (`layers.interpret_kernels`): each
+    draft layer (heads of 32) runs its attention half from its q and k(|v) products in
+    `layer_attention` (causal=False over the block, the context below the anchor, the unscaled
+    v norm, a k=v layer's values from its k heads, no window), the products split along K with
+    `split`; the block hidden states equal the stacked drafter's and the per-layer drafter's
+    XLA path."""
+    import pallas_kernels.decode_attention as DA
+    from dspark_jax.models import decoding_layer as DL
+    from dspark_jax.models import layers as L
+
+    calls, kernel = [], DA.layer_attention
+
+    def counted(*args, **kw):
+        calls.append((args[0].ndim == 5, kw["causal"], kw["v_norm"], kw.get("window", 0),
+                      kw["v_from_k"], kw["scale"]))
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(DA, "layer_attention", counted)
+    parts: list[int] = []
+    if split:   # the q|k|v product split along K (the threshold lowered)
+        monkeypatch.setattr(DL, "SPLIT_K_MIN_CHUNK", 8)
+        real = DL.product_parts
+        monkeypatch.setattr(DL, "product_parts",
+                            lambda x, w, p: parts.append(p) or real(x, w, p))
+    target = load_target(save_tiny_gemma4(tmp_path, "all_features", seed=2, global_head_dim=32,
+                                          **dict(TARGET_KW, attention_k_eq_v=k_eq_v)))
+    stacked, per_layer = _views(target, dict(BASE, markov_rank=8))
+    s_model, p_model = stacked.model, per_layer.model
+    assert ("wk" in p_model.layers.names) == k_eq_v
+    B, S = 3, 64                     # the kernel's cache tile divides the cache
+    n_feat = stacked.config.num_features * target.config.hidden_size
+    feats = jnp.asarray(np.random.RandomState(3).randn(B, 40, n_feat), jnp.float32)
+    anchor = jnp.asarray([7, 8, 9], jnp.int32)
+    anchor_pos = jnp.asarray([0, 17, 40], jnp.int32)
+
+    def block(model):
+        cache = DSparkAdapter.init_cache(model, B, S)
+        cache = DSparkAdapter.commit(model, cache, feats, jnp.zeros((B,), jnp.int32),
+                                     jnp.full((B,), 40, jnp.int32), None)
+        return np.asarray(jax.jit(model.backbone_over_cache)(anchor, anchor_pos, cache.k,
+                                                               cache.v))
+
+    h_stacked, h_xla = block(s_model), block(p_model)
+    calls.clear()   # the GPU branch traced beside XLA's (`lax.platform_dependent`), not run
+    parts.clear()
+    with L.interpret_kernels():
+        h_kernel = block(p_model)
+    np.testing.assert_allclose(h_kernel, h_xla, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(h_kernel, h_stacked, atol=2e-5, rtol=1e-5)
+    assert float(np.abs(h_kernel).sum()) > 0
+    assert calls == [(split, False, True, 0, k_eq_v, 1.0)] * 2, calls   # both draft layers
+    assert (min(parts) >= 2) if split else not parts, parts
