@@ -213,26 +213,27 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
                     cache_mask_bts)
 
 
+def _kernel_product(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any, tokens: int,
+                    fused: str, alone: str, beside: tuple[str, ...] = ()) -> str | None:
+    """The buffer (`fused`, or a k=v layer's `alone`: no v projection) that `layer_attention`
+    runs a layer from beside the weights `beside`, or None: one device, both q/k norms and
+    `decoding_layer.fused_kernels_take`'s shapes for the `tokens` (power-of-two head sizes
+    ≥ 32 and query heads a key head, a cache in the compute dtype that the attention's tiles
+    divide, at most `layers.DECODE_KERNEL_MAX_ROWS` query heads a key head)."""
+    name = fused if fused in lp else alone if alone in lp and "wv" not in lp else None
+    if (name is None or any(w not in lp for w in beside) or "q_norm" not in lp
+            or on_several_devices()):
+        return None
+    rows = tokens * (lp["wo"].shape[0] // cache_k.shape[-2])
+    return name if DL.fused_kernels_take(lp, cache_k, dtype, rows, (*beside, name)) else None
+
+
 def layer_kernel_product(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
                          tokens: int) -> str | None:
     """The fused product a K/V-owning layer's attention over its cache layer [B, S, K, H] runs
-    `layer_attention` from (`kernel_attention`), or None where the kernels do not take it: one
-    device, the q/k/v product fused (`w_qkv`; a k=v layer's `w_qk`, its values the raw k
-    heads), both q/k norms, and `decoding_layer.fused_kernels_take`'s shapes (power-of-two
-    head sizes ≥ 32 and query heads a key head, a cache in the compute dtype that the
-    attention's tiles divide, at most `layers.DECODE_KERNEL_MAX_ROWS` query heads a key head
-    for the `tokens`)."""
-    if "w_qkv" in lp:
-        name = "w_qkv"
-    elif "w_qk" in lp and "wv" not in lp:
-        name = "w_qk"
-    else:
-        return None
-    if "q_norm" not in lp or on_several_devices():
-        return None
-    n = lp["wo"].shape[0]
-    rows = tokens * (n // cache_k.shape[-2])
-    return name if DL.fused_kernels_take(lp, cache_k, dtype, rows, (name,)) else None
+    `layer_attention` from (`kernel_attention`): `w_qkv`, a k=v layer's `w_qk` (its values the
+    raw k heads), or None where the kernels do not take it (`_kernel_product`)."""
+    return _kernel_product(lp, cache_k, dtype, tokens, "w_qkv", "w_qk")
 
 
 def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
@@ -292,21 +293,10 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
 def block_kernel_product(lp: dict[str, jax.Array], ctx_k: jax.Array, dtype: Any,
                          tokens: int) -> str | None:
     """The k(|v) buffer a DSpark / DFlash draft layer (the drafting layout, `KV` fused) runs
-    `block_attention`'s kernels from beside its `wq`, or None where the kernels do not take the
-    layer over its context cache layer [B, S, K, H]: one device, `w_kv` (a k=v layer's lone
-    `wk`, its values the raw k heads), both q/k norms, and `decoding_layer.fused_kernels_take`'s
-    shapes for the `tokens` block tokens."""
-    if "w_kv" in lp:
-        name = "w_kv"
-    elif "wk" in lp and "wv" not in lp:
-        name = "wk"
-    else:
-        return None
-    if "wq" not in lp or "q_norm" not in lp or on_several_devices():
-        return None
-    rows = tokens * (lp["wo"].shape[0] // ctx_k.shape[-2])
-    return name if DL.fused_kernels_take(lp, ctx_k, dtype, rows, ("wq", name)) else None
-
+    `block_attention`'s kernels from beside its `wq` over its context cache layer
+    [B, S, K, H]: `w_kv`, a k=v layer's lone `wk` (its values the raw k heads), or None where
+    the kernels do not take it (`_kernel_product`, for the `tokens` block tokens)."""
+    return _kernel_product(lp, ctx_k, dtype, tokens, "w_kv", "wk", ("wq",))
 
 def block_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
                     positions_bt: jax.Array, rope: Any, eps: float, ctx_k: jax.Array,
