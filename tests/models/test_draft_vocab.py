@@ -81,3 +81,32 @@ def test_proposals_stay_inside_the_draft_vocabulary(target, temperature):
     dense, _ = full.heads_teacher_forced(h, prev)
     np.testing.assert_allclose(np.asarray(compact), np.asarray(dense)[..., list(VOCAB)],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type,confidence", [("dflash", False), ("dspark", True)])
+def test_a_drafter_without_a_markov_head_samples_every_slot_at_once_as_one_at_a_time(
+        target, model_type, confidence):
+    """No slot reads the token before it without a Markov head (DFlash; DSpark with rank 0),
+    so `sample_block` samples them all at once: each slot's probabilities, token (drawn with
+    that slot's key) and confidence equal the slot taken alone."""
+    from pallas_kernels.common import probs_from_logits
+
+    draft = init_draft(target, dict(BASE, model_type=model_type, markov_rank=0,
+                                    enable_confidence_head=confidence), seed=2).model
+    assert not draft.cfg.has_markov
+    h = jax.random.normal(jax.random.key(3), (6, 4, 32))
+    anchor = jnp.arange(6, dtype=jnp.int32)
+    T = jnp.asarray(0.8, jnp.float32)
+    out = draft.sample_block(h, anchor, jax.random.key(4), T, sample_probs)
+    base = draft.draft_vocab_logits(h, None)
+    keys = jax.random.split(jax.random.key(4), 4)
+    for k in range(4):
+        p = probs_from_logits(base[:, k], T)
+        np.testing.assert_allclose(np.asarray(out["probs"][:, k]), np.asarray(p), rtol=1e-6,
+                                   atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(out["tokens"][:, k]),
+                                      np.asarray(sample_probs(keys[k], p)))
+        if confidence:
+            np.testing.assert_allclose(np.asarray(out["confidence"][:, k]),
+                                       np.asarray(draft.confidence(h[:, k], None)), rtol=1e-6)
+    assert len({tuple(np.asarray(out["tokens"][:, k])) for k in range(4)}) > 1   # own keys

@@ -325,8 +325,9 @@ class DSparkDraft(nnx.Module):
                      temperature: jax.Array, sample_fn: Any, probs_fn: Any = None,
                      vocab_weights: dict[str, jax.Array] | None = None
                      ) -> dict[str, jax.Array]:
-        """Sequential sampling over the γ slots (each slot conditioned on the sampled previous
-        token). h [B, γ, D] → tokens [B, γ], probs [B, γ, V], confidence logits [B, γ].
+        """Sampling over the γ slots, in sequence where a Markov head conditions each slot on
+        the token sampled before it, else all at once. h [B, γ, D] → tokens [B, γ], probs
+        [B, γ, V], confidence logits [B, γ].
         `probs_fn(logits [B, n]) → probs` replaces softmax(·/T) (e.g. per-request top-k/top-p).
         `vocab_weights`: `draft_vocab_weights()`, gathered once by the caller.
 
@@ -366,7 +367,12 @@ class DSparkDraft(nnx.Module):
             return (tok, state), (tok, p, conf)
 
         xs = (jnp.moveaxis(h_btd, 1, 0), jnp.moveaxis(base, 1, 0), keys)
-        _, (toks, probs, conf) = jax.lax.scan(slot, (anchor_b.astype(jnp.int32), state0), xs)
+        start = (anchor_b.astype(jnp.int32), state0)
+        if has_markov:
+            _, (toks, probs, conf) = jax.lax.scan(slot, start, xs)
+        else:   # no slot reads the token before it (DFlash): every slot at once, the same
+            # arithmetic a slot at a time, as one batch of γ·B rows
+            toks, probs, conf = jax.vmap(lambda *x: slot(start, x)[1])(*xs)
         if ids is not None:   # [γ, B, K] → [γ, B, V]
             probs = jnp.zeros(probs.shape[:2] + (self.cfg.target.vocab_size,),
                               probs.dtype).at[..., ids].set(probs)
