@@ -304,3 +304,23 @@ def test_optimized_text_falls_back_to_the_compilers_dump(monkeypatch):
     monkeypatch.setattr(jax.stages.Compiled, "as_text", other)
     with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
         compile_with_text(lowered)
+
+
+def test_a_drafters_floor_counts_what_its_slots_read_again():
+    """The floor of a drafting program: the weights once less the tables it gathers a row from,
+    plus a Markov head's W2 once per further slot, or, for a drafter that runs a pass of its
+    layers and LM head a token (Eagle3), its weights less those tables once per further pass."""
+    from dspark_jax.aot.decode_floor import must_read_bytes
+
+    p = {"arrays.target_state['layers']": 100.0, "arrays.target_state['embed']": 8.0,
+         "arrays.target_state['lm_head']": 8.0, "arrays.draft_state['layers']": 10.0,
+         "arrays.draft_state['lm_head']": 6.0, "arrays.draft_state['embed']": 6.0,
+         "arrays.draft_state['markov']['w1']": 2.0, "arrays.draft_state['markov']['w2']": 3.0}
+    weights = sum(p.values())
+    gathered = 8.0 + 6.0 + 2.0   # the untied embeddings and W1
+    assert must_read_bytes(p, weights, 5.0) == (weights - gathered + 5.0, gathered, 0.0)
+    assert must_read_bytes(p, weights, 5.0, draft_slots=4) == (
+        weights - gathered + 5.0 + 3 * 3.0, gathered, 9.0)
+    per_pass = 10.0 + 6.0 + 3.0   # the drafter's weights less its embedding and W1
+    assert must_read_bytes(p, weights, 5.0, draft_slots=4, stepwise_drafter=True) == (
+        weights - gathered + 5.0 + 3 * per_pass, gathered, 3 * per_pass)

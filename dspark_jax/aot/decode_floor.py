@@ -33,6 +33,7 @@ from dspark_jax.aot.topology import AotError
 WEIGHT_ARGS = ("state[", "target_state[", "arrays.target_state", "arrays.draft_state",
                "arrays.vocab_weights")
 CACHE_ARGS = ("s.cache.k", "s.cache.v", "state.cache.k", "state.cache.v", "state.draft_cache")
+DRAFTER_WEIGHT_ARGS = ("arrays.draft_state", "arrays.vocab_weights")
 PROGRAMS = ("decode_step", "plain_step", "draft", "verify", "round")
 
 # The kernel-cost model a GPU program's time is projected with, an estimate and not a timing:
@@ -96,20 +97,31 @@ def _programs(c: Any, devices: Sequence[Any], shape: DecodeShape, layer_buffers:
 
 
 def must_read_bytes(param_bytes: dict[str, float], weights: float, cache: float,
-                    draft_slots: int = 0) -> tuple[float, float, float]:
+                    draft_slots: int = 0, stepwise_drafter: bool = False
+                    ) -> tuple[float, float, float]:
     """(floor, gathered, per-slot) bytes of a program's arguments: the bytes it must read.
 
     The weights and the caches, once each, less the tables it gathers a row per token from
     (an untied input embedding; the Markov head's W1, paper §3.2), plus, in a program that
     drafts `draft_slots` > 0 slots, the Markov head's output matrix W2 once per further slot:
     slot k's bias depends on the token sampled at slot k − 1, so the slots run in sequence
-    and each streams all of W2 ([V, r], larger than a GPU's L2 at the full vocabulary)."""
+    and each streams all of W2 ([V, r], larger than a GPU's L2 at the full vocabulary). A
+    `stepwise_drafter` (Eagle3: one pass of its layers and LM head a draft token, the first
+    with the commit) reads all of its weights, less the tables it gathers from, once per
+    further pass instead (`draft_slots`: its passes)."""
     untied = any("['lm_head']" in k for k in param_bytes)
-    gathered = sum(b for k, b in param_bytes.items() if k.startswith(WEIGHT_ARGS) and (
-        (untied and "['embed']" in k) or "['markov']['w1']" in k))
-    w2 = sum(b for k, b in param_bytes.items() if k.startswith(WEIGHT_ARGS) and (
-        "['markov']['w2']" in k or "['markov_w2']" in k))
-    per_slot = max(draft_slots - 1, 0) * w2
+
+    def gathers(k: str) -> bool:
+        return (untied and "['embed']" in k) or "['markov']['w1']" in k
+
+    gathered = sum(b for k, b in param_bytes.items() if k.startswith(WEIGHT_ARGS) and gathers(k))
+    if stepwise_drafter:
+        per_pass = sum(b for k, b in param_bytes.items()
+                       if k.startswith(DRAFTER_WEIGHT_ARGS) and not gathers(k))
+    else:
+        per_pass = sum(b for k, b in param_bytes.items() if k.startswith(WEIGHT_ARGS) and (
+            "['markov']['w2']" in k or "['markov_w2']" in k))
+    per_slot = max(draft_slots - 1, 0) * per_pass
     return weights - gathered + cache + per_slot, gathered, per_slot
 
 
@@ -122,7 +134,8 @@ DRAFTER_LAYERS_FUNCTION = "backbone_over_cache"
 TARGET_LAYER_FUNCTIONS = ("cached_body", "ragged_body")
 
 
-def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
+def program_report(lowered: Any, draft_slots: int = 0, stepwise_drafter: bool = False
+                   ) -> dict[str, Any]:
     """A lowered program compiled → its traffic summary (`hlo_traffic.Program.summary`: each
     conditional's costliest branch), the bytes with each conditional's cheapest branch
     (`bytes_cheapest`, `kernels_cheapest`: e.g. greedy requests, where sampling sits behind a
@@ -139,7 +152,8 @@ def program_report(lowered: Any, draft_slots: int = 0) -> dict[str, Any]:
     out["kernels_cheapest"] = cheapest["kernels_per_step"]
     mem = compiled.memory_analysis()
     floor, gathered, per_slot = must_read_bytes(prog.param_bytes, out["weights_bytes"],
-                                                out["cache_bytes"], draft_slots)
+                                                out["cache_bytes"], draft_slots,
+                                                stepwise_drafter)
     out.update(gathered_bytes=gathered, per_slot_bytes=per_slot,
                temp_bytes=int(mem.temp_size_in_bytes) if mem is not None else -1,
                floor_bytes=floor,
@@ -160,6 +174,7 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
     import jax
 
     from dspark_jax.models.decoder import aligned_length
+    from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.models.layers import flash_kernels
     from dspark_jax.sharding import use_mesh
     from dspark_jax.train.job_config import attn_kernel
@@ -187,9 +202,12 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
         if name not in built:
             raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
         lower, args, kw = built[name]
+        stepwise = not drafter_kind(c.draft.model_type).parallel_block
         slots = rnd.gamma if name in ("draft", "round") else 0
+        if stepwise and name == "draft":   # its first token's logits come with the commit
+            slots -= 1
         with use_mesh(mesh), flash_kernels(attn_kernel(c)):
-            r = program_report(lower(*args, **kw), slots)
+            r = program_report(lower(*args, **kw), slots, stepwise_drafter=stepwise)
         r["floor_s"] = r["floor_bytes"] / facts.hbm_bytes_per_s
         # the floor at the bandwidth the projection assumes: what the projected time is over it
         # is the kernels' cost and the bytes beyond the floor, nothing else
