@@ -1,10 +1,12 @@
 """An Eagle3 drafter with one buffer per draft layer (`drafters.dspark.with_layer_buffers`: q/k/v
 and gate/up fused, the layers unrolled), Qwen3's and Gemma4's, drafts what the stacked drafter
 drafts: the committed K/V, the chain's tokens and distributions; greedy speculative decoding
-with it equals greedy autoregressive decoding."""
+with it equals greedy autoregressive decoding. Qwen3's drafter in the kernels' shapes drafts the
+same on the decoding layer's kernels (interpreted: the program a GPU compiles)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -114,3 +116,92 @@ def test_greedy_speculative_with_per_layer_eagle3_equals_autoregressive(models):
     res = speculative_generate(target, per_layer, prompts, max_new_tokens=10,
                                stop_token_ids=[])
     assert res.tokens == ref
+
+
+# ----------------------------------------------------------------------------- the GPU's kernels
+# The decoding layer's kernels take a head size ≥ 32 and a cache of whole 64-position tiles
+KERNEL_S = 64
+
+
+@pytest.fixture(scope="module", params=[1, 2])
+def kernel_drafters(request, tmp_path_factory):
+    """(stacked, per-layer) Qwen3 Eagle3 drafters of `request.param` layers, shaped for the
+    decoding layer's kernels (`decoding_layer.fused_kernels_take`: head size 32, q/k norms)."""
+    path = tmp_path_factory.mktemp("qwen3_kernels")
+    target = load_target(save_tiny_hf(path, "qwen3", head_dim=32, layers=3, seed=4))
+    draft = init_draft(target, dict(model_type="eagle3", block_size=GAMMA, ttt_length=3,
+                                    draft_num_hidden_layers=request.param,
+                                    target_layer_ids=(-1, 0, 1), mask_token_id=96), seed=5)
+    rng = np.random.RandomState(3)
+    model = draft.model
+    for p, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            w = var.get_value()
+            noise = rng.randn(*w.shape).astype(np.float32)
+            var.set_value(jnp.asarray(1.0 + 0.2 * noise if "norm" in str(p) else 0.2 * noise))
+    model.lm_head.set_value(model.lm_head.get_value() * 20.0)
+    gd, st = nnx.split(model)
+    pgd, pst = with_layer_buffers(gd, st)
+    return (dataclasses.replace(draft, graphdef=gd, state=st),
+            dataclasses.replace(draft, graphdef=pgd, state=pst))
+
+
+def _commit_and_propose(d, interpret: bool):
+    """Two commits (counts below the chunk's width included), then a greedy and a sampled
+    chain from the result; with `interpret`, the kernels' program (interpreted) and the jaxprs
+    of the commit and of the chain."""
+    from dspark_jax.decoding.sampling import sample_probs
+
+    m = d.model
+    B, F = 3, d.config.num_features * d.config.target.hidden_size
+    greedy = lambda k, p: jnp.argmax(p, -1).astype(jnp.int32)  # noqa: E731
+    r = np.random.RandomState(2)
+    cache = m.init_cache(B, KERNEL_S)
+    with L.interpret_kernels() if interpret else contextlib.nullcontext():
+        jaxprs = []
+        for counts, width in (([6, 3, 5], 6), ([2, 0, 3], 3)):
+            feats = r.randn(B, width, F).astype(np.float32)
+            toks = r.randint(0, 97, (B, width)).astype(np.int32)
+            args = (cache, feats, toks, jnp.asarray(counts))
+            jaxprs.append(str(jax.make_jaxpr(m.commit)(*args)))
+            cache = jax.jit(m.commit)(*args)
+        propose = jax.jit(m.propose, static_argnums=(3, 4))
+        jaxprs.append(str(jax.make_jaxpr(m.propose, static_argnums=(3, 4))(
+            cache, jax.random.key(0), 1.0, GAMMA, greedy)))
+        out = (cache, propose(cache, jax.random.key(0), 1.0, GAMMA, greedy),
+               propose(cache, jax.random.key(0), 0.7, GAMMA, sample_probs))
+    return out, jaxprs
+
+
+def test_commit_and_propose_on_the_kernels_equal_the_stacked_drafter(kernel_drafters):
+    """Interpreted, the per-layer drafter's program on a GPU (each layer's attention half in
+    `layer_attention`, its K/V rows written into the cache by the kernel, the residual sums in
+    `add_rms_norm`) commits and drafts what the stacked drafter does in XLA's ops."""
+    stacked, per_layer = kernel_drafters
+    lp = per_layer.model.layers.layer_params(jnp.float32)
+    assert per_layer.model._kernel_layers_take(lp, per_layer.model.init_cache(3, KERNEL_S).k, 6)
+    (c0, greedy0, soft0), _ = _commit_and_propose(stacked, interpret=False)
+    (c1, greedy1, soft1), jaxprs = _commit_and_propose(per_layer, interpret=True)
+    for jaxpr in jaxprs:   # the interpreted run is the kernels' program
+        for name in ("layer_attention_splits", "decode_attention_merge", "add_rms_norm"):
+            assert name in jaxpr, name
+    for a, b in ((c1.k, c0.k), (c1.v, c0.v), (c1.last_hidden, c0.last_hidden),
+                 (c1.last_logits, c0.last_logits), (soft1["probs"], soft0["probs"]),
+                 (greedy1["probs"], greedy0["probs"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
+    np.testing.assert_array_equal(np.asarray(soft1["tokens"]), np.asarray(soft0["tokens"]))
+    np.testing.assert_array_equal(np.asarray(greedy1["tokens"]), np.asarray(greedy0["tokens"]))
+    assert float(jnp.abs(c0.k).sum()) > 0
+
+
+def test_off_the_kernels_the_per_layer_drafter_keeps_xla_arithmetic(kernel_drafters):
+    """Outside `interpret_kernels` on a CPU the per-layer drafter runs `_xla_layers`: the same
+    results as the stacked drafter to float rounding."""
+    stacked, per_layer = kernel_drafters
+    (c0, greedy0, _), _ = _commit_and_propose(stacked, interpret=False)
+    (c1, greedy1, _), _ = _commit_and_propose(per_layer, interpret=False)
+    np.testing.assert_allclose(np.asarray(c1.k), np.asarray(c0.k), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(greedy1["probs"]), np.asarray(greedy0["probs"]),
+                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(greedy1["tokens"]), np.asarray(greedy0["tokens"]))

@@ -340,24 +340,22 @@ class Eagle3Draft(nnx.Module):
         position and sees every cached key at a position ≤ its own. → (h [B,T,D], k, v).
         Stacked layers run as one scanned body; one buffer per layer (`_layer_buffers`, the
         drafting layout) unrolled, each dot reading its layer's weights where they lie (the
-        cache keeps its [Ld, B, S_max, K, H] layout)."""
+        cache keeps its [Ld, B, S_max, K, H] layout). The per-row positions must be the T
+        consecutive positions from the row's first (`commit`, `propose`) where the decoding
+        layer's kernels take the layers (`_kernel_layers_take`): on a GPU they then run as
+        `_kernel_layers`, elsewhere as `_xla_layers`."""
+        if self._layer_buffers():
+            params = self.layers.layer_params(self.dtype)
+            hn = self.hidden_norm.get_value().astype(self.dtype)
+            args = (g_btd.astype(self.dtype), emb_btd, positions_bt, k_cache, v_cache)
+            if self._kernel_layers_take(params, k_cache, positions_bt.shape[1]):
+                return L.on_gpu(lambda *a, interpret: self._kernel_layers(params, hn, *a),
+                                lambda *a: self._xla_layers(params, hn, *a), *args)
+            return self._xla_layers(params, hn, *args)
         B = g_btd.shape[0]
         key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
         mask = key_pos[None, None, :] <= positions_bt[:, :, None]             # [B,T,S_max]
         b_idx = jnp.arange(B)[:, None]
-        if self._layer_buffers():
-            hn = self.hidden_norm.get_value().astype(self.dtype)
-            h = g_btd.astype(self.dtype)
-            for i, lp in enumerate(self.layers.layer_params(self.dtype)):
-                q, k, v = self._qkv(lp, hn[i], emb_btd, h, positions_bt)
-                k_cache = k_cache.at[i, b_idx, positions_bt].set(k.astype(k_cache.dtype),
-                                                                 mode="drop")
-                v_cache = v_cache.at[i, b_idx, positions_bt].set(v.astype(v_cache.dtype),
-                                                                 mode="drop")
-                attn = L.attend(q, k_cache[i].astype(self.dtype),
-                                v_cache[i].astype(self.dtype), mask)
-                h = self._layer_out(lp, h, attn)
-            return h, k_cache, v_cache
         stack, hn = self._stack()
 
         def layer(h, xs):
@@ -371,6 +369,81 @@ class Eagle3Draft(nnx.Module):
         h, (k_new, v_new) = jax.lax.scan(layer, g_btd.astype(self.dtype),
                                          (stack, hn, k_cache, v_cache))
         return h, k_new, v_new
+
+    def _xla_layers(self, params: list[dict[str, jax.Array]], hn_ld: jax.Array,
+                    h_btd: jax.Array, emb_btd: jax.Array, positions_bt: jax.Array,
+                    k_cache: jax.Array, v_cache: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`_cached_forward`'s per-layer buffers in XLA's ops: each layer `_qkv`, its K/V rows
+        scattered into the cache, `layers.attend` over the whole cache layer under the mask of
+        the positions ≤ the query's, then `_layer_out`."""
+        B = h_btd.shape[0]
+        key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
+        mask = key_pos[None, None, :] <= positions_bt[:, :, None]             # [B,T,S_max]
+        b_idx = jnp.arange(B)[:, None]
+        h = h_btd
+        for i, lp in enumerate(params):
+            q, k, v = self._qkv(lp, hn_ld[i], emb_btd, h, positions_bt)
+            k_cache = k_cache.at[i, b_idx, positions_bt].set(k.astype(k_cache.dtype),
+                                                             mode="drop")
+            v_cache = v_cache.at[i, b_idx, positions_bt].set(v.astype(v_cache.dtype),
+                                                             mode="drop")
+            attn = L.attend(q, k_cache[i].astype(self.dtype), v_cache[i].astype(self.dtype),
+                            mask)
+            h = self._layer_out(lp, h, attn)
+        return h, k_cache, v_cache
+
+    def _kernel_layers_take(self, params: list[dict[str, jax.Array]], k_cache: jax.Array,
+                            t: int) -> bool:
+        """Whether `_kernel_layers` computes these layers: one buffer per layer in this class's
+        arithmetic (`_qkv`, `_layer_out`; a subclass that replaces either keeps `_xla_layers`),
+        outside a mesh of several devices, every layer one that
+        `decoding_layer.fused_kernels_take` accepts for T = `t` queries a row (q/k/v fused as
+        `w_qkv`, the cache in the compute dtype, its length a whole number of tiles)."""
+        from dspark_jax.models import decoding_layer as DL
+        from dspark_jax.sharding import on_several_devices
+
+        if (type(self)._qkv is not Eagle3Draft._qkv
+                or type(self)._layer_out is not Eagle3Draft._layer_out or on_several_devices()):
+            return False
+        lc = self.cfg.layer_config()
+        rows = t * (lc.num_attention_heads // lc.num_key_value_heads)
+        return all(DL.fused_kernels_take(lp, k_cache[i], self.dtype, rows)
+                   for i, lp in enumerate(params))
+
+    def _kernel_layers(self, params: list[dict[str, jax.Array]], hn_ld: jax.Array,
+                       h_btd: jax.Array, emb_btd: jax.Array, positions_bt: jax.Array,
+                       k_cache: jax.Array, v_cache: jax.Array
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`_xla_layers` on the decoding layer's kernels (`models.decoding_layer`), for the T
+        consecutive positions from each row's first: a layer's attention half is
+        `cached_attention` over x = [input_layernorm(emb) ; hidden_norm(h)] (the `w_qkv`
+        product, the q/k norms, RoPE, attention over the cache below the row's first position
+        and the T own keys, causal, and the rows written into the cache layer in place), put
+        back in the [Ld, B, S_max, K, H] cache (with one layer, Ld = 1, the layer is the whole
+        buffer and nothing is copied; with more, XLA copies each layer's slice out for the
+        kernel and back); its second half `attn_out_and_mlp`, whose MLP delta is summed into
+        h with the next layer's hidden norm (`add_rms_norm`), the last layer's alone."""
+        from dspark_jax.models import decoding_layer as DL
+
+        eps, rope = self._eps, self.cfg.target.rope
+        B, T = positions_bt.shape
+        start_b = positions_bt[:, 0]
+        own_mask = L.causal_mask(B, T)
+        h, delta = h_btd, None
+        for i, lp in enumerate(params):
+            if delta is None:
+                h_n = L.rms_norm(h, hn_ld[i], eps)
+            else:
+                h, h_n = DL.add_rms_norm(h, delta, hn_ld[i], eps)
+            x = jnp.concatenate([L.rms_norm(emb_btd, lp["input_norm"], eps), h_n], axis=-1)
+            attn, k_i, v_i = DL.cached_attention(lp, x, positions_bt, rope, eps, k_cache[i],
+                                                 v_cache[i], start_b, own_mask, write=True)
+            k_cache = jax.lax.dynamic_update_index_in_dim(k_cache, k_i, i, axis=0)
+            v_cache = jax.lax.dynamic_update_index_in_dim(v_cache, v_i, i, axis=0)
+            h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
+        h = DL.add_rms_norm(h, delta, None, eps)[0]
+        return constrain(h, ("batch", "seq", "act_embed")), k_cache, v_cache
 
     def commit(self, cache: Eagle3Cache, feats_btf: jax.Array, next_tokens_bt: jax.Array,
                count_b: jax.Array) -> Eagle3Cache:
