@@ -483,3 +483,47 @@ def test_h200_greedy_tree_round_keeps_the_vocabulary_wide_arrays_off_hbm(tmp_pat
                "_cell_probs.<locals>.q"):
         assert greedy.kernels_within(fn) == 0, fn
         assert sampled.kernels_within(fn) > 0, fn
+
+
+_SMEM_SCRIPT = """
+import functools
+import jax, jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+from dspark_jax.aot.gpu import gpu_devices
+from pallas_kernels.decode_attention import decode_attention, layer_attention
+sh = SingleDeviceSharding(gpu_devices("h200")[0])
+spec = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=sh)
+n, kh, S, h = 16, 8, 8192, 512
+cache = spec((1, S, kh, h), jnp.bfloat16)
+for T in (32,):
+    fn = functools.partial(layer_attention, scale=1.0, num_q_heads=n, eps=1e-6, write=True,
+                           v_norm=True)
+    jax.jit(fn).lower(spec((1, T, n + 2 * kh, h), jnp.bfloat16), spec((h,), jnp.bfloat16),
+                      spec((h,), jnp.bfloat16), spec((1, T, h // 2), jnp.float32),
+                      spec((1, T, h // 2), jnp.float32), spec((1,), jnp.int32), cache,
+                      cache).compile()
+    print("layer", T, flush=True)
+for T in (17, 64):
+    fn = functools.partial(decode_attention, scale=1.0)
+    own = spec((1, T, kh, h), jnp.bfloat16)
+    jax.jit(fn).lower(spec((1, T, n, h), jnp.bfloat16), cache, cache, spec((1,), jnp.int32),
+                      own, own, spec((1, T, T), jnp.bool_)).compile()
+    print("decode", T, flush=True)
+"""
+
+
+@pytest.mark.gpu
+@needs_plugin
+def test_gemma4_full_layer_attention_fits_shared_memory_at_its_largest_tiles():
+    """Heads of 512 (Gemma4's full layers) with 64 query rows a program (T = 32 over G = 2) or
+    the decode kernel's query tiles (T = 17, 64): compiled for an H200 (its shared-memory
+    check runs without a GPU), each fits its 228 KB: a program that large runs one pipeline
+    stage and tiles of at most 64 rows at that head size."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SMEM_SCRIPT], capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["layer", "32", "decode", "17", "decode", "64"], out.stdout

@@ -62,6 +62,17 @@ TARGET_PROGRAMS = 256
 MAX_TILE_ROWS = 64
 TILED_ROWS = 128
 TILED_NUM_WARPS = 8
+# a program's query rows × head size past which its tiles and a second pipeline stage of
+# H-wide K/V tiles overflow an H100 / H200's shared memory (228 KB; read off the deviceless
+# compile's shared-memory check at H = 256 and 512): one stage there, and query tiles of at
+# most this many elements
+STAGED_ROWS_X_HEAD = 16384
+TILE_ROWS_X_HEAD = 32768
+
+
+def _fit_stages(rows: int, head: int, num_stages: int) -> int:
+    """The pipeline stages a program of `rows` query rows × `head` runs with."""
+    return 1 if rows * head > STAGED_ROWS_X_HEAD else num_stages
 
 
 
@@ -377,13 +388,14 @@ def decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, start
     P, Tp, split_len = _tiling(B, T, G, Kh, S, block_k, splits)
     n_tiles = 1
     if Tp * G > MAX_TILE_ROWS:   # query tiles of TILED_ROWS rows, the grid's last axis
-        Tp = max(1, TILED_ROWS // G)
+        Tp = max(1, min(TILED_ROWS, TILE_ROWS_X_HEAD // H) // G)
         n_tiles = -(-T // Tp)
         num_warps = max(num_warps, TILED_NUM_WARPS)
         if splits is None and B * Kh * n_tiles >= TARGET_PROGRAMS:
             # the query tiles fill the GPU alone: one split, no partials and no merge
             P, split_len = 1, -(-S // block_k) * block_k
     Mp, Qp = Tp * G, max(16, next_pow2(Q))
+    num_stages = _fit_stages(Mp, H, num_stages)
     mask = jnp.broadcast_to(own_mask[:, :, None, :], (B, T, G, Q)).reshape(B, T * G, Q)
     mask = jnp.pad(mask.astype(jnp.int32), ((0, 0), (0, n_tiles * Mp - T * G), (0, Qp - Q)))
     kernel = functools.partial(_partial_kernel, qk_scale=scale * LOG2E, block_k=block_k,
@@ -508,6 +520,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     S, G = cache_k.shape[1], N // Kh
     P, Tp, split_len = _tiling(B, T, G, Kh, S, block_k, splits)
     Mp, Qp = Tp * G, max(16, next_pow2(T))
+    num_stages = _fit_stages(Mp, H, num_stages)
     normed = q_norm is not None
     if not normed:
         q_norm = k_norm = jnp.ones((H,), dtype)
