@@ -188,7 +188,8 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
     from dspark_jax.aot.shapes import target_hf_dict
 
     # (target layers, drafter layers): a program's kernels per layer of the model it runs
-    layers = (int(target_hf_dict(c)["num_hidden_layers"]), int(c.draft.num_draft_layers))
+    kind = drafter_kind(c.draft.model_type)
+    layers = (int(target_hf_dict(c)["num_hidden_layers"]), int(c.draft[kind.layers_field]))
     report: dict[str, Any] = {
         "mode": "decode_floor", "config": c.name, "chip": chip,
         "hbm_bytes_per_s": facts.hbm_bytes_per_s, "requests": shape.requests,
@@ -202,7 +203,7 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
         if name not in built:
             raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
         lower, args, kw = built[name]
-        stepwise = not drafter_kind(c.draft.model_type).parallel_block
+        stepwise = not kind.parallel_block
         slots = rnd.gamma if name in ("draft", "round") else 0
         if stepwise and name == "draft":   # its first token's logits come with the commit
             slots -= 1
