@@ -266,7 +266,7 @@ class _Loop:
     """The carry of a device call of rounds: the state in and out of each round, the slots as
     the rounds advance them (liveness, budget, round counter), the schedule and the records
     so far. A slot leaves `slots.active` only by finishing its request, so the slots that
-    finished in the call are those live at its start and not now."""
+    finished in the call are those live at its start and not in the carry."""
 
     state: EngineState
     slots: SlotSettings
