@@ -189,6 +189,7 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
 
     # (target layers, drafter layers): a program's kernels per layer of the model it runs
     kind = drafter_kind(c.draft.model_type)
+    stepwise = not kind.parallel_block   # a pass of the drafter a draft token (Eagle3)
     layers = (int(target_hf_dict(c)["num_hidden_layers"]), int(c.draft[kind.layers_field]))
     report: dict[str, Any] = {
         "mode": "decode_floor", "config": c.name, "chip": chip,
@@ -203,7 +204,6 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
         if name not in built:
             raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
         lower, args, kw = built[name]
-        stepwise = not kind.parallel_block
         slots = rnd.gamma if name in ("draft", "round") else 0
         if stepwise and name == "draft":   # its first token's logits come with the commit
             slots -= 1

@@ -131,10 +131,9 @@ class DSparkDraft(nnx.Module):
     def _stacked_context_kv(self, layers: list[dict[str, jax.Array]], ctx: jax.Array,
                             positions_bs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`context_kv` over per-layer buffers with k|v fused (`w_kv`): each layer's product
-        from its own handle on ctx (XLA would merge the layers' dots of one input into one
-        GEMM over their weights concatenated every call, a copy of them), then the k norms and
-        RoPE once over the products stacked [Ld, B, S, 2·K·H]: one pass where a layer at a
-        time takes a kernel a layer and the stack another."""
+        from its own handle on ctx (as `context_kv`'s `own`), then the k norms and RoPE once
+        over the products stacked [Ld, B, S, 2·K·H]: one pass where a layer at a time takes a
+        kernel a layer and the stack another."""
         eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
         H = layers[0]["wo"].shape[1]
         kvs = [jnp.einsum("BSD,DF->BSF", *jax.lax.optimization_barrier((ctx, lp["w_kv"])))

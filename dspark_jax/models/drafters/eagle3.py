@@ -352,10 +352,7 @@ class Eagle3Draft(nnx.Module):
                 return L.on_gpu(lambda *a, interpret: self._kernel_layers(params, hn, *a),
                                 lambda *a: self._xla_layers(params, hn, *a), *args)
             return self._xla_layers(params, hn, *args)
-        B = g_btd.shape[0]
-        key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
-        mask = key_pos[None, None, :] <= positions_bt[:, :, None]             # [B,T,S_max]
-        b_idx = jnp.arange(B)[:, None]
+        b_idx, mask = _rows_and_mask(positions_bt, k_cache.shape[2])
         stack, hn = self._stack()
 
         def layer(h, xs):
@@ -377,10 +374,7 @@ class Eagle3Draft(nnx.Module):
         """`_cached_forward`'s per-layer buffers in XLA's ops: each layer `_qkv`, its K/V rows
         scattered into the cache, `layers.attend` over the whole cache layer under the mask of
         the positions ≤ the query's, then `_layer_out`."""
-        B = h_btd.shape[0]
-        key_pos = jnp.arange(k_cache.shape[2], dtype=jnp.int32)
-        mask = key_pos[None, None, :] <= positions_bt[:, :, None]             # [B,T,S_max]
-        b_idx = jnp.arange(B)[:, None]
+        b_idx, mask = _rows_and_mask(positions_bt, k_cache.shape[2])
         h = h_btd
         for i, lp in enumerate(params):
             q, k, v = self._qkv(lp, hn_ld[i], emb_btd, h, positions_bt)
@@ -504,6 +498,14 @@ class Eagle3Draft(nnx.Module):
         tokens = jnp.concatenate([t0[:, None], toks.T], axis=1)
         probs = jnp.concatenate([p0[:, None], jnp.moveaxis(probs, 0, 1)], axis=1)
         return _with_stop_length({"tokens": tokens, "probs": probs}, stop_ids)
+
+
+def _rows_and_mask(positions_bt: jax.Array, s_max: int) -> tuple[jax.Array, jax.Array]:
+    """(the batch rows [B, 1] that scatter a token's K/V at its position, the cache positions
+    [B, T, S_max] each token sees: those ≤ its own)."""
+    key_pos = jnp.arange(s_max, dtype=jnp.int32)
+    return (jnp.arange(positions_bt.shape[0])[:, None],
+            key_pos[None, None, :] <= positions_bt[:, :, None])
 
 
 def _with_stop_length(out: dict[str, jax.Array], stop_ids: jax.Array | None
