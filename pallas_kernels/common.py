@@ -13,8 +13,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GREEDY_T_EPS", "LOG2E", "MASKED_SCORE", "inverse_cdf_sample", "next_pow2",
-           "probs_from_logits"]
+__all__ = ["GREEDY_T_EPS", "LOG2E", "MASKED_SCORE", "inverse_cdf_from_tiles",
+           "inverse_cdf_sample", "inverse_cdf_sample_tiled", "next_pow2", "prefix_sums",
+           "probs_from_logits", "tile_sums", "tile_width"]
 
 #: A finite "minus infinity" for masked scores: a running maximum stays finite (no inf − inf).
 MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -53,3 +54,68 @@ def inverse_cdf_sample(weights: jax.Array, u: jax.Array) -> jax.Array:
     idx = jax.lax.broadcasted_iota(jnp.int32, w.shape, w.ndim - 1)
     last_pos = jnp.max(jnp.where(w > 0, idx, 0), axis=-1)
     return jnp.minimum(count, last_pos).astype(jnp.int32)
+
+
+# ------------------------------------------------------------------------------ tiled inverse CDF
+# The inverse CDF of a long row (the vocabulary) in tiles, as the verify kernel walks it: tile
+# sums, a prefix over the tiles, then a prefix within the one tile the draw falls in. Each
+# prefix is one masked reduction (no scan): compiled by XLA, the search is a few kernels, where
+# a cumulative sum over V is a tree of them.
+
+def tile_width(vocab: int) -> int:
+    """The tile of the tiled search: the multiple of 128 at or above √V, at most V (both
+    prefixes then cost about V·√V additions, each a single reduction)."""
+    return min(int(vocab), 128 * max(1, math.ceil(math.sqrt(vocab) / 128)))
+
+
+def _tiles(w: jax.Array, block: int) -> jax.Array:
+    """w [..., V] zero-padded to whole tiles: [..., V / block, block]."""
+    pad = -w.shape[-1] % block
+    w = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, pad)])
+    return w.reshape(w.shape[:-1] + (w.shape[-1] // block, block))
+
+
+def tile_sums(w: jax.Array, block: int) -> jax.Array:
+    """Sums of w [..., V] over tiles of `block` (the last zero-padded): [..., ⌈V / block⌉]."""
+    return jnp.sum(_tiles(w.astype(jnp.float32), block), axis=-1)
+
+
+def prefix_sums(x: jax.Array) -> jax.Array:
+    """Inclusive prefix sums over the last axis (short: n² work) as one masked reduction.
+    Entry i sums x[:i+1] and zeros in one fixed order, so for x ≥ 0 the sums never decrease
+    and a zero entry repeats its predecessor exactly."""
+    n = x.shape[-1]
+    lower = jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]                # [i, k]: k ≤ i
+    return jnp.sum(jnp.where(lower, x[..., None, :], 0.0), axis=-1)
+
+
+def _steps_below(cdf: jax.Array, thr: jax.Array) -> jax.Array:
+    """#{i : cdf[i] ≤ thr, cdf[i] < cdf[-1]}: for a non-decreasing cdf, the index of its first
+    step above thr, never past its last step (a positive weight)."""
+    return jnp.sum((cdf <= thr[..., None]) & (cdf < cdf[..., -1:]), axis=-1).astype(jnp.int32)
+
+
+def inverse_cdf_from_tiles(weights: jax.Array, tile_cdf: jax.Array, u: jax.Array,
+                           block: int) -> jax.Array:
+    """`inverse_cdf_sample` of weights [..., V] ≥ 0 given the `prefix_sums` of their
+    `tile_sums` [..., ⌈V / block⌉]: the tile whose step crosses u·total, then the index within
+    it. It lands on a positive weight (an all-zero row: 0) and equals the untiled search but
+    for a u·total within f32 rounding of a CDF step."""
+    thr = u.astype(jnp.float32) * tile_cdf[..., -1]                          # [...]
+    j = _steps_below(tile_cdf, thr)                                          # [...] its tile
+    tile = jnp.take_along_axis(_tiles(weights.astype(jnp.float32), block),
+                               j[..., None, None], axis=-2)[..., 0, :]      # [..., block]
+    # the CDF within the tile, from the mass of the tiles before it (≤ u·total: tile j − 1's
+    # step is below it), so a zero weight repeats the step before it and is never chosen
+    before = jnp.take_along_axis(tile_cdf, jnp.maximum(j - 1, 0)[..., None], axis=-1)
+    before = jnp.where(j[..., None] > 0, before, 0.0)                        # [..., 1]
+    cdf = prefix_sums(jnp.concatenate([before, tile], axis=-1))[..., 1:]     # [..., block]
+    # the tile's offset is summed with its steps: one reduction gives the index
+    steps = ((cdf <= thr[..., None]) & (cdf < cdf[..., -1:])).astype(jnp.int32)
+    return jnp.sum(jnp.concatenate([steps, (j * block)[..., None]], axis=-1), axis=-1)
+
+
+def inverse_cdf_sample_tiled(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """`inverse_cdf_sample` by the tiled search (`inverse_cdf_from_tiles`)."""
+    block = tile_width(weights.shape[-1])
+    return inverse_cdf_from_tiles(weights, prefix_sums(tile_sums(weights, block)), u, block)

@@ -11,9 +11,11 @@ refs) and TPU / Mosaic (`_verify_kernel_tpu`: probabilities stay in HBM, p(x_k) 
 DMA'd 128-lane window, V tiles are DMA'd into VMEM, the prefix sum is a triangular matmul, the
 per-row scalars live in SMEM). Triton constraints honoured: every load/store is a power-of-two
 vector (V is zero-padded to a multiple of the tile, γ to a power of two), no dynamic shapes,
-boolean outputs are stored as int32. `ref_verify` is the pure-JAX oracle (the standard speculative-sampling rule, vectorised):
-the kernel consumes the same uniforms, so tokens and counts agree exactly (barring a uniform
-landing within f32 rounding of a CDF step, where the tiled and global prefix sums may differ).
+boolean outputs are stored as int32. `ref_verify` is the pure-JAX oracle (the standard
+speculative-sampling rule, vectorised, its inverse CDF searched in tiles as well:
+`pallas_kernels.common.inverse_cdf_from_tiles`): the kernel consumes the same uniforms, so
+tokens and counts agree exactly (barring a uniform landing within f32 rounding of a CDF step,
+where the two sum in different orders).
 Nothing here imports dspark_jax.
 """
 
@@ -26,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import inverse_cdf_sample
+from pallas_kernels.common import inverse_cdf_from_tiles, prefix_sums, tile_sums, tile_width
 
 __all__ = ["BACKENDS", "DEFAULT_BLOCK_V", "RESIDUAL_EPS", "VerifyResult", "verify", "ref_verify",
            "check_verify_inputs", "default_backend"]
@@ -96,15 +98,26 @@ def ref_verify(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array
     x = jnp.clip(draft_tokens.astype(jnp.int32), 0, V - 1)                   # [B, γ]
     pt_x = jnp.take_along_axis(tp[:, :G], x[..., None], axis=-1)[..., 0]     # [B, γ]
     pd_x = jnp.take_along_axis(dp, x[..., None], axis=-1)[..., 0]            # [B, γ]
-    ok = (accept_u.astype(jnp.float32) * pd_x < pt_x) & (jnp.arange(G)[None] < ell[:, None])
-    accepted = jnp.cumprod(ok.astype(jnp.int32), axis=-1) > 0                # stop at 1st reject
-    n = jnp.sum(accepted.astype(jnp.int32), axis=-1)                         # [B]
+    slot = jnp.arange(G, dtype=jnp.int32)[None]
+    ok = (accept_u.astype(jnp.float32) * pd_x < pt_x) & (slot < ell[:, None])
+    # n, the first rejection: the count of leading accepts, unrolled over the static γ
+    # (elementwise, so XLA computes it inside the fusions that read it)
+    run = ok[:, 0]
+    n = run.astype(jnp.int32)
+    for k in range(1, G):
+        run = run & ok[:, k]
+        n = n + run.astype(jnp.int32)
     pt_n = jnp.take_along_axis(tp, n[:, None, None], axis=1)[:, 0]           # [B, V]
     pd_n = jnp.take_along_axis(dp, jnp.minimum(n, G - 1)[:, None, None], axis=1)[:, 0]
     resid = jnp.maximum(pt_n - pd_n, 0.0)                                    # [B, V]
-    use_resid = (n < ell) & (jnp.sum(resid, axis=-1) > RESIDUAL_EPS)
-    dist = jnp.where(use_resid[:, None], resid, pt_n)
-    return VerifyResult(n, inverse_cdf_sample(dist, sample_u), accepted)
+    # the kernel's two passes: tile masses of both candidate rows, then the tiled search
+    block = tile_width(V)
+    sums = tile_sums(jnp.stack([resid, pt_n]), block)                      # [2, B, tiles]
+    cdf = prefix_sums(sums)
+    use_resid = ((n < ell) & (cdf[0, :, -1] > RESIDUAL_EPS))[:, None]
+    pick = lambda res, pt: jnp.where(use_resid, res, pt)  # noqa: E731
+    return VerifyResult(n, inverse_cdf_from_tiles(pick(resid, pt_n), pick(*cdf), sample_u, block),
+                        slot < n[:, None])
 
 
 class _Access(NamedTuple):

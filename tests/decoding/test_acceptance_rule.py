@@ -18,6 +18,7 @@ from dspark_jax.decoding.acceptance_rule import (
     rejection_verify_with_uniforms,
 )
 from dspark_jax.decoding.sampling import probs_from_logits
+from pallas_kernels.common import inverse_cdf_sample_tiled, tile_width
 
 try:  # scipy is not a declared dependency
     from scipy.stats import chi2 as _chi2
@@ -61,6 +62,26 @@ def test_inverse_cdf_sample_edges():
     np.testing.assert_array_equal(inverse_cdf_sample(w, u), [1, 1, 2, 2, 0])
     # unnormalised weights: same answer as normalised
     np.testing.assert_array_equal(inverse_cdf_sample(w * 5.0, u), [1, 1, 2, 2, 0])
+
+
+@pytest.mark.parametrize("V", [37, 1000, 4099])
+def test_tiled_inverse_cdf_equals_the_untiled_search(V):
+    """`ref_verify`'s tiled search (tile sums, a prefix over the tiles, one within the chosen
+    tile) returns `inverse_cdf_sample`'s index for every uniform: integer weights make every
+    partial sum exact, so the two must agree exactly, zeros, a last tile padded past V, u = 0,
+    u = 1 and an all-zero row included."""
+    assert tile_width(V) < V or V == 37     # several tiles (37: one)
+    rng = np.random.default_rng(V)
+    w = rng.integers(0, 4, size=(6, V)).astype(np.float32)
+    w[1, : V // 2] = 0.0                    # mass only in the later tiles
+    w[2, V // 3:] = 0.0                     # ... only in the first ones: zero tiles at the end
+    w[3] = 0.0
+    w[4, :] = 0.0
+    w[4, V - 1] = 5.0                       # one token, the last
+    w = jnp.asarray(w)
+    for u in [jnp.zeros(6), jnp.ones(6), *jax.random.uniform(jax.random.key(V), (40, 6))]:
+        np.testing.assert_array_equal(inverse_cdf_sample_tiled(w, u), inverse_cdf_sample(w, u))
+    assert int(inverse_cdf_sample_tiled(w, jnp.ones(6))[4]) == V - 1
 
 
 # ------------------------------------------------------------------------------------------
