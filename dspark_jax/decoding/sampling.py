@@ -20,7 +20,7 @@ import jax.numpy as jnp
 # below the package), so the drafter models, decoding and the kernels share one definition
 from pallas_kernels.common import GREEDY_T_EPS, probs_from_logits
 
-__all__ = ["GREEDY_T_EPS", "filter_logits", "filter_logits_rows", "filtered_probs",
+__all__ = ["GREEDY_T_EPS", "filter_logits", "filter_logits_rows", "filter_needed", "filtered_probs",
            "probs_from_logits", "sample_logits", "sample_probs", "sample_request_rows",
            "top_k_cap_for"]
 
@@ -89,18 +89,55 @@ def filter_logits_rows(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     return jnp.where(logits < threshold, neg, logits)
 
 
+def filter_needed(top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """() bool: some row's settings filter (top-k on, or top-p below 1)."""
+    return jnp.any((jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0))
+
+
 def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                   top_p: jax.Array) -> jax.Array:
+                   top_p: jax.Array, rows: jax.Array | None = None,
+                   filtered: bool | None = None) -> jax.Array:
     """The distribution a request samples from: per-row top-k/top-p on the raw logits, then
     softmax(·/T) (T ≤ 0: one-hot argmax) — what `sample_logits` draws from, as probabilities.
-    temperature/top_k/top_p broadcast to logits.shape[:-1]."""
+    temperature/top_k/top_p broadcast to logits.shape[:-1]; or, with `rows` [...] (logits'
+    leading shape), they are per request [R] and row i is request rows[i]'s. `filtered`
+    (static): whether some row filters, as the caller knows it (`filter_needed` decided
+    outside); None decides it here, in a `lax.cond` that skips the sort when none does."""
     lead = logits.shape[:-1]
-    t = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), lead)[..., None]
-    needs = jnp.any((jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0))
-    lg = jax.lax.cond(needs, lambda x: filter_logits_rows(x, top_k, top_p),
-                      lambda x: x.astype(jnp.float32), logits)
-    return probs_from_logits(lg, t)
+    pick = (lambda x: x) if rows is None else (lambda x: jnp.asarray(x)[rows])  # noqa: E731
+    t = jnp.broadcast_to(pick(jnp.asarray(temperature, jnp.float32)), lead)[..., None]
+    apply = lambda x, k, p: filter_logits_rows(x, pick(k), pick(p))  # noqa: E731
+    skip = lambda x, k, p: x.astype(jnp.float32)                      # noqa: E731
+    if filtered is None:
+        lg = jax.lax.cond(filter_needed(top_k, top_p), apply, skip, logits, top_k, top_p)
+    else:
+        lg = (apply if filtered else skip)(logits, top_k, top_p)
+    return _probs_one_pass(lg, t)
 
+
+def _probs_one_pass(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """`probs_from_logits` with each row's maximum, first argmax and Σ exp taken in one
+    variadic reduction (an online softmax: partial sums rescaled to the larger maximum), where
+    the softmax and the argmax make three; equal to it up to f32 rounding of the sum.
+    logits [..., V] f32, temperature broadcasting to [..., 1]."""
+    t = jnp.asarray(temperature, jnp.float32)
+    z = logits / jnp.maximum(t, GREEDY_T_EPS)         # T ≤ 0: ×10⁶ keeps the argmax
+    index = jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+
+    def combine(a, b):
+        (m_a, s_a, i_a), (m_b, s_b, i_b) = a, b
+        m = jnp.maximum(m_a, m_b)
+        scaled = lambda m_x, s_x: jnp.where(m_x == m, s_x, s_x * jnp.exp(m_x - m))  # noqa: E731
+        first = jnp.where(m_a == m_b, jnp.minimum(i_a, i_b), jnp.where(m_a > m_b, i_a, i_b))
+        return m, scaled(m_a, s_a) + scaled(m_b, s_b), first
+
+    m, total, first = jax.lax.reduce(
+        (z, jnp.ones_like(z), index),
+        (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(z.shape[-1])), combine,
+        (z.ndim - 1,))
+    soft = jnp.exp(z - m[..., None]) / total[..., None]
+    hard = (index == first[..., None]).astype(jnp.float32)
+    return jnp.where(t > 0, soft, hard)
 
 
 def top_k_cap_for(top_k: "Sequence[int] | int", vocab_size: int) -> int:
