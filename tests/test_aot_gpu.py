@@ -527,3 +527,37 @@ def test_gemma4_full_layer_attention_fits_shared_memory_at_its_largest_tiles():
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["layer", "32", "decode", "17", "decode", "64"], out.stdout
+
+
+@pytest.mark.gpu
+@needs_plugin
+def test_h200_sampled_acceptance_rule_launches_few_kernels_at_a_full_vocabulary(tmp_path):
+    """The chain round compiled for an H200 (tiny Qwen3 at Qwen3's vocabulary, 151,936 ids):
+    with sampling, the target's probabilities beyond the top-k / top-p filter are one
+    reduction over the vocabulary (an online softmax, split in two kernels; a softmax and an
+    argmax make 5) and the rejection rule draws its correction by a tiled inverse CDF (tile
+    sums, a prefix over the tiles, one within the chosen tile; a cumulative sum over the
+    vocabulary, a tree of kernels, makes the rule 14); with every request greedy neither
+    runs."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_tiny import save_tiny_hf
+
+    path = save_tiny_hf(tmp_path / "t", "qwen3", head_dim=128, layers=2, vocab=151936)
+    dump = tmp_path / "dump"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dump}")
+    rc = subprocess.run([sys.executable, "-m", "dspark_jax.aot", "--config", "configs/tiny.py",
+                         "--chip", "h200", "--decode", "--max-len", "256", "--programs", "round",
+                         f"--config.target={path}", "--config.train.target_dtype=bfloat16"],
+                        env=env, capture_output=True, timeout=600).returncode
+    assert rc == 0
+    text = next(dump.glob("*jit_speculative_rounds*after_optimizations.txt")).read_text()
+    greedy = Program(text, lambda name: None, branch="cheapest")
+    sampled = Program(text, lambda name: None, branch="costliest")
+    probs = sampled.kernels_within("filtered_probs") - sampled.kernels_within("filter_logits_rows")
+    assert 0 < probs <= 2
+    assert 0 < sampled.kernels_within("ref_verify") <= 9
+    for fn in ("filtered_probs", "ref_verify"):
+        assert greedy.kernels_within(fn) == 0, fn
