@@ -143,9 +143,12 @@ def _admission_path(conf: jax.Array, active: jax.Array, sps: jax.Array) -> _Path
 
 
 def _finish(path: _Path, admitted_sorted: jax.Array, r_: int, g_: int) -> Schedule:
-    """Scatter the admitted flags back to [R, G] and assemble the :class:`Schedule`."""
-    admitted = jnp.zeros((r_ * g_,), bool).at[path.order].set(admitted_sorted).reshape(r_, g_)
-    lengths = jnp.sum(admitted, axis=-1).astype(jnp.int32)  # [R]
+    """Count each request's admitted candidates and assemble the :class:`Schedule`. Candidate s
+    of the sorted path is request order[s] // G's: a masked sum per request counts them (one
+    reduction, where scattering the flags back to [R, G] writes a zeroed buffer first)."""
+    request = path.order // g_                                               # [R·G]
+    mine = request[None, :] == jnp.arange(r_)[:, None]                       # [R, R·G]
+    lengths = jnp.sum(mine & admitted_sorted[None, :], axis=-1).astype(jnp.int32)  # [R]
     mask = jnp.arange(g_)[None, :] < lengths[:, None]  # [R, G]
     n_adm = jnp.sum(admitted_sorted).astype(jnp.int32)
     last = jnp.maximum(n_adm - 1, 0)
