@@ -20,7 +20,7 @@ import jax.numpy as jnp
 # below the package), so the drafter models, decoding and the kernels share one definition
 from pallas_kernels.common import GREEDY_T_EPS, probs_from_logits
 
-__all__ = ["GREEDY_T_EPS", "filter_logits", "filter_logits_rows", "filter_needed", "filtered_probs",
+__all__ = ["GREEDY_T_EPS", "filter_logits", "filter_logits_rows", "filtered_probs",
            "probs_from_logits", "sample_logits", "sample_probs", "sample_request_rows",
            "top_k_cap_for"]
 
@@ -89,30 +89,20 @@ def filter_logits_rows(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     return jnp.where(logits < threshold, neg, logits)
 
 
-def filter_needed(top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """() bool: some row's settings filter (top-k on, or top-p below 1)."""
-    return jnp.any((jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0))
-
-
 def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                   top_p: jax.Array, rows: jax.Array | None = None,
-                   filtered: bool | None = None) -> jax.Array:
+                   top_p: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """The distribution a request samples from: per-row top-k/top-p on the raw logits, then
     softmax(·/T) (T ≤ 0: one-hot argmax) — what `sample_logits` draws from, as probabilities.
     temperature/top_k/top_p broadcast to logits.shape[:-1]; or, with `rows` [...] (logits'
-    leading shape), they are per request [R] and row i is request rows[i]'s. `filtered`
-    (static): whether some row filters, as the caller knows it (`filter_needed` decided
-    outside); None decides it here, in a `lax.cond` that skips the sort when none does."""
+    leading shape), they are per request [R] and row i is request rows[i]'s. The top-k /
+    top-p sort runs in a `lax.cond`, skipped when no row filters."""
     lead = logits.shape[:-1]
     pick = (lambda x: x) if rows is None else (lambda x: jnp.asarray(x)[rows])  # noqa: E731
     t = jnp.broadcast_to(pick(jnp.asarray(temperature, jnp.float32)), lead)[..., None]
     apply = lambda x, k, p: filter_logits_rows(x, pick(k), pick(p))  # noqa: E731
     skip = lambda x, k, p: x.astype(jnp.float32)                      # noqa: E731
-    if filtered is None:
-        lg = jax.lax.cond(filter_needed(top_k, top_p), apply, skip, logits, top_k, top_p)
-    else:
-        lg = (apply if filtered else skip)(logits, top_k, top_p)
-    return _probs_one_pass(lg, t)
+    needed = jnp.any((jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0))
+    return _probs_one_pass(jax.lax.cond(needed, apply, skip, logits, top_k, top_p), t)
 
 
 def _probs_one_pass(logits: jax.Array, temperature: jax.Array) -> jax.Array:

@@ -32,7 +32,7 @@ from dspark_jax.decoding.emission import emit_and_finish, emitted_tokens
 from dspark_jax.decoding.precision import model_precision
 from dspark_jax.decoding.round_types import (CommitWrites, EngineArrays, EngineState,
                                              RoundConfig, RoundOutputs, SlotSettings)
-from dspark_jax.decoding.sampling import filter_needed, filtered_probs
+from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.models.decoder import RaggedOutput, ragged_forward, write_ragged
 
 
@@ -199,26 +199,22 @@ def rule_on_target(logits: jax.Array, plan: VerifyPlan, slots: SlotSettings,
     filtered distribution and the uniforms from its own key; or, with every live request
     greedy, `greedy(target argmax [R, Q])` (no [K, V] softmax, no rows gathered)."""
 
-    def on_probs(filtered: bool) -> Callable[[jax.Array], Any]:
-        def branch(logits: jax.Array) -> Any:
-            probs = filtered_probs(logits, slots.temperature, slots.top_k, slots.top_p,
-                                   rows=plan.slot, filtered=filtered)
-            # one draw per request: its accept uniforms, then its sample uniform
-            n_accept = math.prod(accept_shape)
-            u = row_uniforms(row_keys(slots, 1), (n_accept + 1,))
-            return sampled(u[:, :n_accept].reshape(u.shape[:1] + accept_shape), u[:, n_accept],
-                           probs[plan.dense_index])
-        return branch
+    def on_probs(logits: jax.Array) -> Any:
+        probs = filtered_probs(logits, slots.temperature, slots.top_k, slots.top_p,
+                               rows=plan.slot)
+        # one draw per request: its accept uniforms, then its sample uniform
+        n_accept = math.prod(accept_shape)
+        u = row_uniforms(row_keys(slots, 1), (n_accept + 1,))
+        return sampled(u[:, :n_accept].reshape(u.shape[:1] + accept_shape), u[:, n_accept],
+                       probs[plan.dense_index])
 
     def on_argmax(logits: jax.Array) -> Any:
         return greedy(jnp.argmax(logits, axis=-1)[plan.dense_index])
 
-    # one switch: every live request greedy, or sampled without / with top-k / top-p
-    live = lambda x, off: jnp.where(slots.active, x, off)  # noqa: E731
-    all_greedy = jnp.all(live(slots.temperature <= 0, True))
-    filters = filter_needed(live(slots.top_k, 0), live(slots.top_p, 1.0))
-    which = jnp.where(all_greedy, 0, jnp.where(filters, 2, 1))
-    return jax.lax.switch(which, [on_argmax, on_probs(False), on_probs(True)], logits)
+    # every live request greedy, or sampled (`filtered_probs` skips the top-k / top-p sort in
+    # a cond of its own when no request filters: one sampled branch, compiled once)
+    all_greedy = jnp.all(jnp.where(slots.active, slots.temperature <= 0, True))
+    return jax.lax.cond(all_greedy, on_argmax, on_probs, logits)
 
 
 # ------------------------------------------------------------------------------ writes

@@ -13,7 +13,7 @@ def test_filtered_probs_is_the_filtered_softmax_in_one_pass():
     """`filtered_probs` (one variadic reduction for the maximum, the first argmax and Σ exp)
     equals `probs_from_logits` of the filtered logits: to f32 rounding for T > 0, exactly the
     first argmax's one-hot for T ≤ 0 (a tie included); per-request settings indexed by `rows`
-    equal the same settings given per row; the static `filtered` equals the cond's choice."""
+    equal the same settings given per row; without top-k / top-p the filter is skipped."""
     R, V = 3, 1000
     logits = 4.0 * jax.random.normal(jax.random.key(0), (R, V))
     logits = logits.at[1, 7].set(50.0).at[1, 9].set(50.0)         # a tie: the first wins
@@ -27,8 +27,7 @@ def test_filtered_probs_is_the_filtered_softmax_in_one_pass():
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-9)
     np.testing.assert_array_equal(got[1], jax.nn.one_hot(7, V))
     np.testing.assert_array_equal(got, filtered_probs(lg, t[rows], k[rows], p[rows]))
-    np.testing.assert_array_equal(got, filtered_probs(lg, t, k, p, rows=rows, filtered=True))
-    plain = filtered_probs(lg, t, 0 * k, 1.0 + 0 * p, rows=rows, filtered=False)
+    plain = filtered_probs(lg, t, 0 * k, 1.0 + 0 * p, rows=rows)
     np.testing.assert_allclose(plain, probs_from_logits(lg, t[rows][:, None]), rtol=2e-6,
                                atol=1e-9)
     assert np.all(np.abs(np.asarray(got).sum(-1) - 1.0) < 1e-5)
