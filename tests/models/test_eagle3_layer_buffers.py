@@ -62,6 +62,23 @@ def models(request, tmp_path_factory):
     return target, stacked, dataclasses.replace(draft, graphdef=pgd, state=pst)
 
 
+def _assert_same_drafts(want, got, *, rtol: float, greedy_probs: bool = False) -> None:
+    """The per-layer drafter's (cache, sampled proposal, greedy proposal) `got` equal the
+    stacked drafter's `want`: caches and probabilities to float rounding (the greedy
+    proposal's probabilities too with `greedy_probs`), lengths and tokens exactly."""
+    (c0, soft0, greedy0), (c1, soft1, greedy1) = want, got
+    pairs = [(c1.k, c0.k), (c1.v, c0.v), (c1.last_hidden, c0.last_hidden),
+             (c1.last_logits, c0.last_logits), (soft1["probs"], soft0["probs"])]
+    if greedy_probs:
+        pairs.append((greedy1["probs"], greedy0["probs"]))
+    for a, b in pairs:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=rtol)
+    np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
+    np.testing.assert_array_equal(np.asarray(soft1["tokens"]), np.asarray(soft0["tokens"]))
+    np.testing.assert_array_equal(np.asarray(greedy1["tokens"]), np.asarray(greedy0["tokens"]))
+    assert float(jnp.abs(c0.k).sum()) > 0
+
+
 def test_the_layout_is_one_fused_buffer_per_layer(models):
     _, stacked, per_layer = models
     layers = per_layer.model.layers
@@ -97,13 +114,7 @@ def test_commit_and_propose_equal_the_stacked_drafter(models):
                                     lambda k, p: jnp.argmax(p, -1).astype(jnp.int32)),
                      propose(cache, jax.random.key(0), 0.0, GAMMA, sample_probs)))
     (c0, soft0, greedy0), (c1, soft1, greedy1) = outs
-    for a, b in ((c1.k, c0.k), (c1.v, c0.v), (c1.last_hidden, c0.last_hidden),
-                 (c1.last_logits, c0.last_logits), (soft1["probs"], soft0["probs"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-5)
-    np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
-    np.testing.assert_array_equal(np.asarray(soft1["tokens"]), np.asarray(soft0["tokens"]))
-    np.testing.assert_array_equal(np.asarray(greedy1["tokens"]), np.asarray(greedy0["tokens"]))
-    assert float(jnp.abs(c0.k).sum()) > 0
+    _assert_same_drafts((c0, soft0, greedy0), (c1, soft1, greedy1), rtol=1e-5)
 
 
 def test_greedy_speculative_with_per_layer_eagle3_equals_autoregressive(models):
@@ -185,14 +196,8 @@ def test_commit_and_propose_on_the_kernels_equal_the_stacked_drafter(kernel_draf
     for jaxpr in jaxprs:   # the interpreted run is the kernels' program
         for name in ("layer_attention_splits", "decode_attention_merge", "add_rms_norm"):
             assert name in jaxpr, name
-    for a, b in ((c1.k, c0.k), (c1.v, c0.v), (c1.last_hidden, c0.last_hidden),
-                 (c1.last_logits, c0.last_logits), (soft1["probs"], soft0["probs"]),
-                 (greedy1["probs"], greedy0["probs"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=2e-5)
-    np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
-    np.testing.assert_array_equal(np.asarray(soft1["tokens"]), np.asarray(soft0["tokens"]))
-    np.testing.assert_array_equal(np.asarray(greedy1["tokens"]), np.asarray(greedy0["tokens"]))
-    assert float(jnp.abs(c0.k).sum()) > 0
+    _assert_same_drafts((c0, soft0, greedy0), (c1, soft1, greedy1), rtol=2e-5,
+                        greedy_probs=True)
 
 
 def test_off_the_kernels_the_per_layer_drafter_keeps_xla_arithmetic(kernel_drafters):

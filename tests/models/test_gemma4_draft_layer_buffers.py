@@ -43,6 +43,20 @@ def _views(target, draft_kw):
     return draft, dataclasses.replace(draft, graphdef=gd, state=st)
 
 
+def _context_and_block(model, n_feat: int, S: int = 64):
+    """Three requests' committed contexts (40 features each) in `model`'s cache of S
+    positions, and its jitted block over them at anchors of 0, 17 and 40 context tokens:
+    (cache, block hidden)."""
+    B = 3
+    feats = jnp.asarray(np.random.RandomState(3).randn(B, 40, n_feat), jnp.float32)
+    cache = DSparkAdapter.init_cache(model, B, S)
+    cache = DSparkAdapter.commit(model, cache, feats, jnp.zeros((B,), jnp.int32),
+                                 jnp.full((B,), 40, jnp.int32), None)
+    h = jax.jit(model.backbone_over_cache)(jnp.asarray([7, 8, 9], jnp.int32),
+                                           jnp.asarray([0, 17, 40], jnp.int32), cache.k, cache.v)
+    return cache, np.asarray(h)
+
+
 def test_context_and_block_over_the_cache_equal_the_stacked_drafter(target):
     stacked, per_layer = _views(target, dict(BASE, markov_rank=8))
     s_model, p_model = stacked.model, per_layer.model
@@ -52,20 +66,8 @@ def test_context_and_block_over_the_cache_equal_the_stacked_drafter(target):
     k_eq_v = not hasattr(s_model.layers, "wv")
     assert {"wq", "w_gate_up"} <= set(layers.names)
     assert ("wk" in layers.names) == k_eq_v and ("w_kv" in layers.names) == (not k_eq_v)
-    B, S = 3, 64
     n_feat = stacked.config.num_features * target.config.hidden_size
-    feats = jnp.asarray(np.random.RandomState(3).randn(B, 40, n_feat), jnp.float32)
-    anchor = jnp.asarray([7, 8, 9], jnp.int32)
-    anchor_pos = jnp.asarray([0, 17, 40], jnp.int32)
-
-    def outputs(model):
-        cache = DSparkAdapter.init_cache(model, B, S)
-        cache = DSparkAdapter.commit(model, cache, feats, jnp.zeros((B,), jnp.int32),
-                                     jnp.full((B,), 40, jnp.int32), None)
-        h = jax.jit(model.backbone_over_cache)(anchor, anchor_pos, cache.k, cache.v)
-        return cache, np.asarray(h)
-
-    (c0, h0), (c1, h1) = outputs(s_model), outputs(p_model)
+    (c0, h0), (c1, h1) = (_context_and_block(m, n_feat) for m in (s_model, p_model))
     assert isinstance(c1.k, tuple) and len(c1.k) == 2        # one context buffer a layer
     for i in range(2):
         for a, b in ((c1.k[i][0], c0.k[i]), (c1.v[i][0], c0.v[i])):
@@ -145,18 +147,9 @@ def test_block_over_the_cache_through_the_layer_kernel_equals_the_stacked_drafte
     stacked, per_layer = _views(target, dict(BASE, markov_rank=8))
     s_model, p_model = stacked.model, per_layer.model
     assert ("wk" in p_model.layers.names) == k_eq_v
-    B, S = 3, 64                     # the kernel's cache tile divides the cache
     n_feat = stacked.config.num_features * target.config.hidden_size
-    feats = jnp.asarray(np.random.RandomState(3).randn(B, 40, n_feat), jnp.float32)
-    anchor = jnp.asarray([7, 8, 9], jnp.int32)
-    anchor_pos = jnp.asarray([0, 17, 40], jnp.int32)
-
-    def block(model):
-        cache = DSparkAdapter.init_cache(model, B, S)
-        cache = DSparkAdapter.commit(model, cache, feats, jnp.zeros((B,), jnp.int32),
-                                     jnp.full((B,), 40, jnp.int32), None)
-        return np.asarray(jax.jit(model.backbone_over_cache)(anchor, anchor_pos, cache.k,
-                                                               cache.v))
+    # a cache of 64 positions: the kernel's cache tile divides it
+    block = lambda model: _context_and_block(model, n_feat)[1]  # noqa: E731
 
     h_stacked, h_xla = block(s_model), block(p_model)
     calls.clear()   # the GPU branch traced beside XLA's (`lax.platform_dependent`), not run
