@@ -13,7 +13,8 @@ Layout (all overridable as `--config.<section>.<key>=value`):
                     row past the tokenizer's vocabulary), markov_rank, …)
   data.*            prompts → regeneration by the target → rendered records (→ feature cache)
   train.*           optimizer / schedule / batch / dtypes of the jitted step
-  checkpoint.*      Orbax: every_steps, keep, async_save, directory, continue_on_save_error
+  checkpoint.*      Orbax: every_steps, keep, async_save, compress, directory,
+                    continue_on_save_error
   mesh.*            (data, fsdp, tensor) mesh; data=-1 takes the remaining devices
   eval.*            held-out teacher-forced acceptance; `speculative` hook
   logging.*         tqdm / TensorBoard / JSONL
@@ -182,6 +183,7 @@ def get_base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(dict(
         directory="",              # default: <workdir>/checkpoints
         every_steps=3000, keep=3, async_save=True,
+        compress=False,            # zstd the train state: ~8% smaller, several times the CPU
         continue_on_save_error=False))  # a failed save: warn and train on (False: stop, exit 2)
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1,

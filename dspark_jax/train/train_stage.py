@@ -182,6 +182,7 @@ def train_loop(c: ml_collections.ConfigDict, target: Any, draft_cfg: Any, mesh: 
     ckpt = TrainCheckpointer(ckpt_dir, meta, keep=c.checkpoint.keep,
                              every_steps=c.checkpoint.every_steps,
                              async_save=c.checkpoint.async_save,
+                             compress=c.checkpoint.compress,
                              continue_on_save_error=c.checkpoint.continue_on_save_error)
     it = iter(make_dataset(data.source, pc))
     restored = ckpt.restore(abstract_storable(state, state_sh), it)

@@ -118,6 +118,34 @@ def test_keep_n_and_resume_from_latest(target, tmp_path):
     ck.close()
 
 
+def _stored_bytes(step_dir: pathlib.Path) -> int:
+    return sum(p.stat().st_size for p in (step_dir / "state").rglob("*") if p.is_file())
+
+
+def test_the_state_is_written_uncompressed_unless_asked_and_either_restores(target, tmp_path):
+    """Default saves write the train state's bytes plainly; `compress=True` zstd-compresses them
+    (an all-zero state shrinks to almost nothing); a default checkpointer restores both."""
+    mesh = make_mesh(devices=jax.devices()[:1])
+    draft, state, sh = _state(target, mesh)
+    zeros = state.replace(params=jax.tree.map(np.zeros_like, state.params),
+                          opt_state=jax.tree.map(np.zeros_like, state.opt_state))
+    raw = sum(np.asarray(x).nbytes for x in jax.tree.leaves((zeros.params, zeros.opt_state)))
+    meta = _meta(target, draft, state)
+    ck = TrainCheckpointer(tmp_path, meta, every_steps=1, async_save=False, compress=True)
+    ck.save(1, zeros)
+    ck.close()
+    ck = TrainCheckpointer(tmp_path, meta, every_steps=1, async_save=False)
+    ck.save(2, zeros)
+    ck.close()
+    assert _stored_bytes(tmp_path / "2") >= raw > 5 * _stored_bytes(tmp_path / "1")
+    for step in (1, 2):
+        r = TrainCheckpointer(tmp_path, meta).restore(abstract_storable(state, sh), step=step)
+        assert r.step == step
+        for a, b in zip(_leaves((r.state.params, r.state.opt_state)),
+                        _leaves((zeros.params, zeros.opt_state))):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_uncommitted_and_temporary_directories_are_ignored(target, tmp_path):
     mesh = make_mesh(devices=jax.devices()[:1])
     draft, state, sh = _state(target, mesh)
