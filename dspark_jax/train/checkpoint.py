@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 
 COMMIT_MARKER = "commit_success.txt"
 META_FORMAT = 1
-ITEMS = ("state", "data", "meta")
 
 
 class CheckpointMismatchError(CheckpointError):
