@@ -541,11 +541,11 @@ def test_gemma4_full_layer_attention_fits_shared_memory_at_its_largest_tiles():
 def test_h200_sampled_acceptance_rule_launches_few_kernels_at_a_full_vocabulary(tmp_path):
     """The chain round compiled for an H200 (tiny Qwen3 at Qwen3's vocabulary, 151,936 ids):
     with sampling, the target's probabilities beyond the top-k / top-p filter are one
-    reduction over the vocabulary (an online softmax, split in two kernels; a softmax and an
-    argmax make 5) and the filter's predicate and the rejection rule draws its correction by a tiled inverse CDF (tile
-    sums, a prefix over the tiles, one within the chosen tile; a cumulative sum over the
-    vocabulary, a tree of kernels, makes the rule 14); with every request greedy neither
-    runs."""
+    reduction over the vocabulary (an online softmax, split in two kernels, and the filter's
+    predicate; a softmax and an argmax make 5) and the rejection rule draws its correction by a
+    tiled inverse CDF (tile sums, a prefix over the tiles, one within the chosen tile; a
+    cumulative sum over the vocabulary, a tree of kernels, makes the rule 14); with every
+    request greedy neither runs."""
     greedy, sampled = _h200_round(tmp_path, {"vocab": 151936})
     probs = sampled.kernels_within("filtered_probs") - sampled.kernels_within("filter_logits_rows")
     assert 0 < probs <= 3
