@@ -552,3 +552,24 @@ def test_h200_sampled_acceptance_rule_launches_few_kernels_at_a_full_vocabulary(
     assert 0 < sampled.kernels_within("ref_verify") <= 9
     for fn in ("filtered_probs", "ref_verify"):
         assert greedy.kernels_within(fn) == 0, fn
+
+
+@pytest.mark.gpu
+@needs_plugin
+def test_h200_chain_drafter_draws_in_two_kernels_and_writes_its_cache_in_place(tmp_path):
+    """Eagle3's round compiled for an H200 (tiny Qwen3 at Qwen3's vocabulary, one request, a
+    256-position cache): each of its γ = 7 draft tokens is drawn by the row sampler's two
+    kernels (tile masses, then the pick), where XLA's inverse CDF over the vocabulary takes
+    seven or more a draw, and none of XLA's remains; the chain's scratch K/V go into the
+    drafter's cache where it lies: no kernel copies the cache ([1 layer, 1, 256, 2, 128])."""
+    greedy, sampled = _h200_round(
+        tmp_path, {"vocab": 151936}, "--config.draft.model_type=eagle3",
+        "--config.draft.draft_num_hidden_layers=1", "--config.draft.markov_rank=0",
+        "--config.draft.enable_confidence_head=False")
+    for branch in (greedy, sampled):
+        assert branch.kernels_within("inverse_cdf_sample") == 0
+        # 2 a draw, and the fusion that stacks the chain's tokens
+        assert 14 <= branch.kernels_within("row_sample") <= 16
+        copies = [k.name for k in branch.kernels
+                  if k.kind == "copy" and k.shape.startswith("bf16[1,1,256,2,128]")]
+        assert not copies, copies

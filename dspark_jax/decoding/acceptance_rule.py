@@ -10,8 +10,9 @@ greedy prefix matching.
 
 There is one copy of the rule: the pure-JAX oracle `ref_verify` beside its Pallas kernel in
 `pallas_kernels/verify` (kernels stand alone; decoding imports them, never the reverse). This
-module adds the γ = 0 case of plain decoding, the key-taking wrappers and `VERIFIERS`, the
-registry the engine's round picks a rule from by name. All randomness enters as explicit
+module adds the γ = 0 case of plain decoding, the key-taking wrappers, `VERIFIERS`, the
+registry the engine's round picks a rule from by name, and `draw_rows`, the inverse-CDF draw the
+rest of decoding makes from a row of probabilities (two kernels on a GPU). All randomness enters as explicit
 uniforms (`*_with_uniforms`), so the kernel and the pure-JAX path given the same uniforms emit
 the same tokens.
 """
@@ -24,7 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from dspark_jax.decoding.pallas_backend import kernel_mode
+from dspark_jax.models import layers as L
+from dspark_jax.sharding import on_several_devices
 from pallas_kernels.common import inverse_cdf_sample
+from pallas_kernels.row_sample import row_sample
 from pallas_kernels.verify.kernel import RESIDUAL_EPS, VerifyResult, ref_verify
 from pallas_kernels.verify.kernel import verify as verify_kernel
 
@@ -33,6 +37,7 @@ __all__ = [
     "VerifyResult",
     "Verifier",
     "VERIFIERS",
+    "draw_rows",
     "get_verifier",
     "inverse_cdf_sample",
     "verify_uniforms",
@@ -60,11 +65,25 @@ def verify_uniforms(key: jax.Array, batch: int, gamma: int) -> tuple[jax.Array, 
             jax.random.uniform(k_smp, (batch,), jnp.float32))
 
 
+def draw_rows(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """`inverse_cdf_sample(probs, u)`: one draw per row of probs [..., V] with its uniform u
+    [...]. Compiled for one GPU, by `row_sample`'s two Triton kernels, where XLA makes the
+    cumulative sum over the vocabulary a tree of kernels a draw (same index, barring a u·Σ
+    within f32 rounding of a CDF step)."""
+    if not L.kernels_enabled() or on_several_devices():
+        return inverse_cdf_sample(probs, u)
+
+    def gpu(probs: jax.Array, u: jax.Array, interpret: bool) -> jax.Array:
+        return row_sample(probs, u, interpret=interpret)
+
+    return L.on_gpu(gpu, inverse_cdf_sample, probs, u)
+
+
 def _no_drafts(sample_u: jax.Array, target_probs: jax.Array) -> VerifyResult:
     """γ = 0 (plain decoding through the speculative machinery): draw the next token from p_t."""
     B = target_probs.shape[0]
     return VerifyResult(jnp.zeros((B,), jnp.int32),
-                        inverse_cdf_sample(target_probs[:, 0], sample_u),
+                        draw_rows(target_probs[:, 0], sample_u),
                         jnp.zeros((B, 0), bool))
 
 

@@ -47,6 +47,8 @@ class Proposal:
     probs: jax.Array                      # [B, γ, V] the distributions they were drawn from
     confidence: jax.Array                 # [B, γ] confidence logits (zeros without a head)
     length: jax.Array | None = None       # [B] drafts up to and including a drafted stop token
+    cache: Any = None                     # the drafter's cache as drafting left it (Eagle3's
+    #                                       chain writes scratch K/V into it), or None
 
     def __getitem__(self, name: str) -> jax.Array | None:
         return getattr(self, name)
@@ -58,7 +60,7 @@ class Proposal:
         if conf is None:
             conf = jnp.zeros(out["tokens"].shape, jnp.float32)
         return cls(tokens=out["tokens"], probs=out["probs"], confidence=conf,
-                   length=out.get("length"))
+                   length=out.get("length"), cache=out.get("cache"))
 
 
 class DrafterAdapter:

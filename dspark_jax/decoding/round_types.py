@@ -180,6 +180,8 @@ class DraftOutputs:
     gain_new: jax.Array      # () f32 G: expected accepted drafts among those K
     predicted: jax.Array     # () f32 expected accepted drafts of what is admitted
     tree: Any = None         # the draft trees (`decoding.tree.DraftTree`) or None
+    draft_cache: Any = None  # the drafter's cache as drafting left it, to carry on with (None:
+    #                          drafting did not write it)
 
 
 @flax.struct.dataclass(kw_only=True)

@@ -40,7 +40,7 @@ from flax import nnx
 
 from dspark_jax.decoding import scheduler as sched
 from dspark_jax.decoding import tree as tree_mod
-from dspark_jax.decoding.acceptance_rule import inverse_cdf_sample
+from dspark_jax.decoding.acceptance_rule import draw_rows
 from dspark_jax.decoding.draft_adapters import Proposal, adapter_for
 from dspark_jax.decoding.markov_sampling import pallas_markov_sample_with_uniforms
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
@@ -94,7 +94,7 @@ def _scan_proposal(draft: Any, arrays: EngineArrays, state: EngineState,
         salt = jax.random.key_data(key)[-1]
         uniforms = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, salt), (),
                                                          jnp.float32))(keys)
-        return inverse_cdf_sample(probs, uniforms)
+        return draw_rows(probs, uniforms)
 
     def probs_fn(logits: jax.Array) -> jax.Array:
         return filtered_probs(logits, slots.temperature, slots.top_k, slots.top_p)
@@ -197,11 +197,16 @@ def _draft_and_schedule(config: RoundConfig, arrays: EngineArrays, state: Engine
                         confidence=conf_logits, lengths=lengths.astype(jnp.int32),
                         n_tokens=n_tokens, capacity_new=capacity_new.astype(jnp.int32),
                         gain_new=gain_new.astype(jnp.float32),
-                        predicted=predicted.astype(jnp.float32))
+                        predicted=predicted.astype(jnp.float32), draft_cache=proposal.cache)
 
 
-draft_and_schedule = jax.jit(with_precision_policy(_draft_and_schedule),
-                             static_argnames=("config",))
+def _drafted_only(config: RoundConfig, arrays: EngineArrays, state: EngineState,
+                  slots: SlotSettings, capacity: jax.Array) -> DraftOutputs:
+    """`_draft_and_schedule` without the drafter's cache (a call of its own keeps the state)."""
+    return _draft_and_schedule(config, arrays, state, slots, capacity).replace(draft_cache=None)
+
+
+draft_and_schedule = jax.jit(with_precision_policy(_drafted_only), static_argnames=("config",))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "steps"))
@@ -347,6 +352,8 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
 
     def one_round(current: EngineState, slots: SlotSettings, schedule: ScheduleState):
         drafted = _draft_and_schedule(config, arrays, current, slots, schedule.capacities[0])
+        if drafted.draft_cache is not None:   # Eagle3's scratch K/V written in place
+            current = current.replace(draft_cache=drafted.draft_cache)
         bucket = jnp.searchsorted(buckets, jnp.maximum(drafted.n_tokens, 1), side="left")
 
         def verify_in(capacity: int) -> Callable[[EngineState], Any]:
@@ -437,7 +444,7 @@ def prefill_prompts(config: RoundConfig, arrays: EngineArrays, state: EngineStat
     keys = jax.random.wrap_key_data(slots.key_data[settings_row], impl="threefry2x32")
     first_keys = jax.vmap(jax.random.fold_in)(
         keys, jnp.full((n,), -1, jnp.int32).astype(jnp.uint32))
-    first = inverse_cdf_sample(probs, row_uniforms(first_keys, ()))
+    first = draw_rows(probs, row_uniforms(first_keys, ()))
     draft_cache = state.draft_cache
     if arrays.draft_graphdef is not None:
         draft_cache = _feed_prompts(arrays, state, out.taps, tokens, lens, rows, first)

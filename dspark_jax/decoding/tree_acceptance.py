@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dspark_jax.decoding.acceptance_rule import RESIDUAL_EPS, inverse_cdf_sample
+from dspark_jax.decoding.acceptance_rule import RESIDUAL_EPS, draw_rows
 
 
 class TreeVerifyResult(NamedTuple):
@@ -108,5 +108,5 @@ def tree_rejection_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array
         n_acc = n_acc + moved.astype(jnp.int32)
         residual = jnp.where(moved[:, None], at_cell(target_probs, cur), residual)
         live = live & moved
-    next_token = inverse_cdf_sample(residual, sample_u)
+    next_token = draw_rows(residual, sample_u)
     return TreeVerifyResult(n_acc, cur, next_token.astype(jnp.int32))

@@ -70,3 +70,23 @@ def test_lowers_for_gpu_with_triton(name):
     # the Markov kernel serves all 16 requests from one program (one W2 stream per pass);
     # verification runs one program per request
     assert f"grid_x = {1 if name == 'markov_sample' else B} :" in text
+
+
+def test_the_row_sampler_lowers_for_gpu_spread_over_the_vocabulary():
+    """`row_sample` at one request and Qwen3's vocabulary: two Triton kernels, the first
+    spread over the vocabulary's 149 tiles (not one program streaming the row), the second one
+    program a row."""
+    from jax import export
+
+    from pallas_kernels.row_sample import row_sample
+
+    try:
+        exported = export.export(
+            jax.jit(row_sample), platforms=["cuda"],
+            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+        )(jax.ShapeDtypeStruct((1, V), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32))
+    except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Triton dialect
+        pytest.skip(f"Triton lowering unavailable: {e}")
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert "grid_x = 1 :" in text and "grid_y = 149 :" in text

@@ -505,6 +505,43 @@ def test_the_gpu_drafting_program_interpreted_is_lossless(target, draft, greedy_
     assert out == greedy_ref
 
 
+def test_the_gpu_chain_drafter_interpreted_draws_as_xla_does(target, monkeypatch):
+    """Eagle3's chain, compiled for a GPU, draws each draft token (and each request's first
+    token after its prefill) with the row sampler's two kernels (`row_sample`, interpreted
+    here): at T = 1 with the same seed, the engine emits the tokens and acceptances of the
+    XLA program, and greedy output equals autoregressive decoding."""
+    from dspark_jax.decoding import acceptance_rule
+    from dspark_jax.models import layers as L
+    from pallas_kernels import row_sample as rs
+
+    eagle = init_draft(target, dict(BASE, model_type="eagle3", draft_num_hidden_layers=1,
+                                    ttt_length=3), seed=4)
+    kw = dict(ENGINE_KW, max_requests=3)
+    prompts = PROMPTS[:3]
+    ref = Engine(target, eagle, scheduler="fixed", **kw)
+    want = ref.generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, seed=7)
+    traced = []
+
+    def counted(*args, **kwargs):
+        traced.append(1)
+        return row_sample(*args, **kwargs)
+
+    row_sample = rs.row_sample
+    monkeypatch.setattr(acceptance_rule, "row_sample", counted)
+    jax.clear_caches()
+    with L.interpret_kernels():
+        eng = Engine(target, eagle, scheduler="fixed", **kw)
+        got = eng.generate(prompts, max_new_tokens=MAX_NEW, temperature=1.0, seed=7)
+        greedy = eng.generate(prompts, max_new_tokens=MAX_NEW).tokens
+    assert traced, "the rounds did not draw through the row sampler"
+    assert got.tokens == want.tokens
+    assert [r["accepted"] for r in got.per_request] == [r["accepted"] for r in want.per_request]
+    assert any(x < p for r in got.per_request for x, p in zip(r["accepted"], r["proposed"])), \
+        "random drafter: some drafts must be rejected, or the comparison proves little"
+    assert greedy == autoregressive_generate(target, prompts, max_new_tokens=MAX_NEW,
+                                             stop_token_ids=[])
+
+
 def test_pallas_sampler_bad_drafter(target):
     gated = init_draft(target, dict(BASE, markov_head_type="gated"), seed=0)
     with pytest.raises(ValueError, match="sampler='pallas'.*gated"):

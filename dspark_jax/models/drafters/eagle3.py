@@ -467,7 +467,11 @@ class Eagle3Draft(nnx.Module):
         """γ autoregressive draft tokens (SPEC §5 inference). Draft 1 ~ softmax(last_logits/T);
         chain step s = 1..γ−1 reads (previous output hidden, embed(draft s)) at position
         lengths−1+s, writing scratch K/V visible to later steps only (lengths unchanged).
-        → tokens [B, γ] int32, probs [B, γ, V] f32 (the distributions sampled from).
+        → tokens [B, γ] int32, probs [B, γ, V] f32 (the distributions sampled from), and
+        "cache": the cache with that scratch written past each row's committed pairs. The
+        scratch is never read before a later chain or `commit` writes its position again, so a
+        caller may keep this cache in place of its own: XLA then writes the scratch where the
+        cache lies instead of copying it.
         `probs_fn(logits [B, V])` replaces softmax(·/T); with `stop_ids` [n] the chain stops at
         a drafted stop token like DeepSpec's evaluator: "length" [B] = drafts up to and
         including the first stop token (γ without one)."""
@@ -480,7 +484,8 @@ class Eagle3Draft(nnx.Module):
         p0 = probs_fn(cache.last_logits)                # [B,V]
         t0 = sample_fn(keys[0], p0).astype(jnp.int32)
         if gamma == 1:
-            return _with_stop_length({"tokens": t0[:, None], "probs": p0[:, None]}, stop_ids)
+            return _with_stop_length({"tokens": t0[:, None], "probs": p0[:, None],
+                                      "cache": cache}, stop_ids)
 
         def step(carry, xs):
             h_prev, tok, kc, vc = carry
@@ -493,11 +498,12 @@ class Eagle3Draft(nnx.Module):
             return (h[:, 0], nt, kc, vc), (nt, p)
 
         init = (cache.last_hidden.astype(self.dtype), t0, cache.k, cache.v)
-        _, (toks, probs) = jax.lax.scan(step, init,
-                                        (jnp.arange(1, gamma, dtype=jnp.int32), keys[1:]))
+        (_, _, k, v), (toks, probs) = jax.lax.scan(
+            step, init, (jnp.arange(1, gamma, dtype=jnp.int32), keys[1:]))
         tokens = jnp.concatenate([t0[:, None], toks.T], axis=1)
         probs = jnp.concatenate([p0[:, None], jnp.moveaxis(probs, 0, 1)], axis=1)
-        return _with_stop_length({"tokens": tokens, "probs": probs}, stop_ids)
+        return _with_stop_length({"tokens": tokens, "probs": probs,
+                                  "cache": cache.replace(k=k, v=v)}, stop_ids)
 
 
 def _rows_and_mask(positions_bt: jax.Array, s_max: int) -> tuple[jax.Array, jax.Array]:
