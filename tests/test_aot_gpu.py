@@ -561,7 +561,8 @@ def test_h200_chain_drafter_draws_in_two_kernels_and_writes_its_cache_in_place(t
     256-position cache): each of its γ = 7 draft tokens is drawn by the row sampler's two
     kernels (tile masses, then the pick), where XLA's inverse CDF over the vocabulary takes
     seven or more a draw, and none of XLA's remains; the chain's scratch K/V go into the
-    drafter's cache where it lies: no kernel copies the cache ([1 layer, 1, 256, 2, 128])."""
+    drafter's cache where it lies: no kernel copies the cache ([1 layer, 1, 256, 2, 128]); and
+    the chain runs unrolled (no kernel of it repeats in a loop)."""
     greedy, sampled = _h200_round(
         tmp_path, {"vocab": 151936}, "--config.draft.model_type=eagle3",
         "--config.draft.draft_num_hidden_layers=1", "--config.draft.markov_rank=0",
@@ -573,3 +574,6 @@ def test_h200_chain_drafter_draws_in_two_kernels_and_writes_its_cache_in_place(t
         copies = [k.name for k in branch.kernels
                   if k.kind == "copy" and k.shape.startswith("bf16[1,1,256,2,128]")]
         assert not copies, copies
+        chain = [k.times for k in branch.kernels
+                 if any(f.endswith("Eagle3Draft.propose") for f in k.functions)]
+        assert len(chain) > 100 and max(chain) == 1

@@ -498,10 +498,14 @@ class Eagle3Draft(nnx.Module):
             return (h[:, 0], nt, kc, vc), (nt, p)
 
         init = (cache.last_hidden.astype(self.dtype), t0, cache.k, cache.v)
-        # unrolled: γ − 1 steps are few, and unrolled XLA computes once what every step shares
-        # (the uniforms' keys, the filter's predicate) and writes each step's outputs in place
-        (_, _, k, v), (toks, probs) = jax.lax.scan(
-            step, init, (jnp.arange(1, gamma, dtype=jnp.int32), keys[1:]), unroll=True)
+        xs = (jnp.arange(1, gamma, dtype=jnp.int32), keys[1:])
+        # compiled for a GPU the γ − 1 steps run unrolled: XLA then computes once what every
+        # step shares (the uniforms' keys, the filter's predicate) and writes each step's
+        # outputs in place. Elsewhere as a loop: XLA:TPU, unrolled, stops writing the chain's
+        # scratch into the cache in place.
+        (_, _, k, v), (toks, probs) = L.on_gpu(
+            lambda init, xs, interpret: jax.lax.scan(step, init, xs, unroll=True),
+            lambda init, xs: jax.lax.scan(step, init, xs), init, xs)
         tokens = jnp.concatenate([t0[:, None], toks.T], axis=1)
         probs = jnp.concatenate([p0[:, None], jnp.moveaxis(probs, 0, 1)], axis=1)
         return _with_stop_length({"tokens": tokens, "probs": probs,
