@@ -11,7 +11,9 @@ call whose operands and results the HLO shows once; what it streams inside is it
 so the table adds the kernel's modelled traffic: the Markov kernel reads W2 twice a slot (its two
 passes) in each of its B / block_b programs and the logits twice, and writes the probabilities
 once; the verification kernel reads a row's probabilities once for the ratio test and twice for
-the residual's two passes; the causal flash attention reads q once, writes the output once and
+the residual's two passes; the row sampler (`pallas_kernels/row_sample`, Triton only: the GPU's
+draws outside the rule) reads each row once for its tile masses and one tile again for the pick,
+against XLA's inverse CDF; the causal flash attention reads q once, writes the output once and
 streams each head's K/V tiles on and below the diagonal once per query tile (the 128 × 128
 tiles of both JAX kernels; tiles above the diagonal are neither computed nor fetched), where
 the dense path writes and re-reads the [N, T, T] scores.
@@ -77,6 +79,22 @@ def verify_rows(device: Any, backend: str, B: int, gamma: int, V: int) -> list[d
                  kernels=k_k, modelled_gb=modelled / 1e9)]
 
 
+def row_sample_rows(device: Any, B: int, V: int) -> list[dict]:
+    """One inverse-CDF draw from each of B rows of V probabilities: XLA's cumulative sum
+    (`inverse_cdf_sample`) against the row sampler's two Triton kernels."""
+    from pallas_kernels.common import inverse_cdf_sample
+    from pallas_kernels.row_sample import DEFAULT_BLOCK_V, row_sample
+
+    args = (jnp.zeros((B, V), jnp.float32), jnp.zeros((B,), jnp.float32))
+    ref_bytes, ref_k = _traffic(inverse_cdf_sample, args, device)
+    k_bytes, k_k = _traffic(row_sample, args, device)
+    modelled = B * (V + min(DEFAULT_BLOCK_V, V)) * 4
+    return [dict(kernel="row_sample", path="pure JAX", batch=B, hlo_gb=ref_bytes / 1e9,
+                 kernels=ref_k, modelled_gb=None),
+            dict(kernel="row_sample", path="Pallas (triton)", batch=B, hlo_gb=k_bytes / 1e9,
+                 kernels=k_k, modelled_gb=modelled / 1e9)]
+
+
 def attention_rows(device: Any, backend: str, T: int, N: int, Kh: int, H: int) -> list[dict]:
     """The target's causal attention over one T-token row (forward only: the target is frozen):
     the dense oracle against the flash kernel of the chip's backend."""
@@ -126,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         backend = "triton" if devices[0].platform in ("cuda", "gpu") else "mosaic"
         for B in [int(b) for b in a.batches.split(",") if b]:
             for row in (markov_rows(devices[0], backend, B, a.gamma, a.vocab, a.rank)
-                        + verify_rows(devices[0], backend, B, a.gamma, a.vocab)):
+                        + verify_rows(devices[0], backend, B, a.gamma, a.vocab)
+                        + (row_sample_rows(devices[0], B, a.vocab) if backend == "triton"
+                           else [])):
                 rows.append(dict(chip=chip, **row))
         if a.attention:
             T, N, Kh, H = (int(x) for x in a.attention.split(","))

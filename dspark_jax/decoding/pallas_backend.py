@@ -8,7 +8,9 @@ and neither is on an accelerator (figures: `python -m dspark_jax.bench.kernel_tr
   spreads the same product over the chip; the verification kernel's per-row programs do the
   same with the probabilities. (A GPU round drafts with the tiled Markov kernels instead,
   `markov_sample_tiled`, two kernels a slot over the whole chip, without a sampler flag:
-  `decoding.speculative_round`.)
+  `decoding.speculative_round`; and every other draw from a row of probabilities with
+  `row_sample`, two kernels where XLA's inverse CDF takes nine or ten, and fewer bytes:
+  `acceptance_rule.draw_rows`.)
 - TPU: compiled for a v5e, the Markov kernel streams W2 twice a slot (its two passes) and its
   wrapper pads W1, W2 and the logits every call: more than twice the HBM traffic of the pure-JAX
   path at B = 1; the verification kernel's padding doubles the traffic at B = 16.

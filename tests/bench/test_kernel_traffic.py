@@ -34,3 +34,29 @@ def test_kernel_traffic_table_for_a_v5e(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "markov_sample B=1 Pallas (mosaic)" in printed
     assert "causal_attention T=2048 N=8 Kh=2 H=128 Pallas (mosaic)" in printed
+
+
+@pytest.mark.gpu
+def test_row_sampler_traffic_for_an_h200(tmp_path):
+    """Compiled for an H200 (the CUDA plugin, no GPU, in a subprocess as `aot` runs): the row
+    sampler draws in two kernels where XLA's inverse CDF takes more, and reads less."""
+    import os
+    import subprocess
+    import sys
+
+    from dspark_jax.aot import gpu
+
+    if not gpu.has_cuda_plugin():
+        pytest.skip(f"needs the CUDA plugin: {gpu.GPU_INSTALL_HINT}")
+    out = tmp_path / "k.json"
+    rc = subprocess.run([sys.executable, "-m", "dspark_jax.bench.kernel_traffic", "--chips",
+                         "h200", "--batches", "4", "--vocab", "151936", "--rank", "16",
+                         "--gamma", "2", "--attention", "", "--json", str(out)],
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        timeout=600).returncode
+    assert rc == 0
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]
+            if r["kernel"] == "row_sample"}
+    xla, kernel = rows["pure JAX"], rows["Pallas (triton)"]
+    assert kernel["kernels"] == 2 < xla["kernels"]
+    assert kernel["modelled_gb"] < xla["hlo_gb"]
