@@ -26,7 +26,6 @@ import jax.numpy as jnp
 
 from dspark_jax.decoding.pallas_backend import kernel_mode
 from dspark_jax.models import layers as L
-from dspark_jax.sharding import on_several_devices
 from pallas_kernels.common import inverse_cdf_sample
 from pallas_kernels.row_sample import row_sample
 from pallas_kernels.verify.kernel import RESIDUAL_EPS, VerifyResult, ref_verify
@@ -70,7 +69,7 @@ def draw_rows(probs: jax.Array, u: jax.Array) -> jax.Array:
     [...]. Compiled for one GPU, by `row_sample`'s two Triton kernels, where XLA makes the
     cumulative sum over the vocabulary a tree of kernels a draw (same index, barring a u·Σ
     within f32 rounding of a CDF step)."""
-    if not L.kernels_enabled() or on_several_devices():
+    if not L.kernels_called_directly():
         return inverse_cdf_sample(probs, u)
 
     def gpu(probs: jax.Array, u: jax.Array, interpret: bool) -> jax.Array:

@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from dspark_jax.decoding.precision import precision_for
 from dspark_jax.decoding.sampling import filtered_probs
 from dspark_jax.models import layers as L
-from dspark_jax.sharding import on_several_devices
 
 # a node's most children by default: wide trees accept more than deep ones where the drafter's
 # first choice is often wrong (`python -m dspark_jax.experiments.tree_tau --branching C`)
@@ -99,7 +98,7 @@ class LowRankChildren:
         def xla(u, z):
             return _top_of(self.logits(u, z), c)
 
-        if not L.kernels_enabled() or on_several_devices():
+        if not L.kernels_called_directly():
             return xla(u, z)
 
         def gpu(u, z, interpret):

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from dspark_jax.models import layers as L
 from dspark_jax.models.config import RopeConfig
-from dspark_jax.sharding import constrain, on_several_devices, shard_kernel
+from dspark_jax.sharding import constrain, shard_kernel
 
 _ROWS = ("batch", None, "act_embed")
 _QKV = ("batch", None, None, "head_dim")
@@ -55,7 +55,7 @@ def pow2(n: int) -> bool:
 def split_k_parts(rows: int, depth: int, columns: int) -> int:
     """The parts a [rows, depth] @ [depth, columns] product is split into on the kernels' path
     (1: not split)."""
-    if rows > SPLIT_K_MAX_ROWS or not L.kernels_enabled() or on_several_devices():
+    if rows > SPLIT_K_MAX_ROWS or not L.kernels_called_directly():
         return 1
     parts = 1
     while (parts < SPLIT_K_MAX_PARTS and parts * columns < SPLIT_K_COLUMNS

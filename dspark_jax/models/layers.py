@@ -140,6 +140,12 @@ def kernels_enabled() -> bool:
     return _flash_kernels.get()
 
 
+def kernels_called_directly() -> bool:
+    """Whether code traced here may call a decoding kernel as it is: kernels enabled and no
+    mesh of several devices around it (where a kernel needs `shard_kernel`)."""
+    return kernels_enabled() and not on_several_devices()
+
+
 _interpret_kernels: contextvars.ContextVar[bool] = contextvars.ContextVar("interpret_kernels",
                                                                          default=False)
 

@@ -172,14 +172,14 @@ def make_checkpoint_manager(directory: str | os.PathLike, *, keep: int | None = 
         max_to_keep=keep, save_interval_steps=max(1, int(every_steps)), create=not read_only,
         read_only=read_only, enable_async_checkpointing=async_save,
         cleanup_tmp_directories=not read_only)
-    state = ocp.PyTreeCheckpointHandler(use_compression=bool(compress))
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add("state", ocp.args.PyTreeSave, state)
-    registry.add("state", ocp.args.PyTreeRestore, state)
-    registry.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
-    registry.add("meta", ocp.args.JsonRestore, ocp.JsonCheckpointHandler())
-    registry.add("data", gcp.CheckpointSave, gcp.CheckpointHandler())
-    registry.add("data", gcp.CheckpointRestore, gcp.CheckpointHandler())
+    for item, handler, save, restore in (
+            ("state", ocp.PyTreeCheckpointHandler(use_compression=bool(compress)),
+             ocp.args.PyTreeSave, ocp.args.PyTreeRestore),
+            ("meta", ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore),
+            ("data", gcp.CheckpointHandler(), gcp.CheckpointSave, gcp.CheckpointRestore)):
+        registry.add(item, save, handler)
+        registry.add(item, restore, handler)
     return ocp.CheckpointManager(os.fspath(pathlib.Path(directory).absolute()), options=options,
                                  handler_registry=registry)
 

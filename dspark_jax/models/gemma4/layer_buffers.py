@@ -193,7 +193,7 @@ def attend_cache_and_own(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Arr
     alone); elsewhere XLA's ops below."""
     b, t, n, h = q_btnh.shape
     kvh = cache_k.shape[2]
-    if (start_b is None or not L.kernels_enabled() or on_several_devices()
+    if (start_b is None or not L.kernels_called_directly()
             or not (DL.pow2(h) and h >= 16 and DL.pow2(n // kvh))
             or own_k.shape[1] > L.DECODE_KERNEL_MAX_OWN
             or cache_k.shape[1] % L.DECODE_KERNEL_TILE):
