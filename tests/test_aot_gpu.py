@@ -577,3 +577,23 @@ def test_h200_chain_drafter_draws_in_two_kernels_and_writes_its_cache_in_place(t
         chain = [k.times for k in branch.kernels
                  if any(f.endswith("Eagle3Draft.propose") for f in k.functions)]
         assert len(chain) > 100 and max(chain) == 1
+
+
+@pytest.mark.gpu
+@needs_plugin
+def test_h200_sampled_tree_rule_reads_each_node_once_a_sibling(tmp_path):
+    """The sampled tree round compiled for an H200 (tiny Qwen3 at Qwen3's vocabulary, 4
+    requests, trees of 8, γ = 4, 16 children a node): the tree's rejection rule writes
+    vocabulary-wide rows only at each depth's node (its p and q), at the node it stops at and
+    for the final residual, where the stepwise recurrence writes the residual and q at every
+    sibling (2 × 16 × 4 rows); each sibling is one reduction over the node's p and q, and each
+    depth sums q once."""
+    _, sampled = _h200_round(tmp_path, {"vocab": 151936}, "--tree-budget", "8",
+                             "--requests", "4")
+    rule = [k for k in sampled.kernels
+            if any(f.endswith("tree_rejection_verify_with_uniforms") for f in k.functions)]
+    row = 4 * 151936 * 4
+    gamma, siblings = 4, 16
+    assert 0 < sum(k.written * k.times for k in rule) <= (2 * (gamma + 1) + 1) * row
+    read = sum(k.read * k.times for k in rule if k.functions[0] == "_try_children")
+    assert gamma * siblings * 2 * row <= read <= gamma * (siblings * 2 + 1) * row + row

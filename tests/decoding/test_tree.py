@@ -16,6 +16,7 @@ import pytest
 from dspark_jax.decoding.acceptance_rule import rejection_verify_with_uniforms
 from dspark_jax.decoding.tree import ancestor_mask, grow_tree, node_survival, path_cells
 from dspark_jax.decoding.tree_acceptance import (tree_greedy_verify,
+                                                 tree_rejection_verify_stepwise,
                                                  tree_rejection_verify_with_uniforms)
 from tests.decoding.test_acceptance_rule import chi2_stat
 
@@ -141,6 +142,35 @@ def test_chain_tree_rule_is_the_chain_rule():
     np.testing.assert_array_equal(tree.num_accepted, chain.num_accepted)
     np.testing.assert_array_equal(tree.next_token, chain.next_token)
     np.testing.assert_array_equal(tree.last_cell, chain.num_accepted)
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_closed_form_rule_is_the_stepwise_rule(renormalise):
+    """The rule's closed-form residual (one reduction a sibling) emits what the stepwise
+    recurrence of docs/TREES.md §3 emits, token for token: on targets near and far from the
+    drafter, on targets whose residual mass vanishes (the rule keeps r), on sparse and one-hot
+    targets, and with duplicate siblings."""
+    tree, _, _ = _grow(3000, 3, 14, 5, 1.0, seed=5)
+    R, N = tree.tokens.shape
+    k = jax.random.split(jax.random.key(5), 6)
+    q = tree.probs
+    noisy = lambda s: jax.nn.softmax(jnp.log(q + 1e-9) + s * jax.random.normal(k[0], q.shape), -1)  # noqa: E731
+    sparse = jnp.where(jax.random.uniform(k[1], q.shape) < 0.5, 0.0,
+                       jax.nn.softmax(jax.random.normal(k[1], q.shape), -1))
+    one_hot = jax.nn.one_hot(jax.random.randint(k[2], q.shape[:2], 0, V), V)
+    u = jax.random.uniform(k[3], (R, 3, 5))
+    s = jax.random.uniform(k[4], (R,))
+    twins = jnp.where(jax.random.uniform(k[5], tree.tokens.shape) < 0.3,
+                      jnp.roll(tree.tokens, 1, axis=1), tree.tokens)
+    for target, tokens in ((noisy(1.0), tree.tokens), (noisy(3.0), tree.tokens),
+                           (0.5 * q, tree.tokens), (sparse, tree.tokens),
+                           (one_hot, tree.tokens), (noisy(3.0), twins), (0.5 * q, twins)):
+        args = (u, s, target, q, tokens, tree.children, tree.num_nodes)
+        closed = tree_rejection_verify_with_uniforms(*args, renormalise=renormalise)
+        stepwise = tree_rejection_verify_stepwise(*args, renormalise=renormalise)
+        for got, want in zip(closed, stepwise):
+            np.testing.assert_array_equal(got, want)
+        assert 0 < float(jnp.mean(closed.num_accepted)) < 3
 
 
 def test_greedy_tree_rule_on_one_hot_rows():
