@@ -547,7 +547,7 @@ def test_h200_sampled_acceptance_rule_launches_few_kernels_at_a_full_vocabulary(
     cumulative sum over the vocabulary, a tree of kernels, makes the rule 14); with every
     request greedy neither runs."""
     greedy, sampled = _h200_round(tmp_path, {"vocab": 151936})
-    probs = sampled.kernels_within("filtered_probs") - sampled.kernels_within("filter_logits_rows")
+    probs = sampled.kernels_within("filtered_probs") - sampled.kernels_within("_sorted_threshold")
     assert 0 < probs <= 3
     assert 0 < sampled.kernels_within("ref_verify") <= 9
     for fn in ("filtered_probs", "ref_verify"):

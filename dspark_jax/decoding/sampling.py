@@ -20,9 +20,9 @@ import jax.numpy as jnp
 # below the package), so the drafter models, decoding and the kernels share one definition
 from pallas_kernels.common import GREEDY_T_EPS, probs_from_logits
 
-__all__ = ["GREEDY_T_EPS", "filter_logits", "filter_logits_rows", "filtered_probs",
-           "probs_from_logits", "sample_logits", "sample_probs", "sample_request_rows",
-           "top_k_cap_for"]
+__all__ = ["FILTER_CAP", "GREEDY_T_EPS", "filter_logits", "filter_logits_rows",
+           "filter_within_top", "filtered_probs", "probs_from_logits", "sample_logits",
+           "sample_probs", "sample_request_rows", "top_k_cap_for"]
 
 
 def filter_logits(logits: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
@@ -70,23 +70,73 @@ def filter_logits_rows(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) ->
     top_p ≥ 1: no nucleus). Same rule as `filter_logits`: top-k by value (ties with the k-th
     kept), then the smallest nucleus reaching top_p among the survivors.
     """
-    neg = jnp.finfo(jnp.float32).min
     logits = logits.astype(jnp.float32)
-    V = logits.shape[-1]
+    return _below(logits, _sorted_threshold(logits, top_k, top_p))
+
+
+# the candidates `filter_within_top` keeps: a top-k up to this many (Qwen3 asks for 20, Gemma
+# for 64, Hugging Face's default is 50) is filtered without sorting the vocabulary; XLA:TPU's
+# top_k keeps more temporaries for more candidates than this
+FILTER_CAP = 64
+
+
+def filter_within_top(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                      cap: int = FILTER_CAP) -> jax.Array:
+    """`filter_logits_rows` for rows whose 0 < top_k ≤ cap, or that do not filter at all: the
+    top-k survivors and the nucleus among them lie within the row's `cap` largest logits, so
+    `lax.top_k` stands in for the sort of the vocabulary (the softmax's normaliser is one
+    reduction over the survivors). Same keep set as `filter_logits_rows`, up to f32 rounding of
+    the normaliser and the cumulative sum at the top_p boundary; a row with top_p < 1 and no
+    top-k ≤ cap is outside its contract (`filtered_probs` sends those to the sort)."""
+    logits = logits.astype(jnp.float32)
+    return _below(logits, _top_threshold(logits, top_k, top_p, cap))
+
+
+def _below(logits: jax.Array, threshold: jax.Array) -> jax.Array:
+    return jnp.where(logits < threshold, jnp.finfo(jnp.float32).min, logits)
+
+
+def _settings(logits: jax.Array, top_k: jax.Array, top_p: jax.Array
+              ) -> tuple[jax.Array, jax.Array]:
     lead = logits.shape[:-1]
-    k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead)
-    p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)
+    return (jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), lead),
+            jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead)[..., None])
+
+
+def _sorted_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """[..., 1] the smallest logit the filter keeps, read off the sorted vocabulary."""
+    neg = jnp.finfo(jnp.float32).min
+    V = logits.shape[-1]
+    k, p = _settings(logits, top_k, top_p)
     sorted_desc = -jnp.sort(-logits, axis=-1)                                # [..., V]
     use_k = (k > 0) & (k < V)
     kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, V - 1)[..., None], axis=-1)
     kth = jnp.where(use_k[..., None], kth, -jnp.inf)
-    logits = jnp.where(logits < kth, neg, logits)
     sorted_k = jnp.where(sorted_desc < kth, neg, sorted_desc)
     sorted_probs = jax.nn.softmax(sorted_k, axis=-1)
     cum_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = (cum_before < p[..., None]) | (p[..., None] >= 1.0)
-    threshold = jnp.min(jnp.where(keep, sorted_k, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < threshold, neg, logits)
+    keep = (cum_before < p) | (p >= 1.0)
+    return jnp.maximum(jnp.min(jnp.where(keep, sorted_k, jnp.inf), axis=-1, keepdims=True), kth)
+
+
+def _top_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                   cap: int) -> jax.Array:
+    """`_sorted_threshold` from the `cap` largest logits (`filter_within_top`'s contract)."""
+    neg = jnp.finfo(jnp.float32).min
+    V = logits.shape[-1]
+    cap = min(int(cap), V)
+    k, p = _settings(logits, top_k, top_p)
+    top = jax.lax.top_k(logits, cap)[0]                                      # [..., cap]
+    use_k = (k > 0) & (k < V)
+    kth = jnp.take_along_axis(top, jnp.clip(k - 1, 0, cap - 1)[..., None], axis=-1)
+    kth = jnp.where(use_k[..., None], kth, -jnp.inf)
+    m = top[..., :1]
+    total = jnp.sum(jnp.where(logits < kth, 0.0, jnp.exp(logits - m)), axis=-1, keepdims=True)
+    top = jnp.where(top < kth, neg, top)
+    probs = jnp.exp(top - m) / total
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < p       # the token crossing top_p is kept
+    nucleus = jnp.min(jnp.where(keep, top, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(p >= 1.0, kth, jnp.maximum(nucleus, kth))
 
 
 def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
@@ -94,15 +144,26 @@ def filtered_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     """The distribution a request samples from: per-row top-k/top-p on the raw logits, then
     softmax(·/T) (T ≤ 0: one-hot argmax) — what `sample_logits` draws from, as probabilities.
     temperature/top_k/top_p broadcast to logits.shape[:-1]; or, with `rows` [...] (logits'
-    leading shape), they are per request [R] and row i is request rows[i]'s. The top-k /
-    top-p sort runs in a `lax.cond`, skipped when no row filters."""
+    leading shape), they are per request [R] and row i is request rows[i]'s.
+
+    One `lax.switch` on the settings picks each row's smallest kept logit: none when no row
+    filters; from the candidates of `lax.top_k` when every filtering row has
+    0 < top_k ≤ FILTER_CAP (`filter_within_top`); from the sorted vocabulary otherwise
+    (`filter_logits_rows`). The softmax applies it as it reads the logits."""
     lead = logits.shape[:-1]
+    V = logits.shape[-1]
+    logits = logits.astype(jnp.float32)
     pick = (lambda x: x) if rows is None else (lambda x: jnp.asarray(x)[rows])  # noqa: E731
     t = jnp.broadcast_to(pick(jnp.asarray(temperature, jnp.float32)), lead)[..., None]
-    apply = lambda x, k, p: filter_logits_rows(x, pick(k), pick(p))  # noqa: E731
-    skip = lambda x, k, p: x.astype(jnp.float32)                      # noqa: E731
-    needed = jnp.any((jnp.asarray(top_k) > 0) | (jnp.asarray(top_p) < 1.0))
-    return _probs_one_pass(jax.lax.cond(needed, apply, skip, logits, top_k, top_p), t)
+    k, p = jnp.asarray(top_k), jnp.asarray(top_p)
+    filters = ((k > 0) & (k < V)) | (p < 1.0)
+    bounded = ~filters | ((k > 0) & (k <= min(FILTER_CAP, V)))
+    branch = jnp.where(jnp.any(filters), jnp.where(jnp.all(bounded), 1, 2), 0)
+    threshold = jax.lax.switch(branch, (
+        lambda x, k, p: jnp.full(lead + (1,), -jnp.inf, jnp.float32),
+        lambda x, k, p: _top_threshold(x, pick(k), pick(p), FILTER_CAP),
+        lambda x, k, p: _sorted_threshold(x, pick(k), pick(p))), logits, top_k, top_p)
+    return _probs_one_pass(_below(logits, threshold), t)
 
 
 def _probs_one_pass(logits: jax.Array, temperature: jax.Array) -> jax.Array:

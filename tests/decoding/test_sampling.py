@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dspark_jax.decoding.sampling import filter_logits_rows, filtered_probs, probs_from_logits
+from dspark_jax.decoding.sampling import (FILTER_CAP, filter_logits_rows, filter_within_top,
+                                           filtered_probs, probs_from_logits)
 
 
 def test_filtered_probs_is_the_filtered_softmax_in_one_pass():
@@ -31,3 +32,32 @@ def test_filtered_probs_is_the_filtered_softmax_in_one_pass():
     np.testing.assert_allclose(plain, probs_from_logits(lg, t[rows][:, None]), rtol=2e-6,
                                atol=1e-9)
     assert np.all(np.abs(np.asarray(got).sum(-1) - 1.0) < 1e-5)
+
+
+def test_filter_within_the_top_candidates_is_the_sorting_filter():
+    """`filter_within_top` (`lax.top_k`'s candidates, no sort of the vocabulary) keeps exactly
+    what `filter_logits_rows` keeps for rows with 0 < top_k ≤ cap (ties at the k-th logit and
+    among the candidates included) and rows that do not filter; `filtered_probs` sends a row
+    whose nucleus has no top-k bound to the sort, where the candidates would cut it short."""
+    R, V, cap = 256, 3000, 64
+    key = jax.random.split(jax.random.key(1), 4)
+    for scale, ties in ((1.0, False), (4.0, False), (2.0, True)):
+        x = scale * jax.random.normal(key[0], (R, V))
+        x = jnp.round(2 * x) / 2 if ties else x
+        k = jax.random.randint(key[1], (R,), 1, cap + 1)
+        p = jax.random.uniform(key[2], (R,))
+        k = jnp.where(jnp.arange(R) % 5 == 0, 0, k)                # no top-k …
+        p = jnp.where(k == 0, 1.0, jnp.where(jnp.arange(R) % 3 == 0, 1.0, p))   # … no top-p
+        got = filter_within_top(x, k, p, cap=cap)
+        np.testing.assert_array_equal(got, filter_logits_rows(x, k, p))
+        kept = np.asarray(got > jnp.finfo(jnp.float32).min).sum(-1)
+        assert (kept[np.asarray(k) == 0] == V).all()
+        assert ties or (kept[np.asarray(k) > 0] <= cap).all()      # ties at the k-th stay
+    flat = 0.01 * jax.random.normal(key[3], (2, V))
+    k, p, t = jnp.array([10, 0]), jnp.array([0.9, 0.9]), jnp.ones((2,))
+    want = probs_from_logits(filter_logits_rows(flat, k, p), t[:, None])
+    np.testing.assert_allclose(filtered_probs(flat, t, k, p), want, rtol=2e-6, atol=1e-9)
+    assert (np.asarray(want[1]) > 0).sum() > 2000           # the nucleus: most of the row
+    assert (np.asarray(filter_within_top(flat, k, p)[1]) > -1e30).sum() <= FILTER_CAP
+    np.testing.assert_allclose(filtered_probs(flat[:1], t[:1], k[:1], p[:1]), want[:1],
+                               rtol=2e-6, atol=1e-9)
