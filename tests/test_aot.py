@@ -200,10 +200,13 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     assert r["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2}
     # the engine's layout on a TPU, its weights resident once (within 2% of the parameters)
     assert r["layout"] == "per-layer"
+    # the drafter's embedding and LM head are the target's own (held once)
+    V, D = hf["vocab_size"], hf["hidden_size"]
     for p in (r["draft_step"], r["verify_step"], r["round_call"]):
-        for part in ("target", "draft"):
-            assert p[f"{part}_weights_bytes"] == pytest.approx(r[f"{part}_param_bytes"],
-                                                               rel=0.02), part
+        assert p["draft_shared_bytes"] == 2 * V * D * 4
+        assert p["target_weights_bytes"] == pytest.approx(r["target_param_bytes"], rel=0.02)
+        assert p["draft_weights_bytes"] + p["draft_shared_bytes"] == pytest.approx(
+            r["draft_param_bytes"], rel=0.02)
         assert p["kv_cache_bytes"] > 0 and 0 < p["weights_bytes_per_chip"] < (
             r["target_param_bytes"] + r["draft_param_bytes"] + p["draft_vocab_rows_bytes"])
     d, v = r["draft_step"], r["verify_step"]

@@ -170,6 +170,9 @@ def _abstract_spec(settings: Any, target: Any, draft: Any, layer_buffers: bool,
     from dspark_jax.sharding import abstract_on_mesh
 
     t_abs, d_abs = abstract_on_mesh(target.state, mesh), abstract_on_mesh(draft.state, mesh)
+    # the drafter's embedding and LM head are the target's, as the engine holds them
+    d_abs = dc.replace(draft, state=d_abs).sharing_tables_with(
+        dc.replace(target, state=t_abs)).state
     spec = jax.eval_shape(lambda t, d: engine_spec(
         settings, dc.replace(target, state=t), dc.replace(draft, state=d),
         layer_buffers=layer_buffers, default_stops=target.config.stop_token_ids), t_abs, d_abs)
@@ -257,29 +260,37 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
 
 def resident_bytes(args: tuple) -> dict[str, int]:
     """The bytes of a decoding program's arguments that stay resident between calls, in all
-    and per chip (each abstract argument's shard shape): the target's weights, the drafter's,
-    the drafter's vocabulary rows (`draft_adapters.vocab_weights`, gathered once) and the KV
-    caches (target and drafter)."""
+    and per chip (each abstract argument's shard shape): the target's weights, the drafter's
+    (less the tables it shares with the target, `Draft.sharing_tables_with`: those are
+    `draft_shared_bytes`), the drafter's
+    vocabulary rows (`draft_adapters.vocab_weights`, gathered once) and the KV caches (target
+    and drafter)."""
     import math
 
     import jax
 
     from dspark_jax.decoding.round_types import EngineArrays
 
+    arrays = next(a for a in args if isinstance(a, EngineArrays))
+    state = args[list(args).index(arrays) + 1]
+    held = {id(x) for x in jax.tree.leaves(arrays.target_state)}
+
     def size(tree: Any, per_chip: bool) -> int:
         total = 0
         for x in jax.tree.leaves(tree):
+            if tree is not arrays.target_state and id(x) in held:
+                continue          # the drafter's tables that are the target's own
             shape = (x.sharding.shard_shape(x.shape) if per_chip and getattr(x, "sharding", None)
                      else x.shape)
             total += math.prod(shape) * x.dtype.itemsize
         return total
 
-    arrays = next(a for a in args if isinstance(a, EngineArrays))
-    state = args[list(args).index(arrays) + 1]
     parts = {"target_weights": arrays.target_state, "draft_weights": arrays.draft_state,
              "draft_vocab_rows": arrays.vocab_weights,
              "kv_cache": (state.cache, state.draft_cache)}
+    shared = [x for x in jax.tree.leaves(arrays.draft_state) if id(x) in held]
     out = {f"{k}_bytes": size(v, False) for k, v in parts.items()}
+    out["draft_shared_bytes"] = sum(math.prod(x.shape) * x.dtype.itemsize for x in shared)
     out |= {f"{k}_bytes_per_chip": size(v, True) for k, v in parts.items()}
     out["weights_bytes_per_chip"] = sum(out[f"{k}_bytes_per_chip"] for k in
                                         ("target_weights", "draft_weights", "draft_vocab_rows"))

@@ -261,11 +261,14 @@ class EngineSpec:
 def decoding_models(settings: EngineSettings, target: Any, draft: Any) -> tuple[Any, Any]:
     """The target and the drafter in the layout prefill, decoding steps and verification run
     on (`Target.decoding_layout`: one buffer per layer on accelerators), so the engine holds
-    the weights once; the drafter's layers follow the target's."""
+    the weights once; the drafter's layers follow the target's, and its embedding and LM head
+    are the target's own arrays where they are equal (`Draft.sharing_tables_with`)."""
     step_target = target.decoding_layout(settings.layer_buffers)
     if draft is not None and step_target is not target:
         draft_gd, draft_st = draft_layer_buffers(draft.graphdef, draft.state)
         draft = dataclasses.replace(draft, graphdef=draft_gd, state=draft_st)
+    if draft is not None:
+        draft = draft.sharing_tables_with(step_target)
     return step_target, draft
 
 

@@ -6,6 +6,7 @@ chosen."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -16,7 +17,7 @@ from flax import nnx
 from dspark_jax.decoding import autoregressive_generate
 from dspark_jax.decoding import autoregressive as ar_mod
 from dspark_jax.decoding import speculative_round as round_
-from dspark_jax.models import init_draft, load_target
+from dspark_jax.models import init_draft, load_draft, load_target
 from dspark_jax.models import layers as L
 from dspark_jax.models.target import Target
 from dspark_jax.serving import Engine, speculative_generate
@@ -176,3 +177,34 @@ def test_the_gpu_program_with_split_k_products_interpreted_is_lossless(tmp_path,
         jax.clear_caches()   # and later tests reuse none traced under the lowered one
     assert parts and min(parts) >= 2, parts
     assert res.tokens == ref
+
+
+def test_the_drafter_holds_the_targets_embedding_and_lm_head(tmp_path):
+    """A drafter's frozen embedding and LM head, equal to its target's, are the target's own
+    arrays once loaded against it and inside the engine (one buffer each in device memory; the
+    drafter handed in is left as it was); a table that differs stays the drafter's. Greedy
+    speculative output is unchanged."""
+    target = _qwen3(tmp_path)
+    tm = target.model
+    tables = {"embed": tm.embed.get_value(), "lm_head": tm.lm_head_weight()}
+    init_draft(target, BASE, seed=3).save(tmp_path / "d")
+    own = load_draft(tmp_path / "d")                        # no target: its own copies
+    assert not any(getattr(own.model, n).get_value() is t for n, t in tables.items())
+    shared = own.sharing_tables_with(target)
+    for name, table in tables.items():
+        assert getattr(shared.model, name).get_value() is table, name
+        assert getattr(own.model, name).get_value() is not table, name
+    loaded = load_draft(tmp_path / "d", target=target)
+    assert all(getattr(loaded.model, n).get_value() is t for n, t in tables.items())
+    eng = Engine(target, own, max_requests=2, max_len=32, prefill_chunk=8,
+                 stop_token_ids=[], sps=np.ones(9, np.float32))
+    held = {id(x) for x in jax.tree.leaves(eng.arrays.target_state)}
+    assert {id(t) for t in tables.values()} <= held & {
+        id(x) for x in jax.tree.leaves(eng.arrays.draft_state)}
+    ref = autoregressive_generate(target, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
+    assert eng.generate(PROMPTS, max_new_tokens=MAX_NEW).tokens == ref
+    m = own.model
+    m.embed.set_value(m.embed.get_value().at[0, 0].add(1.0))
+    other = dataclasses.replace(own, state=nnx.split(m)[1]).sharing_tables_with(target)
+    assert other.model.embed.get_value() is not tables["embed"]
+    assert other.model.lm_head.get_value() is tables["lm_head"]

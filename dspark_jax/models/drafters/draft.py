@@ -108,6 +108,29 @@ class Draft:
                 "logits": np.asarray(logits, np.float32),
                 "confidence_logits": None if conf is None else np.asarray(conf, np.float32)}
 
+    def sharing_tables_with(self, target: Any) -> "Draft":
+        """This drafter with its frozen embedding and LM head replaced by the target's own
+        arrays wherever they hold the same values on the same devices (every DSpark, DFlash and
+        Eagle3 drafter copies both from its target, SPEC §3), so the two models keep one buffer
+        of each in device memory: 2·V·D weights, about 2.5 GB for Qwen3-8B in bf16. A table
+        that differs (another dtype, a pruned draft vocabulary, other values or placement)
+        stays the drafter's own."""
+        model = nnx.merge(self.graphdef, self.state, copy=True)    # this drafter stays as is
+        tm = target.model
+        ours = {"embed": tm.embed.get_value(), "lm_head": tm.lm_head_weight()}
+        shared = False
+        for name, theirs in ours.items():
+            var = getattr(model, name, None)
+            if var is None or var.get_value() is theirs:
+                continue
+            if _same_table(var.get_value(), theirs):
+                var.set_value(theirs)
+                shared = True
+        if not shared:
+            return self
+        graphdef, state = nnx.split(model)
+        return dataclasses.replace(self, graphdef=graphdef, state=state)
+
     def save(self, path: str | os.PathLike, format: str = "auto") -> None:
         """Writes the drafter (plus our fields under `dspark_jax`) in "deepspec" format (for an
         Eagle3 drafter with a draft vocabulary: EAGLE-3's layout), or in "speculators" format
@@ -150,6 +173,28 @@ def init_draft(target: Any, draft_config: DraftConfig | Mapping[str, Any], seed:
     if from_target:
         target_layers_init(model, tmodel)
     return Draft.from_model(model)
+
+
+def _same_table(a: Any, b: Any) -> bool:
+    """a and b: arrays of one shape and dtype, placed alike, equal element for element; two
+    abstract arrays (`jax.ShapeDtypeStruct`, an ahead-of-time compile's) alike in shape, dtype
+    and sharding stand for a drafter exported from this target."""
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+        return False
+    if not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in (a, b)) or \
+            a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
+    if (sa is None) != (sb is None) or (sa is not None and not sa.is_equivalent_to(sb, a.ndim)):
+        return False
+    if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
+        return isinstance(a, jax.ShapeDtypeStruct) and isinstance(b, jax.ShapeDtypeStruct)
+    return bool(_all_equal(a, b))
+
+
+@jax.jit
+def _all_equal(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.all(a == b)
 
 
 def copied_target_layers(cfg: DraftConfig) -> list[int]:
@@ -206,7 +251,9 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float3
     """Loads a drafter directory: DeepSpec's format or speculators' (vLLM's), both as we
     export them, and DeepSpec's own checkpoints.
 
-    With `target`, checks that the drafter was built for it (vocabulary, width, layer ids).
+    With `target`, checks that the drafter was built for it (vocabulary, width, layer ids),
+    and holds the target's own embedding and LM head where the drafter's equal them
+    (`Draft.sharing_tables_with`: one copy of each in device memory).
     `block_convention` overrides the checkpoint's ("zlab" for z-lab DFlash checkpoints).
     A `confidence_calibration.json` in the directory sets `confidence_temperatures`.
     """
@@ -222,6 +269,8 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float3
     abstract = nnx.eval_shape(lambda: create_draft_module(cfg, 0, dtype, param_dtype))
     model = build_from_pure(abstract, pure, lambda x: param_dtype)
     draft = Draft.from_model(model)
+    if target is not None:
+        draft = draft.sharing_tables_with(target)
     draft.confidence_temperatures = _load_confidence_temperatures(path, cfg)
     return draft
 
