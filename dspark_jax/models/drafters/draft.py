@@ -110,8 +110,8 @@ class Draft:
 
     def sharing_tables_with(self, target: Any) -> "Draft":
         """This drafter with its frozen embedding and LM head replaced by the target's own
-        arrays wherever they hold the same values on the same devices (every DSpark, DFlash and
-        Eagle3 drafter copies both from its target, SPEC §3), so the two models keep one buffer
+        arrays wherever they hold the same values on the same devices (a drafter's are frozen copies
+        of its target's, SPEC §3), so the two models keep one buffer
         of each in device memory: 2·V·D weights, about 2.5 GB for Qwen3-8B in bf16. A table
         that differs (another dtype, a pruned draft vocabulary, other values or placement)
         stays the drafter's own."""
@@ -178,18 +178,21 @@ def init_draft(target: Any, draft_config: DraftConfig | Mapping[str, Any], seed:
 def _same_table(a: Any, b: Any) -> bool:
     """a and b: arrays of one shape and dtype, placed alike, equal element for element; two
     abstract arrays (`jax.ShapeDtypeStruct`, an ahead-of-time compile's) alike in shape, dtype
-    and sharding stand for a drafter exported from this target."""
-    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+    and sharding stand for a drafter exported from this target. Traced values are never
+    equal (their values are unknown)."""
+    kinds = (jax.Array, jax.ShapeDtypeStruct)
+    if not (isinstance(a, kinds) and isinstance(b, kinds)) or a.shape != b.shape or \
+            a.dtype != b.dtype:
         return False
-    if not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in (a, b)) or \
-            a.shape != b.shape or a.dtype != b.dtype:
+    abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in (a, b)]
+    try:
+        sa, sb = a.sharding, b.sharding
+        if (sa is None) != (sb is None) or (sa is not None and
+                                            not sa.is_equivalent_to(sb, a.ndim)):
+            return False
+        return all(abstract) if any(abstract) else bool(_all_equal(a, b))
+    except (AttributeError, jax.errors.ConcretizationTypeError):   # a traced array
         return False
-    sa, sb = getattr(a, "sharding", None), getattr(b, "sharding", None)
-    if (sa is None) != (sb is None) or (sa is not None and not sa.is_equivalent_to(sb, a.ndim)):
-        return False
-    if isinstance(a, jax.ShapeDtypeStruct) or isinstance(b, jax.ShapeDtypeStruct):
-        return isinstance(a, jax.ShapeDtypeStruct) and isinstance(b, jax.ShapeDtypeStruct)
-    return bool(_all_equal(a, b))
 
 
 @jax.jit
