@@ -208,3 +208,22 @@ def test_the_drafter_holds_the_targets_embedding_and_lm_head(tmp_path):
     other = dataclasses.replace(own, state=nnx.split(m)[1]).sharing_tables_with(target)
     assert other.model.embed.get_value() is not tables["embed"]
     assert other.model.lm_head.get_value() is tables["lm_head"]
+
+
+def test_a_drafter_loaded_against_a_target_takes_its_dtypes(tmp_path):
+    """Against a bf16 target a drafter loads in bf16 (as `aot --decode` compiles it) and holds
+    the target's embedding and LM head; alone, or given its dtypes, it loads as asked."""
+    path = save_tiny_hf(tmp_path / "t", "qwen3", head_dim=16, layers=2, seed=1)
+    init_draft(load_target(path), BASE, seed=3).save(tmp_path / "d")
+    target = load_target(path, dtype="bfloat16")
+    draft = load_draft(tmp_path / "d", target=target)
+
+    def floats(d) -> set[str]:
+        return {str(x.dtype) for x in jax.tree.leaves(d.state)
+                if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)}
+
+    assert floats(draft) == {"bfloat16"} and draft.model.dtype == target.dtype
+    assert draft.model.embed.get_value() is target.model.embed.get_value()
+    assert floats(load_draft(tmp_path / "d")) == {"float32"}
+    assert floats(load_draft(tmp_path / "d", target=target, param_dtype="float32")) == {
+        "float32"}

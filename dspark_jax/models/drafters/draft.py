@@ -249,14 +249,16 @@ def target_layers_init(model: nnx.Module, tmodel: nnx.Module) -> None:
                                    dtype=model.norm.get_value().dtype, copy=True))
 
 
-def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float32",
-               param_dtype: Any = "float32", block_convention: str | None = None) -> Draft:
+def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = None,
+               param_dtype: Any = None, block_convention: str | None = None) -> Draft:
     """Loads a drafter directory: DeepSpec's format or speculators' (vLLM's), both as we
     export them, and DeepSpec's own checkpoints.
 
     With `target`, checks that the drafter was built for it (vocabulary, width, layer ids),
     and holds the target's own embedding and LM head where the drafter's equal them
-    (`Draft.sharing_tables_with`: one copy of each in device memory).
+    (`Draft.sharing_tables_with`: one copy of each in device memory). `dtype` / `param_dtype`
+    (compute / stored) default to the target's, so the drafter runs as `aot --decode` compiles
+    it; without a target, to float32.
     `block_convention` overrides the checkpoint's ("zlab" for z-lab DFlash checkpoints).
     A `confidence_calibration.json` in the directory sets `confidence_temperatures`.
     """
@@ -268,6 +270,10 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = "float3
         cfg = cfg.replace(block_convention=block_convention)
     if target is not None:
         validate_against_target(cfg, target.config, source=str(path))
+    if dtype is None:
+        dtype = "float32" if target is None else target.dtype
+    if param_dtype is None:
+        param_dtype = "float32" if target is None else target.model.embed.get_value().dtype
     dtype, param_dtype = resolve_dtype(dtype), resolve_dtype(param_dtype)
     abstract = nnx.eval_shape(lambda: create_draft_module(cfg, 0, dtype, param_dtype))
     model = build_from_pure(abstract, pure, lambda x: param_dtype)
