@@ -475,15 +475,24 @@ def _h200_round(tmp_path, tiny: dict, *flags: str) -> tuple[Program, Program]:
             Program(text, lambda name: None, branch="costliest"))
 
 
+@pytest.fixture(scope="module")
+def h200_tree_round(tmp_path_factory) -> tuple[Program, Program]:
+    """The tree round for an H200 (tiny Qwen3 with 128-wide heads at Qwen3's vocabulary,
+    4 requests, trees of 8, γ = 4, 16 children a node): (its cheapest branch, its costliest),
+    compiled once for the tests that read it."""
+    return _h200_round(tmp_path_factory.mktemp("tree"), {"vocab": 151936}, "--tree-budget", "8",
+                       "--requests", "4")
+
+
 @pytest.mark.gpu
 @needs_plugin
-def test_h200_greedy_tree_round_keeps_the_vocabulary_wide_arrays_off_hbm(tmp_path):
-    """The tree round compiled for an H200 (tiny Qwen3 with 128-wide heads, 4 requests, trees
-    of 8): with every request greedy (each conditional's cheapest branch) its children come
-    from the tree-children kernel, no kernel computes the frontier's logits or the tree's q, and
-    its verification attends through the decode-attention kernel; the sampled branch still
-    computes them (so the check reads the branches apart)."""
-    greedy, sampled = _h200_round(tmp_path, {}, "--tree-budget", "8", "--requests", "4")
+def test_h200_greedy_tree_round_keeps_the_vocabulary_wide_arrays_off_hbm(h200_tree_round):
+    """The tree round compiled for an H200: with every request greedy (each conditional's
+    cheapest branch) its children come from the tree-children kernel, no kernel computes the
+    frontier's logits or the tree's q, and its verification attends through the
+    decode-attention kernel; the sampled branch still computes them (so the check reads the
+    branches apart)."""
+    greedy, sampled = h200_tree_round
     assert greedy.kernels_within("top_children") > 0
     assert greedy.kernels_within("decode_attention") > 0
     for fn in ("LowRankChildren.logits", "_candidates.<locals>.mixed",
@@ -581,15 +590,13 @@ def test_h200_chain_drafter_draws_in_two_kernels_and_writes_its_cache_in_place(t
 
 @pytest.mark.gpu
 @needs_plugin
-def test_h200_sampled_tree_rule_reads_each_node_once_a_sibling(tmp_path):
-    """The sampled tree round compiled for an H200 (tiny Qwen3 at Qwen3's vocabulary, 4
-    requests, trees of 8, γ = 4, 16 children a node): the tree's rejection rule writes
+def test_h200_sampled_tree_rule_reads_each_node_once_a_sibling(h200_tree_round):
+    """The sampled tree round compiled for an H200: the tree's rejection rule writes
     vocabulary-wide rows only at each depth's node (its p and q), at the node it stops at and
     for the final residual, where the stepwise recurrence writes the residual and q at every
     sibling (2 × 16 × 4 rows); each sibling is one reduction over the node's p and q, and each
     depth sums q once."""
-    _, sampled = _h200_round(tmp_path, {"vocab": 151936}, "--tree-budget", "8",
-                             "--requests", "4")
+    _, sampled = h200_tree_round
     rule = [k for k in sampled.kernels
             if any(f.endswith("tree_rejection_verify_with_uniforms") for f in k.functions)]
     row = 4 * 151936 * 4
