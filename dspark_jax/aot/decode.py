@@ -261,10 +261,9 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
 def resident_bytes(args: tuple) -> dict[str, int]:
     """The bytes of a decoding program's arguments that stay resident between calls, in all
     and per chip (each abstract argument's shard shape): the target's weights, the drafter's
-    (less the tables it shares with the target, `Draft.sharing_tables_with`: those are
-    `draft_shared_bytes`), the drafter's
-    vocabulary rows (`draft_adapters.vocab_weights`, gathered once) and the KV caches (target
-    and drafter)."""
+    (less the tables it holds of the target's, `Draft.sharing_tables_with`: those are
+    `draft_shared_bytes`), the drafter's vocabulary rows (`draft_adapters.vocab_weights`,
+    gathered once) and the KV caches (target and drafter)."""
     import math
 
     import jax
@@ -275,22 +274,22 @@ def resident_bytes(args: tuple) -> dict[str, int]:
     state = args[list(args).index(arrays) + 1]
     held = {id(x) for x in jax.tree.leaves(arrays.target_state)}
 
-    def size(tree: Any, per_chip: bool) -> int:
-        total = 0
-        for x in jax.tree.leaves(tree):
-            if tree is not arrays.target_state and id(x) in held:
-                continue          # the drafter's tables that are the target's own
-            shape = (x.sharding.shard_shape(x.shape) if per_chip and getattr(x, "sharding", None)
-                     else x.shape)
-            total += math.prod(shape) * x.dtype.itemsize
-        return total
+    def nbytes(x: Any, per_chip: bool) -> int:
+        shape = (x.sharding.shard_shape(x.shape) if per_chip and getattr(x, "sharding", None)
+                 else x.shape)
+        return math.prod(shape) * x.dtype.itemsize
+
+    def size(tree: Any, per_chip: bool) -> int:   # the target's tables counted with it alone
+        mine = tree is arrays.target_state
+        return sum(nbytes(x, per_chip) for x in jax.tree.leaves(tree)
+                   if mine or id(x) not in held)
 
     parts = {"target_weights": arrays.target_state, "draft_weights": arrays.draft_state,
              "draft_vocab_rows": arrays.vocab_weights,
              "kv_cache": (state.cache, state.draft_cache)}
-    shared = [x for x in jax.tree.leaves(arrays.draft_state) if id(x) in held]
     out = {f"{k}_bytes": size(v, False) for k, v in parts.items()}
-    out["draft_shared_bytes"] = sum(math.prod(x.shape) * x.dtype.itemsize for x in shared)
+    out["draft_shared_bytes"] = sum(nbytes(x, False) for x in jax.tree.leaves(arrays.draft_state)
+                                    if id(x) in held)
     out |= {f"{k}_bytes_per_chip": size(v, True) for k, v in parts.items()}
     out["weights_bytes_per_chip"] = sum(out[f"{k}_bytes_per_chip"] for k in
                                         ("target_weights", "draft_weights", "draft_vocab_rows"))

@@ -105,37 +105,33 @@ def _settings(logits: jax.Array, top_k: jax.Array, top_p: jax.Array
 
 def _sorted_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """[..., 1] the smallest logit the filter keeps, read off the sorted vocabulary."""
-    neg = jnp.finfo(jnp.float32).min
-    V = logits.shape[-1]
-    k, p = _settings(logits, top_k, top_p)
-    sorted_desc = -jnp.sort(-logits, axis=-1)                                # [..., V]
-    use_k = (k > 0) & (k < V)
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, V - 1)[..., None], axis=-1)
-    kth = jnp.where(use_k[..., None], kth, -jnp.inf)
-    sorted_k = jnp.where(sorted_desc < kth, neg, sorted_desc)
-    sorted_probs = jax.nn.softmax(sorted_k, axis=-1)
-    cum_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep = (cum_before < p) | (p >= 1.0)
-    return jnp.maximum(jnp.min(jnp.where(keep, sorted_k, jnp.inf), axis=-1, keepdims=True), kth)
+    return _threshold(logits, top_k, top_p, -jnp.sort(-logits, axis=-1))
 
 
 def _top_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
                    cap: int) -> jax.Array:
     """`_sorted_threshold` from the `cap` largest logits (`filter_within_top`'s contract)."""
+    top = jax.lax.top_k(logits, min(int(cap), logits.shape[-1]))[0]       # [..., cap]
+    return _threshold(logits, top_k, top_p, top)
+
+
+def _threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+               desc: jax.Array) -> jax.Array:
+    """[..., 1] the smallest logit kept: the k-th largest (ties kept), raised to the nucleus's
+    last token among the survivors. desc [..., n]: the row's n largest logits, largest first,
+    holding every survivor of the nucleus; the softmax's normaliser is summed over the row."""
     neg = jnp.finfo(jnp.float32).min
-    V = logits.shape[-1]
-    cap = min(int(cap), V)
+    V, n = logits.shape[-1], desc.shape[-1]
     k, p = _settings(logits, top_k, top_p)
-    top = jax.lax.top_k(logits, cap)[0]                                      # [..., cap]
     use_k = (k > 0) & (k < V)
-    kth = jnp.take_along_axis(top, jnp.clip(k - 1, 0, cap - 1)[..., None], axis=-1)
+    kth = jnp.take_along_axis(desc, jnp.clip(k - 1, 0, n - 1)[..., None], axis=-1)
     kth = jnp.where(use_k[..., None], kth, -jnp.inf)
-    m = top[..., :1]
+    m = desc[..., :1]
     total = jnp.sum(jnp.where(logits < kth, 0.0, jnp.exp(logits - m)), axis=-1, keepdims=True)
-    top = jnp.where(top < kth, neg, top)
-    probs = jnp.exp(top - m) / total
+    desc = jnp.where(desc < kth, neg, desc)
+    probs = jnp.exp(desc - m) / total
     keep = (jnp.cumsum(probs, axis=-1) - probs) < p       # the token crossing top_p is kept
-    nucleus = jnp.min(jnp.where(keep, top, jnp.inf), axis=-1, keepdims=True)
+    nucleus = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
     return jnp.where(p >= 1.0, kth, jnp.maximum(nucleus, kth))
 
 

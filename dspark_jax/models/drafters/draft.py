@@ -110,11 +110,11 @@ class Draft:
 
     def sharing_tables_with(self, target: Any) -> "Draft":
         """This drafter with its frozen embedding and LM head replaced by the target's own
-        arrays wherever they hold the same values on the same devices (a drafter's are frozen copies
-        of its target's, SPEC §3), so the two models keep one buffer
-        of each in device memory: 2·V·D weights, about 2.5 GB for Qwen3-8B in bf16. A table
-        that differs (another dtype, a pruned draft vocabulary, other values or placement)
-        stays the drafter's own."""
+        arrays wherever they hold the same values on the same devices (a drafter's are frozen
+        copies of its target's, SPEC §3), so the two models keep one buffer of each in device
+        memory: 2·V·D weights, about 2.5 GB for Qwen3-8B in bf16. A table that differs
+        (another dtype, a pruned draft vocabulary, other values or placement) stays the
+        drafter's own."""
         model = nnx.merge(self.graphdef, self.state, copy=True)    # this drafter stays as is
         tm = target.model
         ours = {"embed": tm.embed.get_value(), "lm_head": tm.lm_head_weight()}
