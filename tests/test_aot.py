@@ -272,6 +272,7 @@ def test_v5e_tree_round_compiles(tmp_path):
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["tree_budget"] == 8 and r["capacity"] == 9 and r["scheduler"] == "fixed"
+    assert r["tree_branching"] == 16      # the engine's default, as `evaluate` runs it
     assert set(r["programs"]) == {"draft", "round"}
     for name, p in r["programs"].items():   # no weight matrix copied (a scalar bias may be)
         assert p["weight_copy_bytes"] < 64, (name, p["weight_copies"])

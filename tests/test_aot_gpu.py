@@ -478,10 +478,10 @@ def _h200_round(tmp_path, tiny: dict, *flags: str) -> tuple[Program, Program]:
 @pytest.fixture(scope="module")
 def h200_tree_round(tmp_path_factory) -> tuple[Program, Program]:
     """The tree round for an H200 (tiny Qwen3 with 128-wide heads at Qwen3's vocabulary,
-    4 requests, trees of 8, γ = 4, 16 children a node): (its cheapest branch, its costliest),
-    compiled once for the tests that read it."""
+    4 requests, trees of 8, γ = 4, at most 4 children a node: `--tree-branching`): (its
+    cheapest branch, its costliest), compiled once for the tests that read it."""
     return _h200_round(tmp_path_factory.mktemp("tree"), {"vocab": 151936}, "--tree-budget", "8",
-                       "--requests", "4")
+                       "--tree-branching", "4", "--requests", "4")
 
 
 @pytest.mark.gpu
@@ -594,13 +594,13 @@ def test_h200_sampled_tree_rule_reads_each_node_once_a_sibling(h200_tree_round):
     """The sampled tree round compiled for an H200: the tree's rejection rule writes
     vocabulary-wide rows only at each depth's node (its p and q), at the node it stops at and
     for the final residual, where the stepwise recurrence writes the residual and q at every
-    sibling (2 × 16 × 4 rows); each sibling is one reduction over the node's p and q, and each
-    depth sums q once."""
+    sibling (2 × 4 × 4 rows); each sibling is one reduction over the node's p and q, and each
+    depth sums q once: as many as the `--tree-branching` it was compiled for."""
     _, sampled = h200_tree_round
     rule = [k for k in sampled.kernels
             if any(f.endswith("tree_rejection_verify_with_uniforms") for f in k.functions)]
     row = 4 * 151936 * 4
-    gamma, siblings = 4, 16
+    gamma, siblings = 4, 4
     assert 0 < sum(k.written * k.times for k in rule) <= (2 * (gamma + 1) + 1) * row
     read = sum(k.read * k.times for k in rule if k.functions[0] == "_try_children")
     assert gamma * siblings * 2 * row <= read <= gamma * (siblings * 2 + 1) * row + row

@@ -55,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--tree-budget", type=int, default=0,
                     help="with --decode: rounds that draft trees of this many nodes (the "
                          "round and the draft step; 0: the chain)")
+    ap.add_argument("--tree-branching", type=int, default=0,
+                    help="with --tree-budget: a tree node's most children, as `evaluate "
+                         "--tree-branching` (0: the engine's default)")
     ap.add_argument("--json", default="", help="also write the report as one JSON object")
     ap.add_argument("--no-preset", action="store_true",
                     help="keep the config's mesh and micro_batches instead of the topology's preset")
@@ -107,7 +110,8 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
     if args.chip and args.decode:
         from dspark_jax.aot.decode_floor import decode_floor_report, format_floor_report
 
-        shape = DecodeShape(args.requests or 1, args.max_len, args.capacity, args.tree_budget)
+        shape = DecodeShape(args.requests or 1, args.max_len, args.capacity, args.tree_budget,
+                            args.tree_branching)
         report = decode_floor_report(c, args.chip, shape,
                                      [p for p in args.programs.split(",") if p],
                                      layer_buffers=not args.stacked_layers)
@@ -121,7 +125,7 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
         from dspark_jax.aot.decode import decode_report, format_decode_report
 
         shape = DecodeShape(args.requests or 64, args.max_len, args.capacity,
-                            args.tree_budget)
+                            args.tree_budget, args.tree_branching)
         report = decode_report(c, args.topology, shape, args.num_slices,
                                default_mesh=not args.no_preset,
                                layer_buffers=not args.stacked_layers)

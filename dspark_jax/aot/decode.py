@@ -34,13 +34,15 @@ from dspark_jax.aot.topology import AotError, libtpu_version
 
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
-    """Request slots R, context tokens per slot S_max, the capacity bucket K and the draft
-    trees' node budget N (0: the chain of γ drafts)."""
+    """Request slots R, context tokens per slot S_max, the capacity bucket K, the draft
+    trees' node budget N (0: the chain of γ drafts) and their most children a node (0: the
+    engine's default, `decoding.tree.DEFAULT_BRANCHING`)."""
 
     requests: int
     max_len: int
     capacity: int
     tree_budget: int = 0
+    tree_branching: int = 0
 
     def per_request(self, gamma: int) -> int:
         """Tokens a request verifies besides its anchor: γ drafts or N tree nodes."""
@@ -51,6 +53,9 @@ class DecodeShape:
             raise AotError(f"--requests must be ≥ 1, got {self.requests}")
         if self.max_len < gamma + 2:
             raise AotError(f"--max-len {self.max_len} cannot hold a round of γ={gamma} drafts")
+        if self.tree_branching < 0:
+            raise AotError(f"--tree-branching must be ≥ 1 (0: the default), got "
+                           f"{self.tree_branching}")
         if self.tree_budget and self.tree_budget < gamma:
             raise AotError(f"--tree-budget {self.tree_budget} is below the block's {gamma} "
                            "drafts")
@@ -211,6 +216,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     import jax.numpy as jnp
 
     from dspark_jax.decoding import speculative_round as R_
+    from dspark_jax.decoding.tree import DEFAULT_BRANCHING
     from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.serving.modes import Fixed, scheduler_mode
     from dspark_jax.serving.settings import EngineSettings
@@ -220,6 +226,8 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     if shape.capacity == 0:     # the top bucket: every slot verifies all γ drafts (N nodes)
         shape = dataclasses.replace(
             shape, capacity=shape.requests * (shape.per_request(gamma) + 1))
+    if not shape.tree_branching:
+        shape = dataclasses.replace(shape, tree_branching=DEFAULT_BRANCHING)
     shape.check(gamma)
     R, S, K, V = shape.requests, shape.max_len, shape.capacity, t_cfg.vocab_size
     target, draft, layer_buffers, param_bytes = _abstract_models(c, mesh, t_cfg, d_cfg,
@@ -229,7 +237,8 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
         drafter_kind(d_cfg.model_type).default_scheduler)
     settings = EngineSettings(
         max_requests=R, max_len=S, scheduler=mode, capacity_buckets=(K,),
-        tree_budget=shape.tree_budget, layer_buffers=layer_buffers,
+        tree_budget=shape.tree_budget, tree_branching=shape.tree_branching,
+        layer_buffers=layer_buffers,
         confidence_temperatures=(1.0,) * gamma if mode.needs_confidence else None).validate()
     spec = _abstract_spec(settings, target, draft, layer_buffers, mesh)
     small = _slot_rule(mesh, R)
@@ -351,6 +360,7 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         "num_chips": n, "chip": chip.name, "mesh": dict(rnd.mesh.shape),
         "requests": shape.requests, "max_len": shape.max_len, "capacity": shape.capacity,
         "gamma": rnd.gamma, "scheduler": rnd.scheduler, "tree_budget": shape.tree_budget,
+        "tree_branching": rnd.shape.tree_branching,
         "layout": "per-layer" if rnd.layer_buffers else "stacked",
         "target_param_bytes": rnd.param_bytes["target"],
         "draft_param_bytes": rnd.param_bytes["draft"],

@@ -199,7 +199,7 @@ def decode_floor_report(c: Any, chip: str, shape: DecodeShape,
         "layout": "per-layer" if layer_buffers else "stacked", "programs": {}}
     if shape.tree_budget and "verify" in programs:   # trees verify inside the round only
         programs = [p for p in programs if p != "verify"]
-    report["tree_budget"] = shape.tree_budget
+    report.update(tree_budget=shape.tree_budget, tree_branching=rnd.shape.tree_branching)
     for name in programs:
         if name not in built:
             raise AotError(f"unknown program {name!r}; choose from {list(PROGRAMS)}")
