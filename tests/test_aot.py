@@ -279,6 +279,23 @@ def test_v5e_tree_round_compiles(tmp_path):
         assert p["weights_bytes"] > 0 and p["kernels_per_step"] > 0
 
 
+def test_tree_round_compiles_for_a_v5e_slice_with_the_vocabulary_split(tmp_path):
+    """`--decode --tree-budget N` on a TPU slice: the tree round compiles with the vocabulary
+    split over the tensor axis. The sampled rule gathers each node's row of the target's
+    probabilities as it reaches it; gathering every request's [N + 1, V] rows first stops
+    libtpu's compiler (a gather split it cannot lay out)."""
+    target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2, vocab=2048)
+    out = tmp_path / "tree.json"
+    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   "--requests", "4", "--max-len", "64", "--tree-budget", "8",
+                   "--tree-branching", "4", "--json", str(out), f"--config.target={target}"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["mesh"]["tensor"] == 2 and r["fits"] is True
+    assert r["tree_budget"] == 8 and r["tree_branching"] == 4
+    assert r["round_call"]["compile_error"] == ""
+
+
 def test_optimized_text_falls_back_to_the_compilers_dump(monkeypatch):
     """Where `compiled.as_text()` cannot read the program's HLO proto back (a RET_CHECK in
     libtpu), `compile_with_text` compiles again with XLA's text dump and reads the program's

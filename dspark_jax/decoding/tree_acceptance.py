@@ -122,14 +122,18 @@ def tree_rejection_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array
                                         target_probs: jax.Array, draft_probs: jax.Array,
                                         tokens: jax.Array, children: jax.Array,
                                         num_nodes: jax.Array, *,
+                                        target_cells: jax.Array | None = None,
                                         renormalise: bool = True) -> TreeVerifyResult:
     """Recursive rejection sampling down a batch of trees (module docstring), with each node's
     residual in closed form.
 
-    accept_u [R, γ, c], sample_u [R] in [0, 1); target_probs p [R, N + 1, V] per cell;
-    draft_probs q [R, N + 1, V] (q of each cell's children); tokens [R, N]; children
-    [R, N + 1, c]; num_nodes [R]. `renormalise=False` breaks the rule (q_{i+1} keeps the
-    rejected tokens' mass): a control that tests must catch.
+    accept_u [R, γ, c], sample_u [R] in [0, 1); target_probs p [R, N + 1, V] per cell, or
+    the verification's rows [K, V] with `target_cells` [R, N + 1] naming each cell's row (the
+    rule gathers a node's row as it reaches it: no [R, N + 1, V] gather, which a TPU slice's
+    compiler rejects where the vocabulary is split over chips); draft_probs q [R, N + 1, V] (q
+    of each cell's children); tokens [R, N]; children [R, N + 1, c]; num_nodes [R].
+    `renormalise=False` breaks the rule (q_{i+1} keeps the rejected tokens' mass): a control
+    that tests must catch.
 
     At a node, q_i is q less the tokens tried before i, over Z_i, and every rejection subtracts
     a multiple of q from the residual, so after i rejections the unnormalised residual is
@@ -147,6 +151,11 @@ def tree_rejection_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array
     def at_cell(x: jax.Array, cell: jax.Array) -> jax.Array:
         return x[rows, cell].astype(jnp.float32)
 
+    def target_at(cell: jax.Array) -> jax.Array:
+        if target_cells is None:
+            return at_cell(target_probs, cell)
+        return target_probs[target_cells[rows, cell]].astype(jnp.float32)
+
     cur = jnp.zeros((R,), jnp.int32)
     n_acc = jnp.zeros((R,), jnp.int32)
     live = jnp.ones((R,), bool)                 # still descending
@@ -157,7 +166,7 @@ def tree_rejection_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array
     for depth in range(max_depth):
         kids = jnp.where(live[:, None], _children_of(children, cur, num_nodes), -1)
         x = jnp.take_along_axis(cell_tokens, jnp.maximum(kids, 0), axis=1)         # [R, c]
-        node = _try_children(at_cell(target_probs, cur), at_cell(draft_probs, cur), x, kids,
+        node = _try_children(target_at(cur), at_cell(draft_probs, cur), x, kids,
                              accept_u[:, depth], renormalise)
         stops = live & ~node.moved
         stop = jax.tree.map(lambda new, old: jnp.where(
@@ -166,8 +175,8 @@ def tree_rejection_verify_with_uniforms(accept_u: jax.Array, sample_u: jax.Array
         cur = jnp.where(node.moved, node.child, cur)
         n_acc = n_acc + node.moved.astype(jnp.int32)
         live = live & node.moved
-    residual = jnp.maximum(at_cell(target_probs, cur)
-                           - stop.scale[:, None] * at_cell(draft_probs, cur), 0.0)
+    residual = jnp.maximum(target_at(cur) - stop.scale[:, None] * at_cell(draft_probs, cur),
+                           0.0)
     residual = residual.at[rows[:, None], jnp.where(stop.tried, stop_x, V)].set(
         stop.residual, mode="drop")
     next_token = draw_rows(residual, sample_u)

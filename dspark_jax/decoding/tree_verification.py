@@ -44,11 +44,11 @@ def accept_tree(logits: jax.Array, plan: VerifyPlan, slots: SlotSettings, tree: 
     alone."""
     branching = tree.children.shape[-1]
 
-    def sampled(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array
+    def sampled(accept_u: jax.Array, sample_u: jax.Array, probs: jax.Array, cells: jax.Array
                 ) -> TreeVerifyResult:
-        return tree_rejection_verify_with_uniforms(accept_u, sample_u, target_probs,
-                                                   tree.probs, tree.tokens, tree.children,
-                                                   num_nodes)
+        return tree_rejection_verify_with_uniforms(accept_u, sample_u, probs, tree.probs,
+                                                   tree.tokens, tree.children, num_nodes,
+                                                   target_cells=cells)
 
     def greedy(target_argmax: jax.Array) -> TreeVerifyResult:
         return tree_greedy_verify(target_argmax, tree.tokens, tree.children, num_nodes,

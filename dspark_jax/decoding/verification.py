@@ -175,8 +175,9 @@ def accept(verifier: str, logits: jax.Array, plan: VerifyPlan, slots: SlotSettin
     the rule needs only the argmax — no [K, V] softmax, no [R, γ+1, V] rows gathered."""
     num_slots, num_drafts = drafts.shape
 
-    def sampled(accept_u: jax.Array, sample_u: jax.Array, target_probs: jax.Array
+    def sampled(accept_u: jax.Array, sample_u: jax.Array, probs: jax.Array, cells: jax.Array
                 ) -> VerifyResult:
+        target_probs = probs[cells]
         if num_drafts == 0:   # nothing to verify: plain decoding
             no_drafts = jnp.zeros((num_slots, 0, target_probs.shape[-1]), jnp.float32)
             return rejection_verify_with_uniforms(accept_u, sample_u, target_probs,
@@ -192,12 +193,14 @@ def accept(verifier: str, logits: jax.Array, plan: VerifyPlan, slots: SlotSettin
 
 def rule_on_target(logits: jax.Array, plan: VerifyPlan, slots: SlotSettings,
                    accept_shape: tuple[int, ...],
-                   sampled: Callable[[jax.Array, jax.Array, jax.Array], Any],
+                   sampled: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], Any],
                    greedy: Callable[[jax.Array], Any]) -> Any:
     """An acceptance rule on the target's logits [K, V]: `sampled(accept uniforms [R,
-    *accept_shape], sample uniforms [R], target rows [R, Q, V])`, the rows each request's
-    filtered distribution and the uniforms from its own key; or, with every live request
-    greedy, `greedy(target argmax [R, Q])` (no [K, V] softmax, no rows gathered)."""
+    *accept_shape], sample uniforms [R], probs [K, V], cells [R, Q])`, each row the
+    filtered distribution of its request, `cells` the rows of each request's Q cells (the
+    rule gathers the rows it reads) and the uniforms from each request's own key; or, with
+    every live request greedy, `greedy(target argmax [R, Q])` (no [K, V] softmax, no rows
+    gathered)."""
 
     def on_probs(logits: jax.Array) -> Any:
         probs = filtered_probs(logits, slots.temperature, slots.top_k, slots.top_p,
@@ -206,7 +209,7 @@ def rule_on_target(logits: jax.Array, plan: VerifyPlan, slots: SlotSettings,
         n_accept = math.prod(accept_shape)
         u = row_uniforms(row_keys(slots, 1), (n_accept + 1,))
         return sampled(u[:, :n_accept].reshape(u.shape[:1] + accept_shape), u[:, n_accept],
-                       probs[plan.dense_index])
+                       probs, plan.dense_index)
 
     def on_argmax(logits: jax.Array) -> Any:
         return greedy(jnp.argmax(logits, axis=-1)[plan.dense_index])

@@ -173,6 +173,28 @@ def test_closed_form_rule_is_the_stepwise_rule(renormalise):
         assert 0 < float(jnp.mean(closed.num_accepted)) < 3
 
 
+def test_the_rule_reads_the_target_rows_where_verification_left_them():
+    """The target's rows handed over as verification's [K, V] with each cell's row
+    (`target_cells`, shuffled among spare rows) give what the same rows gathered per cell
+    [R, N + 1, V] give."""
+    tree, _, _ = _grow(256, 3, 8, 3, 1.0, seed=6)
+    R, N = tree.tokens.shape
+    k = jax.random.split(jax.random.key(6), 4)
+    target = jax.nn.softmax(jnp.log(tree.probs + 1e-9)
+                            + 2.0 * jax.random.normal(k[0], tree.probs.shape), -1)
+    K = R * (N + 1) + 7                                   # spare rows the rule never reads
+    cells = jax.random.permutation(k[1], K)[:R * (N + 1)].reshape(R, N + 1)
+    rows = jnp.zeros((K, V)).at[cells].set(target)
+    u = jax.random.uniform(k[2], (R, 3, 3))
+    s = jax.random.uniform(k[3], (R,))
+    args = (tree.probs, tree.tokens, tree.children, tree.num_nodes)
+    want = tree_rejection_verify_with_uniforms(u, s, target, *args)
+    got = tree_rejection_verify_with_uniforms(u, s, rows, *args, target_cells=cells)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert 0 < float(jnp.mean(want.num_accepted)) < 3
+
+
 def test_greedy_tree_rule_on_one_hot_rows():
     tree, _, _ = _grow(256, 3, 8, 3, 0.0, seed=4)
     R, N = tree.tokens.shape

@@ -344,14 +344,17 @@ def test_trees_sample_the_target_with_top_k_top_p(tiny, monkeypatch, mode):
         return
     true_rule = tree_acceptance.tree_rejection_verify_with_uniforms
 
-    def residual_is_target(accept_u, sample_u, tp, dp, tokens, children, num_nodes):
+    def residual_is_target(accept_u, sample_u, tp, dp, tokens, children, num_nodes,
+                           target_cells):
         """After every child of a node is rejected, the correction is drawn from p there
-        instead of the residual."""
-        res = true_rule(accept_u, sample_u, tp, dp, tokens, children, num_nodes)
+        instead of the residual (tp: verification's rows, `target_cells` each cell's)."""
+        res = true_rule(accept_u, sample_u, tp, dp, tokens, children, num_nodes,
+                        target_cells=target_cells)
         rows = jnp.arange(tokens.shape[0])
         kids = children[rows, res.last_cell]
         rejected = jnp.any((kids >= 1) & (kids <= num_nodes[:, None]), axis=1)
-        redraw = acceptance_rule.inverse_cdf_sample(tp[rows, res.last_cell], sample_u)
+        redraw = acceptance_rule.inverse_cdf_sample(tp[target_cells[rows, res.last_cell]],
+                                                    sample_u)
         return res._replace(next_token=jnp.where(rejected, redraw, res.next_token))
 
     monkeypatch.setattr(tree_verification, "tree_rejection_verify_with_uniforms",
