@@ -228,8 +228,8 @@ def test_h200_round_copies_no_weight(h200_report):
 @needs_plugin
 def test_h200_stacked_layers_copy_the_weights(h200_report, tmp_path):
     """`--stacked-layers` compiles the layout the engine avoids on a GPU, where XLA:GPU copies
-    weight slices out of the stack (at the tiny config's sizes only the k and v projections,
-    transposed; at Qwen3's every matrix of every layer) and the per-layer layout copies none."""
+    weight slices out of the stack (at the tiny model's sizes some projections, transposed; at
+    Qwen3's every matrix of every layer) and the per-layer layout copies none."""
     from dspark_jax.aot import command as cli
 
     out = tmp_path / "stacked.json"
