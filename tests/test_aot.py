@@ -9,7 +9,7 @@ import pytest
 
 from dspark_jax.aot import command as cli, memory, topology
 from dspark_jax.jaxpr_flops import matmul_flops
-from hf_tiny import save_tiny_hf
+from hf_tiny import save_tiny_gemma4, save_tiny_hf
 
 KEYS = ("topology", "num_chips", "hbm_bytes_per_chip", "peak_bytes_per_chip", "fits",
         "flops_per_step")
@@ -210,10 +210,15 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
         assert p["kv_cache_bytes"] > 0 and 0 < p["weights_bytes_per_chip"] < (
             r["target_param_bytes"] + r["draft_param_bytes"] + p["draft_vocab_rows_bytes"])
     d, v = r["draft_step"], r["verify_step"]
-    for p in (d, v, r["round_call"]):
+    # the engine's other programs on the same weights and caches: its largest join and, for
+    # `adaptive`, the rounds that skip drafting
+    programs = ("draft_step", "verify_step", "round_call", "anchor_call", "prefill_call")
+    for p in (r[k] for k in programs):
         assert 0 < p["argument_bytes_per_chip"] <= p["peak_bytes_per_chip"] <= r[
             "peak_bytes_per_chip"]
         assert p["compile_error"] == ""
+    assert max(r[k]["peak_bytes_per_chip"] for k in programs) == r["peak_bytes_per_chip"]
+    assert r["prefill_rows"] == 4 and r["prefill_tokens"] == 64
     # the verification step runs at least the target's forward over the K tokens: every
     # layer's weights and the LM head once per token, attention over the 64-token cache
     K, S, D, F = r["capacity"], 64, hf["hidden_size"], hf["intermediate_size"]
@@ -222,12 +227,14 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     weights = L * (2 * D * N * H + 2 * D * Kh * H + 3 * D * F) + D * hf["vocab_size"]
     target_flops = 2 * K * weights + L * 4 * K * S * N * H
     assert target_flops <= v["flops_per_step"] <= 1.5 * target_flops
+    # the prefill runs the target's layers over every slot's 64 prompt tokens
+    assert r["prefill_call"]["flops_per_step"] >= 2 * 4 * 64 * (weights - D * V)
     assert 0 < d["flops_per_step"] < v["flops_per_step"]
     assert r["flops_per_step"] == d["flops_per_step"] + v["flops_per_step"]
     assert r["step_time_lower_bound_s"] == pytest.approx(
         d["step_time_lower_bound_s"] + v["step_time_lower_bound_s"])
     printed = capsys.readouterr().out
-    assert "verify_step" in printed and "round_call" in printed
+    assert all(k in printed for k in programs)
     # a capacity below one anchor per slot is a usage error naming the flag
     rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
                    "--requests", "4", "--capacity", "3", f"--config.target={target}"])
@@ -294,6 +301,46 @@ def test_tree_round_compiles_for_a_v5e_slice_with_the_vocabulary_split(tmp_path)
     assert r["mesh"]["tensor"] == 2 and r["fits"] is True
     assert r["tree_budget"] == 8 and r["tree_branching"] == 4
     assert r["round_call"]["compile_error"] == ""
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+                    "pip install -e '.[tpu]'")
+def test_gemma4_serving_compiles_for_a_v5e_slice(tmp_path):
+    """A Gemma4 target (sliding and full layers, k = v, KV-shared layers, a softcapped tied
+    head, each layer's scalar) served on a TPU slice with its KV heads split over the tensor
+    axis: the round, its parts, the joins' prefill and the rounds that skip drafting all
+    compile. The residual kernel's scale is one value, replicated into its `shard_map`."""
+    target = save_tiny_gemma4(tmp_path / "target", "all_features", vocab=512,
+                              hidden_size_per_layer_input=0)
+    out = tmp_path / "gemma4.json"
+    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   "--requests", "4", "--max-len", "64", "--json", str(out),
+                   f"--config.target={target}"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["mesh"]["tensor"] == 2 and r["fits"] is True and r["compile_error"] == ""
+    for k in ("draft_step", "verify_step", "round_call", "anchor_call", "prefill_call"):
+        assert r[k]["flops_per_step"] > 0 and r[k]["compile_error"] == "", k
+
+
+def test_what_the_engine_refuses_aot_refuses_with_its_words(tmp_path, capsys):
+    """`aot --decode` checks the target and drafter as the engine does (`check_models`):
+    trees asked of an Eagle3 drafter or of a Gemma4 target are usage errors naming
+    `tree_budget` and the model that cannot, not crashes."""
+    trees = ["aot", "--decode", "--config", "configs/tiny.py", "--chip", "h200", "--requests",
+             "2", "--max-len", "64", "--tree-budget", "8"]
+    qwen3 = save_tiny_hf(tmp_path / "qwen3", "qwen3", head_dim=16, layers=2)
+    rc = cli.main([*trees, f"--config.target={qwen3}", "--config.draft.model_type=eagle3",
+                   "--config.draft.draft_num_hidden_layers=1", "--config.draft.ttt_length=3",
+                   "--config.draft.markov_rank=0",
+                   "--config.draft.enable_confidence_head=False"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tree_budget" in err and "eagle3 drafter drafts one chain" in err
+    gemma4 = save_tiny_gemma4(tmp_path / "gemma4", "untied_plain")
+    rc = cli.main([*trees, f"--config.target={gemma4}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tree_budget: a gemma4 target cannot verify a tree" in err
 
 
 def test_optimized_text_falls_back_to_the_compilers_dump(monkeypatch):

@@ -10,9 +10,12 @@ a capacity bucket of K flattened tokens, `models.decoder.ragged_forward`, the lo
 verification and the commit into both caches). All three are compiled here for R request
 slots, a context of `max_len` tokens per slot and one capacity bucket K, with the target, the
 drafter and the caches built abstractly and laid on the topology's mesh (weights over fsdp ×
-tensor, request slots over data × fsdp, KV heads over tensor). The report has the training
-report's keys, per program and for the round (the largest peak of the three; they run on the
-same resident weights and caches; the FLOPs and time bounds are the two parts').
+tensor, request slots over data × fsdp, KV heads over tensor). So are the other programs the
+engine runs on the same weights and caches: its largest join (`prefill_prompts`: every slot's
+prompt as long as the cache, prefilled at once, `prefill_call`) and, for a scheduler that may
+skip drafting (`adaptive`), the rounds that verify the anchors alone (`anchor_rounds`,
+`anchor_call`). The report has the training report's keys, per program and for the whole (the
+largest peak of the programs; the FLOPs and time bounds are the round's two parts').
 
 Bounds: the FLOPs bound is matmul FLOPs / (chips × bf16 peak); decoding is usually
 memory-bound, so the report also gives the HBM-traffic bound (every argument byte, i.e. the
@@ -98,6 +101,12 @@ class AbstractRound:
     round_fn: Any            # the fused call the engine runs (`speculative_rounds`, bucket K)
     round_lower: Any
     round_args: tuple
+    prefill_fn: Any          # the largest join (`prefill_prompts`): every slot, the whole context
+    prefill_lower: Any
+    prefill_args: tuple
+    anchor_fn: Any           # rounds that skip drafting (`anchor_rounds`); None: never run
+    anchor_lower: Any
+    anchor_args: tuple
     mesh: Any
     scheduler: str
     gamma: int
@@ -216,6 +225,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     import jax.numpy as jnp
 
     from dspark_jax.decoding import speculative_round as R_
+    from dspark_jax.decoding.prefill_plan import prefill_length
     from dspark_jax.decoding.tree import DEFAULT_BRANCHING
     from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.serving.modes import Fixed, scheduler_mode
@@ -240,6 +250,10 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
         tree_budget=shape.tree_budget, tree_branching=shape.tree_branching,
         layer_buffers=layer_buffers,
         confidence_temperatures=(1.0,) * gamma if mode.needs_confidence else None).validate()
+    try:   # what the engine refuses to serve, refused here with its words
+        settings.check_models(target, draft)
+    except ValueError as e:
+        raise AotError(str(e)) from None
     spec = _abstract_spec(settings, target, draft, layer_buffers, mesh)
     small = _slot_rule(mesh, R)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -255,6 +269,15 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                    small(jax.ShapeDtypeStruct((R, gamma, V), jnp.float32)),
                    small(jax.ShapeDtypeStruct((R,), jnp.int32)))
     round_args = (arrays, state, params, schedule, small(scalar), small(scalar))
+    # the engine's largest prefill call (`run_loop._prefill`): every slot joins at once with a
+    # prompt as long as the cache, in chunks of `prefill_chunk` tokens
+    width = prefill_length(S, settings.len_bucket, settings.prefill_chunk, S)
+    prefill_args = (arrays, state, params, small(jax.ShapeDtypeStruct((R, width), jnp.int32)),
+                    *(small(jax.ShapeDtypeStruct((R,), jnp.int32)),) * 2)
+    chunk = min(width, settings.prefill_chunk)
+    # the modes that price drafting run plain stretches: the anchors alone, one per slot
+    anchor = (functools.partial(R_.anchor_rounds, config, capacity=R)
+              if mode.prices_drafting else None)
     return AbstractRound(
         draft_fn=functools.partial(R_.draft_and_schedule, config),
         draft_lower=functools.partial(R_.draft_and_schedule.lower, config),
@@ -263,7 +286,13 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
         verify_lower=functools.partial(R_.verify_and_commit.lower, config, capacity=K),
         verify_args=verify_args, round_fn=functools.partial(R_.speculative_rounds, config),
         round_lower=functools.partial(R_.speculative_rounds.lower, config),
-        round_args=round_args, mesh=mesh, scheduler=mode.name, gamma=gamma, shape=shape,
+        round_args=round_args,
+        prefill_fn=functools.partial(R_.prefill_prompts, config, chunk=chunk),
+        prefill_lower=functools.partial(R_.prefill_prompts.lower, config, chunk=chunk),
+        prefill_args=prefill_args, anchor_fn=anchor,
+        anchor_lower=anchor and functools.partial(R_.anchor_rounds.lower, config, capacity=R),
+        anchor_args=(arrays, state, params, small(scalar), small(scalar)),
+        mesh=mesh, scheduler=mode.name, gamma=gamma, shape=shape,
         layer_buffers=layer_buffers, param_bytes=param_bytes)
 
 
@@ -351,8 +380,14 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
     # a tree's verification runs only inside the round (the separate step verifies chains)
     verify = fused if shape.tree_budget else _program_report(
         rnd.verify_fn, rnd.verify_lower, rnd.verify_args, rnd.mesh, n, chip)
-    peak = max(draft["peak_bytes_per_chip"], verify["peak_bytes_per_chip"],
-               fused["peak_bytes_per_chip"])
+    # what else the engine runs on the same weights and caches: the joins' prefill, and the
+    # plain stretches of a scheduler that may skip drafting
+    prefill = _program_report(rnd.prefill_fn, rnd.prefill_lower, rnd.prefill_args, rnd.mesh,
+                              n, chip)
+    anchor = rnd.anchor_fn and _program_report(rnd.anchor_fn, rnd.anchor_lower,
+                                               rnd.anchor_args, rnd.mesh, n, chip)
+    others = {"prefill_call": prefill} | ({"anchor_call": anchor} if anchor else {})
+    peak = max(p["peak_bytes_per_chip"] for p in (draft, verify, fused, *others.values()))
     bound = (fused["step_time_lower_bound_s"] if shape.tree_budget
              else draft["step_time_lower_bound_s"] + verify["step_time_lower_bound_s"])
     return {
@@ -370,12 +405,18 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         "flops_per_step": draft["flops_per_step"] + verify["flops_per_step"],
         "peak_flops_per_chip": chip.peak_bf16_flops, "step_time_lower_bound_s": bound,
         "tokens_per_s_upper_bound": shape.capacity / bound if bound else 0.0,
-        "draft_step": draft, "verify_step": verify, "round_call": fused,
-        "compile_error": (draft["compile_error"] or verify["compile_error"]
-                          or fused["compile_error"]),
+        "draft_step": draft, "verify_step": verify, "round_call": fused, **others,
+        "prefill_rows": shape.requests, "prefill_tokens": rnd.prefill_args[3].shape[1],
+        "compile_error": next((p["compile_error"] for p in (draft, verify, fused,
+                                                            *others.values())
+                               if p["compile_error"]), ""),
         "jax": jax.__version__,
         "libtpu": libtpu_version() if devices[0].platform == "tpu" else "",
     }
+
+
+# the programs a topology's report holds, in the order it prints them
+PROGRAM_KEYS = ("draft_step", "verify_step", "round_call", "anchor_call", "prefill_call")
 
 
 def format_decode_report(r: dict[str, Any]) -> str:
@@ -387,21 +428,25 @@ def format_decode_report(r: dict[str, Any]) -> str:
              f"{r.get('layout', 'stacked')} layers",
              f"  {'per chip':14s}{'weights':>12s}{'KV cache':>12s}{'argument':>12s}"
              f"{'temp':>12s}{'peak':>12s}  {'GFLOPs':>10s}  FLOPs-bound   HBM-bound"]
-    for name in ("draft_step", "verify_step", "round_call"):
+    for name in PROGRAM_KEYS:
+        if name not in r:
+            continue
         p = r[name]
         lines.append(f"  {name:14s}{g(p['weights_bytes_per_chip'])}"
                      f"{g(p['kv_cache_bytes_per_chip'])}{g(p['argument_bytes_per_chip'])}"
                      f"{g(p['temp_bytes_per_chip'])}"
                      f"{g(p['peak_bytes_per_chip'])}  {p['flops_per_step'] / 1e9:10.1f}  "
                      f"{p['flops_bound_s'] * 1e3:8.3f} ms {p['hbm_traffic_bound_s'] * 1e3:8.3f} ms")
-    lines.append(f"  round peak {g(r['peak_bytes_per_chip']).strip()} of "
+    lines.append(f"  prefill_call: {r['prefill_rows']} prompts × {r['prefill_tokens']} tokens "
+                 "joining at once" + ("; anchor_call: the rounds that skip drafting"
+                                      if "anchor_call" in r else ""))
+    lines.append(f"  peak (the largest program's) {g(r['peak_bytes_per_chip']).strip()} of "
                  f"{g(r['hbm_bytes_per_chip']).strip()} HBM → "
                  + ("fits" if r["fits"] else "DOES NOT FIT")
                  + f", headroom {g(r['headroom_bytes_per_chip']).strip()}; round ≥ "
                  f"{r['step_time_lower_bound_s'] * 1e3:.3f} ms (≤ "
                  f"{r['tokens_per_s_upper_bound']:.0f} verified tokens/s)")
-    kernels = {name: r[name]["pallas_kernels"] for name in ("draft_step", "verify_step",
-                                                              "round_call")}
+    kernels = {name: r[name]["pallas_kernels"] for name in PROGRAM_KEYS if name in r}
     gathers = sum(len(r[name]["kernel_gathers"]) for name in kernels)
     lines.append("  Pallas kernels: " + ", ".join(f"{k} {v}" for k, v in kernels.items())
                  + ("; none fed by a collective" if not gathers

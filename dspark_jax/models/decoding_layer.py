@@ -157,8 +157,8 @@ def add_rms_norm(h_btd: jax.Array, delta_btd: "jax.Array | Product", weight_d: j
     def local(h, d, *ws):
         return L.on_gpu(gpu, xla, h, d, *ws)
 
-    vec = ("act_embed",)
-    axes = tuple(ax for ax, here in zip((vec, vec, (None,)), has) if here)
+    vec = ("act_embed",)   # the norms' weights [D]; the scale is one value, replicated
+    axes = tuple(ax for ax, here in zip((vec, vec, ()), has) if here)
     return shard_kernel(local, (h_btd, delta_btd.astype(h_btd.dtype), *extras),
                         (_ROWS, _ROWS, *axes), (_ROWS, _ROWS if has[1] else None))
 

@@ -198,7 +198,7 @@ class EngineSettings:
             raise ValueError(f"tree_budget {self.tree_budget} is below the drafter's block "
                              f"of {gamma} drafts (the tree holds its chain)")
         if not family_of(target.config).defers_writes:
-            raise ValueError(f"tree_budget: a {target.config.model_type} target cannot verify "
+            raise ValueError(f"tree_budget: a {target.config.family} target cannot verify "
                              "a tree (its ragged forward takes no tree mask)")
 
     def confidence_temperatures_for(self, draft: Any, gamma: int) -> list[float] | None:
