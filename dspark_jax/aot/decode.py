@@ -11,10 +11,10 @@ verification and the commit into both caches). All three are compiled here for R
 slots, a context of `max_len` tokens per slot and one capacity bucket K, with the target, the
 drafter and the caches built abstractly and laid on the topology's mesh (weights over fsdp ×
 tensor, request slots over data × fsdp, KV heads over tensor). So are the other programs the
-engine runs on the same weights and caches: its largest join (`prefill_prompts`: every slot's
-prompt as long as the cache, prefilled at once, `prefill_call`) and, for a scheduler that may
-skip drafting (`adaptive`), the rounds that verify the anchors alone (`anchor_rounds`,
-`anchor_call`). The report has the training report's keys, per program and for the whole (the
+engine runs on the same weights and caches: its largest prefill call (`prefill_prompts`:
+prompts as long as the cache, as many as one call takes, `EngineSettings.prefill_tokens`,
+`prefill_call`) and, for a scheduler that may skip drafting (`adaptive`), the rounds that
+verify the anchors alone (`anchor_rounds`, `anchor_call`). The report has the training report's keys, per program and for the whole (the
 largest peak of the programs; the FLOPs and time bounds are the round's two parts').
 
 Bounds: the FLOPs bound is matmul FLOPs / (chips × bf16 peak); decoding is usually
@@ -225,7 +225,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     import jax.numpy as jnp
 
     from dspark_jax.decoding import speculative_round as R_
-    from dspark_jax.decoding.prefill_plan import prefill_length
+    from dspark_jax.decoding.prefill_plan import prefill_length, pow2_rows, rows_within
     from dspark_jax.decoding.tree import DEFAULT_BRANCHING
     from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.serving.modes import Fixed, scheduler_mode
@@ -269,11 +269,12 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                    small(jax.ShapeDtypeStruct((R, gamma, V), jnp.float32)),
                    small(jax.ShapeDtypeStruct((R,), jnp.int32)))
     round_args = (arrays, state, params, schedule, small(scalar), small(scalar))
-    # the engine's largest prefill call (`run_loop._prefill`): every slot joins at once with a
-    # prompt as long as the cache, in chunks of `prefill_chunk` tokens
+    # the engine's largest prefill call (`run_loop._prefill`): prompts as long as the cache, as
+    # many as join at once within `prefill_tokens`, in chunks of `prefill_chunk` tokens
     width = prefill_length(S, settings.len_bucket, settings.prefill_chunk, S)
-    prefill_args = (arrays, state, params, small(jax.ShapeDtypeStruct((R, width), jnp.int32)),
-                    *(small(jax.ShapeDtypeStruct((R,), jnp.int32)),) * 2)
+    rows = pow2_rows(rows_within(R, width, settings.prefill_tokens))
+    prefill_args = (arrays, state, params, small(jax.ShapeDtypeStruct((rows, width), jnp.int32)),
+                    *(small(jax.ShapeDtypeStruct((rows,), jnp.int32)),) * 2)
     chunk = min(width, settings.prefill_chunk)
     # the modes that price drafting run plain stretches: the anchors alone, one per slot
     anchor = (functools.partial(R_.anchor_rounds, config, capacity=R)
@@ -406,7 +407,8 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         "peak_flops_per_chip": chip.peak_bf16_flops, "step_time_lower_bound_s": bound,
         "tokens_per_s_upper_bound": shape.capacity / bound if bound else 0.0,
         "draft_step": draft, "verify_step": verify, "round_call": fused, **others,
-        "prefill_rows": shape.requests, "prefill_tokens": rnd.prefill_args[3].shape[1],
+        "prefill_rows": rnd.prefill_args[3].shape[0],
+        "prefill_tokens": rnd.prefill_args[3].shape[1],
         "compile_error": next((p["compile_error"] for p in (draft, verify, fused,
                                                             *others.values())
                                if p["compile_error"]), ""),
@@ -437,8 +439,8 @@ def format_decode_report(r: dict[str, Any]) -> str:
                      f"{g(p['temp_bytes_per_chip'])}"
                      f"{g(p['peak_bytes_per_chip'])}  {p['flops_per_step'] / 1e9:10.1f}  "
                      f"{p['flops_bound_s'] * 1e3:8.3f} ms {p['hbm_traffic_bound_s'] * 1e3:8.3f} ms")
-    lines.append(f"  prefill_call: {r['prefill_rows']} prompts × {r['prefill_tokens']} tokens "
-                 "joining at once" + ("; anchor_call: the rounds that skip drafting"
+    lines.append(f"  prefill_call: {r['prefill_rows']} prompts × {r['prefill_tokens']} tokens, "
+                 "the engine's largest prefill call" + ("; anchor_call: the rounds that skip drafting"
                                       if "anchor_call" in r else ""))
     lines.append(f"  peak (the largest program's) {g(r['peak_bytes_per_chip']).strip()} of "
                  f"{g(r['hbm_bytes_per_chip']).strip()} HBM → "

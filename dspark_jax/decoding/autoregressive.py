@@ -25,7 +25,8 @@ from flax import nnx
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
-from dspark_jax.decoding.prefill_plan import prefill_groups, prefill_length, round_up
+from dspark_jax.decoding.prefill_plan import (PREFILL_TOKENS, prefill_groups, prefill_length,
+                                              round_up)
 from dspark_jax.models.decoder import KVCache, decode_one, init_cache, prefill
 
 
@@ -124,18 +125,22 @@ def prefilled_state(target: Any, prompts: Sequence[Sequence[int]], key_data: Any
                     temperature: jax.Array, stop_ids: jax.Array, *, cache_len: int,
                     max_new: int, top_k: int = 0, top_p: float = 1.0, rows: int | None = None,
                     len_bucket: int = 64, chunk: int = 128,
+                    prefill_tokens: int = PREFILL_TOKENS,
                     layer_buffers: bool | None = None) -> ARState:
     """The decoding state after prefilling every prompt: `rows` (default len(prompts)) rows,
     prompt i in row i with key `key_data[i]` ([rows, 2]; rows past the prompts stay done).
     The prompts are prefilled in length groups (`prefill_plan.prefill_groups`, the serving
     engine's joins): one group of everything would pad every prompt to the longest (16 chat
-    prompts of 41-308 tokens: 5,120 positions computed for 1,305)."""
+    prompts of 41-308 tokens: 5,120 positions computed for 1,305), each of at most
+    `prefill_tokens` padded tokens (one longer prompt alone), which bounds the memory a call
+    holds beside the cache."""
     B = len(prompts) if rows is None else rows
     target = target.decoding_layout(layer_buffers)    # the steps' weights, read once
     s = empty_state(target, jnp.asarray(key_data), cache_len=cache_len, max_new=max_new,
                     layer_buffers=layer_buffers)
     lengths = [len(p) for p in prompts]
-    for idx in prefill_groups(lengths, B, len_bucket, chunk, cache_len):
+    for idx in prefill_groups(lengths, B, len_bucket, chunk, cache_len,
+                              max_tokens=prefill_tokens):
         n = 1 << (len(idx) - 1).bit_length()
         P = prefill_length(max(lengths[i] for i in idx), len_bucket, chunk, cache_len)
         tokens = np.zeros((n, P), np.int32)

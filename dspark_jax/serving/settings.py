@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 from dspark_jax.decoding.acceptance_rule import VERIFIERS
 from dspark_jax.decoding.draft_adapters import adapter_for
 from dspark_jax.decoding.pallas_backend import check_offered
+from dspark_jax.decoding.prefill_plan import PREFILL_TOKENS
 from dspark_jax.decoding.round_types import BUDGET_RULES, SAMPLERS
 from dspark_jax.decoding.tree import DEFAULT_BRANCHING
 from dspark_jax.models.drafters.config import validate_against_target
@@ -50,6 +51,11 @@ class EngineSettings:
     `production` (the paper's §5.2 schedule without that choice) profiles SPS only, never reads
     these costs and always drafts.
 
+    Joining requests are prefilled `prefill_chunk` tokens of each at a time, in calls of at
+    most `prefill_tokens` padded tokens (`prefill_plan.PREFILL_TOKENS`; one longer prompt has
+    a call to itself): a call holds a fresh cache of its rows until it moves them into the
+    slots, so this bounds the memory a join takes beside the slots' own caches.
+
     `layer_buffers`: the target layout prefill, decoding steps and verification run on
     (`Target.decoding_layout`): True one buffer per decoder layer, so the dots read the
     weights where they lie (on GPUs and TPUs a scanned stack has them copied out every step);
@@ -80,6 +86,7 @@ class EngineSettings:
     threshold: float = 0.5                  # `threshold` mode's cut on σ(c)
     capacity_buckets: Sequence[int] | None = None   # verification capacities K (default R…R(γ+1))
     prefill_chunk: int = 128                # prompt tokens a prefill forward takes at a time
+    prefill_tokens: int = PREFILL_TOKENS    # a prefill call's most tokens (rows × length)
     sps: Any = None                         # SPS(B): a table [B + 1] or {bucket: steps/s}
     sps_cache_dir: str | None = None        # the profiles' disk cache (`cost_profile`)
     profile_repeats: int = 3
@@ -121,8 +128,9 @@ class EngineSettings:
                              "DeepSpec's loop); it cannot be combined with cap_to_budget=True")
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be ≥ 1, got {self.max_requests}")
-        if self.prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be ≥ 1, got {self.prefill_chunk}")
+        if self.prefill_chunk < 1 or self.prefill_tokens < 1:
+            raise ValueError(f"prefill_chunk and prefill_tokens must be ≥ 1, got "
+                             f"{self.prefill_chunk} and {self.prefill_tokens}")
         if min(self.plain_steps_per_call, self.rounds_per_call, self.len_bucket) < 1:
             raise ValueError(f"plain_steps_per_call, rounds_per_call and len_bucket must be "
                              f"≥ 1, got {self.plain_steps_per_call}, {self.rounds_per_call} "
