@@ -198,6 +198,24 @@ def active_mesh() -> Mesh | None:
     return _active_mesh.get()
 
 
+def weights_mesh(tree: Any) -> Mesh | None:
+    """The mesh of several devices every array of `tree` (e.g. a model's weights) is laid on
+    by a `NamedSharding`, or None (one device, arrays on different meshes, or abstract
+    values)."""
+    meshes = set()
+    for x in jax.tree.leaves(tree):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return None
+        sharding = x.sharding
+        if not isinstance(sharding, NamedSharding):
+            return None
+        meshes.add(sharding.mesh)
+    if len(meshes) != 1:
+        return None
+    mesh = meshes.pop()
+    return mesh if mesh.size > 1 else None
+
+
 def on_several_devices() -> bool:
     """Whether the code being traced runs under a mesh of more than one device (where a kernel
     needs `shard_kernel`, or its caller XLA's ops)."""

@@ -77,17 +77,6 @@ def decode_mesh_shape(num_chips: int, num_kv_heads: int) -> dict[str, int]:
     return {"data": 1, "fsdp": num_chips // tensor, "tensor": tensor}
 
 
-def _cache_sharding(x: Any, mesh: Any) -> Any:
-    """KV caches [L, R, S, K, H]: slots over (data, fsdp), heads over tensor; the small
-    per-slot arrays ([R], [R, D], [R, V]) over (data, fsdp); what does not divide stays
-    replicated."""
-    from dspark_jax.sharding import named
-
-    axes = {5: (None, "batch", "cache_seq", "kv_heads", "head_dim")}.get(
-        len(x.shape), ("batch",) + (None,) * (len(x.shape) - 1) if x.shape else ())
-    return named(mesh, axes, x.shape)
-
-
 @dataclasses.dataclass
 class AbstractRound:
     """The two jitted programs of a round, with static arguments bound, and their inputs."""
@@ -205,10 +194,12 @@ def _slot_rule(mesh: Any, num_slots: int) -> Any:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from dspark_jax.serving.placement import slot_sharding
+
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def one(x: Any) -> Any:
-        sharding = (_cache_sharding(x, mesh) if x.shape and x.shape[0] == num_slots
+        sharding = (slot_sharding(x, mesh) if x.shape and x.shape[0] == num_slots
                     else replicated)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
@@ -229,6 +220,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     from dspark_jax.decoding.tree import DEFAULT_BRANCHING
     from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.serving.modes import Fixed, scheduler_mode
+    from dspark_jax.serving.placement import slot_sharding
     from dspark_jax.serving.settings import EngineSettings
 
     mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
@@ -257,7 +249,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     spec = _abstract_spec(settings, target, draft, layer_buffers, mesh)
     small = _slot_rule(mesh, R)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                        sharding=_cache_sharding(x, mesh)),
+                                                        sharding=slot_sharding(x, mesh)),
                          jax.eval_shape(lambda: spec.fresh_state(S)))
     params = small(jax.eval_shape(lambda: spec.empty_slots().to_device()))
     config = spec.config_through(spec.buckets.index(K) + 1)   # the rounds of bucket K alone

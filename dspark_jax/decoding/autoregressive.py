@@ -28,6 +28,7 @@ from dspark_jax.decoding.stops import is_stop, stop_array
 from dspark_jax.decoding.prefill_plan import (PREFILL_TOKENS, prefill_groups, prefill_length,
                                               round_up)
 from dspark_jax.models.decoder import KVCache, decode_one, init_cache, prefill
+from dspark_jax.sharding import use_mesh, weights_mesh
 
 
 @flax.struct.dataclass
@@ -207,23 +208,26 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
     stops = stop_array(stop_token_ids, default_stops)
     _, _, cache_len = pad_prompts(prompts, cfg.vocab_size, max_cache_len, max_new_tokens)
     temp = jnp.asarray(temperature, jnp.float32)
-    s = prefilled_state(target, prompts, row_key_data(seed, len(prompts)), temp, stops,
-                        cache_len=cache_len, max_new=max_new_tokens, top_k=top_k, top_p=top_p,
-                        layer_buffers=layer_buffers)
-    per_call = steps_per_call or max_new_tokens
     stepper = target.decoding_layout(layer_buffers)
+    per_call = steps_per_call or max_new_tokens
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=max_new_tokens, desc="generate", unit="tok")
-        bar.update(1)
-    while not bool(jnp.all(s.done)):
-        before = int(s.steps)
-        s = ar_decode(stepper.graphdef, stepper.state, s, temp, stops, num_steps=per_call,
-                      top_k=top_k, top_p=top_p)
+    # weights spread over a mesh: the programs are traced under it, kernels in `shard_map`
+    with use_mesh(weights_mesh(stepper.state)):
+        s = prefilled_state(target, prompts, row_key_data(seed, len(prompts)), temp, stops,
+                            cache_len=cache_len, max_new=max_new_tokens, top_k=top_k,
+                            top_p=top_p, layer_buffers=layer_buffers)
         if bar is not None:
-            bar.update(int(s.steps) - before)
+            bar.update(1)
+        while not bool(jnp.all(s.done)):
+            before = int(s.steps)
+            s = ar_decode(stepper.graphdef, stepper.state, s, temp, stops, num_steps=per_call,
+                          top_k=top_k, top_p=top_p)
+            if bar is not None:
+                bar.update(int(s.steps) - before)
     if bar is not None:
         bar.close()
     out, num = np.asarray(s.out), np.asarray(s.num_out)

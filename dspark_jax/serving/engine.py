@@ -29,11 +29,14 @@ caches grow to what the admitted requests need (`Engine.cache_lengths`). `serve`
 requests whose replies may queue follow-ups (regeneration's conversation turns run on it). The
 engine is built from one immutable `serving.engine_spec.EngineSpec` (settings, round config,
 buckets, arrays, costs, state factories); the host side of one call (queue, admission, records, the
-loop of device calls) is `serving.run_loop.Run`.
+loop of device calls) is `serving.run_loop.Run`. Where the target's weights span several devices
+(`load_target(mesh=...)`), the slots' caches are laid on their mesh and every program is traced
+under it (`serving.placement`): the programs `aot --decode --topology` compiles.
 """
 
 from __future__ import annotations
 
+import functools
 from operator import attrgetter
 from typing import Any, Callable, Sequence
 
@@ -49,6 +52,18 @@ from dspark_jax.serving.engine_spec import (EngineSpec, bucket_for, decoding_mod
 from dspark_jax.serving.records import HostSlots
 from dspark_jax.serving.run_loop import EngineResult, Request, Run as _Run, requests_for
 from dspark_jax.serving.settings import EngineSettings, with_fields
+from dspark_jax.sharding import use_mesh
+
+
+def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` run with the engine's mesh active (`sharding.use_mesh`; none on one device),
+    so the programs it traces keep the state's layout (`serving.placement`) and run each
+    kernel inside `shard_map` on its own slots and heads."""
+    @functools.wraps(method)
+    def run(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+        with use_mesh(self.spec.mesh):
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Engine:
@@ -73,7 +88,8 @@ class Engine:
         stops = getattr(target.tokenizer, "stop_token_ids", None) or target.config.stop_token_ids
         spec = engine_spec(settings, self.step_target, step_draft,
                            layer_buffers=self.step_target is not target, default_stops=stops)
-        self.spec: EngineSpec = spec.with_costs(cost_profile.engine_costs(spec))
+        with use_mesh(spec.mesh):
+            self.spec: EngineSpec = spec.with_costs(cost_profile.engine_costs(spec))
         self.cost_profile_seconds = self.spec.costs.cost_profile_seconds
         self.reached_buckets = 1   # buckets[:n] the rounds programs have been asked for
         self.prefill_shapes: dict[tuple[int, int], set[tuple[int, int]]] = {}   # compiled
@@ -130,11 +146,13 @@ class Engine:
     def profile_steps(self) -> int:
         return cost_profile.profile_steps(self.spec)
 
+    @_on_mesh
     def profile_buckets(self, cache_dir: str | None = None, repeats: int | None = None
                         ) -> tuple[dict[int, float], float, bool]:
         """The SPS profile's seconds per bucket (`cost_profile.profile_buckets`)."""
         return cost_profile.profile_buckets(self.spec, cache_dir, repeats)
 
+    @_on_mesh
     def profile_costs(self) -> dict[str, float]:
         """The drafter's and a plain round's seconds (`cost_profile.profile_costs`); also sets
         `cost_profile_seconds` (0 when cached)."""
@@ -165,6 +183,7 @@ class Engine:
         return self.spec.config_through(self.reached_buckets)
 
     # ------------------------------------------------------------------ warm-up
+    @_on_mesh
     def warmup(self, max_tokens: int | None = None) -> None:
         """Compiles the programs the engine runs: the verification step of every bucket (what
         profiling times), then, at every cache length a run can grow to (`cache_lengths`) up to
@@ -211,6 +230,7 @@ class Engine:
         return int(jax.device_get(result.rounds))
 
     # ------------------------------------------------------------------ generate
+    @_on_mesh
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  temperature: Any = 0.0, seed: Any = 0, arrivals: Sequence[float] | None = None,
                  top_k: Any = 0, top_p: Any = 1.0, progress: bool = False) -> EngineResult:
@@ -229,6 +249,7 @@ class Engine:
             run.add(reqs[i], i)
         return run.loop()
 
+    @_on_mesh
     def serve(self, requests: Sequence[Request],
               on_reply: Callable[[Request, list[int]], Sequence[Request]] | None = None, *,
               max_new_tokens: int, after_replies: Callable[[], None] | None = None,

@@ -4,7 +4,8 @@ program of one engine is built from and nothing changes afterwards.
 `EngineSpec` holds the settings, the round programs' static config with its capacity buckets,
 the arrays every round reads (weights in the decoding layout, stop ids, the scheduler's
 tables) and the costs the schedule reads, and makes what the programs take: empty request
-slots and caches grown to a length (`fresh_state`, `grown`), the host's slot settings
+slots and caches grown to a length (`fresh_state`, `grown`; laid on the weights' mesh where
+they span several devices, `serving.placement`), the host's slot settings
 (`empty_slots`), a device call's schedule (`schedule_state`) and a mode's policy inputs.
 `engine_spec` builds one from the settings and the models in their decoding layout: the
 engine (`serving.engine`), a run (`serving.run_loop`), the cost profile
@@ -31,9 +32,11 @@ from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import aligned_length, has_layer_buffers, init_cache
 from dspark_jax.models.drafters.dspark import with_layer_buffers as draft_layer_buffers
 from dspark_jax.serving.modes import SchedulerMode
+from dspark_jax.serving.placement import place_slots
 from dspark_jax.serving.policy import PolicyInputs, drafting_sps_table
 from dspark_jax.serving.records import HostSlots
 from dspark_jax.serving.settings import EngineSettings
+from dspark_jax.sharding import weights_mesh
 
 # speculative decoding's cache lengths, in `len_bucket`s: the powers of two and 1.5× them
 _SPECULATIVE_LENGTHS = sorted({2 ** k for k in range(40)} | {3 * 2 ** k for k in range(40)})
@@ -120,6 +123,8 @@ class EngineSpec:
     per_layer_cache: bool = _static()        # the target cache: one buffer per layer
     layer_buffers: bool = _static()          # the decoding layout: one buffer per layer
     costs: EngineCosts = _static()
+    # the mesh of several devices the weights span (`sharding.weights_mesh`); None: one device
+    mesh: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def mode(self) -> SchedulerMode:
@@ -172,12 +177,13 @@ class EngineSpec:
         if self.draft_config is not None:   # in the layout the rounds' drafter reads
             drafter = nnx.merge(self.arrays.draft_graphdef, self.arrays.draft_state)
             draft_cache = self.adapter.init_cache(drafter, R, n)
-        return EngineState(cache=cache, draft_cache=draft_cache,
-                           anchor=jnp.zeros((R,), jnp.int32))
+        return place_slots(EngineState(cache=cache, draft_cache=draft_cache,
+                                       anchor=jnp.zeros((R,), jnp.int32)), self.mesh)
 
     def grown(self, state: EngineState, cache_len: int) -> EngineState:
         """The state with room for `cache_len` positions in the target and drafter caches."""
-        return _grown_state(state, cache_len=int(cache_len), adapter=self.adapter)
+        return place_slots(_grown_state(state, cache_len=int(cache_len), adapter=self.adapter),
+                           self.mesh)
 
     def cache_lengths(self) -> list[int]:
         """The cache lengths a run can grow through: plain decoding's `len_bucket` multiples;
@@ -296,7 +302,8 @@ def engine_spec(settings: EngineSettings, target: Any, draft: Any, *, layer_buff
                       target_config=target.config,
                       draft_config=None if draft is None else draft.config,
                       cache_dtype=target.dtype, per_layer_cache=has_layer_buffers(target.model),
-                      layer_buffers=bool(layer_buffers), costs=costs)
+                      layer_buffers=bool(layer_buffers), costs=costs,
+                      mesh=weights_mesh(target.state))
 
 
 def _engine_arrays(settings: EngineSettings, target: Any, draft: Any, gamma: int,

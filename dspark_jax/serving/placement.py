@@ -1,0 +1,43 @@
+"""Where the serving engine's arrays live when the target's weights span several devices (SPEC
+§9: the engine on a TPU slice or a GPU host).
+
+The weights keep the mesh they were loaded on (`load_target(mesh=...)`, FSDP × tensor by
+`sharding.LOGICAL_RULES`). The request slots follow them: the KV caches [L, R, S, Kh, H] split
+their slots over (data, fsdp) and their heads over tensor, the small per-slot arrays ([R],
+[R, D], ...) their slots, and whatever does not divide stays replicated. The engine lays its
+state out by `slot_sharding` and traces its programs under the mesh (`sharding.use_mesh`), so
+each kernel runs inside `shard_map` on its own slots and heads; `aot --decode --topology`
+compiles the same programs with the same rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from dspark_jax.sharding import named
+
+# a KV cache layer's logical axes ([L or 1, R, S, Kh, H])
+CACHE_AXES = (None, "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def slot_sharding(x: Any, mesh: Mesh) -> NamedSharding:
+    """The sharding of one array of the engine's state on `mesh`: a KV cache layer's slots over
+    (data, fsdp) and heads over tensor; an array of rows ([R], [R, D], …) its rows over (data,
+    fsdp); a scalar replicated; a dimension the mesh does not divide stays whole."""
+    shape = tuple(x.shape)
+    axes = CACHE_AXES if len(shape) == 5 else (
+        ("batch",) + (None,) * (len(shape) - 1) if shape else ())
+    return named(mesh, axes, shape)
+
+
+def place_slots(tree: Any, mesh: Mesh | None) -> Any:
+    """`tree` (the engine's state) laid on `mesh` by `slot_sharding`; unchanged without one."""
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, jax.tree.map(lambda x: slot_sharding(x, mesh), tree))
+
+
+__all__ = ["CACHE_AXES", "place_slots", "slot_sharding"]
