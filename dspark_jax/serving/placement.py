@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from dspark_jax.sharding import named
+from dspark_jax.sharding import named, put_on_mesh
 
 # a KV cache layer's logical axes ([L or 1, R, S, Kh, H])
 CACHE_AXES = (None, "batch", "cache_seq", "kv_heads", "head_dim")
@@ -34,10 +34,12 @@ def slot_sharding(x: Any, mesh: Mesh) -> NamedSharding:
 
 
 def place_slots(tree: Any, mesh: Mesh | None) -> Any:
-    """`tree` (the engine's state) laid on `mesh` by `slot_sharding`; unchanged without one."""
+    """`tree` (the engine's state) laid on `mesh` by `slot_sharding`, also where the mesh
+    spans several processes (`sharding.put_on_mesh`: every process holds the same host-local
+    state); unchanged without a mesh."""
     if mesh is None:
         return tree
-    return jax.device_put(tree, jax.tree.map(lambda x: slot_sharding(x, mesh), tree))
+    return put_on_mesh(tree, jax.tree.map(lambda x: slot_sharding(x, mesh), tree))
 
 
 __all__ = ["CACHE_AXES", "place_slots", "slot_sharding"]

@@ -4,6 +4,7 @@ exactly after a relaunch. Slow: each tiny run starts JAX processes and compiles 
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
@@ -144,3 +145,18 @@ def test_two_processes_save_on_sigterm_at_one_step_and_resume_exactly(job):
         job[2] / "logs_sigterm" / "process_0.log").read_text()
     assert hashes(run) == hashes(ref) and len(hashes(ref)) == 4
     assert_same_params(run, ref)
+
+
+def test_two_processes_decode_speculatively_as_one_does(job):
+    """`eval.speculative`: every process decodes with the target sharded over all of them, so
+    the engine lays its request slots on a mesh that spans the two processes
+    (`serving.placement`); the held-out rounds and τ equal one process × 4 devices'."""
+    extra = ("--config.eval.speculative=True", "--config.eval.speculative_temperatures=(0.0,)")
+    _, one = launch(job, "spec_one", 1, 4, *extra)
+    _, two = launch(job, "spec_two", 2, 2, *extra)
+    rounds = [[(r["output_tokens"], r["accepted"]) for r in map(json.loads, (
+        w / "speculative" / "T0" / "records.jsonl").open())] for w in (one, two)]
+    assert rounds[0] and rounds[0] == rounds[1]
+    taus = [json.loads((w / "summary.json").read_text())["speculative"]["mean"]["tau"]
+            for w in (one, two)]
+    assert taus[0] == taus[1] and taus[0] >= 1.0
