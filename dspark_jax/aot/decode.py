@@ -220,7 +220,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     from dspark_jax.decoding.tree import DEFAULT_BRANCHING
     from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.serving.modes import Fixed, scheduler_mode
-    from dspark_jax.serving.placement import slot_sharding
+    from dspark_jax.serving.placement import prefill_call_tokens, slot_sharding
     from dspark_jax.serving.settings import EngineSettings
 
     mesh, t_cfg, d_cfg = mesh_and_configs(c, devices)
@@ -262,9 +262,9 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
                    small(jax.ShapeDtypeStruct((R,), jnp.int32)))
     round_args = (arrays, state, params, schedule, small(scalar), small(scalar))
     # the engine's largest prefill call (`run_loop._prefill`): prompts as long as the cache, as
-    # many as join at once within `prefill_tokens`, in chunks of `prefill_chunk` tokens
+    # many as join at once within `prefill_tokens` a slot shard, in `prefill_chunk` chunks
     width = prefill_length(S, settings.len_bucket, settings.prefill_chunk, S)
-    rows = pow2_rows(rows_within(R, width, settings.prefill_tokens))
+    rows = pow2_rows(rows_within(R, width, prefill_call_tokens(settings.prefill_tokens, mesh)))
     prefill_args = (arrays, state, params, small(jax.ShapeDtypeStruct((rows, width), jnp.int32)),
                     *(small(jax.ShapeDtypeStruct((rows,), jnp.int32)),) * 2)
     chunk = min(width, settings.prefill_chunk)

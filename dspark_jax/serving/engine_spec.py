@@ -32,7 +32,7 @@ from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import aligned_length, has_layer_buffers, init_cache
 from dspark_jax.models.drafters.dspark import with_layer_buffers as draft_layer_buffers
 from dspark_jax.serving.modes import SchedulerMode
-from dspark_jax.serving.placement import place_slots
+from dspark_jax.serving.placement import place_slots, prefill_call_tokens
 from dspark_jax.serving.policy import PolicyInputs, drafting_sps_table
 from dspark_jax.serving.records import HostSlots
 from dspark_jax.serving.settings import EngineSettings
@@ -154,6 +154,11 @@ class EngineSpec:
     @property
     def buckets(self) -> tuple[int, ...]:
         return self.config.buckets
+
+    @property
+    def prefill_call_tokens(self) -> int:
+        """The most padded tokens one prefill call takes (`placement.prefill_call_tokens`)."""
+        return prefill_call_tokens(self.settings.prefill_tokens, self.mesh)
 
     @property
     def adapter(self) -> Any:

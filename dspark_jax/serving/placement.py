@@ -12,12 +12,13 @@ compiles the same programs with the same rule.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from dspark_jax.sharding import named, put_on_mesh
+from dspark_jax.sharding import logical_to_spec, named, put_on_mesh
 
 # a KV cache layer's logical axes ([L or 1, R, S, Kh, H])
 CACHE_AXES = (None, "batch", "cache_seq", "kv_heads", "head_dim")
@@ -33,6 +34,22 @@ def slot_sharding(x: Any, mesh: Mesh) -> NamedSharding:
     return named(mesh, axes, shape)
 
 
+def slot_shards(mesh: Mesh | None) -> int:
+    """How many parts `slot_sharding` splits the request slots into on `mesh` (the mesh axes
+    the logical "batch" axis maps to: data × fsdp); 1 without a mesh."""
+    if mesh is None:
+        return 1
+    axes = logical_to_spec(("batch",))[0] or ()
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def prefill_call_tokens(prefill_tokens: int, mesh: Mesh | None) -> int:
+    """The most padded tokens one prefill call takes (`EngineSettings.prefill_tokens` a slot
+    shard): each part of the slots holds its own rows' fresh cache and features, so a call
+    on a mesh takes as many tokens a chip as one device takes."""
+    return int(prefill_tokens) * slot_shards(mesh)
+
+
 def place_slots(tree: Any, mesh: Mesh | None) -> Any:
     """`tree` (the engine's state) laid on `mesh` by `slot_sharding`, also where the mesh
     spans several processes (`sharding.put_on_mesh`: every process holds the same host-local
@@ -42,4 +59,4 @@ def place_slots(tree: Any, mesh: Mesh | None) -> Any:
     return put_on_mesh(tree, jax.tree.map(lambda x: slot_sharding(x, mesh), tree))
 
 
-__all__ = ["CACHE_AXES", "place_slots", "slot_sharding"]
+__all__ = ["CACHE_AXES", "place_slots", "prefill_call_tokens", "slot_shards", "slot_sharding"]

@@ -203,8 +203,9 @@ class Run:
         speculative: `speculative_round.prefill_prompts`, which also feeds the drafter's
         context), in groups of at most R padded to a power-of-two size (padding rows write
         nothing) and to a `len_bucket` multiple of tokens (a `prefill_chunk` multiple past it,
-        run chunk by chunk), at most `prefill_tokens` padded tokens a call (one longer prompt
-        alone), so few shapes compile and a join's memory stays bounded;
+        run chunk by chunk), at most `prefill_tokens` padded tokens a call and slot shard
+        (`EngineSpec.prefill_call_tokens`; one longer prompt alone), so few shapes compile and
+        a join's memory stays bounded;
         `shaped_prefill_groups` splits the joiners by length where that computes fewer padded
         tokens, counting a shape not compiled yet as `NEW_PREFILL_SHAPE_TOKENS` more, and may
         run a group in a larger compiled shape."""
@@ -218,7 +219,7 @@ class Run:
         for idx, n, width in shaped_prefill_groups(lengths, R, st.len_bucket,
                                                    st.prefill_chunk, state.cache.max_len,
                                                    compiled, NEW_PREFILL_SHAPE_TOKENS,
-                                                   max_tokens=st.prefill_tokens):
+                                                   max_tokens=spec.prefill_call_tokens):
             compiled.add((n, width))
             group = [slots[i] for i in idx]
             tokens = np.zeros((n, width), np.int32)

@@ -53,8 +53,9 @@ class EngineSettings:
 
     Joining requests are prefilled `prefill_chunk` tokens of each at a time, in calls of at
     most `prefill_tokens` padded tokens (`prefill_plan.PREFILL_TOKENS`; one longer prompt has
-    a call to itself): a call holds a fresh cache of its rows until it moves them into the
-    slots, so this bounds the memory a join takes beside the slots' own caches.
+    a call to itself; on a mesh, that many for each part the slots are split into): a call
+    holds a fresh cache of its rows until it moves them into the slots, so this bounds the
+    memory a join takes beside the slots' own caches.
 
     `layer_buffers`: the target layout prefill, decoding steps and verification run on
     (`Target.decoding_layout`): True one buffer per decoder layer, so the dots read the
@@ -86,7 +87,7 @@ class EngineSettings:
     threshold: float = 0.5                  # `threshold` mode's cut on σ(c)
     capacity_buckets: Sequence[int] | None = None   # verification capacities K (default R…R(γ+1))
     prefill_chunk: int = 128                # prompt tokens a prefill forward takes at a time
-    prefill_tokens: int = PREFILL_TOKENS    # a prefill call's most tokens (rows × length)
+    prefill_tokens: int = PREFILL_TOKENS    # a prefill call's most tokens a slot shard
     sps: Any = None                         # SPS(B): a table [B + 1] or {bucket: steps/s}
     sps_cache_dir: str | None = None        # the profiles' disk cache (`cost_profile`)
     profile_repeats: int = 3

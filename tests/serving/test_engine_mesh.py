@@ -42,6 +42,8 @@ def test_the_engine_lays_its_slots_on_the_weights_mesh(path, monkeypatch):
     eng = Engine(spread, init_draft(spread, DRAFT, seed=3), settings=settings)
     assert Engine(one, None, settings=EngineSettings(scheduler="none")).spec.mesh is None
     assert eng.spec.mesh is mesh
+    # a prefill call takes `prefill_tokens` for each of the 4 parts the slots are split into
+    assert eng.spec.prefill_call_tokens == 4 * settings.prefill_tokens
     # the per-layer buffers an accelerator decodes on keep the weights' mesh
     assert Engine(spread, None, settings=EngineSettings(
         scheduler="none", layer_buffers=True)).spec.mesh is mesh
