@@ -15,6 +15,16 @@ KEYS = ("topology", "num_chips", "hbm_bytes_per_chip", "peak_bytes_per_chip", "f
         "flops_per_step")
 
 
+def _slice_decode(tmp_path, target, *flags: str) -> tuple[int, dict | None]:
+    """`aot --decode` of the tiny config on v5e:2x2, 4 request slots × 64 tokens →
+    (exit status, the JSON report when it succeeded)."""
+    out = tmp_path / "decode.json"
+    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   "--requests", "4", "--max-len", "64", "--json", str(out),
+                   f"--config.target={target}", *flags])
+    return rc, json.loads(out.read_text()) if rc == 0 else None
+
+
 def test_flops_count_loop_trips_and_gradients():
     def f(x, w):
         y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w @ w.T), None), x, None, length=5)
@@ -187,12 +197,8 @@ def test_decode_round_compiles_for_v5e_2x2(tmp_path, capsys):
     tokens at the top capacity bucket R·(γ+1), on the serving mesh."""
     target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2)
     hf = json.loads((target / "config.json").read_text())
-    out = tmp_path / "decode.json"
-    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
-                   "--requests", "4", "--max-len", "64", "--json", str(out),
-                   f"--config.target={target}"])
+    rc, r = _slice_decode(tmp_path, target)
     assert rc == 0
-    r = json.loads(out.read_text())
     assert set(KEYS) <= set(r) and r["mode"] == "decode" and r["fits"] is True
     gamma = r["gamma"]
     assert gamma == 4 and r["capacity"] == 4 * (gamma + 1) and r["scheduler"] == "adaptive"
@@ -292,12 +298,8 @@ def test_tree_round_compiles_for_a_v5e_slice_with_the_vocabulary_split(tmp_path)
     probabilities as it reaches it; gathering every request's [N + 1, V] rows first stops
     libtpu's compiler (a gather split it cannot lay out)."""
     target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2, vocab=2048)
-    out = tmp_path / "tree.json"
-    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
-                   "--requests", "4", "--max-len", "64", "--tree-budget", "8",
-                   "--tree-branching", "4", "--json", str(out), f"--config.target={target}"])
+    rc, r = _slice_decode(tmp_path, target, "--tree-budget", "8", "--tree-branching", "4")
     assert rc == 0
-    r = json.loads(out.read_text())
     assert r["mesh"]["tensor"] == 2 and r["fits"] is True
     assert r["tree_budget"] == 8 and r["tree_branching"] == 4
     assert r["round_call"]["compile_error"] == ""
@@ -313,12 +315,8 @@ def test_gemma4_serving_compiles_for_a_v5e_slice(tmp_path):
     compile. The residual kernel's scale is one value, replicated into its `shard_map`."""
     target = save_tiny_gemma4(tmp_path / "target", "all_features", vocab=512,
                               hidden_size_per_layer_input=0)
-    out = tmp_path / "gemma4.json"
-    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
-                   "--requests", "4", "--max-len", "64", "--json", str(out),
-                   f"--config.target={target}"])
+    rc, r = _slice_decode(tmp_path, target)
     assert rc == 0
-    r = json.loads(out.read_text())
     assert r["mesh"]["tensor"] == 2 and r["fits"] is True and r["compile_error"] == ""
     for k in ("draft_step", "verify_step", "round_call", "anchor_call", "prefill_call"):
         assert r[k]["flops_per_step"] > 0 and r[k]["compile_error"] == "", k
