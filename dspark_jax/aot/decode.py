@@ -14,8 +14,9 @@ tensor, request slots over data × fsdp, KV heads over tensor). So are the other
 engine runs on the same weights and caches: its largest prefill call (`prefill_prompts`:
 prompts as long as the cache, as many as one call takes, `EngineSettings.prefill_tokens`,
 `prefill_call`) and, for a scheduler that may skip drafting (`adaptive`), the rounds that
-verify the anchors alone (`anchor_rounds`, `anchor_call`). The report has the training report's keys, per program and for the whole (the
-largest peak of the programs; the FLOPs and time bounds are the round's two parts').
+verify the anchors alone (`anchor_rounds`, `anchor_call`). The report has the training
+report's keys, per program and for the whole (the largest peak of the programs; the FLOPs and
+time bounds are the round's two parts').
 
 Bounds: the FLOPs bound is matmul FLOPs / (chips × bf16 peak); decoding is usually
 memory-bound, so the report also gives the HBM-traffic bound (every argument byte, i.e. the
@@ -90,7 +91,7 @@ class AbstractRound:
     round_fn: Any            # the fused call the engine runs (`speculative_rounds`, bucket K)
     round_lower: Any
     round_args: tuple
-    prefill_fn: Any          # the largest join (`prefill_prompts`): every slot, the whole context
+    prefill_fn: Any          # the engine's largest prefill call (`prefill_prompts`)
     prefill_lower: Any
     prefill_args: tuple
     anchor_fn: Any           # rounds that skip drafting (`anchor_rounds`); None: never run
@@ -431,9 +432,9 @@ def format_decode_report(r: dict[str, Any]) -> str:
                      f"{g(p['temp_bytes_per_chip'])}"
                      f"{g(p['peak_bytes_per_chip'])}  {p['flops_per_step'] / 1e9:10.1f}  "
                      f"{p['flops_bound_s'] * 1e3:8.3f} ms {p['hbm_traffic_bound_s'] * 1e3:8.3f} ms")
+    anchor = "; anchor_call: the rounds that skip drafting" if "anchor_call" in r else ""
     lines.append(f"  prefill_call: {r['prefill_rows']} prompts × {r['prefill_tokens']} tokens, "
-                 "the engine's largest prefill call" + ("; anchor_call: the rounds that skip drafting"
-                                      if "anchor_call" in r else ""))
+                 f"the engine's largest prefill call{anchor}")
     lines.append(f"  peak (the largest program's) {g(r['peak_bytes_per_chip']).strip()} of "
                  f"{g(r['hbm_bytes_per_chip']).strip()} HBM → "
                  + ("fits" if r["fits"] else "DOES NOT FIT")
