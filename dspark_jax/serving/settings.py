@@ -129,9 +129,10 @@ class EngineSettings:
                              "DeepSpec's loop); it cannot be combined with cap_to_budget=True")
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be ≥ 1, got {self.max_requests}")
-        if self.prefill_chunk < 1 or self.prefill_tokens < 1:
-            raise ValueError(f"prefill_chunk and prefill_tokens must be ≥ 1, got "
-                             f"{self.prefill_chunk} and {self.prefill_tokens}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be ≥ 1, got {self.prefill_chunk}")
+        if self.prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be ≥ 1, got {self.prefill_tokens}")
         if min(self.plain_steps_per_call, self.rounds_per_call, self.len_bucket) < 1:
             raise ValueError(f"plain_steps_per_call, rounds_per_call and len_bucket must be "
                              f"≥ 1, got {self.plain_steps_per_call}, {self.rounds_per_call} "

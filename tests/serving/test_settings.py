@@ -38,6 +38,7 @@ def test_unknown_keyword_is_a_type_error():
     (dict(budget_rule="deepspec", cap_to_budget=True), "cap_to_budget"),
     (dict(max_requests=0), "max_requests"),
     (dict(prefill_chunk=0), "prefill_chunk"),
+    (dict(prefill_tokens=0), "prefill_tokens must be"),
     (dict(rounds_per_call=0), "rounds_per_call"),
     (dict(scheduler="threshold", threshold=1.5), "threshold"),
     (dict(draft_seconds=-1.0), "draft_seconds"),
