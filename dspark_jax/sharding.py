@@ -204,9 +204,8 @@ def weights_mesh(tree: Any) -> Mesh | None:
     values)."""
     meshes = set()
     for x in jax.tree.leaves(tree):
-        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
-            return None
-        sharding = x.sharding
+        # a traced array has no sharding to read (AttributeError): abstract, as is a non-array
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
         if not isinstance(sharding, NamedSharding):
             return None
         meshes.add(sharding.mesh)
