@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dspark_jax.decoding.placement import place_slots, prefill_call_tokens, prefill_min_rows
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
+from dspark_jax.decoding.prefill_plan import (PREFILL_TOKENS, call_rows, prefill_groups,
+                                              prefill_length, round_up)
 from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
-from dspark_jax.decoding.prefill_plan import (PREFILL_TOKENS, prefill_groups, prefill_length,
-                                              round_up)
 from dspark_jax.models.decoder import KVCache, decode_one, init_cache, prefill
 from dspark_jax.sharding import use_mesh, weights_mesh
 
@@ -86,13 +87,17 @@ def empty_state(target: Any, key_data: jax.Array, *, cache_len: int, max_new: in
                 layer_buffers: bool | None = None) -> ARState:
     """A state of B = len(key_data) rows with nothing prefilled: every row done (a row starts
     when `ar_prefill_rows` prefills it; one it never prefills stays done: padding). The cache
-    takes the layout of `target.decoding_layout(layer_buffers)`, which the steps run on."""
+    takes the layout of `target.decoding_layout(layer_buffers)`, which the steps run on; where
+    its weights span a mesh of several devices, the rows lie on it as the serving engine's
+    slots do (`placement.place_slots`)."""
     B = key_data.shape[0]
-    return ARState(cache=target.decoding_layout(layer_buffers).init_cache(B, cache_len),
-                   last_token=jnp.zeros((B,), jnp.int32),
-                   out=jnp.full((B, max_new), -1, jnp.int32),
-                   num_out=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
-                   key_data=jnp.asarray(key_data), steps=jnp.zeros((), jnp.int32))
+    stepper = target.decoding_layout(layer_buffers)
+    return place_slots(ARState(cache=stepper.init_cache(B, cache_len),
+                               last_token=jnp.zeros((B,), jnp.int32),
+                               out=jnp.full((B, max_new), -1, jnp.int32),
+                               num_out=jnp.zeros((B,), jnp.int32), done=jnp.ones((B,), bool),
+                               key_data=jnp.asarray(key_data), steps=jnp.zeros((), jnp.int32)),
+                       weights_mesh(stepper.state))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "top_k", "top_p"),
@@ -133,16 +138,20 @@ def prefilled_state(target: Any, prompts: Sequence[Sequence[int]], key_data: Any
     The prompts are prefilled in length groups (`prefill_plan.prefill_groups`, the serving
     engine's joins): one group of everything would pad every prompt to the longest (16 chat
     prompts of 41-308 tokens: 5,120 positions computed for 1,305), each of at most
-    `prefill_tokens` padded tokens (one longer prompt alone), which bounds the memory a call
-    holds beside the cache."""
+    `prefill_tokens` padded tokens a slot shard (one longer prompt alone; on a mesh, as the
+    serving engine's joins: `placement.prefill_call_tokens`, `placement.prefill_min_rows`),
+    which bounds the memory a call holds beside the cache."""
     B = len(prompts) if rows is None else rows
     target = target.decoding_layout(layer_buffers)    # the steps' weights, read once
     s = empty_state(target, jnp.asarray(key_data), cache_len=cache_len, max_new=max_new,
                     layer_buffers=layer_buffers)
+    mesh = weights_mesh(target.state)
+    least = prefill_min_rows(mesh, B)
     lengths = [len(p) for p in prompts]
     for idx in prefill_groups(lengths, B, len_bucket, chunk, cache_len,
-                              max_tokens=prefill_tokens):
-        n = 1 << (len(idx) - 1).bit_length()
+                              max_tokens=prefill_call_tokens(prefill_tokens, mesh),
+                              min_rows=least):
+        n = call_rows(len(idx), least)
         P = prefill_length(max(lengths[i] for i in idx), len_bucket, chunk, cache_len)
         tokens = np.zeros((n, P), np.int32)
         lens = np.ones((n,), np.int32)

@@ -31,7 +31,7 @@ engine is built from one immutable `serving.engine_spec.EngineSpec` (settings, r
 buckets, arrays, costs, state factories); the host side of one call (queue, admission, records, the
 loop of device calls) is `serving.run_loop.Run`. Where the target's weights span several devices
 (`load_target(mesh=...)`), the slots' caches are laid on their mesh and every program is traced
-under it (`serving.placement`): the programs `aot --decode --topology` compiles.
+under it (`decoding.placement`): the programs `aot --decode --topology` compiles.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from dspark_jax.sharding import use_mesh
 
 def _on_mesh(method: Callable[..., Any]) -> Callable[..., Any]:
     """`method` run with the engine's mesh active (`sharding.use_mesh`; none on one device),
-    so the programs it traces keep the state's layout (`serving.placement`) and run each
+    so the programs it traces keep the state's layout (`decoding.placement`) and run each
     kernel inside `shard_map` on its own slots and heads."""
     @functools.wraps(method)
     def run(self: "Engine", *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,7 @@ program of one engine is built from and nothing changes afterwards.
 the arrays every round reads (weights in the decoding layout, stop ids, the scheduler's
 tables) and the costs the schedule reads, and makes what the programs take: empty request
 slots and caches grown to a length (`fresh_state`, `grown`; laid on the weights' mesh where
-they span several devices, `serving.placement`), the host's slot settings
+they span several devices, `decoding.placement`), the host's slot settings
 (`empty_slots`), a device call's schedule (`schedule_state`) and a mode's policy inputs.
 `engine_spec` builds one from the settings and the models in their decoding layout: the
 engine (`serving.engine`), a run (`serving.run_loop`), the cost profile
@@ -26,13 +26,13 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.draft_adapters import adapter_for
+from dspark_jax.decoding.placement import place_slots, prefill_call_tokens, prefill_min_rows
 from dspark_jax.decoding.round_types import (DraftChoice, EngineArrays, EngineState, RoundConfig,
                                              ScheduleState)
 from dspark_jax.decoding.stops import stop_array
 from dspark_jax.models.decoder import aligned_length, has_layer_buffers, init_cache
 from dspark_jax.models.drafters.dspark import with_layer_buffers as draft_layer_buffers
 from dspark_jax.serving.modes import SchedulerMode
-from dspark_jax.serving.placement import place_slots, prefill_call_tokens
 from dspark_jax.serving.policy import PolicyInputs, drafting_sps_table
 from dspark_jax.serving.records import HostSlots
 from dspark_jax.serving.settings import EngineSettings
@@ -159,6 +159,11 @@ class EngineSpec:
     def prefill_call_tokens(self) -> int:
         """The most padded tokens one prefill call takes (`placement.prefill_call_tokens`)."""
         return prefill_call_tokens(self.settings.prefill_tokens, self.mesh)
+
+    @property
+    def prefill_min_rows(self) -> int:
+        """The fewest rows one prefill call has (`placement.prefill_min_rows`)."""
+        return prefill_min_rows(self.mesh, self.num_slots)
 
     @property
     def adapter(self) -> Any:

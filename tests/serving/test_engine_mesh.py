@@ -1,4 +1,4 @@
-"""The engine on a mesh of several devices (`serving.placement`): with the target's weights
+"""The engine on a mesh of several devices (`decoding.placement`): with the target's weights
 loaded over a (data, fsdp, tensor) mesh, the request slots' caches are laid on the same mesh
 as `aot --decode --topology` lays them, every program is traced under it, and the tokens are
 the ones one device decodes."""
@@ -13,7 +13,7 @@ from dspark_jax.decoding import autoregressive_generate
 from dspark_jax.models import init_draft, load_target
 from dspark_jax.models import layers as L
 from dspark_jax.serving import Engine, EngineSettings
-from dspark_jax.sharding import active_mesh, make_mesh
+from dspark_jax.sharding import active_mesh, make_mesh, use_mesh
 from hf_tiny import save_tiny_hf
 
 DRAFT = dict(block_size=3, num_draft_layers=1, target_layer_ids=(-1, 0), mask_token_id=96,
@@ -55,10 +55,46 @@ def test_the_engine_lays_its_slots_on_the_weights_mesh(path, monkeypatch):
     got = eng.generate(PROMPTS, max_new_tokens=8)
     assert got.tokens == want.tokens                     # greedy: the one device's tokens
     assert traced and all(m is mesh for m in traced)
+    # one prompt joining alone is prefilled in a row a slot shard, each chip its own
+    assert eng.generate(PROMPTS[:1], max_new_tokens=2).tokens[0] == want.tokens[0][:2]
+    assert eng.prefill_shapes and all(r >= 4 for shapes in eng.prefill_shapes.values()
+                                      for r, _ in shapes)
     traced.clear()
     assert autoregressive_generate(spread, PROMPTS, max_new_tokens=8,
                                    stop_token_ids=[]) == ref_ar
     assert traced and all(m is mesh for m in traced)
+
+
+def test_the_autoregressive_loop_keeps_its_rows_on_the_weights_mesh(path):
+    """`autoregressive_generate`'s state on weights spread over a mesh: its rows lie on it as
+    the engine's slots do, from the empty state through the prefill and the steps (left to
+    XLA, the prefill's cache is replicated over the slot shards, then laid out again by the
+    first step)."""
+    import jax.numpy as jnp
+
+    from dspark_jax.decoding import autoregressive as A
+
+    mesh = make_mesh(data=1, fsdp=4, tensor=2)
+    spread = load_target(path, mesh=mesh)
+    stepper = spread.decoding_layout(None)
+    stops = A.stop_array([], [])
+    empty = A.empty_state(spread, A.row_key_data(0, 4), cache_len=64, max_new=4)
+    cache_sh = jax.tree.leaves(empty.cache.k)[0].sharding
+    rows_sh = empty.last_token.sharding
+    assert cache_sh.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert rows_sh.spec == P(("data", "fsdp"))
+
+    def laid(state) -> bool:
+        k = jax.tree.leaves(state.cache.k)[0]
+        return (k.sharding.is_equivalent_to(cache_sh, k.ndim)
+                and state.last_token.sharding.is_equivalent_to(rows_sh, 1))
+
+    with use_mesh(mesh):
+        s = A.prefilled_state(spread, PROMPTS, A.row_key_data(0, 4), jnp.float32(0), stops,
+                              cache_len=64, max_new=4)
+        assert laid(s)
+        s = A.ar_decode(stepper.graphdef, stepper.state, s, jnp.float32(0), stops, num_steps=2)
+        assert laid(s)
 
 
 def test_the_engine_state_is_laid_out_as_aot_compiles_it(path):

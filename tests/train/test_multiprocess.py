@@ -150,7 +150,7 @@ def test_two_processes_save_on_sigterm_at_one_step_and_resume_exactly(job):
 def test_two_processes_decode_speculatively_as_one_does(job):
     """`eval.speculative`: every process decodes with the target sharded over all of them, so
     the engine lays its request slots on a mesh that spans the two processes
-    (`serving.placement`); the held-out rounds and τ equal one process × 4 devices'."""
+    (`decoding.placement`); the held-out rounds and τ equal one process × 4 devices'."""
     extra = ("--config.eval.speculative=True", "--config.eval.speculative_temperatures=(0.0,)")
     _, one = launch(job, "spec_one", 1, 4, *extra)
     _, two = launch(job, "spec_two", 2, 2, *extra)

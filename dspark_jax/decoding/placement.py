@@ -1,13 +1,13 @@
-"""Where the serving engine's arrays live when the target's weights span several devices (SPEC
-§9: the engine on a TPU slice or a GPU host).
+"""Where a decoding state's arrays live when the target's weights span several devices (SPEC
+§9: the serving engine on a TPU slice or a GPU host, and the autoregressive loop beside it).
 
 The weights keep the mesh they were loaded on (`load_target(mesh=...)`, FSDP × tensor by
 `sharding.LOGICAL_RULES`). The request slots follow them: the KV caches [L, R, S, Kh, H] split
 their slots over (data, fsdp) and their heads over tensor, the small per-slot arrays ([R],
-[R, D], ...) their slots, and whatever does not divide stays replicated. The engine lays its
-state out by `slot_sharding` and traces its programs under the mesh (`sharding.use_mesh`), so
-each kernel runs inside `shard_map` on its own slots and heads; `aot --decode --topology`
-compiles the same programs with the same rule.
+[R, D], ...) their slots, and whatever does not divide stays replicated. The engine and the
+autoregressive loop lay their state out by `slot_sharding` and trace their programs under the
+mesh (`sharding.use_mesh`), so each kernel runs inside `shard_map` on its own slots and heads;
+`aot --decode --topology` compiles the same programs with the same rule.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ CACHE_AXES = (None, "batch", "cache_seq", "kv_heads", "head_dim")
 
 
 def slot_sharding(x: Any, mesh: Mesh) -> NamedSharding:
-    """The sharding of one array of the engine's state on `mesh`: a KV cache layer's slots over
+    """The sharding of one array of a decoding state on `mesh`: a KV cache layer's slots over
     (data, fsdp) and heads over tensor; an array of rows ([R], [R, D], …) its rows over (data,
     fsdp); a scalar replicated; a dimension the mesh does not divide stays whole."""
     shape = tuple(x.shape)
@@ -50,8 +50,20 @@ def prefill_call_tokens(prefill_tokens: int, mesh: Mesh | None) -> int:
     return int(prefill_tokens) * slot_shards(mesh)
 
 
+def prefill_min_rows(mesh: Mesh | None, num_slots: int) -> int:
+    """The fewest rows a prefill call has on `mesh` (`prefill_plan.call_rows`): one a slot
+    shard where `slot_sharding` splits the `num_slots` slots over a power-of-two number of
+    shards, so the call's rows split as the slots do and each chip prefills its own (a call of
+    fewer rows than shards stays whole: every chip would hold and compute all of it); else 1."""
+    shards = slot_shards(mesh)
+    if shards > 1 and num_slots % shards == 0 and shards & (shards - 1) == 0:
+        return shards
+    return 1
+
+
 def place_slots(tree: Any, mesh: Mesh | None) -> Any:
-    """`tree` (the engine's state) laid on `mesh` by `slot_sharding`, also where the mesh
+    """`tree` (a decoding state: the engine's, the autoregressive loop's) laid on `mesh` by
+    `slot_sharding`, also where the mesh
     spans several processes (`sharding.put_on_mesh`: every process holds the same host-local
     state); unchanged without a mesh."""
     if mesh is None:
@@ -59,4 +71,5 @@ def place_slots(tree: Any, mesh: Mesh | None) -> Any:
     return put_on_mesh(tree, jax.tree.map(lambda x: slot_sharding(x, mesh), tree))
 
 
-__all__ = ["CACHE_AXES", "place_slots", "prefill_call_tokens", "slot_shards", "slot_sharding"]
+__all__ = ["CACHE_AXES", "place_slots", "prefill_call_tokens", "prefill_min_rows", "slot_shards",
+           "slot_sharding"]
