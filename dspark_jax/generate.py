@@ -39,7 +39,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="a tree node's most children (default: the engine's, 16)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from dspark_jax.decoding.sampling import check_sampling
+
+    try:   # a usage error before any model loads
+        if args.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {args.max_new_tokens}")
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:   # "top_p must be …" → "--top-p must be …"
+        name, rule = str(exc).split(" ", 1)
+        p.error(f"--{name.replace('_', '-')} {rule}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:

@@ -26,7 +26,7 @@ from dspark_jax.decoding.placement import place_slots, prefill_call_tokens, pref
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
 from dspark_jax.decoding.prefill_plan import (PREFILL_TOKENS, call_rows, prefill_groups,
                                               prefill_length, round_up)
-from dspark_jax.decoding.sampling import sample_request_rows, top_k_cap_for
+from dspark_jax.decoding.sampling import check_sampling, sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
 from dspark_jax.models.decoder import KVCache, decode_one, init_cache, prefill
 from dspark_jax.sharding import use_mesh, weights_mesh
@@ -211,7 +211,8 @@ def autoregressive_generate(target: Any, prompts: Sequence[Sequence[int]], *,
     the layout of the devices the weights live on).
     """
     if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be ≥ 1")
+        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    check_sampling(temperature, top_k, top_p)
     cfg = target.config
     default_stops = (getattr(target.tokenizer, "stop_token_ids", None) or cfg.stop_token_ids)
     stops = stop_array(stop_token_ids, default_stops)

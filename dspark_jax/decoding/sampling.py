@@ -11,6 +11,7 @@ import directly: models sit below decoding.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 # below the package), so the drafter models, decoding and the kernels share one definition
 from pallas_kernels.common import GREEDY_T_EPS, probs_from_logits
 
-__all__ = ["FILTER_CAP", "GREEDY_T_EPS", "filter_logits", "filter_logits_rows",
+__all__ = ["FILTER_CAP", "GREEDY_T_EPS", "check_sampling", "filter_logits", "filter_logits_rows",
            "filter_within_top", "filtered_probs", "probs_from_logits", "sample_logits",
            "sample_probs", "sample_request_rows", "top_k_cap_for"]
 
@@ -185,6 +186,27 @@ def _probs_one_pass(logits: jax.Array, temperature: jax.Array) -> jax.Array:
     soft = jnp.exp(z - m[..., None]) / total[..., None]
     hard = (index == first[..., None]).astype(jnp.float32)
     return jnp.where(t > 0, soft, hard)
+
+
+def check_sampling(temperature: "Sequence[float] | float" = 0.0,
+                   top_k: "Sequence[int] | int" = 0, top_p: "Sequence[float] | float" = 1.0,
+                   *, where: str = "") -> None:
+    """ValueError naming the first bad sampling setting (each one value, or one per request):
+    `temperature` finite and ≥ 0 (0: greedy), `top_k` ≥ 0 (0: every token), `top_p` in
+    (0, 1] (1: every token). A setting outside these would otherwise fall silently into
+    greedy decoding or no filter. `where` prefixes the message (e.g. "request 3: ")."""
+    def values(x: "Sequence[float] | float") -> list[float]:
+        return [float(v) for v in (x if hasattr(x, "__iter__") else [x])]
+
+    for name, xs, ok, rule in (
+            ("temperature", values(temperature), lambda v: math.isfinite(v) and v >= 0,
+             "finite and ≥ 0 (0: greedy)"),
+            ("top_k", values(top_k), lambda v: v >= 0 and v == int(v),
+             "an integer ≥ 0 (0: every token)"),
+            ("top_p", values(top_p), lambda v: 0.0 < v <= 1.0, "in (0, 1] (1: every token)")):
+        bad = next((v for v in xs if not ok(v)), None)
+        if bad is not None:
+            raise ValueError(f"{where}{name} must be {rule}, got {bad:g}")
 
 
 def top_k_cap_for(top_k: "Sequence[int] | int", vocab_size: int) -> int:

@@ -21,7 +21,7 @@ from dspark_jax.decoding import speculative_round as round_
 from dspark_jax.decoding.plain_steps import plain_prefill, plain_steps
 from dspark_jax.decoding.prefill_plan import shaped_prefill_groups
 from dspark_jax.decoding.round_types import EngineState, RoundConfig, RoundOutputs, RoundsResult
-from dspark_jax.decoding.sampling import top_k_cap_for
+from dspark_jax.decoding.sampling import check_sampling, top_k_cap_for
 from dspark_jax.serving import policy
 from dspark_jax.serving.engine_spec import EngineSpec, bucket_for
 from dspark_jax.serving.records import RequestRecord, RoundSummary
@@ -157,10 +157,8 @@ class Run:
         """Queues a request (validated); → its index in the result."""
         i = len(self.requests)
         self.spec.check_prompt(i if label is None else label, req.prompt, self.max_new)
-        if req.temperature < 0:
-            raise ValueError("temperature must be ≥ 0")
-        if not 0.0 < req.top_p <= 1.0:
-            raise ValueError("top_p must be in (0, 1]")
+        check_sampling(req.temperature, req.top_k, req.top_p,
+                       where=f"request {i if label is None else label}: ")
         self.requests.append(req)
         self.prompts.append(list(map(int, req.prompt)))
         self.out.append([])

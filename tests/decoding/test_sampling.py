@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from dspark_jax.decoding.sampling import (FILTER_CAP, filter_logits_rows, filter_within_top,
-                                           filtered_probs, probs_from_logits)
+from dspark_jax.decoding.sampling import (FILTER_CAP, check_sampling, filter_logits_rows,
+                                           filter_within_top, filtered_probs, probs_from_logits)
 
 
 def test_filtered_probs_is_the_filtered_softmax_in_one_pass():
@@ -61,3 +62,20 @@ def test_filter_within_the_top_candidates_is_the_sorting_filter():
     assert (np.asarray(filter_within_top(flat, k, p)[1]) > -1e30).sum() <= FILTER_CAP
     np.testing.assert_allclose(filtered_probs(flat[:1], t[:1], k[:1], p[:1]), want[:1],
                                rtol=2e-6, atol=1e-9)
+
+
+def test_check_sampling_names_the_first_bad_setting():
+    """One value or one per request; what falls silently into greedy decoding (T < 0, NaN) or
+    into no filter (top-k < 0, top-p outside (0, 1]) is refused by name."""
+    check_sampling(0.0, 0, 1.0)
+    check_sampling([0.0, 0.7], [0, 50], [1.0, 0.9])
+    for kw, msg in ((dict(temperature=-0.5), "temperature must be finite and ≥ 0"),
+                    (dict(temperature=[0.0, float("inf")]), "temperature .* got inf"),
+                    (dict(top_k=[4, -1]), "top_k must be an integer ≥ 0"),
+                    (dict(top_k=2.5), "top_k must be an integer"),
+                    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+                    (dict(top_p=[1.0, 1.01]), "got 1.01")):
+        with pytest.raises(ValueError, match=msg):
+            check_sampling(**kw)
+    with pytest.raises(ValueError, match="^request 3: top_p"):
+        check_sampling(top_p=2.0, where="request 3: ")

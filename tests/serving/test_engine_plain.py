@@ -13,6 +13,7 @@ import pytest
 
 from dspark_jax.data import regeneration as R
 from dspark_jax.decoding import plain_steps as P
+from dspark_jax.decoding.autoregressive import autoregressive_generate
 from dspark_jax.decoding.sampling import filter_logits, sample_request_rows
 from dspark_jax.models import load_target
 from dspark_jax.serving import Engine, Request
@@ -120,6 +121,14 @@ def test_bad_requests(target):
         eng.serve([Request([1] * 12, np.zeros(2, np.uint32))], max_new_tokens=4)
     with pytest.raises(ValueError, match="plain_steps_per_call"):
         _engine(target, [], plain_steps_per_call=0)
+    # sampling settings that would fall silently into greedy decoding or no filter
+    for field, value in (("temperature", -1.0), ("temperature", float("nan")), ("top_k", -1),
+                         ("top_p", 1.5), ("top_p", 0.0)):
+        req = Request([1, 2], np.zeros(2, np.uint32), **{field: value})
+        with pytest.raises(ValueError, match=f"request 0: {field} must be"):
+            eng.serve([req], max_new_tokens=4)
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            autoregressive_generate(target, [[1, 2]], max_new_tokens=4, **{field: value})
 
 
 @pytest.mark.parametrize("cap", [0, 10])
