@@ -127,6 +127,13 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
         bad("data.heldout", "must be ≥ 0")
     if c.data.max_new_tokens < 1:
         bad("data.max_new_tokens", "must be ≥ 1")
+    from dspark_jax.decoding.sampling import check_sampling
+
+    for key in ("temperature", "top_k", "top_p"):   # regeneration's sampling, before it runs
+        try:
+            check_sampling(**{key: c.data[key]})
+        except ValueError as exc:
+            bad(f"data.{key}", str(exc).split(" ", 1)[1])
     if c.data.max_length < 2:
         bad("data.max_length", "must be ≥ 2")
     if c.data.order not in DATA_ORDERS:

@@ -105,7 +105,10 @@ def test_unknown_keys_and_bad_values_are_clear_errors(tiny):
              ("--config.train.precision=fp16", "train.precision.*not one of"),
              ("--config.train.precision=bf16", "train.precision.*train.compute_dtype=bfloat16"),
              ("--config.data.order=torch", "data.order.*not one of"),
-             ("--config.eval.speculative_temperatures=(-1.0,)", "eval.speculative_temperatures")]
+             ("--config.eval.speculative_temperatures=(-1.0,)", "eval.speculative_temperatures"),
+             ("--config.data.top_p=1.5", r"config.data.top_p: must be in \(0, 1\]"),
+             ("--config.data.top_k=-1", "config.data.top_k: must be an integer ≥ 0"),
+             ("--config.data.temperature=-0.7", "config.data.temperature: must be finite")]
     for arg, msg in cases:
         with pytest.raises(cli.UsageError, match=msg):
             cli.parse_config(base + [arg])
