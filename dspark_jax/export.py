@@ -43,16 +43,11 @@ FORMATS = ("deepspec", "speculators")
 
 
 def resolve_source(src: str | os.PathLike) -> pathlib.Path:
-    """A drafter directory: SRC itself when it holds config.json, else a training workdir's
-    `export/`."""
-    p = pathlib.Path(src)
-    if (p / "config.json").exists() and any(p.glob("*.safetensors")):
-        return p
-    if (p / "export" / "config.json").exists():
-        return p / "export"
-    raise FileNotFoundError(f"{p}: neither a drafter directory (config.json + *.safetensors) nor "
-                            "a training workdir with an export/ directory (a job exports there "
-                            "when its training finishes)")
+    """A drafter directory: SRC itself when it holds one, else a training workdir's `export/`
+    (`models.drafters.draft.drafter_dir`)."""
+    from dspark_jax.models.drafters.draft import drafter_dir
+
+    return drafter_dir(src)
 
 
 def check_options(fmt: str, *, full_vocab_fallback: bool = False,

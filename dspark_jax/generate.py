@@ -40,6 +40,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if (args.tree_budget or args.tree_branching is not None) and not args.draft:
+        p.error("--tree-budget and --tree-branching shape the drafter's trees: they need --draft")
     from dspark_jax.decoding.sampling import check_sampling
 
     try:   # a usage error before any model loads

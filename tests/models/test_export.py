@@ -16,6 +16,7 @@ from dspark_jax import export as export_cli
 from dspark_jax.models import init_draft, load_draft, load_target
 from dspark_jax.models.io.deepspec import ExportError, LegacyDrafterWarning
 from dspark_jax.models.io.hf import read_safetensors_dir, write_safetensors
+from dspark_jax.models.io.errors import CheckpointError
 from hf_tiny import save_tiny_hf
 
 BASE = dict(block_size=4, num_draft_layers=2, target_layer_ids=(0, 1), mask_token_id=96,
@@ -151,6 +152,11 @@ def test_export_cli(target, feats, tmp_path, capsys):
                            "--no-progress"])
     _same_block(load_draft(out, target=target), load_draft(work / "export", target=target),
                 feats)
+    # a training workdir loads its export/ (`generate --draft`, `evaluate --draft`)
+    _same_block(load_draft(work, target=target), load_draft(work / "export", target=target),
+                feats)
+    with pytest.raises(CheckpointError, match="nothing: neither a drafter directory"):
+        load_draft(tmp_path / "nothing", target=target)
     # an existing export is replaced whole; a refused one leaves the old in place
     before = (tmp_path / "o" / "model.safetensors").read_bytes()
     with pytest.raises(SystemExit) as e:

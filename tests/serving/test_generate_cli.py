@@ -60,12 +60,13 @@ def test_speculative_cli_drafts_trees(cli_args, capsys):
 @pytest.mark.parametrize("flag,value,message", [
     ("--top-p", "1.5", r"--top-p must be in \(0, 1\]"), ("--top-k", "-3", "--top-k must be"),
     ("--temperature", "-1", "--temperature must be finite and ≥ 0"),
-    ("--max-new-tokens", "0", "--max-new-tokens must be ≥ 1")])
+    ("--max-new-tokens", "0", "--max-new-tokens must be ≥ 1"),
+    ("--tree-budget", "8", "--tree-budget and --tree-branching .* need --draft")])
 def test_bad_sampling_flags_are_usage_errors_before_any_model_loads(flag, value, message,
                                                                      capsys):
-    """A setting that would fall silently into greedy decoding or no filter is refused by
-    its flag's name (exit 2), before the target (here a directory that does not exist) is
-    read."""
+    """A setting that would fall silently into greedy decoding or no filter, or trees without
+    a drafter, is refused by its flag's name (exit 2), before the target (here a directory
+    that does not exist) is read."""
     with pytest.raises(SystemExit) as exc:
         generate.main(["--target", "/nonexistent", "--prompt", "hi", flag, value])
     assert exc.value.code == 2

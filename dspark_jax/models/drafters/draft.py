@@ -25,6 +25,7 @@ from dspark_jax.models.drafters.config import DraftConfig, validate_against_targ
 from dspark_jax.models.drafters.dspark import DSparkDraft
 from dspark_jax.models.families import family
 from dspark_jax.models.io.calibration_file import CalibrationFileError, load_temperatures
+from dspark_jax.models.io.errors import CheckpointError
 from dspark_jax.models.io.deepspec import (ExportError, faithful_format, read_deepspec_dir,
                                            write_deepspec_dir)
 from dspark_jax.models.io.hf import build_from_pure, read_config_json
@@ -249,10 +250,25 @@ def target_layers_init(model: nnx.Module, tmodel: nnx.Module) -> None:
                                    dtype=model.norm.get_value().dtype, copy=True))
 
 
+def drafter_dir(path: str | os.PathLike) -> pathlib.Path:
+    """The drafter directory `path` names: `path` itself where it holds a drafter (config.json
+    + *.safetensors), else a training workdir's `export/` (a job exports there when its
+    training finishes); a `CheckpointError` saying which it expected otherwise."""
+    p = pathlib.Path(path)
+    if (p / "config.json").exists() and any(p.glob("*.safetensors")):
+        return p
+    if (p / "export" / "config.json").exists():
+        return p / "export"
+    raise CheckpointError(f"{p}: neither a drafter directory (config.json + *.safetensors, "
+                          "DeepSpec's or speculators' format) nor a training workdir with an "
+                          "export/ directory (a job exports there when its training finishes)")
+
+
 def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = None,
                param_dtype: Any = None, block_convention: str | None = None) -> Draft:
     """Loads a drafter directory: DeepSpec's format or speculators' (vLLM's), both as we
-    export them, and DeepSpec's own checkpoints.
+    export them, and DeepSpec's own checkpoints; a training workdir loads its `export/`
+    (`drafter_dir`).
 
     With `target`, checks that the drafter was built for it (vocabulary, width, layer ids),
     and holds the target's own embedding and LM head where the drafter's equal them
@@ -263,6 +279,7 @@ def load_draft(path: str | os.PathLike, target: Any = None, dtype: Any = None,
     A `confidence_calibration.json` in the directory sets `confidence_temperatures`.
     """
     tcfg = target.config if target is not None else None
+    path = drafter_dir(path)
     read = (read_speculators_dir if pathlib.Path(path).is_dir()
             and is_speculators_config(read_config_json(path)) else read_deepspec_dir)
     cfg, pure = read(path, tcfg)
@@ -293,4 +310,5 @@ def _load_confidence_temperatures(path: str | os.PathLike, cfg: DraftConfig
     return temps
 
 
-__all__ = ["Draft", "init_draft", "load_draft", "create_draft_module", "ConfigError"]
+__all__ = ["Draft", "init_draft", "load_draft", "drafter_dir", "create_draft_module",
+           "ConfigError"]
