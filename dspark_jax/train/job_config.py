@@ -123,8 +123,13 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
             "Face directory, e.g. --config.target=/path/to/Qwen3-4B")
     if c.data.features not in FEATURE_MODES:
         bad("data.features", f"{c.data.features!r} is not one of {FEATURE_MODES}")
-    if c.data.heldout < 0:
-        bad("data.heldout", "must be ≥ 0")
+    if c.data.heldout < 0 or (c.data.heldout >= 1 and c.data.heldout != int(c.data.heldout)):
+        bad("data.heldout", f"{c.data.heldout!r} must be a fraction in [0, 1) or a whole count "
+            "of prompts ≥ 1")
+    if c.data.max_prompts == 0 or c.data.max_prompts < -1:
+        bad("data.max_prompts", f"{c.data.max_prompts!r} must be ≥ 1 (or -1: every prompt)")
+    if c.data.regen_batch_size < 1:
+        bad("data.regen_batch_size", "must be ≥ 1")
     if c.data.max_new_tokens < 1:
         bad("data.max_new_tokens", "must be ≥ 1")
     from dspark_jax.decoding.sampling import check_sampling
@@ -158,6 +163,15 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
             f"{t.global_batch_size}")
     if t.epochs < 1 and t.max_steps < 0:
         bad("train.epochs", "must be ≥ 1 (or set train.max_steps)")
+    for key, rule in (("lr", "must be > 0"), ("weight_decay", "must be ≥ 0"),
+                      ("clip_norm", "must be > 0"), ("eps", "must be > 0"),
+                      ("warmup_ratio", "must be in [0, 1)"), ("b1", "must be in [0, 1)"),
+                      ("b2", "must be in [0, 1)")):
+        v = float(t[key])
+        ok = {"lr": v > 0, "weight_decay": v >= 0, "clip_norm": v > 0, "eps": v > 0}.get(
+            key, 0 <= v < 1)
+        if not ok or v != v:
+            bad(f"train.{key}", f"{t[key]!r} {rule}")
     for key in ("compute_dtype", "target_dtype"):
         if t[key] not in ("float32", "fp32", "bfloat16", "bf16"):
             bad(f"train.{key}", f"{t[key]!r} is not float32 or bfloat16")

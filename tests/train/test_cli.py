@@ -108,7 +108,14 @@ def test_unknown_keys_and_bad_values_are_clear_errors(tiny):
              ("--config.eval.speculative_temperatures=(-1.0,)", "eval.speculative_temperatures"),
              ("--config.data.top_p=1.5", r"config.data.top_p: must be in \(0, 1\]"),
              ("--config.data.top_k=-1", "config.data.top_k: must be an integer ≥ 0"),
-             ("--config.data.temperature=-0.7", "config.data.temperature: must be finite")]
+             ("--config.data.temperature=-0.7", "config.data.temperature: must be finite"),
+             ("--config.train.lr=-1e-3", "config.train.lr: -0.001 must be > 0"),
+             ("--config.train.weight_decay=-0.1", "config.train.weight_decay: .* must be ≥ 0"),
+             ("--config.train.b2=1.0", r"config.train.b2: .* must be in \[0, 1\)"),
+             ("--config.train.clip_norm=0.0", "config.train.clip_norm"),
+             ("--config.data.heldout=1.5", "config.data.heldout: 1.5 must be a fraction"),
+             ("--config.data.max_prompts=0", "config.data.max_prompts: 0 must be ≥ 1"),
+             ("--config.data.regen_batch_size=0", "config.data.regen_batch_size: must be ≥ 1")]
     for arg, msg in cases:
         with pytest.raises(cli.UsageError, match=msg):
             cli.parse_config(base + [arg])
