@@ -246,12 +246,17 @@ def test_h200_stacked_layers_copy_the_weights(h200_report, tmp_path):
     assert h200_report[0]["programs"]["decode_step"]["weight_copy_bytes"] == 0
 
 
-def test_a_chip_excludes_a_topology():
+def test_a_chip_excludes_a_topology(capsys):
+    """Usage errors before anything compiles: a chip and a topology at once, slices of a
+    single chip, no slice at all."""
     from dspark_jax.aot import command as cli
 
-    with pytest.raises(SystemExit):
-        cli.main(["aot", "--config", "configs/tiny.py", "--chip", "h200", "--topology",
-                  "v5e:2x2", "--decode"])
+    for extra, message in ((["--chip", "h200", "--topology", "v5e:2x2"], "one of --topology"),
+                           (["--chip", "h200", "--num-slices", "2"], "needs --topology"),
+                           (["--topology", "v5e:2x2", "--num-slices", "0"], "must be ≥ 1")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["aot", "--config", "configs/tiny.py", "--decode", *extra])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.gpu

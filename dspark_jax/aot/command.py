@@ -78,6 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("give one of --topology (a TPU slice) or --chip (one chip)")
     if args.stacked_layers and not args.decode:
         ap.error("--stacked-layers compares decoding layouts: it needs --decode")
+    if args.num_slices < 1:
+        ap.error(f"--num-slices must be ≥ 1, got {args.num_slices}")
+    if args.num_slices > 1 and not args.topology:
+        ap.error("--num-slices joins slices of a TPU topology: it needs --topology")
     try:
         report, text = _compile(argv[0], args, overrides)
     except AotError as e:
