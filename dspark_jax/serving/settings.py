@@ -129,6 +129,15 @@ class EngineSettings:
                              "DeepSpec's loop); it cannot be combined with cap_to_budget=True")
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be ≥ 1, got {self.max_requests}")
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be ≥ 2 (a prompt token and a new one), got "
+                             f"{self.max_len}")
+        if self.stop_token_ids is not None and any(int(i) < 0 for i in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids ≥ 0 ([]: no stop token), got "
+                             f"{list(self.stop_token_ids)}")
+        if self.layer_buffers not in (None, True, False):
+            raise ValueError(f"layer_buffers must be True, False or None (the devices' "
+                             f"layout), got {self.layer_buffers!r}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be ≥ 1, got {self.prefill_chunk}")
         if self.prefill_tokens < 1:

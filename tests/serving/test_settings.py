@@ -45,6 +45,9 @@ def test_unknown_keyword_is_a_type_error():
     (dict(plain_seconds=0.0), "plain_seconds"),
     (dict(probe_interval=8, max_probe_interval=4), "probe_interval"),
     (dict(explore=2.0), "explore"),
+    (dict(max_len=0), "max_len must be ≥ 2"),
+    (dict(stop_token_ids=[2, -5]), r"stop_token_ids must be token ids ≥ 0 .* \[2, -5\]"),
+    (dict(layer_buffers="yes"), "layer_buffers must be True, False or None"),
 ])
 def test_validate_names_the_bad_setting(kw, match):
     with pytest.raises(ValueError, match=match):
