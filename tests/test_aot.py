@@ -298,11 +298,19 @@ def test_tree_round_compiles_for_a_v5e_slice_with_the_vocabulary_split(tmp_path)
     probabilities as it reaches it; gathering every request's [N + 1, V] rows first stops
     libtpu's compiler (a gather split it cannot lay out)."""
     target = save_tiny_hf(tmp_path / "target", "qwen3", head_dim=16, layers=2, vocab=2048)
-    rc, r = _slice_decode(tmp_path, target, "--tree-budget", "8", "--tree-branching", "4")
+    rc, r = _slice_decode(tmp_path, target, "--tree-budget", "8", "--tree-branching", "4",
+                          "--programs", "round")
     assert rc == 0
     assert r["mesh"]["tensor"] == 2 and r["fits"] is True
     assert r["tree_budget"] == 8 and r["tree_branching"] == 4
     assert r["round_call"]["compile_error"] == ""
+    # `--programs round`: the round alone, its peak and bound the report's
+    assert not {"draft_step", "verify_step", "prefill_call", "anchor_call"} & set(r)
+    assert r["peak_bytes_per_chip"] == r["round_call"]["peak_bytes_per_chip"]
+    assert r["step_time_lower_bound_s"] == r["round_call"]["step_time_lower_bound_s"]
+    rc = cli.main(["aot", "--decode", "--config", "configs/tiny.py", "--topology", "v5e:2x2",
+                   f"--config.target={target}", "--programs", "round,prefil"])
+    assert rc == 2
 
 
 @pytest.mark.tpu

@@ -46,8 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="one chip (h200, h100: compiled without a GPU; v5e, v5p, v6e: one TPU "
                          "chip): the training step with its traffic, or with --decode the "
                          "decoding programs against their floor")
-    ap.add_argument("--programs", default="decode_step,plain_step,draft,verify,round",
-                    help="--chip: the programs to compile")
+    ap.add_argument("--programs", default="",
+                    help="--decode: the programs to compile; --chip: of decode_step, "
+                         "plain_step, draft, verify, round (default all); --topology: the "
+                         "round and any of draft, verify, anchor, prefill (default all)")
     ap.add_argument("--stacked-layers", action="store_true",
                     help="--decode: compile the layers stacked (the CPU's and training's "
                          "layout) instead of one buffer per layer, to compare")
@@ -76,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"unrecognised arguments: {bad}")
     if bool(args.chip) == bool(args.topology):
         ap.error("give one of --topology (a TPU slice) or --chip (one chip)")
+    if args.programs and not args.decode:
+        ap.error("--programs picks decoding programs: it needs --decode")
     if args.stacked_layers and not args.decode:
         ap.error("--stacked-layers compares decoding layouts: it needs --decode")
     if args.num_slices < 1:
@@ -112,12 +116,14 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
     except UsageError as e:
         raise AotError(str(e)) from None
     if args.chip and args.decode:
-        from dspark_jax.aot.decode_floor import decode_floor_report, format_floor_report
+        from dspark_jax.aot.decode_floor import (PROGRAMS as FLOOR_PROGRAMS, decode_floor_report,
+                                                 format_floor_report)
 
         shape = DecodeShape(args.requests or 1, args.max_len, args.capacity, args.tree_budget,
                             args.tree_branching)
         report = decode_floor_report(c, args.chip, shape,
-                                     [p for p in args.programs.split(",") if p],
+                                     [p for p in args.programs.split(",") if p]
+                                     or list(FLOOR_PROGRAMS),
                                      layer_buffers=not args.stacked_layers)
         return report, format_floor_report(report)
     if args.chip:
@@ -132,7 +138,8 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
                             args.tree_budget, args.tree_branching)
         report = decode_report(c, args.topology, shape, args.num_slices,
                                default_mesh=not args.no_preset,
-                               layer_buffers=not args.stacked_layers)
+                               layer_buffers=not args.stacked_layers,
+                               programs=[p for p in args.programs.split(",") if p] or None)
         return report, format_decode_report(report)
     from dspark_jax.aot.training import format_report, train_report
 

@@ -357,13 +357,20 @@ def _program_report(fn: Any, lower: Any, args: tuple, mesh: Any, n: int, chip: A
 
 
 def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1, *,
-                  default_mesh: bool = True, layer_buffers: bool = True) -> dict[str, Any]:
-    """Compiles the draft and verification steps of config `c` for `topology` → report.
+                  default_mesh: bool = True, layer_buffers: bool = True,
+                  programs: Sequence[str] | None = None) -> dict[str, Any]:
+    """Compiles the programs the engine runs for config `c` on `topology` → report: the round,
+    and those of `OPTIONAL_PROGRAMS` that `programs` names (None: all of them; the peak, the
+    time bound and the FLOPs are then of the ones compiled).
     `default_mesh`: the serving mesh of `decode_mesh_shape` (else the config's mesh.*).
     `layer_buffers`: the engine's layout on accelerators, one buffer per layer (False: the
     stacked layers, to compare)."""
     import jax
 
+    wanted = set(OPTIONAL_PROGRAMS if programs is None else programs) - {"round"}
+    if wanted - set(OPTIONAL_PROGRAMS):
+        raise AotError(f"unknown program {sorted(wanted - set(OPTIONAL_PROGRAMS))[0]!r}; choose "
+                       f"from {['round', *OPTIONAL_PROGRAMS]} (the round always compiles)")
     devices, chip = slice_devices(topology, num_slices)
     if default_mesh:
         kv_heads = int(target_hf_dict(c)["num_key_value_heads"])
@@ -372,21 +379,32 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
     rnd = build_abstract_round(c, devices, shape, layer_buffers=layer_buffers)
     shape = rnd.shape
     n = len(devices)
-    draft = _program_report(rnd.draft_fn, rnd.draft_lower, rnd.draft_args, rnd.mesh, n, chip)
-    fused = _program_report(rnd.round_fn, rnd.round_lower, rnd.round_args, rnd.mesh, n, chip)
+
+    def report(fn: Any, lower: Any, args: tuple) -> dict[str, Any]:
+        return _program_report(fn, lower, args, rnd.mesh, n, chip)
+
+    fused = report(rnd.round_fn, rnd.round_lower, rnd.round_args)
+    parts = {"draft_step": report(rnd.draft_fn, rnd.draft_lower, rnd.draft_args)
+             if "draft" in wanted else None}
     # a tree's verification runs only inside the round (the separate step verifies chains)
-    verify = fused if shape.tree_budget else _program_report(
-        rnd.verify_fn, rnd.verify_lower, rnd.verify_args, rnd.mesh, n, chip)
+    parts["verify_step"] = (fused if shape.tree_budget and "verify" in wanted else
+                            report(rnd.verify_fn, rnd.verify_lower, rnd.verify_args)
+                            if "verify" in wanted else None)
     # what else the engine runs on the same weights and caches: the joins' prefill, and the
     # plain stretches of a scheduler that may skip drafting
-    prefill = _program_report(rnd.prefill_fn, rnd.prefill_lower, rnd.prefill_args, rnd.mesh,
-                              n, chip)
-    anchor = rnd.anchor_fn and _program_report(rnd.anchor_fn, rnd.anchor_lower,
-                                               rnd.anchor_args, rnd.mesh, n, chip)
-    others = {"prefill_call": prefill} | ({"anchor_call": anchor} if anchor else {})
-    peak = max(p["peak_bytes_per_chip"] for p in (draft, verify, fused, *others.values()))
-    bound = (fused["step_time_lower_bound_s"] if shape.tree_budget
-             else draft["step_time_lower_bound_s"] + verify["step_time_lower_bound_s"])
+    parts["prefill_call"] = (report(rnd.prefill_fn, rnd.prefill_lower, rnd.prefill_args)
+                             if "prefill" in wanted else None)
+    parts["anchor_call"] = (report(rnd.anchor_fn, rnd.anchor_lower, rnd.anchor_args)
+                            if rnd.anchor_fn and "anchor" in wanted else None)
+    others = {k: v for k, v in parts.items() if v is not None}
+    draft, verify = others.get("draft_step"), others.get("verify_step")
+    peak = max(p["peak_bytes_per_chip"] for p in (fused, *others.values()))
+    # one round: the draft and verification steps where both were compiled, else the round
+    split = draft is not None and verify is not None and not shape.tree_budget
+    bound = (draft["step_time_lower_bound_s"] + verify["step_time_lower_bound_s"] if split
+             else fused["step_time_lower_bound_s"])
+    flops = (draft["flops_per_step"] + verify["flops_per_step"] if split
+             else fused["flops_per_step"])
     return {
         "mode": "decode", "config": c.name, "topology": topology, "num_slices": num_slices,
         "num_chips": n, "chip": chip.name, "mesh": dict(rnd.mesh.shape),
@@ -399,14 +417,13 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
         "hbm_bytes_per_chip": chip.hbm_bytes, "hbm_bytes_per_s_per_chip": chip.hbm_bytes_per_s,
         "peak_bytes_per_chip": int(peak), "headroom_bytes_per_chip": int(chip.hbm_bytes - peak),
         "fits": bool(peak <= chip.hbm_bytes),
-        "flops_per_step": draft["flops_per_step"] + verify["flops_per_step"],
+        "flops_per_step": flops,
         "peak_flops_per_chip": chip.peak_bf16_flops, "step_time_lower_bound_s": bound,
         "tokens_per_s_upper_bound": shape.capacity / bound if bound else 0.0,
-        "draft_step": draft, "verify_step": verify, "round_call": fused, **others,
+        "round_call": fused, **others,
         "prefill_rows": rnd.prefill_args[3].shape[0],
         "prefill_tokens": rnd.prefill_args[3].shape[1],
-        "compile_error": next((p["compile_error"] for p in (draft, verify, fused,
-                                                            *others.values())
+        "compile_error": next((p["compile_error"] for p in (fused, *others.values())
                                if p["compile_error"]), ""),
         "jax": jax.__version__,
         "libtpu": libtpu_version() if devices[0].platform == "tpu" else "",
@@ -415,6 +432,8 @@ def decode_report(c: Any, topology: str, shape: DecodeShape, num_slices: int = 1
 
 # the programs a topology's report holds, in the order it prints them
 PROGRAM_KEYS = ("draft_step", "verify_step", "round_call", "anchor_call", "prefill_call")
+# the programs besides the round a topology's report may leave out (`--programs`)
+OPTIONAL_PROGRAMS = ("draft", "verify", "anchor", "prefill")
 
 
 def format_decode_report(r: dict[str, Any]) -> str:
@@ -435,9 +454,11 @@ def format_decode_report(r: dict[str, Any]) -> str:
                      f"{g(p['temp_bytes_per_chip'])}"
                      f"{g(p['peak_bytes_per_chip'])}  {p['flops_per_step'] / 1e9:10.1f}  "
                      f"{p['flops_bound_s'] * 1e3:8.3f} ms {p['hbm_traffic_bound_s'] * 1e3:8.3f} ms")
-    anchor = "; anchor_call: the rounds that skip drafting" if "anchor_call" in r else ""
-    lines.append(f"  prefill_call: {r['prefill_rows']} prompts × {r['prefill_tokens']} tokens, "
-                 f"the engine's largest prefill call{anchor}")
+    notes = ([f"prefill_call: {r['prefill_rows']} prompts × {r['prefill_tokens']} tokens, the "
+              "engine's largest prefill call"] if "prefill_call" in r else []) + (
+        ["anchor_call: the rounds that skip drafting"] if "anchor_call" in r else [])
+    if notes:
+        lines.append("  " + "; ".join(notes))
     lines.append(f"  peak (the largest program's) {g(r['peak_bytes_per_chip']).strip()} of "
                  f"{g(r['hbm_bytes_per_chip']).strip()} HBM → "
                  + ("fits" if r["fits"] else "DOES NOT FIT")
