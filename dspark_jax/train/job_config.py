@@ -163,14 +163,13 @@ def validate_config(c: ml_collections.ConfigDict, require_target: bool = True) -
             f"{t.global_batch_size}")
     if t.epochs < 1 and t.max_steps < 0:
         bad("train.epochs", "must be ≥ 1 (or set train.max_steps)")
-    for key, rule in (("lr", "must be > 0"), ("weight_decay", "must be ≥ 0"),
-                      ("clip_norm", "must be > 0"), ("eps", "must be > 0"),
-                      ("warmup_ratio", "must be in [0, 1)"), ("b1", "must be in [0, 1)"),
-                      ("b2", "must be in [0, 1)")):
-        v = float(t[key])
-        ok = {"lr": v > 0, "weight_decay": v >= 0, "clip_norm": v > 0, "eps": v > 0}.get(
-            key, 0 <= v < 1)
-        if not ok or v != v:
+    positive, at_least_0 = (lambda v: v > 0, "must be > 0"), (lambda v: v >= 0, "must be ≥ 0")
+    below_1 = (lambda v: 0 <= v < 1, "must be in [0, 1)")
+    for key, (ok, rule) in {"lr": positive, "eps": positive, "clip_norm": positive,
+                            "weight_decay": at_least_0, "b1": below_1, "b2": below_1,
+                            "warmup_ratio": (lambda v: 0 <= v <= 1, "must be in [0, 1]")
+                            }.items():
+        if not ok(float(t[key])):   # NaN fails every rule
             bad(f"train.{key}", f"{t[key]!r} {rule}")
     for key in ("compute_dtype", "target_dtype"):
         if t[key] not in ("float32", "fp32", "bfloat16", "bf16"):

@@ -25,9 +25,9 @@ from dspark_jax.models.drafters.config import DraftConfig, validate_against_targ
 from dspark_jax.models.drafters.dspark import DSparkDraft
 from dspark_jax.models.families import family
 from dspark_jax.models.io.calibration_file import CalibrationFileError, load_temperatures
-from dspark_jax.models.io.errors import CheckpointError
 from dspark_jax.models.io.deepspec import (ExportError, faithful_format, read_deepspec_dir,
                                            write_deepspec_dir)
+from dspark_jax.models.io.errors import CheckpointError
 from dspark_jax.models.io.hf import build_from_pure, read_config_json
 from dspark_jax.models.io.speculators import (is_speculators_config, read_speculators_dir,
                                               write_speculators_dir)
