@@ -217,9 +217,8 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     import jax.numpy as jnp
 
     from dspark_jax.decoding import speculative_round as R_
-    from dspark_jax.decoding.placement import (prefill_call_tokens, prefill_min_rows,
-                                               slot_sharding)
-    from dspark_jax.decoding.prefill_plan import call_rows, prefill_length, rows_within
+    from dspark_jax.decoding.placement import prefill_call_tokens, slot_sharding
+    from dspark_jax.decoding.prefill_plan import pow2_rows, prefill_length, rows_within
     from dspark_jax.decoding.tree import DEFAULT_BRANCHING
     from dspark_jax.models.drafters.kind import drafter_kind
     from dspark_jax.serving.modes import Fixed, scheduler_mode
@@ -266,9 +265,7 @@ def build_abstract_round(c: Any, devices: Sequence[Any], shape: DecodeShape,
     # the engine's largest prefill call (`run_loop._prefill`): prompts as long as the cache, as
     # many as join at once within `prefill_tokens` a slot shard, in `prefill_chunk` chunks
     width = prefill_length(S, settings.len_bucket, settings.prefill_chunk, S)
-    least = prefill_min_rows(mesh, R)
-    rows = call_rows(rows_within(R, width, prefill_call_tokens(settings.prefill_tokens, mesh),
-                                 least), least)
+    rows = pow2_rows(rows_within(R, width, prefill_call_tokens(settings.prefill_tokens, mesh)))
     prefill_args = (arrays, state, params, small(jax.ShapeDtypeStruct((rows, width), jnp.int32)),
                     *(small(jax.ShapeDtypeStruct((rows,), jnp.int32)),) * 2)
     chunk = min(width, settings.prefill_chunk)

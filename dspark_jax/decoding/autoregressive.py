@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dspark_jax.decoding.placement import place_slots, prefill_call_tokens, prefill_min_rows
+from dspark_jax.decoding.placement import place_slots, prefill_call_tokens
 from dspark_jax.decoding.precision import model_precision, with_precision_policy
-from dspark_jax.decoding.prefill_plan import (PREFILL_TOKENS, call_rows, prefill_groups,
+from dspark_jax.decoding.prefill_plan import (PREFILL_TOKENS, pow2_rows, prefill_groups,
                                               prefill_length, round_up)
 from dspark_jax.decoding.sampling import check_sampling, sample_request_rows, top_k_cap_for
 from dspark_jax.decoding.stops import is_stop, stop_array
@@ -139,19 +139,17 @@ def prefilled_state(target: Any, prompts: Sequence[Sequence[int]], key_data: Any
     engine's joins): one group of everything would pad every prompt to the longest (16 chat
     prompts of 41-308 tokens: 5,120 positions computed for 1,305), each of at most
     `prefill_tokens` padded tokens a slot shard (one longer prompt alone; on a mesh, as the
-    serving engine's joins: `placement.prefill_call_tokens`, `placement.prefill_min_rows`),
-    which bounds the memory a call holds beside the cache."""
+    serving engine's joins: `placement.prefill_call_tokens`), which bounds the memory a call
+    holds beside the cache."""
     B = len(prompts) if rows is None else rows
     target = target.decoding_layout(layer_buffers)    # the steps' weights, read once
     s = empty_state(target, jnp.asarray(key_data), cache_len=cache_len, max_new=max_new,
                     layer_buffers=layer_buffers)
-    mesh = weights_mesh(target.state)
-    least = prefill_min_rows(mesh, B)
     lengths = [len(p) for p in prompts]
     for idx in prefill_groups(lengths, B, len_bucket, chunk, cache_len,
-                              max_tokens=prefill_call_tokens(prefill_tokens, mesh),
-                              min_rows=least):
-        n = call_rows(len(idx), least)
+                              max_tokens=prefill_call_tokens(prefill_tokens,
+                                                             weights_mesh(target.state))):
+        n = pow2_rows(len(idx))
         P = prefill_length(max(lengths[i] for i in idx), len_bucket, chunk, cache_len)
         tokens = np.zeros((n, P), np.int32)
         lens = np.ones((n,), np.int32)

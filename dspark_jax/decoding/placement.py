@@ -50,17 +50,6 @@ def prefill_call_tokens(prefill_tokens: int, mesh: Mesh | None) -> int:
     return int(prefill_tokens) * slot_shards(mesh)
 
 
-def prefill_min_rows(mesh: Mesh | None, num_slots: int) -> int:
-    """The fewest rows a prefill call has on `mesh` (`prefill_plan.call_rows`): one a slot
-    shard where `slot_sharding` splits the `num_slots` slots over a power-of-two number of
-    shards, so the call's rows split as the slots do and each chip prefills its own (a call of
-    fewer rows than shards stays whole: every chip would hold and compute all of it); else 1."""
-    shards = slot_shards(mesh)
-    if shards > 1 and num_slots % shards == 0 and shards & (shards - 1) == 0:
-        return shards
-    return 1
-
-
 def place_slots(tree: Any, mesh: Mesh | None) -> Any:
     """`tree` (a decoding state: the engine's, the autoregressive loop's) laid on `mesh` by
     `slot_sharding`, also where the mesh
@@ -71,5 +60,4 @@ def place_slots(tree: Any, mesh: Mesh | None) -> Any:
     return put_on_mesh(tree, jax.tree.map(lambda x: slot_sharding(x, mesh), tree))
 
 
-__all__ = ["CACHE_AXES", "place_slots", "prefill_call_tokens", "prefill_min_rows", "slot_shards",
-           "slot_sharding"]
+__all__ = ["CACHE_AXES", "place_slots", "prefill_call_tokens", "slot_shards", "slot_sharding"]

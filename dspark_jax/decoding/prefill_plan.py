@@ -28,34 +28,32 @@ def prefill_length(longest: int, len_bucket: int, chunk: int, cache_len: int) ->
     return round_up(P, chunk) if P > chunk else P
 
 
-def rows_within(max_rows: int, width: int, max_tokens: int | None, min_rows: int = 1) -> int:
+def rows_within(max_rows: int, width: int, max_tokens: int | None) -> int:
     """The most prompts a prefill group of `width` padded tokens may hold: `max_rows`, fewer
     where their power-of-two rows × `width` would pass `max_tokens` (None: no limit), and
-    never fewer than `min_rows` (the rows every call has anyway: one, or one a slot shard on a
-    mesh) nor one."""
+    never fewer than one."""
     if not max_tokens:
         return max_rows
-    fit = max(int(max_tokens) // int(width), int(min_rows), 1)
+    fit = max(int(max_tokens) // int(width), 1)
     return min(max_rows, 1 << (fit.bit_length() - 1))
 
 
 def prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int, chunk: int,
                    cache_len: int, group_tokens: int = 64,
-                   max_tokens: int | None = PREFILL_TOKENS, min_rows: int = 1
-                   ) -> list[list[int]]:
+                   max_tokens: int | None = PREFILL_TOKENS) -> list[list[int]]:
     """The joining prompts (indices into `lengths`) split into prefill groups of at most
     `max_rows` (and at most `max_tokens` padded tokens, `rows_within`), each padded to a
-    power-of-two rows (at least `min_rows`, `call_rows`) × `prefill_length` tokens: the split
-    of the length-sorted prompts that computes the fewest padded tokens, a group counting
-    `group_tokens` more (its device call). One group of everything pads every prompt to the
-    longest (16 chat prompts of 41-308 tokens: 5,120 tokens for 1,305); this pays ~1,900."""
+    power-of-two rows × `prefill_length` tokens: the split of the length-sorted prompts that
+    computes the fewest padded tokens, a group counting `group_tokens` more (its device call).
+    One group of everything pads every prompt to the longest (16 chat prompts of 41-308
+    tokens: 5,120 tokens for 1,305); this pays ~1,900."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     n = len(order)
     best, cut = [0] * (n + 1), [0] * (n + 1)
     for j in range(1, n + 1):
         P = prefill_length(lengths[order[j - 1]], len_bucket, chunk, cache_len)
-        most = rows_within(max_rows, P, max_tokens, min_rows)
-        best[j], cut[j] = min((best[i] + call_rows(j - i, min_rows) * P + group_tokens, i)
+        most = rows_within(max_rows, P, max_tokens)
+        best[j], cut[j] = min((best[i] + pow2_rows(j - i) * P + group_tokens, i)
                               for i in _last_group_starts(j, most, ()))
     groups, j = [], n
     while j > 0:
@@ -86,32 +84,24 @@ def pow2_rows(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def call_rows(n: int, min_rows: int = 1) -> int:
-    """The rows of a prefill call for a group of n prompts: `pow2_rows(n)`, at least
-    `min_rows` (on a mesh, one a slot shard: `placement.prefill_min_rows`, so that every chip
-    prefills rows of its own instead of each holding the whole call)."""
-    return max(pow2_rows(n), int(min_rows))
-
-
 def shaped_prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int, chunk: int,
                           cache_len: int, compiled: Collection[tuple[int, int]],
                           new_shape_tokens: int, group_tokens: int = 64,
-                          max_tokens: int | None = PREFILL_TOKENS, min_rows: int = 1
+                          max_tokens: int | None = PREFILL_TOKENS
                           ) -> list[tuple[list[int], int, int]]:
     """`prefill_groups` for a caller that pays to compile every new prefill shape: each group
     also gets its shape → [(prompt indices, rows, width)]. A group may run in a larger shape
     already compiled (`compiled`: (rows, width) pairs; more padding rows, or a wider width,
-    within `max_tokens` unless of at most `min_rows` rows), and a shape not compiled yet counts
+    within `max_tokens` unless one row), and a shape not compiled yet counts
     `new_shape_tokens` more padded tokens (its compilation), so a short job prefills its
     prompts in the few shapes it has instead of compiling one per length group."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     n = len(order)
-    known = {(r, P) for r, P in compiled
-             if r <= min_rows or not max_tokens or r * P <= max_tokens}
+    known = {(r, P) for r, P in compiled if r == 1 or not max_tokens or r * P <= max_tokens}
 
     def shape(size: int, width: int) -> tuple[int, int, int]:
         """(cost, rows, width) of the cheapest shape for `size` prompts of ≤ `width` tokens."""
-        rows = call_rows(size, min_rows)
+        rows = pow2_rows(size)
         options = [(rows, width)] + [(r, P) for r, P in known if r >= size and P >= width]
         return min((r * P + (0 if (r, P) in known else int(new_shape_tokens)), r, P)
                    for r, P in options)
@@ -120,7 +110,7 @@ def shaped_prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int
     known_rows = {r for r, _ in known}
     for j in range(1, n + 1):
         width = prefill_length(lengths[order[j - 1]], len_bucket, chunk, cache_len)
-        most = rows_within(max_rows, width, max_tokens, min_rows)
+        most = rows_within(max_rows, width, max_tokens)
         total, i = min((best[i][0] + shape(j - i, width)[0] + group_tokens, i)
                        for i in _last_group_starts(j, most, known_rows))
         best[j] = (total, (i, *shape(j - i, width)[1:]))
@@ -132,5 +122,5 @@ def shaped_prefill_groups(lengths: Sequence[int], max_rows: int, len_bucket: int
     return groups[::-1]
 
 
-__all__ = ["PREFILL_TOKENS", "call_rows", "round_up", "prefill_length", "prefill_groups",
-           "pow2_rows", "rows_within", "shaped_prefill_groups"]
+__all__ = ["PREFILL_TOKENS", "round_up", "prefill_length", "prefill_groups", "pow2_rows",
+           "rows_within", "shaped_prefill_groups"]

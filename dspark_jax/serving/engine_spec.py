@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.decoding.draft_adapters import adapter_for
-from dspark_jax.decoding.placement import place_slots, prefill_call_tokens, prefill_min_rows
+from dspark_jax.decoding.placement import place_slots, prefill_call_tokens
 from dspark_jax.decoding.round_types import (DraftChoice, EngineArrays, EngineState, RoundConfig,
                                              ScheduleState)
 from dspark_jax.decoding.stops import stop_array
@@ -159,11 +159,6 @@ class EngineSpec:
     def prefill_call_tokens(self) -> int:
         """The most padded tokens one prefill call takes (`placement.prefill_call_tokens`)."""
         return prefill_call_tokens(self.settings.prefill_tokens, self.mesh)
-
-    @property
-    def prefill_min_rows(self) -> int:
-        """The fewest rows one prefill call has (`placement.prefill_min_rows`)."""
-        return prefill_min_rows(self.mesh, self.num_slots)
 
     @property
     def adapter(self) -> Any:

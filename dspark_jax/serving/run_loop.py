@@ -199,8 +199,8 @@ class Run:
     def _prefill(self, state: EngineState, slots: list[int]) -> EngineState:
         """The joining prompts prefilled together, densely (plain: `plain_steps.plain_prefill`;
         speculative: `speculative_round.prefill_prompts`, which also feeds the drafter's
-        context), in groups of at most R padded to a power-of-two size, at least one row a
-        slot shard on a mesh (`EngineSpec.prefill_min_rows`; padding rows write nothing) and to a `len_bucket` multiple of tokens (a `prefill_chunk` multiple past it,
+        context), in groups of at most R padded to a power-of-two size (padding rows write
+        nothing) and to a `len_bucket` multiple of tokens (a `prefill_chunk` multiple past it,
         run chunk by chunk), at most `prefill_tokens` padded tokens a call and slot shard
         (`EngineSpec.prefill_call_tokens`; one longer prompt alone), so few shapes compile and
         a join's memory stays bounded;
@@ -217,8 +217,7 @@ class Run:
         for idx, n, width in shaped_prefill_groups(lengths, R, st.len_bucket,
                                                    st.prefill_chunk, state.cache.max_len,
                                                    compiled, NEW_PREFILL_SHAPE_TOKENS,
-                                                   max_tokens=spec.prefill_call_tokens,
-                                                   min_rows=spec.prefill_min_rows):
+                                                   max_tokens=spec.prefill_call_tokens):
             compiled.add((n, width))
             group = [slots[i] for i in idx]
             tokens = np.zeros((n, width), np.int32)

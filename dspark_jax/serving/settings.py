@@ -53,8 +53,7 @@ class EngineSettings:
 
     Joining requests are prefilled `prefill_chunk` tokens of each at a time, in calls of at
     most `prefill_tokens` padded tokens (`prefill_plan.PREFILL_TOKENS`; one longer prompt has
-    a call to itself; on a mesh, that many for each part the slots are split into, a call
-    having a row for each part at least, so a chip holds its own rows' share): a call
+    a call to itself; on a mesh, that many for each part the slots are split into): a call
     holds a fresh cache of its rows until it moves them into the slots, so this bounds the
     memory a join takes beside the slots' own caches.
 

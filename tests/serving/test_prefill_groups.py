@@ -60,19 +60,15 @@ def test_shaped_groups_reuse_compiled_shapes_and_count_new_ones():
 
 
 def _every_start_oracle(lengths, max_rows, bucket, chunk, cache_len, compiled, new_tokens,
-                        group_tokens=64, max_tokens=None, min_rows=1):
+                        group_tokens=64, max_tokens=None):
     """The split search trying every start of the last group (O(n · max_rows)): the cost of a
-    group is its cheapest shape, a power-of-two rows (at least `min_rows`) at its own width or
-    a compiled shape that holds it, a new shape counting `new_tokens` more; the earliest start
-    wins a tie. A shape of more than `min_rows` rows holds at most `max_tokens` tokens (None:
-    any)."""
-    from dspark_jax.decoding.prefill_plan import pow2_rows as _pow2
-
-    def pow2_rows(n):
-        return max(_pow2(n), min_rows)
+    group is its cheapest shape, a power-of-two rows at its own width or a compiled shape
+    that holds it, a new shape counting `new_tokens` more; the earliest start wins a tie. A
+    shape of more than one row holds at most `max_tokens` tokens (None: any)."""
+    from dspark_jax.decoding.prefill_plan import pow2_rows
 
     def within(r, p):
-        return r <= min_rows or max_tokens is None or r * p <= max_tokens
+        return r == 1 or max_tokens is None or r * p <= max_tokens
 
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     best = [(0, None)]
@@ -112,16 +108,15 @@ def test_split_search_equals_trying_every_start():
                      int(64 * rng.randint(1, 8))) for _ in range(rng.randint(0, 4))}
         new_tokens = int(rng.choice([0, 256, 1024]))
         budget = [None, 256, 1000, 2048][trial % 4]
-        least = [1, 1, 2, 4][trial // 4 % 4]   # one row a slot shard on a mesh
         want = _every_start_oracle(lengths, max_rows, 64, 128, 512, compiled, new_tokens,
-                                   max_tokens=budget, min_rows=least)
+                                   max_tokens=budget)
         got = shaped_prefill_groups(lengths, max_rows, 64, 128, 512, compiled, new_tokens,
-                                    max_tokens=budget, min_rows=least)
-        assert got == want, (trial, lengths, max_rows, compiled, new_tokens, budget, least)
+                                    max_tokens=budget)
+        assert got == want, (trial, lengths, max_rows, compiled, new_tokens, budget)
         plain = _every_start_oracle(lengths, max_rows, 64, 128, 512, set(), 0,
-                                    max_tokens=budget, min_rows=least)
-        assert prefill_groups(lengths, max_rows, 64, 128, 512, max_tokens=budget,
-                              min_rows=least) == [g for g, _, _ in plain]
+                                    max_tokens=budget)
+        assert prefill_groups(lengths, max_rows, 64, 128, 512, max_tokens=budget) == [
+            g for g, _, _ in plain]
 
 
 def test_a_call_takes_at_most_the_token_budget_unless_one_prompt_is_longer():
@@ -141,30 +136,6 @@ def test_a_call_takes_at_most_the_token_budget_unless_one_prompt_is_longer():
                                            max_tokens=None)] == [16]
     shaped = shaped_prefill_groups([8000] * 4, 16, 64, 128, 8192, {(4, 8192)}, 1 << 20)
     assert [(len(g), r, w) for g, r, w in shaped] == [(2, 2, 8064)] * 2
-
-
-def test_on_a_mesh_every_slot_shard_prefills_rows_of_its_own():
-    """Slots split over 4 shards (`placement.prefill_min_rows`): a call has at least 4 rows, so
-    its rows split as the slots do, and the budget (`placement.prefill_call_tokens`: 4 ×
-    16,384) holds a chip's share. Two 12,000-token prompts: without the floor one call of 2
-    rows would hold 24,000 tokens on every chip of a shard pair; with it, 4 rows, 12,000 a
-    chip. 16 prompts of 8,000: 8 rows a call, 2 a chip, as one device's calls."""
-    from dspark_jax.decoding.placement import prefill_call_tokens, prefill_min_rows
-    from dspark_jax.decoding.prefill_plan import call_rows, rows_within, shaped_prefill_groups
-    from dspark_jax.sharding import make_mesh
-
-    mesh = make_mesh(data=1, fsdp=4, tensor=2)
-    least, budget = prefill_min_rows(mesh, 16), prefill_call_tokens(1 << 14, mesh)
-    assert (least, budget) == (4, 4 << 14)
-    assert prefill_min_rows(mesh, 6) == 1 and prefill_min_rows(None, 16) == 1
-    assert prefill_min_rows(make_mesh(data=1, fsdp=1, tensor=8), 16) == 1
-    assert [call_rows(n, 4) for n in (1, 3, 4, 5)] == [4, 4, 4, 8]
-    two = shaped_prefill_groups([12000] * 2, 16, 64, 128, 12288, set(), 0, max_tokens=budget,
-                                min_rows=least)
-    assert [(len(g), r) for g, r, _ in two] == [(2, 4)]
-    many = prefill_groups([8000] * 16, 16, 64, 128, 8192, max_tokens=budget, min_rows=least)
-    assert [len(g) for g in many] == [8, 8]
-    assert rows_within(16, 40000, budget, least) == 4   # one prompt a chip past the budget
 
 
 def test_thousands_of_joining_prompts_cost_a_few_evaluations_each(monkeypatch):
