@@ -115,6 +115,7 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
         c = parse_config([prog, f"--config={args.config}", *overrides], require_target=False)
     except UsageError as e:
         raise AotError(str(e)) from None
+    programs = [p for p in args.programs.split(",") if p]
     if args.chip and args.decode:
         from dspark_jax.aot.decode_floor import (PROGRAMS as FLOOR_PROGRAMS, decode_floor_report,
                                                  format_floor_report)
@@ -122,8 +123,7 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
         shape = DecodeShape(args.requests or 1, args.max_len, args.capacity, args.tree_budget,
                             args.tree_branching)
         report = decode_floor_report(c, args.chip, shape,
-                                     [p for p in args.programs.split(",") if p]
-                                     or list(FLOOR_PROGRAMS),
+                                     programs or list(FLOOR_PROGRAMS),
                                      layer_buffers=not args.stacked_layers)
         return report, format_floor_report(report)
     if args.chip:
@@ -139,7 +139,7 @@ def _compile(prog: str, args: argparse.Namespace, overrides: list[str]) -> tuple
         report = decode_report(c, args.topology, shape, args.num_slices,
                                default_mesh=not args.no_preset,
                                layer_buffers=not args.stacked_layers,
-                               programs=[p for p in args.programs.split(",") if p] or None)
+                               programs=programs or None)
         return report, format_decode_report(report)
     from dspark_jax.aot.training import format_report, train_report
 

@@ -52,9 +52,8 @@ def prefill_call_tokens(prefill_tokens: int, mesh: Mesh | None) -> int:
 
 def place_slots(tree: Any, mesh: Mesh | None) -> Any:
     """`tree` (a decoding state: the engine's, the autoregressive loop's) laid on `mesh` by
-    `slot_sharding`, also where the mesh
-    spans several processes (`sharding.put_on_mesh`: every process holds the same host-local
-    state); unchanged without a mesh."""
+    `slot_sharding`, also where the mesh spans several processes (`sharding.put_on_mesh`:
+    every process holds the same host-local state); unchanged without a mesh."""
     if mesh is None:
         return tree
     return put_on_mesh(tree, jax.tree.map(lambda x: slot_sharding(x, mesh), tree))
