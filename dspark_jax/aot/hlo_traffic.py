@@ -228,6 +228,9 @@ _ATTENTION_FUNCS = {"attend", "attend_cache_and_own", "attend_cache_and_own_xla"
                     "apply_rope",
                     "cache_layer", "cache_scatter", "causal_attention", "causal_mask"}
 _NORM_FUNCS = {"rms_norm", "rms_norm_noscale", "add_rms_norm"}
+# the kernels of products that take the work before them (a norm, an activation, the merge of
+# the attention's cache splits): matrix products first
+_GEMM_FUNCS = {"norm_gemm", "swiglu_gemm", "merge_gemm"}
 _GEMM_TARGETS = ("cublas", "gemm", "matmul")
 
 
@@ -300,6 +303,8 @@ def kernel_kind(ins: Instr, frames: tuple[str, ...], called: list["Computation"]
     near = set(frames[:3])   # the function and its callers (a generator's, a helper's)
     if ins.opcode == "custom-call" and target and target.group(1) in KERNEL_TARGETS:
         for f in frames[:6]:   # the innermost function of a kind names the kernel's
+            if f in _GEMM_FUNCS:
+                return "gemm"
             if f in _NORM_FUNCS:
                 return "norm"
             if f in _ATTENTION_FUNCS:

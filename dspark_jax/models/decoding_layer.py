@@ -100,19 +100,148 @@ def product(x: jax.Array, w: jax.Array) -> "jax.Array | Product":
     return p if p.parts > 1 else p.value()
 
 
-def value(delta: "jax.Array | Product") -> jax.Array:
-    """A residual delta as an array (a `Product` taken)."""
-    return delta.value() if isinstance(delta, Product) else delta
+@dataclasses.dataclass(frozen=True)
+class GatedProduct:
+    """(silu(gate) · up) @ w for gu = [gate | up] [B, T, 2F] and w [F, D]: the SwiGLU MLP's
+    down product left to the kernel that reads it, which on a GPU takes the activation and the
+    product in one kernel (`pallas_kernels.row_gemm.swiglu_gemm`) as split-K parts it sums
+    itself; `value()` anywhere else."""
+
+    gu: jax.Array
+    w: jax.Array
+
+    def value(self) -> jax.Array:
+        gate, up = jnp.split(self.gu, 2, axis=-1)
+        act = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "act_mlp"))
+        return jnp.einsum("BTF,FD->BTD", act, self.w)
 
 
-def add_rms_norm(h_btd: jax.Array, delta_btd: "jax.Array | Product", weight_d: jax.Array | None,
+@dataclasses.dataclass(frozen=True)
+class Projected:
+    """A layer's q/k/v product [B, T, (N + 2Kh)·H] of its normed input, taken with the
+    residual sum and the norm in one kernel (`input_norm`); `cached_attention` takes it in
+    place of the normed rows."""
+
+    qkv: jax.Array
+
+    def rows(self, fn: Callable[[jax.Array], jax.Array]) -> "Projected":
+        """The product of the rows `fn` takes from [B, T] (a gather of verification cells)."""
+        return Projected(fn(self.qkv))
+
+
+#: a residual delta: rows, a product left to the kernel that reads it, or None (the sum taken
+#: already: the layer's h is its output)
+Delta = jax.Array | Product | GatedProduct | None
+
+
+def value(delta: Delta) -> jax.Array:
+    """A residual delta as an array (a `Product` or `GatedProduct` taken)."""
+    return delta.value() if isinstance(delta, (Product, GatedProduct)) else delta
+
+
+def rows_of(x: "jax.Array | Projected", fn: Callable[[jax.Array], jax.Array]
+            ) -> "jax.Array | Projected":
+    """`fn` of a layer's attention input: the normed rows or their `Projected` product."""
+    return x.rows(fn) if isinstance(x, Projected) else fn(x)
+
+
+def row_kernels_take(rows: int, depth: int, columns: int) -> bool:
+    """Whether a [rows, depth] @ [depth, columns] product of the decoding layer runs as
+    `pallas_kernels.row_gemm`'s kernels on the kernels' path: at most `row_gemm.MAX_ROWS`
+    rows, both sizes multiples of 16 (the kernels' smallest tiles), no mesh of several
+    devices around it."""
+    from pallas_kernels.row_gemm import MAX_ROWS
+
+    return (rows <= MAX_ROWS and depth % 16 == 0 and columns % 16 == 0
+            and L.kernels_called_directly())
+
+
+def _delta_leaves(delta: Delta) -> tuple[str, tuple[jax.Array, ...]]:
+    """A delta as (its kind, its arrays), to pass through `layers.on_gpu`."""
+    if delta is None:
+        return "none", ()
+    if isinstance(delta, GatedProduct):
+        return "gated", (delta.gu, delta.w)
+    if isinstance(delta, Product):
+        return ("parts", (delta.x, delta.w)) if delta.parts > 1 else ("row", (delta.value(),))
+    return "row", (delta,)
+
+
+def _delta_value(kind: str, leaves: tuple[jax.Array, ...]) -> jax.Array | None:
+    if kind == "none":
+        return None
+    if kind == "gated":
+        return GatedProduct(*leaves).value()
+    return Product(*leaves).value() if kind == "parts" else leaves[0]
+
+
+def _kernel_delta(kind: str, leaves: tuple[jax.Array, ...], dim: int, dtype: Any,
+                  interpret: bool) -> jax.Array | None:
+    """A delta as the row kernels read it: rows [R, D], or the f32 parts [P, ≥ R, D] of its
+    split-K product (the SwiGLU down product's from `swiglu_gemm`), or None."""
+    if kind == "none":
+        return None
+    if kind == "gated":
+        from pallas_kernels.row_gemm import swiglu_gemm
+
+        gu, w = leaves
+        return swiglu_gemm(gu.reshape(-1, gu.shape[-1]), w.astype(dtype), interpret=interpret)
+    if kind == "parts":
+        x, w = leaves
+        parts = Product(x, w).parts
+        return product_parts(x, w, parts).reshape(parts, -1, dim)
+    return leaves[0].reshape(-1, dim)
+
+
+def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array, w_dn: jax.Array,
+                 eps: float) -> tuple[jax.Array, jax.Array]:
+    """(s, RMSNorm(s) · weight @ w) with s = h + delta: the residual sum, and the product of
+    its norm [B, T, N]. On a GPU (where `row_kernels_take`) one kernel,
+    `pallas_kernels.row_gemm.norm_gemm`, after the delta's own (a `GatedProduct`'s
+    activation and down product in one, a `Product`'s split-K GEMM); elsewhere `add_rms_norm`
+    and the product, XLA's ops."""
+    b, t, d = h_btd.shape
+    kind, leaves = _delta_leaves(delta)
+
+    def gpu(h, weight, w, *leaves, interpret):
+        from pallas_kernels.row_gemm import norm_gemm
+
+        s, y = norm_gemm(h.reshape(b * t, d), _kernel_delta(kind, leaves, d, h.dtype, interpret),
+                         weight.astype(h.dtype), w.astype(h.dtype), eps=eps,
+                         interpret=interpret)
+        return s.reshape(h.shape), y.reshape(b, t, -1)
+
+    def default(h, weight, w, *leaves):
+        s, x = add_rms_norm(h, _delta_value(kind, leaves), weight, eps, kernel=False)
+        return s, jnp.einsum("BTD,DF->BTF", x, w)
+
+    return L.on_gpu(gpu, default, h_btd, weight_d, w_dn, *leaves)
+
+
+def input_norm(lp: dict[str, jax.Array], h_btd: jax.Array, delta: Delta, eps: float
+               ) -> tuple[jax.Array, "jax.Array | Projected"]:
+    """A decoder layer's residual sum and input norm: (s, the attention's input). Where the
+    layer has its q/k/v fused and `row_kernels_take` the product, the input is the q/k/v
+    product itself (`Projected`: on a GPU the sum, the norm and the product in one kernel,
+    `norm_product`); otherwise the normed rows (`add_rms_norm`)."""
+    b, t, d = h_btd.shape
+    if "w_qkv" in lp and row_kernels_take(b * t, d, lp["w_qkv"].shape[-1]):
+        s, qkv = norm_product(h_btd, delta, lp["input_norm"], lp["w_qkv"], eps)
+        return s, Projected(qkv)
+    return add_rms_norm(h_btd, delta, lp["input_norm"], eps)
+
+
+def add_rms_norm(h_btd: jax.Array, delta_btd: Delta, weight_d: jax.Array | None,
                  eps: float, kernel: bool = True, *, delta_weight: jax.Array | None = None,
                  scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """(s, RMSNorm(s) · weight) with s = h + delta: the residual sum and the norm after it, one
     kernel on a GPU (`kernel`), XLA's ops elsewhere; `weight` None: (s, None). A `Product`
-    delta is taken here: on a GPU as split-K parts the kernel sums (when `Product.parts` > 1).
+    delta is taken here: on a GPU as split-K parts the kernel sums (when `Product.parts` > 1);
+    a `GatedProduct` likewise, its parts from the activation's and down product's kernel.
     Gemma's residual updates: `delta_weight` norms the delta first (s = h + RMSNorm(delta) ·
     delta_weight) and `scale` (one value) multiplies the sum, in the same kernel."""
+    if delta_btd is None:   # the sum taken already
+        return h_btd, (None if weight_d is None else L.rms_norm(h_btd, weight_d, eps))
     # the weights present, in the kernel's order: the delta's norm, the output norm, the scale
     extras = tuple(w for w in (delta_weight, weight_d, scale) if w is not None)
     has = (delta_weight is not None, weight_d is not None, scale is not None)
@@ -138,6 +267,20 @@ def add_rms_norm(h_btd: jax.Array, delta_btd: "jax.Array | Product", weight_d: j
 
     if not kernel or not L.kernels_enabled():
         return xla(h_btd, value(delta_btd), *extras)
+    if isinstance(delta_btd, GatedProduct):
+        b, t, dim = h_btd.shape
+        if not row_kernels_take(b * t, delta_btd.w.shape[0], dim):
+            delta_btd = delta_btd.value()
+        else:   # the activation and the down product in one kernel, its parts summed here
+            def gpu_gated(h, gu, w_fd, *ws, interpret):
+                parts = _kernel_delta("gated", (gu, w_fd), dim, h.dtype, interpret)
+                return fused(h, parts, ws, interpret)
+
+            def default_gated(h, gu, w_fd, *ws):
+                return xla(h, GatedProduct(gu, w_fd).value(), *ws)
+
+            return L.on_gpu(gpu_gated, default_gated, h_btd, delta_btd.gu, delta_btd.w,
+                            *extras)
     if isinstance(delta_btd, Product):
         n_parts = delta_btd.parts
         if n_parts > 1:   # no mesh of several devices: no shard_map around the kernel
@@ -185,7 +328,7 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
                      start_b: jax.Array, own_mask_btq: jax.Array, write: bool = False,
                      causal: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention half of a layer over a cache layer [B, S, Kh, H]: q/k/v of the normed
-    input x, the q/k norms, RoPE at `positions_bt`, and attention over the cache below
+    input x (or x their product already, `Projected`), the q/k norms, RoPE at `positions_bt`, and attention over the cache below
     `start_b` [B] and the call's own keys (`own_mask_btq`, `layers.attend_cache_and_own`).
 
     Returns (attention [B, T, N, H], k, v): the rows [B, T, Kh, H] for the caller to write,
@@ -197,13 +340,16 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
     seeing the keys up to its own, as `own_mask_btq` then marks them, or a superset of the rows
     whose outputs are used); a draft tree's nodes (`causal=False`) take XLA's q/k/v, norms and
     RoPE, then the decode-attention kernel under their ancestor mask."""
-    b, t = x_btd.shape[:2]
+    projected = isinstance(x_btd, Projected)
+    rows = x_btd.qkv if projected else x_btd
+    b, t = rows.shape[:2]
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]
-    if not causal or not fused_kernels_take(lp, cache_k, x_btd.dtype, t * (n // kh)):
+    if not causal or not fused_kernels_take(lp, cache_k, rows.dtype, t * (n // kh)):
         if write:
             raise ValueError("cached_attention: write needs a layer the kernels take")
-        q, k, v = L.project_qkv(lp, x_btd, eps)
+        q, k, v = (L.split_qkv(lp, x_btd.qkv, eps) if projected
+                   else L.project_qkv(lp, x_btd, eps))
         q, k = L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope)
         attn = L.attend_cache_and_own(q, cache_k.astype(k.dtype), cache_v.astype(v.dtype),
                                       start_b, k, v, own_mask_btq)
@@ -236,7 +382,7 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
 
     rest = (cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos,
             sin, own_mask_btq)
-    parts = split_k_parts(b * t, x_btd.shape[-1], lp["w_qkv"].shape[-1])
+    parts = 1 if projected else split_k_parts(b * t, x_btd.shape[-1], lp["w_qkv"].shape[-1])
     if parts > 1:   # on a GPU the attention kernel sums the product's split-K parts (no mesh
         # of several devices, `split_k_parts`: the kernel needs no shard_map)
         out = L.on_gpu(lambda x, w, *a, interpret: gpu(product_parts(x, w, parts), *a,
@@ -246,7 +392,7 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         return out if write else (out[0], out[1][:, :, :kh], out[1][:, :, kh:])
     # the product stays [B, T, (N + 2Kh)·H] outside the kernels, sliced as `project_qkv` slices
     # it (taken as heads, XLA:TPU re-lays w_qkv out for the dot)
-    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"])
+    qkv = x_btd.qkv if projected else jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"])
 
     def local(*args):
         return L.on_gpu(gpu, xla, *args)
@@ -337,9 +483,15 @@ def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.
     output being h + delta. On the kernels' path the o product goes to `add_rms_norm` as
     split-K parts the kernel sums; with gate and up fused (per-layer buffers) the down product
     is returned untaken (a `Product`, the delta) for the next `add_rms_norm` to take the same
-    way."""
+    way. Where `row_kernels_take` the gate/up and down products, the sum, the norm and the
+    gate/up product are one kernel (`norm_product`) and the delta is the activation's and the
+    down product's (`GatedProduct`), taken by the next layer's input norm."""
     B, T, N, H = attn_btnh.shape
     o = product(attn_btnh.reshape(B, T, N * H), lp["wo"].reshape(N * H, -1))
+    if ("w_gate_up" in lp and row_kernels_take(B * T, h_btd.shape[-1], lp["w_gate_up"].shape[-1])
+            and row_kernels_take(B * T, lp["w_down"].shape[0], lp["w_down"].shape[1])):
+        h, gu = norm_product(h_btd, o, lp["post_norm"], lp["w_gate_up"], eps)
+        return constrain(h, ("batch", "seq", "act_embed")), GatedProduct(gu, lp["w_down"])
     h, x = add_rms_norm(h_btd, o, lp["post_norm"], eps)
     h = constrain(h, ("batch", "seq", "act_embed"))
     if "w_gate_up" not in lp:   # gate and up apart (a stack in a scan, a tensor-parallel layout)

@@ -647,9 +647,14 @@ def project_qkv(lp: dict[str, jax.Array], x_btd: jax.Array, eps: float
     `project_kv`."""
     if "w_qkv" not in lp:
         return (project_q(lp, x_btd, eps), *project_kv(lp, x_btd, eps))
-    B, T = x_btd.shape[:2]
+    return split_qkv(lp, jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"]), eps)
+
+
+def split_qkv(lp: dict[str, jax.Array], qkv: jax.Array, eps: float
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`project_qkv` from the fused product [B, T, (N + 2K)·H] taken already."""
+    B, T = qkv.shape[:2]
     N, H = lp["wo"].shape[:2]
-    qkv = jnp.einsum("BTD,DF->BTF", x_btd, lp["w_qkv"])
     kh = (qkv.shape[-1] - N * H) // 2
     q = qkv[..., :N * H].reshape(B, T, N, H)
     k = qkv[..., N * H:N * H + kh].reshape(B, T, kh // H, H)

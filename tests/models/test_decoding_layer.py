@@ -90,7 +90,10 @@ def test_the_kernels_layer_equals_the_stacked_forward(target, products):
         cache = init_cache(per_layer.cfg, 2, S, per_layer.dtype, per_layer=True)
         jaxpr = str(jax.make_jaxpr(lambda c: per_layer(jnp.ones((2, 1), jnp.int32), cache=c))(
             cache))
-    for name in ("layer_attention_splits", "decode_attention_merge", "add_rms_norm"):   # the interpreted run is the kernels' program
+    # the interpreted run is the kernels' program: the attention's two kernels, the sums and
+    # norms in the products' kernels (`row_gemm`), the activation in the down product's
+    for name in ("layer_attention_splits", "decode_attention_merge", "norm_gemm",
+                 "swiglu_gemm"):
         assert name in jaxpr, name
     _check_products(products)
     for name, (outs, kv) in runs.items():

@@ -66,15 +66,21 @@ def _tapped(taps: jax.Array, slot: Any, h: jax.Array) -> jax.Array:
     return taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
 
 
-def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any) -> tuple[jax.Array, Any]:
-    """(taps with the layer's output h + delta in its slot, the delta): a layer with no slot (a
-    static slot < 0) leaves both as they are, its delta possibly untaken
-    (`decoding_layer.Product`); a tapped layer's delta is taken once, for the tap and the next
-    layer alike."""
+def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any, eps: float
+                ) -> tuple[jax.Array, jax.Array, Any]:
+    """(taps with the layer's output h + delta in its slot, h, delta) for the next layer: a
+    layer with no slot (a static slot < 0) leaves them as they are, its delta possibly untaken
+    (`decoding_layer.Product`, `GatedProduct`); a tapped layer's delta is taken once, for the
+    tap and the next layer alike: a `GatedProduct` (one buffer per layer, a static slot) as
+    the sum itself (`add_rms_norm`, on a GPU the kernel that sums its parts), the next
+    layer's h with no delta (None), any other as its value."""
     if isinstance(slot, int) and slot < 0:
-        return taps, delta
+        return taps, h, delta
+    if isinstance(delta, DL.GatedProduct) and isinstance(slot, int):
+        s = DL.add_rms_norm(h, delta, None, eps)[0]
+        return _tapped(taps, slot, s), s, None
     delta = DL.value(delta)
-    return _tapped(taps, slot, h + delta), delta
+    return _tapped(taps, slot, h + delta), h, delta
 
 
 def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
@@ -126,13 +132,13 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         the rows are the layer's output."""
         (h, delta), taps, caches = carry
         lp, layer_idx, slot = xs
-        h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
+        h, x = DL.input_norm(lp, h, delta, eps)
         layer_cache = [L.cache_layer(c, layer_idx) for c in caches or cache_kv]
         attn, k, v = DL.cached_attention(lp, x, positions_bt, cfg.rope, eps, *layer_cache,
                                          cache_start, own_mask, write=caches is not None)
         h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            taps, delta = _tap_output(taps, slot, h, delta)
+            taps, h, delta = _tap_output(taps, slot, h, delta, eps)
         if caches is not None:   # k, v: the layer's cache buffers with its rows written
             caches = tuple(c[:layer_idx] + (new[None],) + c[layer_idx + 1:]
                            for c, new in zip(caches, (k, v)))
@@ -152,7 +158,9 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     ((h, delta), taps, caches), new_kv = L.run_layers(
         cached_body, ((h, jnp.zeros_like(h)), taps0, cache_kv if in_layer else None),
         params, per_layer)
-    h = constrain(h + DL.value(delta), ("batch", "seq", "act_embed"))
+    # the last MLP's residual sum: on a GPU one kernel, after the activation's and down
+    # product's (`decoding_layer.add_rms_norm`)
+    h = constrain(DL.add_rms_norm(h, delta, None, eps)[0], ("batch", "seq", "act_embed"))
     taps = taps if n_taps else None
     if in_layer:
         return h, taps, caches
@@ -212,16 +220,18 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     def ragged_body(carry, xs):
         (h, delta), taps, kc, vc = carry   # the MLP's sum is taken with the next input norm
         lp, layer_idx, tap_slot = xs
-        h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
         if defer_writes:   # the cache is read where it lies, never written: [R, S] ⊕ own [R, Q]
-            # each request's cells [R, Q] of the normed tokens through the attention half
-            # (`decoding_layer.cached_attention`: the GPU's kernels for a chain), back to [1, K]
+            # each request's cells [R, Q] of the normed tokens (or of their q/k/v product)
+            # through the attention half (`decoding_layer.cached_attention`: the GPU's
+            # kernels for a chain), back to [1, K]
+            h, x = DL.input_norm(lp, h, delta, eps)
             attn, k, v = DL.cached_attention(
-                lp, x[0][grid], pos_rq, cfg.rope, eps, L.cache_layer(cache_kv[0], layer_idx),
-                L.cache_layer(cache_kv[1], layer_idx), start_r, own_mask,
-                causal=rows.own_mask_rqq is None)
+                lp, DL.rows_of(x, lambda a: a[0][grid]), pos_rq, cfg.rope, eps,
+                L.cache_layer(cache_kv[0], layer_idx), L.cache_layer(cache_kv[1], layer_idx),
+                start_r, own_mask, causal=rows.own_mask_rqq is None)
             attn, k, v = (a.reshape(R * Q, *a.shape[2:])[cell_k][None] for a in (attn, k, v))
         else:   # each layer writes its rows, then attends over its cache
+            h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
             q, k, v = L.project_qkv(lp, x, eps)
             q = L.apply_rope(q, positions_1k, cfg.rope)                       # [1,K,N,H]
             k = L.apply_rope(k, positions_1k, cfg.rope)                       # [1,K,Kh,H]
@@ -236,7 +246,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
                 attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]
         h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            taps, delta = _tap_output(taps, tap_slot, h, delta)
+            taps, h, delta = _tap_output(taps, tap_slot, h, delta, eps)
         return ((h, delta), taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
@@ -244,5 +254,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     caches = (None, None) if defer_writes else cache_kv
     ((h, delta), taps, kc, vc), new_kv = L.run_layers(
         ragged_body, ((h, jnp.zeros_like(h)), taps0, *caches), params, per_layer)
-    h = constrain(h + DL.value(delta), ("batch", "seq", "act_embed"))
+    # the last MLP's residual sum: on a GPU one kernel, after the activation's and down
+    # product's (`decoding_layer.add_rms_norm`)
+    h = constrain(DL.add_rms_norm(h, delta, None, eps)[0], ("batch", "seq", "act_embed"))
     return h, (taps if n_taps else None), (new_kv if defer_writes else (kc, vc))

@@ -1,0 +1,308 @@
+"""A decoding layer's products of a few rows with the work before them in the same kernel
+(Triton): the residual sum and RMS norm before the q/k/v and gate/up products, the SwiGLU
+activation before the down product (SPEC §1–2, the target's forward while decoding and
+verifying).
+
+While a layer decodes a few tokens a row, each product reads its weight once and every
+kernel around it costs its launch, ramp and tail for a few kilobytes. XLA runs the residual
+sum with the norm, and the activation, as kernels of their own; here the product's programs
+compute them as they load their rows:
+
+  `norm_gemm`    s = h + delta (delta a row, or the f32 parts of a split-K product) and
+                 RMSNorm(s) · weight @ w, one program per tile of output columns, each
+                 taking the whole contraction: → (s [R, D], the product [R, N]).
+  `swiglu_gemm`  (silu(gate) · up) @ w for the gate/up product [R, 2F], split along the
+                 contraction into parts whose f32 sums the next kernel adds up (`norm_gemm`,
+                 `pallas_kernels.norms.add_rms_norm`): → [parts, R, N].
+  `ref_norm_gemm`, `ref_swiglu_gemm`  the pure-JAX oracles, XLA's arithmetic and roundings.
+
+Rows (R ≤ `MAX_ROWS`) are read as one power-of-two tile of at least 16 (the tensor cores'
+smallest), the rows past R masked. Every program of `norm_gemm` reads the whole of its rows to
+take their norm; the rows are R × D against the D × `block_n` weights it reads, a few percent
+more bytes from the L2. Nothing here imports dspark_jax.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import next_pow2
+
+__all__ = ["MAX_ROWS", "norm_gemm", "ref_norm_gemm", "ref_swiglu_gemm", "swiglu_gemm",
+           "swiglu_parts"]
+
+#: the most rows a call takes (a verification block of 64 query rows)
+MAX_ROWS = 64
+#: programs a call aims at: about one a multiprocessor of an H100 / H200 (132)
+TARGET_PROGRAMS = 128
+
+
+#: shared memory the pipelined loads of a program may take (an H100 / H200 has 228 KB)
+STAGE_BYTES = 160 * 1024
+_DEPTHS = (128, 64, 32, 16)
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return None if interpret else plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _depth_and_stages(depth: int, row_bytes: int, w_bytes: int, num_stages: int,
+                      exact: bool) -> tuple[int | None, int]:
+    """The contraction step (the widest of `_DEPTHS` dividing `depth` whose loads fit two
+    pipeline stages in `STAGE_BYTES`, else the narrowest dividing it) and the stages its
+    loads fit, at most `num_stages`. A step's loads: `row_bytes` (the rows' tile, the parts
+    of a delta included) and `w_bytes` (the weight tile) per unit of depth. Triton keeps every
+    load of the loop in shared memory once per stage; an fp32 product at full precision
+    takes its tiles more than twice over (read off the deviceless compile's shared-memory
+    check), counted 3×."""
+    fits = [k for k in _DEPTHS if depth % k == 0]
+    if not fits:
+        return None, 1
+    per = (row_bytes + w_bytes) * (3 if exact else 1)
+    k = next((k for k in fits if 2 * k * per <= STAGE_BYTES), fits[-1])
+    return k, max(1, min(num_stages, STAGE_BYTES // (k * per)))
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b accumulated in f32 (fp32 tiles at full precision, never TF32)."""
+    exact = a.dtype == jnp.float32 and b.dtype == jnp.float32
+    return jnp.dot(a, b, preferred_element_type=jnp.float32,
+                   precision=lax.Precision.HIGHEST if exact else None)
+
+
+def _rows(ref, rows: int, n: int, cols, part: int | None = None) -> jax.Array:
+    """Columns `cols` of the first n rows of a [R, …] ref (of its `part`, a [parts, R, …]
+    ref's) as a [rows, ·] tile, the rows past n zeros."""
+    from jax.experimental.pallas import triton as plgpu
+
+    ok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n
+    at = (pl.ds(0, rows), cols) if part is None else (jnp.int32(part), pl.ds(0, rows), cols)
+    return plgpu.load(ref.at[at], mask=ok, other=0)
+
+
+def _store_rows(ref, x: jax.Array, n: int, cols) -> None:
+    from jax.experimental.pallas import triton as plgpu
+
+    ok = lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0) < n
+    plgpu.store(ref.at[pl.ds(0, x.shape[0]), cols], x.astype(ref.dtype), mask=ok)
+
+
+# ------------------------------------------------------------------------------ norm_gemm
+
+def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps: float,
+                      block_k: int, has_delta: bool):
+    """One tile of output columns: the rows' sum s (program 0 stores it), its norm, then the
+    product over the whole contraction, `block_k` at a time."""
+    d_ref, nw_ref, w_ref, s_ref, y_ref = refs if has_delta else (None, *refs)
+    dim = h_ref.shape[1]
+    dtype = h_ref.dtype
+    steps = dim // block_k
+
+    def summed(i):   # s's columns [i·block_k, +block_k) in f32, rounded as XLA rounds
+        cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        if not has_delta:
+            return cols, _rows(h_ref, tile, rows, cols).astype(jnp.float32)
+        if parts is None:
+            d = _rows(d_ref, tile, rows, cols).astype(jnp.float32)
+        else:   # the f32 sum of a split-K product's parts, rounded as the product would be
+            d = functools.reduce(operator.add, (_rows(d_ref, tile, rows, cols, part=p)
+                                                for p in range(parts)))
+            d = d.astype(dtype).astype(jnp.float32)
+        s = (_rows(h_ref, tile, rows, cols).astype(jnp.float32) + d).astype(dtype)
+        return cols, s.astype(jnp.float32)
+
+    def squares(i, acc):
+        _, s = summed(i)
+        return acc + jnp.sum(s * s, axis=1, keepdims=True)
+
+    ss = lax.fori_loop(0, steps, squares, jnp.zeros((tile, 1), jnp.float32))
+    r = lax.rsqrt(ss / dim + eps)                                             # [tile, 1]
+    first = pl.program_id(0) == 0
+
+    def product(i, acc):
+        cols, s = summed(i)
+
+        @pl.when(first)
+        def _():
+            _store_rows(s_ref, s, rows, cols)
+
+        nw = nw_ref[cols].astype(dtype).astype(jnp.float32)
+        x = (nw[None, :] * (s * r).astype(dtype).astype(jnp.float32)).astype(dtype)
+        return acc + _dot(x, w_ref[cols, :].astype(dtype))
+
+    acc = lax.fori_loop(0, steps, product, jnp.zeros((tile, y_ref.shape[1]), jnp.float32))
+    _store_rows(y_ref, acc, rows, slice(None))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "block_n", "block_k", "interpret",
+                                             "num_warps", "num_stages"))
+def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, w: jax.Array, *,
+              eps: float, block_n: int | None = None, block_k: int | None = None,
+              interpret: bool = False, num_warps: int = 4, num_stages: int = 3
+              ) -> tuple[jax.Array, jax.Array]:
+    """(s, RMSNorm(s) · weight @ w) with s = h + delta: h [R, D] (the dtype of everything),
+    delta [R, D] or the f32 parts of a split-K product [parts, ≥ R, D] (summed, rounded to
+    h's dtype, then added: `pallas_kernels.norms.add_rms_norm`'s arithmetic), weight [D],
+    w [D, N] → (s [R, D], product [R, N]), the product accumulated in f32 and rounded.
+    `delta` None: s = h (a row summed already, as after a tapped layer).
+
+    One program per `block_n` output columns (default `_columns`), each reading the contraction
+    `block_k` at a time (default `_depth_and_stages`)."""
+    R, D = h.shape
+    N = w.shape[-1]
+    parts = delta.shape[0] if delta is not None and delta.ndim == 3 else None
+    rows_ok = (delta is None or (delta.shape == h.shape if parts is None else
+                                 delta.dtype == jnp.float32 and delta.shape[1] >= R
+                                 and delta.shape[2] == D))
+    block_n = block_n or _columns(N)
+    tile = max(16, next_pow2(R))
+    size = jnp.dtype(h.dtype).itemsize
+    step, stages = _depth_and_stages(
+        D, tile * (size + (4 * parts if parts else size if delta is not None else 0)),
+        (block_n or 16) * size, num_stages,
+        jnp.dtype(h.dtype) == jnp.float32)
+    block_k = block_k or step
+    if (h.ndim != 2 or not rows_ok or weight.shape != (D,) or w.shape != (D, N)
+            or not 1 <= R <= MAX_ROWS or block_k is None or block_n is None
+            or D % block_k or N % block_n):
+        raise ValueError(f"norm_gemm: h must be [R ≤ {MAX_ROWS}, D], delta [R, D] or f32 "
+                         f"[parts, ≥ R, D], weight [D], w [D, N], D and N multiples of 16: "
+                         f"{h.shape}, {None if delta is None else (delta.shape, delta.dtype)}, "
+                         f"{weight.shape}, {w.shape}")
+    whole = lambda x: pl.BlockSpec(x.shape, lambda j: (0,) * x.ndim)   # noqa: E731
+    deltas = [] if delta is None else [delta if parts is not None else delta.astype(h.dtype)]
+    s, y = pl.pallas_call(
+        functools.partial(_norm_gemm_kernel, rows=R, tile=tile, parts=parts, eps=eps,
+                          block_k=block_k, has_delta=delta is not None),
+        grid=(N // block_n,),
+        in_specs=[whole(h), *map(whole, deltas), whole(weight),
+                  pl.BlockSpec((D, block_n), lambda j: (0, j))],
+        out_specs=[whole(h), pl.BlockSpec((R, block_n), lambda j: (0, j))],
+        out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct((R, N), h.dtype)],
+        compiler_params=_compiler_params(interpret, num_warps, stages),
+        interpret=interpret, name="norm_gemm",
+    )(h, *deltas, weight, w)
+    return s, y
+
+
+def _columns(n: int) -> int | None:
+    """The output tile of a product with n columns: the widest of 128, 64, 32 dividing n that
+    leaves `TARGET_PROGRAMS` programs, else the narrowest of 32, 16 dividing n (a program's
+    weight rows stay at least 32 bytes, a memory sector)."""
+    fits = [b for b in (128, 64, 32, 16) if n % b == 0]
+    wide = [b for b in fits if b >= 32 and n // b >= TARGET_PROGRAMS]
+    return wide[0] if wide else next((b for b in fits if b <= 32), None)
+
+
+# ------------------------------------------------------------------------------ swiglu_gemm
+
+def _round(x: jax.Array, dtype) -> jax.Array:
+    """x rounded to `dtype`, back in f32."""
+    return x.astype(dtype).astype(jnp.float32)
+
+
+def _silu_sigmoid(g: jax.Array, dtype) -> jax.Array:
+    """1 / (1 + exp(−g)) in f32, each step rounded to `dtype` as `jax.nn.silu`'s ops round
+    in that dtype."""
+    g = g.astype(jnp.float32)
+    return _round(1.0 / _round(1.0 + _round(jnp.exp(-g), dtype), dtype), dtype)
+
+
+def _swiglu_kernel(gu_ref, w_ref, out_ref, *, rows: int, tile: int, hidden: int,
+                   block_k: int):
+    """One (column tile, part): the part's contraction `block_k` at a time, each chunk's
+    activation silu(gate) · up taken as it is loaded."""
+    chunk = w_ref.shape[0]
+    lo = pl.program_id(1) * chunk
+    dtype = gu_ref.dtype
+
+    def product(i, acc):
+        at = lo + i * block_k
+        g = _rows(gu_ref, tile, rows, pl.ds(pl.multiple_of(at, block_k), block_k))
+        u = _rows(gu_ref, tile, rows, pl.ds(pl.multiple_of(hidden + at, block_k), block_k))
+        g = g.astype(jnp.float32)
+        a = _round(_round(g * _silu_sigmoid(g, dtype), dtype) * u.astype(jnp.float32), dtype)
+        a = a.astype(dtype)
+        w = w_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k), :].astype(dtype)
+        return acc + _dot(a, w)
+
+    acc = lax.fori_loop(0, chunk // block_k, product,
+                        jnp.zeros((tile, out_ref.shape[-1]), jnp.float32))
+    _store_rows(out_ref, acc, rows, slice(None))
+
+
+def swiglu_parts(rows: int, hidden: int, columns: int) -> int:
+    """The parts `swiglu_gemm` splits a [rows, hidden] @ [hidden, columns] product into:
+    enough for about `TARGET_PROGRAMS` programs, at most 8, each part a whole number of 16
+    rows of w deep."""
+    n_tiles = columns // (_columns(columns) or columns)
+    parts = 1
+    while (parts < 8 and n_tiles * parts < TARGET_PROGRAMS
+           and hidden % (2 * parts * 16) == 0):
+        parts *= 2
+    return parts
+
+
+@functools.partial(jax.jit, static_argnames=("parts", "block_n", "block_k", "interpret",
+                                             "num_warps", "num_stages"))
+def swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int | None = None,
+                block_n: int | None = None, block_k: int | None = None,
+                interpret: bool = False, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+    """(silu(gate) · up) @ w for gu = [gate | up] [R, 2F] and w [F, N] (gu's dtype), the
+    activation rounded as XLA rounds it: → the f32 parts [parts, R, N] of the product split
+    along F (default `swiglu_parts`), for the kernel that reads it to sum."""
+    R, two_f = gu.shape
+    F = two_f // 2
+    N = w.shape[-1]
+    parts = parts or swiglu_parts(R, F, N)
+    block_n = block_n or _columns(N)
+    chunk = F // parts if parts and F % parts == 0 else 0
+    tile = max(16, next_pow2(R))
+    size = jnp.dtype(gu.dtype).itemsize
+    step, stages = _depth_and_stages(chunk, 2 * tile * size, (block_n or 16) * size, num_stages,
+                                     jnp.dtype(gu.dtype) == jnp.float32)
+    block_k = block_k or step
+    if (gu.ndim != 2 or two_f % 2 or w.shape != (F, N) or not 1 <= R <= MAX_ROWS
+            or block_n is None or N % block_n or not chunk or block_k is None
+            or chunk % block_k):
+        raise ValueError(f"swiglu_gemm: gu must be [R ≤ {MAX_ROWS}, 2F], w [F, N], N a "
+                         f"multiple of 16 and F of 16 × {parts} parts: {gu.shape}, {w.shape}")
+    return pl.pallas_call(
+        functools.partial(_swiglu_kernel, rows=R, tile=tile, hidden=F, block_k=block_k),
+        grid=(N // block_n, parts),
+        in_specs=[pl.BlockSpec(gu.shape, lambda j, p: (0, 0)),
+                  pl.BlockSpec((chunk, block_n), lambda j, p: (p, j))],
+        out_specs=pl.BlockSpec((None, R, block_n), lambda j, p: (p, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((parts, R, N), jnp.float32),
+        compiler_params=_compiler_params(interpret, num_warps, stages),
+        interpret=interpret, name="swiglu_gemm",
+    )(gu, w)
+
+
+# ------------------------------------------------------------------------------ oracles
+
+def ref_norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, w: jax.Array, *,
+                  eps: float) -> tuple[jax.Array, jax.Array]:
+    from pallas_kernels.norms import ref_add_rms_norm, ref_rms_norm
+
+    s, x = (h, ref_rms_norm(h, weight, eps)) if delta is None else ref_add_rms_norm(
+        h, delta, weight, eps=eps)
+    return s, jnp.einsum("RD,DN->RN", x, w.astype(h.dtype),
+                         preferred_element_type=jnp.float32).astype(h.dtype)
+
+
+def ref_swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int) -> jax.Array:
+    gate, up = jnp.split(gu, 2, axis=-1)
+    a = jax.nn.silu(gate) * up                                               # [R, F]
+    R, F = a.shape
+    return jnp.einsum("RPK,PKN->PRN", a.reshape(R, parts, F // parts),
+                      w.astype(gu.dtype).reshape(parts, F // parts, -1),
+                      preferred_element_type=jnp.float32)
