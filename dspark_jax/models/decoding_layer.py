@@ -4,14 +4,18 @@ prefill over a cache).
 
 While decoding a few tokens a row the layer's work is its weights' bytes, and every kernel in
 between costs its launch, ramp and tail for kilobytes. On a GPU, for the decoding layout (one
-buffer per layer, q/k/v fused), a layer runs as nine kernels: the q/k/v product; the attention
-in two (`pallas_kernels.decode_attention.layer_attention`: the q/k norms, the rotary
-embedding, the attention over the cache and the token's own keys, and the write of its K/V rows
-into the cache, then the merge of the cache splits); the o product; the residual sum with the
-post-attention norm in one (`pallas_kernels.norms.add_rms_norm`); the gate/up product, the
-activation, the down product; the MLP's residual sum is taken with the next layer's input norm.
-The q/k/v, o and down products are split along K (`split_k_parts`) and the kernel that reads
-each sums its parts, where XLA would sum its own split in a kernel of its own.
+buffer per layer, q/k/v and gate/up fused), a layer runs as six kernels: the residual sum, the
+input norm and the q/k/v product in one (`pallas_kernels.row_gemm.norm_gemm`: `input_norm`);
+the attention in two (`pallas_kernels.decode_attention.layer_attention`: the q/k norms, the
+rotary embedding, the attention over the cache and the token's own keys, and the write of its
+K/V rows into the cache, then the merge of the cache splits); the o product; the residual sum,
+the post-attention norm and the gate/up product in one (`norm_product`); the activation and
+the down product in one (`row_gemm.swiglu_gemm`), whose parts the next layer's first kernel
+sums. The o product is split along K (`split_k_parts`) and the kernel that reads it sums its
+parts, where XLA would sum its own split in a kernel of its own. Shapes the row kernels do not
+take (more than `row_gemm.MAX_ROWS` rows, sizes not a multiple of 16, a mesh of several
+devices) keep a kernel for each residual sum and norm (`pallas_kernels.norms.add_rms_norm`),
+the products split along K for it to sum.
 Elsewhere (CPU, TPU, shapes the kernels do not take, or inside `layers.flash_kernels(False)`)
 the same arithmetic runs as XLA ops; a stacked or tensor-parallel layout keeps XLA's attention
 and q/k/v product and takes the norm kernels. The branch is chosen
@@ -193,41 +197,52 @@ def _kernel_delta(kind: str, leaves: tuple[jax.Array, ...], dim: int, dtype: Any
     return leaves[0].reshape(-1, dim)
 
 
-def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array, w_dn: jax.Array,
-                 eps: float) -> tuple[jax.Array, jax.Array]:
+def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array,
+                 w_dn: "jax.Array | tuple[jax.Array, ...]", eps: float
+                 ) -> tuple[jax.Array, jax.Array]:
     """(s, RMSNorm(s) · weight @ w) with s = h + delta: the residual sum, and the product of
-    its norm [B, T, N]. On a GPU (where `row_kernels_take`) one kernel,
+    its norm [B, T, N] (of several weights, their columns concatenated, each read where it
+    lies). On a GPU (where `row_kernels_take`) one kernel,
     `pallas_kernels.row_gemm.norm_gemm`, after the delta's own (a `GatedProduct`'s
     activation and down product in one, a `Product`'s split-K GEMM); elsewhere `add_rms_norm`
     and the product, XLA's ops."""
     b, t, d = h_btd.shape
     kind, leaves = _delta_leaves(delta)
+    ws = tuple(w_dn) if isinstance(w_dn, (tuple, list)) else (w_dn,)
+    n_w = len(ws)
 
-    def gpu(h, weight, w, *leaves, interpret):
+    def gpu(h, weight, *args, interpret):
         from pallas_kernels.row_gemm import norm_gemm
 
+        w, leaves = args[:n_w], args[n_w:]
         s, y = norm_gemm(h.reshape(b * t, d), _kernel_delta(kind, leaves, d, h.dtype, interpret),
-                         weight.astype(h.dtype), w.astype(h.dtype), eps=eps,
+                         weight.astype(h.dtype), tuple(x.astype(h.dtype) for x in w), eps=eps,
                          interpret=interpret)
         return s.reshape(h.shape), y.reshape(b, t, -1)
 
-    def default(h, weight, w, *leaves):
+    def default(h, weight, *args):
+        w, leaves = args[:n_w], args[n_w:]
         s, x = add_rms_norm(h, _delta_value(kind, leaves), weight, eps, kernel=False)
-        return s, jnp.einsum("BTD,DF->BTF", x, w)
+        ys = [jnp.einsum("BTD,DF->BTF", x, x_w) for x_w in w]
+        return s, ys[0] if n_w == 1 else jnp.concatenate(ys, axis=-1)
 
-    return L.on_gpu(gpu, default, h_btd, weight_d, w_dn, *leaves)
+    return L.on_gpu(gpu, default, h_btd, weight_d, *ws, *leaves)
 
 
-def input_norm(lp: dict[str, jax.Array], h_btd: jax.Array, delta: Delta, eps: float
+def input_norm(lp: dict[str, jax.Array], h_btd: jax.Array, delta: Delta, eps: float,
+               products: tuple[str, ...] = ("w_qkv",)
                ) -> tuple[jax.Array, "jax.Array | Projected"]:
     """A decoder layer's residual sum and input norm: (s, the attention's input). Where the
-    layer has its q/k/v fused and `row_kernels_take` the product, the input is the q/k/v
-    product itself (`Projected`: on a GPU the sum, the norm and the product in one kernel,
-    `norm_product`); otherwise the normed rows (`add_rms_norm`)."""
+    layer has its q/k/v `products` (a target layer's fused `w_qkv`, a drafter layer's `wq`
+    and `w_kv`) and `row_kernels_take` them, the input is their product itself (`Projected`:
+    on a GPU the sum, the norm and the product in one kernel, `norm_product`); otherwise the
+    normed rows (`add_rms_norm`)."""
     b, t, d = h_btd.shape
-    if "w_qkv" in lp and row_kernels_take(b * t, d, lp["w_qkv"].shape[-1]):
-        s, qkv = norm_product(h_btd, delta, lp["input_norm"], lp["w_qkv"], eps)
-        return s, Projected(qkv)
+    if all(w in lp for w in products):
+        ws = tuple(lp[w].reshape(d, -1) for w in products)
+        if all(row_kernels_take(b * t, d, w.shape[-1]) for w in ws):
+            s, qkv = norm_product(h_btd, delta, lp["input_norm"], ws, eps)
+            return s, Projected(qkv)
     return add_rms_norm(h_btd, delta, lp["input_norm"], eps)
 
 
@@ -410,7 +425,8 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
                     rope: RopeConfig, eps: float, ctx_k: jax.Array, ctx_v: jax.Array,
                     start_b: jax.Array, xla: Callable[..., jax.Array]) -> jax.Array:
     """The attention half of a DSpark / DFlash draft layer while decoding (SPEC §3): the T block
-    tokens at `positions_bt`, normed input x, attend to the layer's context cache
+    tokens at `positions_bt`, normed input x (or x their q | k|v product already,
+    `Projected`), attend to the layer's context cache
     [B, S, Kh, H] below their anchor (`start_b` [B]) and to all T block keys. The q and k|v
     products are taken here (a drafter layer's `wq` and `w_kv`,
     `layers.UnstackedLayers.FUSED_KV`: its context's k|v product reads `w_kv` alone).
@@ -419,20 +435,27 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
     run in `pallas_kernels.decode_attention.layer_attention`'s two kernels; elsewhere
     `xla(q, k, v, ctx_k, ctx_v, start_b)` (normed, rotated q / k [B, T, ·, H]) gives the
     attention with XLA's ops. → [B, T, N, H]."""
-    b, t = x_btd.shape[:2]
+    projected = isinstance(x_btd, Projected)
+    rows = x_btd.qkv if projected else x_btd
+    b, t = rows.shape[:2]
     n, h = lp["wo"].shape[:2]
     kh = ctx_k.shape[-2]
-    if not fused_kernels_take(lp, ctx_k, x_btd.dtype, t * (n // kh), ("wq", "w_kv")):
-        # q from its own handle on x: XLA would merge the q and k|v dots into one over their
-        # weights concatenated every call (a copy of them)
-        x_q, wq = jax.lax.optimization_barrier((x_btd, lp["wq"]))
-        q, (k, v) = L.project_q({**lp, "wq": wq}, x_q, eps), L.project_kv(lp, x_btd, eps)
+    if not fused_kernels_take(lp, ctx_k, rows.dtype, t * (n // kh), ("wq", "w_kv")):
+        if projected:   # q, then k|v, of the product taken already, normed as the projections
+            q = x_btd.qkv[..., :n * h].reshape(b, t, n, h)
+            k, v = jnp.split(x_btd.qkv[..., n * h:].reshape(b, t, 2 * kh, h), 2, axis=2)
+            q = L.rms_norm(q, lp["q_norm"], eps) if "q_norm" in lp else q
+            k = L.rms_norm(k, lp["k_norm"], eps) if "k_norm" in lp else k
+        else:   # q from its own handle on x: XLA would merge the q and k|v dots into one over
+            # their weights concatenated every call (a copy of them)
+            x_q, wq = jax.lax.optimization_barrier((x_btd, lp["wq"]))
+            q, (k, v) = L.project_q({**lp, "wq": wq}, x_q, eps), L.project_kv(lp, x_btd, eps)
         q, k = L.apply_rope(q, positions_bt, rope), L.apply_rope(k, positions_bt, rope)
         return xla(q, k, v, ctx_k, ctx_v, start_b)
     # the raw products, normed and rotated in each branch as `project_q` / `project_kv` do; as
     # one array, XLA takes the two dots as one GEMM (reading both weights where they lie) whose
     # output the kernel reads whole
-    wq = lp["wq"].reshape(x_btd.shape[-1], -1)
+    wq = lp["wq"].reshape(lp["wq"].shape[0], -1)
 
     def raw_qkv(x, wq, w_kv):
         return jnp.concatenate([jnp.einsum("BTD,DF->BTF", x, wq),
@@ -459,7 +482,7 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
         return L.on_gpu(gpu, default, *args)
 
     rest = (ctx_k, ctx_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32))
-    parts = split_k_parts(b * t, x_btd.shape[-1], (n + 2 * kh) * h)
+    parts = 1 if projected else split_k_parts(b * t, x_btd.shape[-1], (n + 2 * kh) * h)
     if parts > 1:   # on a GPU the attention kernel sums the product's split-K parts, the two
         # weights read where they lie by the one GEMM (no mesh of several devices)
         def gpu_parts(x, wq, w_kv, *a, interpret):
@@ -471,7 +494,8 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
                         lambda x, wq, w_kv, *a: default(
                             raw_qkv(x, wq, w_kv).reshape(b, t, n + 2 * kh, h), *a),
                         x_btd, wq, lp["w_kv"], *rest)
-    qkv = raw_qkv(x_btd, wq, lp["w_kv"]).reshape(b, t, n + 2 * kh, h)
+    qkv = (x_btd.qkv if projected else raw_qkv(x_btd, wq, lp["w_kv"])).reshape(
+        b, t, n + 2 * kh, h)
     axes = (_QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None))
     return shard_kernel(local, (qkv, *rest), axes, _QKV)
 

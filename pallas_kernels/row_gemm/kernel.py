@@ -98,10 +98,13 @@ def _store_rows(ref, x: jax.Array, n: int, cols) -> None:
 # ------------------------------------------------------------------------------ norm_gemm
 
 def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps: float,
-                      block_k: int, has_delta: bool):
+                      block_k: int, has_delta: bool, first_tiles: tuple[int, ...]):
     """One tile of output columns: the rows' sum s (program 0 stores it), its norm, then the
-    product over the whole contraction, `block_k` at a time."""
-    d_ref, nw_ref, w_ref, s_ref, y_ref = refs if has_delta else (None, *refs)
+    product over the whole contraction, `block_k` at a time, with the weight whose columns
+    the tile is (`first_tiles`: each weight's first tile, the first weight's 0)."""
+    refs = list(refs)
+    d_ref = refs.pop(0) if has_delta else None
+    nw_ref, *w_refs, s_ref, y_ref = refs
     dim = h_ref.shape[1]
     dtype = h_ref.dtype
     steps = dim // block_k
@@ -125,12 +128,12 @@ def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps
 
     ss = lax.fori_loop(0, steps, squares, jnp.zeros((tile, 1), jnp.float32))
     r = lax.rsqrt(ss / dim + eps)                                             # [tile, 1]
-    first = pl.program_id(0) == 0
+    j = pl.program_id(0)
 
-    def product(i, acc):
+    def product(w_ref, i, acc):
         cols, s = summed(i)
 
-        @pl.when(first)
+        @pl.when(j == 0)
         def _():
             _store_rows(s_ref, s, rows, cols)
 
@@ -138,66 +141,83 @@ def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps
         x = (nw[None, :] * (s * r).astype(dtype).astype(jnp.float32)).astype(dtype)
         return acc + _dot(x, w_ref[cols, :].astype(dtype))
 
-    acc = lax.fori_loop(0, steps, product, jnp.zeros((tile, y_ref.shape[1]), jnp.float32))
-    _store_rows(y_ref, acc, rows, slice(None))
+    def with_weight(w_ref):
+        return lambda: lax.fori_loop(0, steps, functools.partial(product, w_ref),
+                                     jnp.zeros((tile, y_ref.shape[1]), jnp.float32))
+
+    acc = with_weight(w_refs[-1])
+    for first, w_ref in zip(first_tiles[:0:-1], w_refs[-2::-1]):   # the tile's own weight
+        acc = functools.partial(lax.cond, j < first, with_weight(w_ref), acc)
+    _store_rows(y_ref, acc(), rows, slice(None))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_n", "block_k", "interpret",
                                              "num_warps", "num_stages"))
-def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, w: jax.Array, *,
-              eps: float, block_n: int | None = None, block_k: int | None = None,
-              interpret: bool = False, num_warps: int = 4, num_stages: int = 3
-              ) -> tuple[jax.Array, jax.Array]:
+def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
+              w: jax.Array | tuple[jax.Array, ...], *, eps: float, block_n: int | None = None,
+              block_k: int | None = None, interpret: bool = False, num_warps: int = 4,
+              num_stages: int = 3) -> tuple[jax.Array, jax.Array]:
     """(s, RMSNorm(s) · weight @ w) with s = h + delta: h [R, D] (the dtype of everything),
     delta [R, D] or the f32 parts of a split-K product [parts, ≥ R, D] (summed, rounded to
     h's dtype, then added: `pallas_kernels.norms.add_rms_norm`'s arithmetic), weight [D],
     w [D, N] → (s [R, D], product [R, N]), the product accumulated in f32 and rounded.
-    `delta` None: s = h (a row summed already, as after a tapped layer).
+    `delta` None: s = h (a row summed already, as after a tapped layer). `w` may be several
+    weights [D, N_i], each read where it lies: the product is theirs with their columns
+    concatenated, [R, ΣN_i].
 
     One program per `block_n` output columns (default `_columns`), each reading the contraction
     `block_k` at a time (default `_depth_and_stages`)."""
     R, D = h.shape
-    N = w.shape[-1]
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    widths = [x.shape[-1] for x in ws]
+    N = sum(widths)
     parts = delta.shape[0] if delta is not None and delta.ndim == 3 else None
     rows_ok = (delta is None or (delta.shape == h.shape if parts is None else
                                  delta.dtype == jnp.float32 and delta.shape[1] >= R
                                  and delta.shape[2] == D))
-    block_n = block_n or _columns(N)
+    block_n = block_n or _columns(N, widths)
     tile = max(16, next_pow2(R))
     size = jnp.dtype(h.dtype).itemsize
     step, stages = _depth_and_stages(
         D, tile * (size + (4 * parts if parts else size if delta is not None else 0)),
-        (block_n or 16) * size, num_stages,
-        jnp.dtype(h.dtype) == jnp.float32)
+        (block_n or 16) * size, num_stages, jnp.dtype(h.dtype) == jnp.float32)
     block_k = block_k or step
-    if (h.ndim != 2 or not rows_ok or weight.shape != (D,) or w.shape != (D, N)
+    if (h.ndim != 2 or not rows_ok or weight.shape != (D,) or len(ws) > 2
+            or any(x.shape != (D, n) for x, n in zip(ws, widths))
             or not 1 <= R <= MAX_ROWS or block_k is None or block_n is None
-            or D % block_k or N % block_n):
+            or D % block_k or any(n % block_n for n in widths)):
         raise ValueError(f"norm_gemm: h must be [R ≤ {MAX_ROWS}, D], delta [R, D] or f32 "
-                         f"[parts, ≥ R, D], weight [D], w [D, N], D and N multiples of 16: "
-                         f"{h.shape}, {None if delta is None else (delta.shape, delta.dtype)}, "
-                         f"{weight.shape}, {w.shape}")
+                         f"[parts, ≥ R, D], weight [D], w one or two [D, N], D and N "
+                         f"multiples of 16: {h.shape}, "
+                         f"{None if delta is None else (delta.shape, delta.dtype)}, "
+                         f"{weight.shape}, {[x.shape for x in ws]}")
     whole = lambda x: pl.BlockSpec(x.shape, lambda j: (0,) * x.ndim)   # noqa: E731
     deltas = [] if delta is None else [delta if parts is not None else delta.astype(h.dtype)]
+    firsts = tuple(sum(widths[:i]) // block_n for i in range(len(ws)))
+
+    def weight_tiles(first: int, tiles: int) -> pl.BlockSpec:   # a program's tile of its weight
+        return pl.BlockSpec((D, block_n), lambda j: (0, jnp.clip(j - first, 0, tiles - 1)))
+
     s, y = pl.pallas_call(
         functools.partial(_norm_gemm_kernel, rows=R, tile=tile, parts=parts, eps=eps,
-                          block_k=block_k, has_delta=delta is not None),
+                          block_k=block_k, has_delta=delta is not None, first_tiles=firsts),
         grid=(N // block_n,),
         in_specs=[whole(h), *map(whole, deltas), whole(weight),
-                  pl.BlockSpec((D, block_n), lambda j: (0, j))],
+                  *(weight_tiles(f, n // block_n) for f, n in zip(firsts, widths))],
         out_specs=[whole(h), pl.BlockSpec((R, block_n), lambda j: (0, j))],
         out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct((R, N), h.dtype)],
         compiler_params=_compiler_params(interpret, num_warps, stages),
         interpret=interpret, name="norm_gemm",
-    )(h, *deltas, weight, w)
+    )(h, *deltas, weight, *ws)
     return s, y
 
 
-def _columns(n: int) -> int | None:
-    """The output tile of a product with n columns: the widest of 128, 64, 32 dividing n that
-    leaves `TARGET_PROGRAMS` programs, else the narrowest of 32, 16 dividing n (a program's
-    weight rows stay at least 32 bytes, a memory sector)."""
-    fits = [b for b in (128, 64, 32, 16) if n % b == 0]
+def _columns(n: int, widths: list[int] | None = None) -> int | None:
+    """The output tile of a product with n columns (of weights `widths` wide, each a whole
+    number of tiles): the widest of 128, 64, 32 dividing them that leaves `TARGET_PROGRAMS`
+    programs, else the narrowest of 32, 16 dividing them (a program's weight rows stay at
+    least 32 bytes, a memory sector)."""
+    fits = [b for b in (128, 64, 32, 16) if all(x % b == 0 for x in widths or [n])]
     wide = [b for b in fits if b >= 32 and n // b >= TARGET_PROGRAMS]
     return wide[0] if wide else next((b for b in fits if b <= 32), None)
 
@@ -289,12 +309,14 @@ def swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int | None = None,
 
 # ------------------------------------------------------------------------------ oracles
 
-def ref_norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array, w: jax.Array, *,
-                  eps: float) -> tuple[jax.Array, jax.Array]:
+def ref_norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
+                  w: jax.Array | tuple[jax.Array, ...], *, eps: float
+                  ) -> tuple[jax.Array, jax.Array]:
     from pallas_kernels.norms import ref_add_rms_norm, ref_rms_norm
 
     s, x = (h, ref_rms_norm(h, weight, eps)) if delta is None else ref_add_rms_norm(
         h, delta, weight, eps=eps)
+    w = jnp.concatenate(w, axis=-1) if isinstance(w, (tuple, list)) else w
     return s, jnp.einsum("RD,DN->RN", x, w.astype(h.dtype),
                          preferred_element_type=jnp.float32).astype(h.dtype)
 

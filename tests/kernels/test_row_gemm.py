@@ -53,6 +53,26 @@ def test_norm_gemm_matches_the_oracle(dtype, rows, delta_kind):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_gemm_reads_two_weights_where_they_lie(dtype):
+    """w as two weights (a drafter's q and k|v): the product is theirs with their columns
+    concatenated, each tile of output columns from its own weight."""
+    ks = jax.random.split(jax.random.key(7), 5)
+    D = 64
+    h = jax.random.normal(ks[0], (5, D)).astype(dtype)
+    delta = jax.random.normal(ks[1], (2, 5, D), jnp.float32)
+    weight = (1 + 0.1 * jax.random.normal(ks[2], (D,))).astype(dtype)
+    wq = (0.1 * jax.random.normal(ks[3], (D, 48))).astype(dtype)
+    wkv = (0.1 * jax.random.normal(ks[4], (D, 32))).astype(dtype)
+    got = norm_gemm(h, delta, weight, (wq, wkv), eps=EPS, block_n=16, interpret=True)
+    want = ref_norm_gemm(h, delta, weight, jnp.concatenate([wq, wkv], -1), eps=EPS)
+    assert got[1].shape == (5, 80)
+    for g, r in zip(got, want):
+        _close(g, r, dtype)
+    with pytest.raises(ValueError, match="norm_gemm"):   # 48 columns: no 32-column tiles
+        norm_gemm(h, delta, weight, (wq, wkv), eps=EPS, block_n=32, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_swiglu_gemm_matches_the_oracle(dtype, rows):
     """(silu(gate) · up) @ w as f32 parts along the contraction: each part equals the

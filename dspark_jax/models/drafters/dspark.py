@@ -246,12 +246,9 @@ class DSparkDraft(nnx.Module):
             return block_attend(q[:, None], ck, cv, k[:, None], v[:, None], visible,
                                 ones)[:, 0]
 
-        delta = None
+        delta = None   # the first layer's input has no residual delta
         for i, lp in enumerate(self.layers.layer_params(self.dtype)):
-            if delta is None:
-                x = L.rms_norm(h, lp["input_norm"], eps)
-            else:
-                h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
+            h, x = DL.input_norm(lp, h, delta, eps, ("wq", "w_kv"))
             ck, cv = (L.cache_layer(c, i).astype(self.dtype) for c in (ctx_k, ctx_v))
             attn = DL.block_attention(lp, x, pos, rope, eps, ck, cv, anchor_pos_b, dense)
             h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)

@@ -66,6 +66,12 @@ def _tapped(taps: jax.Array, slot: Any, h: jax.Array) -> jax.Array:
     return taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
 
 
+def _no_delta(h: jax.Array, params: Any) -> jax.Array | None:
+    """The first layer's residual delta: none (per-layer buffers, unrolled), or zeros where a
+    scan carries it."""
+    return jnp.zeros_like(h) if isinstance(params, dict) else None
+
+
 def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any, eps: float
                 ) -> tuple[jax.Array, jax.Array, Any]:
     """(taps with the layer's output h + delta in its slot, h, delta) for the next layer: a
@@ -156,7 +162,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
                                           T * cfg.num_attention_heads
                                           // cfg.num_key_value_heads))
     ((h, delta), taps, caches), new_kv = L.run_layers(
-        cached_body, ((h, jnp.zeros_like(h)), taps0, cache_kv if in_layer else None),
+        cached_body, ((h, _no_delta(h, params)), taps0, cache_kv if in_layer else None),
         params, per_layer)
     # the last MLP's residual sum: on a GPU one kernel, after the activation's and down
     # product's (`decoding_layer.add_rms_norm`)
@@ -253,7 +259,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     # no cache in the carry when the writes are deferred: the new K/V rows are the outputs
     caches = (None, None) if defer_writes else cache_kv
     ((h, delta), taps, kc, vc), new_kv = L.run_layers(
-        ragged_body, ((h, jnp.zeros_like(h)), taps0, *caches), params, per_layer)
+        ragged_body, ((h, _no_delta(h, params)), taps0, *caches), params, per_layer)
     # the last MLP's residual sum: on a GPU one kernel, after the activation's and down
     # product's (`decoding_layer.add_rms_norm`)
     h = constrain(DL.add_rms_norm(h, delta, None, eps)[0], ("batch", "seq", "act_embed"))
