@@ -356,16 +356,16 @@ def test_the_policy_is_per_dtype():
 
 @pytest.mark.gpu
 @needs_plugin
-def test_h200_decode_step_launches_six_kernels_a_layer(tmp_path):
+def test_h200_decode_step_launches_five_kernels_a_layer(tmp_path):
     """The decode step and the draft compiled for an H200 with the decoding layer's kernels:
     what one more layer adds (4 target layers against 2, 3 drafter layers against 1; Qwen3 with
-    128-wide heads, 2 query heads a key head) is the layer's kernels alone, six: the previous
+    128-wide heads, 2 query heads a key head) is the layer's kernels alone, five: the previous
     layer's activation with its down product, the residual sum with the input norm and the
-    q/k/v product, the attention's split (q/k norms, RoPE, the cache write) and merge, the o
-    product, the residual sum with the post-attention norm and the gate/up product; a drafter
-    layer's, counted in its layers apart from its heads, at most twelve (its q and k|v
-    product apart from its norm), and its heads and sampling a few kernels a draft slot. No
-    weight is copied."""
+    q/k/v product, the attention's splits (q/k norms, RoPE, the cache write), their merge with
+    the o product, the residual sum with the post-attention norm and the gate/up product; a
+    drafter layer's, counted in its layers apart from its heads, at most twelve (its
+    attention's merge a kernel of its own), and its heads and sampling a few kernels a draft
+    slot. No weight is copied."""
     from hf_tiny import save_tiny_hf
 
     kernels, drafter, chain = {}, {}, {}
@@ -393,7 +393,7 @@ def test_h200_decode_step_launches_six_kernels_a_layer(tmp_path):
         assert progs["draft"]["kernels_per_layer"] == pytest.approx(
             drafter[draft_layers] / draft_layers)
     per_layer = (kernels[4] - kernels[2]) / 2
-    assert per_layer == 6, kernels
+    assert per_layer == 5, kernels
     # the report's chain (the kernels its source attributes to the layer function) grows by
     # exactly what one more layer adds; the first layer holds a kernel or two more
     assert chain[4] * 4 - chain[2] * 2 == pytest.approx(2 * per_layer), (chain, per_layer)
@@ -406,9 +406,9 @@ def test_h200_decode_step_launches_six_kernels_a_layer(tmp_path):
 def test_h200_qwen3_8b_layer_sums_its_split_k_parts_in_its_kernels(tmp_path):
     """At Qwen3-8B's layer shape (hidden 4096, 32 heads over 8, MLP 12288; a config alone, no
     weights) the decode step's o and down products are split along K and their parts summed
-    by the kernels that read them, the norms taken in the products' kernels: one more layer
-    adds 6 kernels (12 with XLA's norms and sums of its own split-K parts), and no weight is
-    copied."""
+    by the kernels that read them, the norms, the activation and the attention's merge taken in
+    the products' kernels: one more layer adds 5 kernels (12 with XLA's norms and sums of its
+    own split-K parts), and no weight is copied."""
     from hf_tiny import tiny_hf_config
 
     kernels = {}
@@ -428,7 +428,7 @@ def test_h200_qwen3_8b_layer_sums_its_split_k_parts_in_its_kernels(tmp_path):
         step = json.loads(out.read_text())["programs"]["decode_step"]
         assert step["weight_copy_bytes"] == 0, step["weight_copies"]
         kernels[layers] = step["kernels_per_step"]
-    assert kernels[3] - kernels[2] == 6, kernels
+    assert kernels[3] - kernels[2] == 5, kernels
 
 
 _ROW_WRITE_HLO = """HloModule m, entry_computation_layout={(bf16[1,2,64,2,8]{4,3,2,1,0}, bf16[1,4,2,8]{3,2,1,0}, s32[4]{0})->(bf16[1,2,64,2,8]{4,3,2,1,0})}

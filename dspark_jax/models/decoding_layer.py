@@ -4,15 +4,17 @@ prefill over a cache).
 
 While decoding a few tokens a row the layer's work is its weights' bytes, and every kernel in
 between costs its launch, ramp and tail for kilobytes. On a GPU, for the decoding layout (one
-buffer per layer, q/k/v and gate/up fused), a layer runs as six kernels: the residual sum, the
+buffer per layer, q/k/v and gate/up fused), a layer runs as five kernels: the residual sum, the
 input norm and the q/k/v product in one (`pallas_kernels.row_gemm.norm_gemm`: `input_norm`);
-the attention in two (`pallas_kernels.decode_attention.layer_attention`: the q/k norms, the
-rotary embedding, the attention over the cache and the token's own keys, and the write of its
-K/V rows into the cache, then the merge of the cache splits); the o product; the residual sum,
-the post-attention norm and the gate/up product in one (`norm_product`); the activation and
-the down product in one (`row_gemm.swiglu_gemm`), whose parts the next layer's first kernel
-sums. The o product is split along K (`split_k_parts`) and the kernel that reads it sums its
-parts, where XLA would sum its own split in a kernel of its own. Shapes the row kernels do not
+the attention (`pallas_kernels.decode_attention.layer_attention`: the q/k norms, the rotary
+embedding, the attention over the cache splits and the token's own keys, and the write of its
+K/V rows into the cache); the merge of the splits with the o product (`row_gemm.merge_gemm`:
+`attention_and_mlp_input`); the residual sum, the post-attention norm and the gate/up product
+in one (`norm_product`); the activation and the down product in one
+(`row_gemm.swiglu_gemm`), whose parts the next layer's first kernel sums. A verification
+block keeps the merge a kernel of its own and XLA's o product, split along K
+(`split_k_parts`), the kernel that reads it summing its parts, where XLA would sum its own
+split in a kernel of its own: six. Shapes the row kernels do not
 take (more than `row_gemm.MAX_ROWS` rows, sizes not a multiple of 16, a mesh of several
 devices) keep a kernel for each residual sum and norm (`pallas_kernels.norms.add_rms_norm`),
 the products split along K for it to sum.
@@ -338,6 +340,105 @@ def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
             and rows <= L.DECODE_KERNEL_MAX_ROWS)
 
 
+def _attention_fns(lp: dict[str, jax.Array], t: int, kh: int, eps: float, write: bool
+                   ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`cached_attention`'s two branches over the raw q/k/v product [(parts,) B, T, ·]:
+    (xla, gpu)(qkv, cache k, cache v, start, positions, cos, sin, own mask) → (attention,
+    k|v rows) or, with `write`, (attention, cache k, cache v); `gpu(..., merge=False)` gives
+    the attention as its cache splits' partials (`layer_attention`)."""
+    n, h = lp["wo"].shape[:2]
+    norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
+
+    def xla(qkv, ck, cv, start, pos, cos, sin, mask):   # a device's rows under a mesh
+        bl = qkv.shape[0]
+        q = qkv[..., :n * h].reshape(bl, t, n, h)
+        k = qkv[..., n * h:(n + kh) * h].reshape(bl, t, kh, h)
+        v = qkv[..., (n + kh) * h:].reshape(bl, t, kh, h)
+        if norms is not None:
+            q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
+        q, k = L.rotate_half(q, cos, sin), L.rotate_half(k, cos, sin)
+        attn = L.attend_cache_and_own_xla(q, ck, cv, start, k, v, mask)
+        if write:
+            rows = (jnp.arange(bl)[:, None], pos)
+            return (attn, ck.at[rows].set(k, mode="drop"), cv.at[rows].set(v, mode="drop"))
+        return attn, jnp.concatenate([k, v], axis=2)
+
+    def gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret, merge=True):
+        from pallas_kernels.decode_attention import layer_attention
+
+        qkv = qkv.reshape(*qkv.shape[:-1], n + 2 * kh, h)   # [(parts,) B, T, heads, H]
+        attn, a, c = layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
+                                     num_q_heads=n, eps=eps, scale=h ** -0.5, write=write,
+                                     merge=merge, interpret=interpret)
+        return (attn, a, c) if write else (attn, jnp.concatenate([a, c], axis=2))
+
+    return xla, gpu
+
+
+def merged_o_takes(lp: dict[str, jax.Array], batch: int, tokens: int, kv_heads: int,
+                   dim: int) -> bool:
+    """Whether `attention_and_mlp_input` may merge the attention's cache splits in the o
+    product's kernel: the row kernels take the layer's o, gate/up and down products, and the
+    rows `row_gemm.merge_gemm` reads (the B rows' query tiles of `layer_attention`, padded)
+    fit its tile."""
+    from pallas_kernels.common import next_pow2
+    from pallas_kernels.row_gemm import MAX_ROWS
+
+    n, h = lp["wo"].shape[:2]
+    rows = batch * tokens
+    t_pad = max(next_pow2(tokens), 16 // max(1, n // kv_heads))
+    return ("w_gate_up" in lp and row_kernels_take(rows, n * h, dim)
+            and row_kernels_take(rows, dim, lp["w_gate_up"].shape[-1])
+            and row_kernels_take(rows, lp["w_down"].shape[0], dim)
+            and max(next_pow2(batch), 16 // t_pad) * t_pad <= MAX_ROWS)
+
+
+def attention_and_mlp_input(lp: dict[str, jax.Array], h_btd: jax.Array, x: Projected,
+                            positions_bt: jax.Array, rope: RopeConfig, eps: float,
+                            cache_k: jax.Array, cache_v: jax.Array, start_b: jax.Array,
+                            own_mask_btq: jax.Array
+                            ) -> tuple[jax.Array, GatedProduct, jax.Array, jax.Array]:
+    """`cached_attention` (with `write`) and `attn_out_and_mlp` of a layer whose q/k/v product
+    is taken (`input_norm`) and whose attention kernel writes its rows into its cache buffer:
+    → (h, the MLP's delta, cache k, cache v). On a GPU (where `merged_o_takes`) the
+    attention's cache splits are merged in the o product's kernel
+    (`pallas_kernels.row_gemm.merge_gemm`), whose parts the next kernel sums with the
+    post-attention norm and the gate/up product (`norm_gemm`): three kernels after the
+    attention's where the merge, the o product and that one take three; elsewhere XLA's ops
+    as `cached_attention` and `attn_out_and_mlp` take them."""
+    b, t = x.qkv.shape[:2]
+    n, h = lp["wo"].shape[:2]
+    kh = cache_k.shape[-2]
+    d = h_btd.shape[-1]
+    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
+    xla, gpu = _attention_fns(lp, t, kh, eps, write=True)
+
+    def gpu_merged(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, interpret):
+        from pallas_kernels.row_gemm import merge_gemm, norm_gemm
+
+        partials, ck, cv = gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret=interpret,
+                               merge=False)
+        o = merge_gemm(*partials, wo.astype(h_.dtype), num_tokens=t, dtype=h_.dtype,
+                       interpret=interpret)                                  # [P, B, T, D]
+        s, gu = norm_gemm(h_.reshape(b * t, d), o.reshape(o.shape[0], b * t, d),
+                          post.astype(h_.dtype), w_gu.astype(h_.dtype), eps=eps,
+                          interpret=interpret)
+        return s.reshape(h_.shape), gu.reshape(b, t, -1), ck, cv
+
+    def default(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu):
+        attn, ck, cv = xla(qkv, ck, cv, start, pos, cos, sin, mask)
+        o = jnp.einsum("BTF,FD->BTD", attn.reshape(b, t, n * h), wo)
+        s, normed = add_rms_norm(h_, o, post, eps, kernel=False)
+        return s, jnp.einsum("BTD,DF->BTF", normed, w_gu), ck, cv
+
+    s, gu, ck, cv = L.on_gpu(gpu_merged, default, x.qkv, cache_k, cache_v,
+                             start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos,
+                             sin, own_mask_btq, h_btd, lp["wo"].reshape(n * h, d),
+                             lp["post_norm"], lp["w_gate_up"])
+    s = constrain(s, ("batch", "seq", "act_embed"))
+    return s, GatedProduct(gu, lp["w_down"]), ck, cv
+
+
 def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
                      rope: RopeConfig, eps: float, cache_k: jax.Array, cache_v: jax.Array,
                      start_b: jax.Array, own_mask_btq: jax.Array, write: bool = False,
@@ -370,31 +471,7 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
                                       start_b, k, v, own_mask_btq)
         return attn, k, v
     cos, sin = L.rope_cos_sin(positions_bt, rope, h)
-    norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
-
-    def xla(qkv, ck, cv, start, pos, cos, sin, mask):   # a device's rows under a mesh
-        bl = qkv.shape[0]
-        q = qkv[..., :n * h].reshape(bl, t, n, h)
-        k = qkv[..., n * h:(n + kh) * h].reshape(bl, t, kh, h)
-        v = qkv[..., (n + kh) * h:].reshape(bl, t, kh, h)
-        if norms is not None:
-            q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
-        q, k = L.rotate_half(q, cos, sin), L.rotate_half(k, cos, sin)
-        attn = L.attend_cache_and_own_xla(q, ck, cv, start, k, v, mask)
-        if write:
-            rows = (jnp.arange(bl)[:, None], pos)
-            return (attn, ck.at[rows].set(k, mode="drop"), cv.at[rows].set(v, mode="drop"))
-        return attn, jnp.concatenate([k, v], axis=2)
-
-    def gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret):
-        from pallas_kernels.decode_attention import layer_attention
-
-        qkv = qkv.reshape(*qkv.shape[:-1], n + 2 * kh, h)   # [(parts,) B, T, heads, H]
-        attn, a, c = layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
-                                     num_q_heads=n, eps=eps, scale=h ** -0.5, write=write,
-                                     interpret=interpret)
-        return (attn, a, c) if write else (attn, jnp.concatenate([a, c], axis=2))
-
+    xla, gpu = _attention_fns(lp, t, kh, eps, write)
     rest = (cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos,
             sin, own_mask_btq)
     parts = 1 if projected else split_k_parts(b * t, x_btd.shape[-1], lp["w_qkv"].shape[-1])

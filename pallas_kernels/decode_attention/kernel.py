@@ -462,16 +462,17 @@ def _partial_shapes(B: int, Kh: int, P: int, mp: int, h: int) -> list[jax.ShapeD
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "scale", "write", "causal",
                                              "v_norm", "window", "v_from_k", "block_k",
-                                             "splits", "interpret", "num_warps", "num_stages"))
+                                             "splits", "merge", "interpret", "num_warps",
+                                             "num_stages"))
 def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                     cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
                     cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
                     write: bool = False, causal: bool = True, v_norm: bool = False,
                     window: int = 0, v_from_k: bool = False,
                     block_k: int = DEFAULT_BLOCK_K, splits: int | None = None,
-                    interpret: bool = False, num_warps: int = DEFAULT_NUM_WARPS,
-                    num_stages: int = DEFAULT_NUM_STAGES
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    merge: bool = True, interpret: bool = False,
+                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
+                    ) -> tuple[Any, jax.Array, jax.Array]:
     """A decoder layer's attention from its raw q/k/v product [B, T, N + 2Kh, H]: the q and k
     heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no norm, Llama) and rotated by
     cos / sin [B, T, H/2] (f32, the tokens' RoPE angles), then the T tokens at start + t attend
@@ -492,7 +493,11 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
 
     Returns (attention [B, T, N, H], k rows, v rows [B, T, Kh, H]: the tokens' normed, rotated
     keys and their values); with `write`, (attention, cache k, cache v) with those rows
-    written into the cache [B, S, Kh, H] at start + t in place (a position ≥ S dropped)."""
+    written into the cache [B, S, Kh, H] at start + t in place (a position ≥ S dropped).
+    `merge=False`: the attention comes unmerged, as the cache splits' partial softmaxes
+    (acc [B, Kh, P, Mp, H], max and sum [B, Kh, P, Mp], base 2; row t·G + g of a key head's
+    Mp = Tp·G is token t's query head g), for the kernel that reads it to merge
+    (`pallas_kernels.row_gemm.merge_gemm`)."""
     parts = qkv.shape[0] if qkv.ndim == 5 else None
     B, T, J, H = (*qkv.shape[-4:-2], *qkv.shape[-2:]) if parts is None else (
         qkv.shape[1], cos.shape[1], *qkv.shape[-2:])
@@ -556,7 +561,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         interpret=interpret, name="layer_attention_splits",
     )(*args)
     o, m, l, k_rows, v_rows = outs[:5]
-    attn = _merge(o, m, l, q, Tp, G, interpret)
+    attn = _merge(o, m, l, q, Tp, G, interpret) if merge else (o, m, l)
     return (attn, outs[5], outs[6]) if write else (attn, k_rows, v_rows)
 
 

@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import next_pow2
+from pallas_kernels.common import MASKED_SCORE, next_pow2
 
-__all__ = ["MAX_ROWS", "norm_gemm", "ref_norm_gemm", "ref_swiglu_gemm", "swiglu_gemm",
-           "swiglu_parts"]
+__all__ = ["MAX_ROWS", "merge_gemm", "merge_parts", "norm_gemm", "ref_merge_gemm",
+           "ref_norm_gemm", "ref_swiglu_gemm", "swiglu_gemm", "swiglu_parts"]
 
 #: the most rows a call takes (a verification block of 64 query rows)
 MAX_ROWS = 64
@@ -307,6 +307,112 @@ def swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int | None = None,
     )(gu, w)
 
 
+# ------------------------------------------------------------------------------ merge_gemm
+
+def _merge_gemm_kernel(o_ref, m_ref, l_ref, w_ref, out_ref, *, batch: int, tokens: int,
+                       tile_b: int, group: int, heads: int, splits: int, dtype):
+    """One (column tile, part): the part's query heads one at a time, each head's cache splits
+    merged under their shared maximum (`decode_attention`'s merge) for every (row, token),
+    rounded to `dtype`, and multiplied into the head's rows of w."""
+    from jax.experimental.pallas import triton as plgpu
+
+    tp, hd = o_ref.shape[3], o_ref.shape[5]
+    bt = lax.broadcasted_iota(jnp.int32, (tile_b, tp), 0)
+    ok = (bt < batch) & (lax.broadcasted_iota(jnp.int32, (tile_b, tp), 1) < tokens)
+    first = pl.program_id(1) * heads
+
+    def at(ref, kh, split, g):   # a head's [tile_b, Tp(, H)] block of one split
+        return ref.at[(pl.ds(0, tile_b), kh, split, pl.ds(0, tp), g)]
+
+    def head(i, acc):
+        n = first + i
+        kh, g = n // group, n % group
+
+        def top(split, t):
+            m = plgpu.load(at(m_ref, kh, split, g), mask=ok, other=MASKED_SCORE)
+            return jnp.maximum(t, m)
+
+        mx = lax.fori_loop(0, splits, top, jnp.full((tile_b, tp), MASKED_SCORE, jnp.float32))
+
+        def part(split, carry):
+            num, den = carry
+            m = plgpu.load(at(m_ref, kh, split, g), mask=ok, other=MASKED_SCORE)
+            l = plgpu.load(at(l_ref, kh, split, g), mask=ok, other=0.0)
+            o = plgpu.load(at(o_ref, kh, split, g), mask=ok[..., None], other=0.0)
+            w = jnp.exp2(m - mx)
+            return num + o * w[..., None], den + l * w
+
+        num, den = lax.fori_loop(0, splits, part, (jnp.zeros((tile_b, tp, hd), jnp.float32),
+                                                   jnp.zeros((tile_b, tp), jnp.float32)))
+        merged = (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(dtype)
+        rows = pl.ds(pl.multiple_of(i * hd, hd), hd)
+        return acc + _dot(merged.reshape(tile_b * tp, hd), w_ref[rows, :].astype(dtype))
+
+    acc = lax.fori_loop(0, heads, head,
+                        jnp.zeros((tile_b * tp, out_ref.shape[-1]), jnp.float32))
+    plgpu.store(out_ref.at[pl.ds(0, tile_b), pl.ds(0, tp), :],
+                acc.reshape(tile_b, tp, -1), mask=ok[..., None])
+
+
+def merge_parts(columns: int, heads: int) -> int:
+    """The parts `merge_gemm` splits its query heads into: enough for about
+    `TARGET_PROGRAMS` programs of 128-column tiles, at most 8, dividing the heads."""
+    tiles = max(1, columns // 128)
+    parts = 1
+    while parts < 8 and tiles * parts < TARGET_PROGRAMS and heads % (2 * parts) == 0:
+        parts *= 2
+    return parts
+
+
+@functools.partial(jax.jit, static_argnames=("num_tokens", "dtype", "parts", "block_n",
+                                             "interpret", "num_warps", "num_stages"))
+def merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *, num_tokens: int,
+               dtype, parts: int | None = None, block_n: int | None = None,
+               interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+    """attention @ w with the attention given as its cache splits' partial softmaxes (o
+    [B, Kh, P, Tp·G, H], m and l [B, Kh, P, Tp·G], base 2: `decode_attention.layer_attention`
+    with `merge=False`) and w [N·H, D], N = Kh·G query heads: each head's splits merged
+    as `decode_attention`'s merge kernel merges them and rounded to `dtype`, then the product
+    over the heads split into `parts` (default `merge_parts`) → f32 [parts, B, T, D] for the
+    kernel that reads it to sum (T = `num_tokens` ≤ Tp). One kernel where the merge and the
+    product take two."""
+    B, Kh, P, Mp, H = o.shape
+    D = w.shape[-1]
+    N = w.shape[0] // H if H else 0
+    G = N // Kh if Kh else 0
+    Tp = Mp // G if G else 0
+    parts = parts or merge_parts(D, N)
+    block_n = block_n or block_for(D)
+    tile_b = max(next_pow2(B), 16 // max(Tp, 1))
+    if (m.shape != o.shape[:4] or l.shape != m.shape or w.shape != (N * H, D) or G * Kh != N
+            or Tp * G != Mp or not 1 <= num_tokens <= Tp or N % parts or block_n is None
+            or tile_b * Tp > MAX_ROWS):
+        raise ValueError(f"merge_gemm: o must be [B, Kh, P, Tp·G, H], m and l [B, Kh, P, Tp·G], "
+                         f"w [Kh·G·H, D] (D a multiple of 16), B·Tp ≤ {MAX_ROWS}, 1 ≤ "
+                         f"num_tokens ≤ Tp: {o.shape}, {m.shape}, {l.shape}, {w.shape}, "
+                         f"num_tokens={num_tokens}")
+    heads = N // parts
+    six = lambda x: x.reshape(B, Kh, P, Tp, G, *x.shape[4:])   # noqa: E731
+    whole = lambda x: pl.BlockSpec(x.shape, lambda j, p: (0,) * x.ndim)   # noqa: E731
+    o6, m6, l6 = six(o), six(m), six(l)
+    return pl.pallas_call(
+        functools.partial(_merge_gemm_kernel, batch=B, tokens=num_tokens, tile_b=tile_b,
+                          group=G, heads=heads, splits=P, dtype=jnp.dtype(dtype)),
+        grid=(D // block_n, parts),
+        in_specs=[whole(o6), whole(m6), whole(l6),
+                  pl.BlockSpec((heads * H, block_n), lambda j, p: (p, j))],
+        out_specs=pl.BlockSpec((None, B, num_tokens, block_n), lambda j, p: (p, 0, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((parts, B, num_tokens, D), jnp.float32),
+        compiler_params=_compiler_params(interpret, num_warps, num_stages),
+        interpret=interpret, name="merge_gemm",
+    )(o6, m6, l6, w)
+
+
+def block_for(n: int) -> int | None:
+    """The widest of 128, 64, 32, 16 dividing n."""
+    return next((b for b in (128, 64, 32, 16) if n % b == 0), None)
+
+
 # ------------------------------------------------------------------------------ oracles
 
 def ref_norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
@@ -327,4 +433,20 @@ def ref_swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int) -> jax.Array:
     R, F = a.shape
     return jnp.einsum("RPK,PKN->PRN", a.reshape(R, parts, F // parts),
                       w.astype(gu.dtype).reshape(parts, F // parts, -1),
+                      preferred_element_type=jnp.float32)
+
+
+def ref_merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *,
+                   num_tokens: int, dtype, parts: int) -> jax.Array:
+    B, Kh, P, Mp, H = o.shape
+    top = jnp.max(m, axis=2, keepdims=True)
+    wt = jnp.exp2(m - top)
+    den = jnp.sum(l * wt, axis=2)                                            # [B, Kh, Mp]
+    num = jnp.sum(o * wt[..., None], axis=2)                                 # [B, Kh, Mp, H]
+    attn = (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(dtype)
+    N = w.shape[0] // H
+    G = N // Kh
+    attn = attn.reshape(B, Kh, Mp // G, G, H)[:, :, :num_tokens]            # [B, Kh, T, G, H]
+    attn = jnp.transpose(attn, (0, 2, 1, 3, 4)).reshape(B, num_tokens, parts, N // parts * H)
+    return jnp.einsum("BTPK,PKD->PBTD", attn, w.astype(dtype).reshape(parts, N // parts * H, -1),
                       preferred_element_type=jnp.float32)

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.row_gemm import (norm_gemm, ref_norm_gemm, ref_swiglu_gemm, swiglu_gemm,
-                                     swiglu_parts)
+from pallas_kernels.decode_attention import layer_attention
+from pallas_kernels.row_gemm import (merge_gemm, norm_gemm, ref_merge_gemm, ref_norm_gemm,
+                                     ref_swiglu_gemm, swiglu_gemm, swiglu_parts)
 
 EPS = 1e-6
 
@@ -92,6 +93,32 @@ def test_swiglu_gemm_matches_the_oracle(dtype, rows):
     _close(got.sum(0), whole, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch,tokens", [(1, 1), (3, 1), (1, 3)])
+def test_merge_gemm_merges_the_attention_splits_into_the_product(dtype, batch, tokens):
+    """The attention kernel's unmerged cache splits (`layer_attention(merge=False)`) merged in
+    the product's kernel: its parts equal the oracle's, and they sum to the merged
+    attention's product (the merge kernel's, then XLA's product) for every row and token."""
+    ks = jax.random.split(jax.random.key(batch * 10 + tokens), 7)
+    N, Kh, H, S, D = 4, 2, 32, 128, 48
+    qkv = jax.random.normal(ks[0], (batch, tokens, N + 2 * Kh, H)).astype(dtype)
+    ck, cv = (jax.random.normal(k, (batch, S, Kh, H)).astype(dtype) for k in ks[1:3])
+    cos, sin = (jax.random.normal(k, (batch, tokens, H // 2)) for k in ks[3:5])
+    start = jnp.asarray([40, 100, 7][:batch], jnp.int32)
+    norm = (1 + 0.1 * jax.random.normal(ks[5], (H,))).astype(dtype)
+    w = (0.1 * jax.random.normal(ks[6], (N * H, D))).astype(dtype)
+    kw = dict(num_q_heads=N, eps=EPS, scale=H ** -0.5, interpret=True)
+    attn = layer_attention(qkv, norm, norm, cos, sin, start, ck, cv, **kw)[0]
+    partials = layer_attention(qkv, norm, norm, cos, sin, start, ck, cv, merge=False, **kw)[0]
+    got = merge_gemm(*partials, w, num_tokens=tokens, dtype=dtype, parts=2, block_n=16,
+                     interpret=True)
+    assert got.shape == (2, batch, tokens, D) and got.dtype == jnp.float32
+    _close(got, ref_merge_gemm(*partials, w, num_tokens=tokens, dtype=dtype, parts=2), dtype)
+    whole = jnp.einsum("BTF,FD->BTD", attn.reshape(batch, tokens, N * H), w,
+                       preferred_element_type=jnp.float32)
+    _close(got.sum(0), whole, dtype)
+
+
 def test_the_tiles_and_parts_follow_the_shapes():
     """The default split: about one program a multiprocessor, parts a whole number of tiles
     deep; shapes the kernels cannot tile are refused by name."""
@@ -105,3 +132,7 @@ def test_the_tiles_and_parts_follow_the_shapes():
                   interpret=True)
     with pytest.raises(ValueError, match="swiglu_gemm"):
         swiglu_gemm(jnp.zeros((2, 64)), jnp.zeros((32, 24)), interpret=True)
+    o, m = jnp.zeros((1, 2, 4, 8, 32)), jnp.zeros((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="merge_gemm"):   # 5 tokens: more than the tile's 4
+        merge_gemm(o, m, m, jnp.zeros((128, 32)), num_tokens=5, dtype=jnp.float32,
+                   interpret=True)

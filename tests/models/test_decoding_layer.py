@@ -77,25 +77,27 @@ def _steps(model, per_layer_cache: bool):
     return outs, [a[:, b, :lens[b]] for a in kv for b in range(2)]   # written positions
 
 
-def test_the_kernels_layer_equals_the_stacked_forward(target, products):
+def test_the_kernels_layer_equals_the_stacked_forward(target):
+    """Prefill, a step and a block through the GPU's kernels (interpreted), whose products
+    take their norms, activation and attention merge in their own kernels (no product is
+    split for another kernel to sum), equal the stacked forward's."""
     per_layer = target.decoding_layout(True).model
     lp = per_layer.layers.layer_params(jnp.float32)[0]
     from dspark_jax.models.decoding_layer import fused_kernels_take
     assert fused_kernels_take(lp, jnp.zeros((2, S, 2, 32)), jnp.float32, 8)
     want = _steps(target.model, per_layer_cache=False)
     runs = {"xla": _steps(per_layer, per_layer_cache=True)}
-    products[1].clear()   # only the kernels' run below counts
     with L.interpret_kernels():
         runs["kernels"] = _steps(per_layer, per_layer_cache=True)
         cache = init_cache(per_layer.cfg, 2, S, per_layer.dtype, per_layer=True)
         jaxpr = str(jax.make_jaxpr(lambda c: per_layer(jnp.ones((2, 1), jnp.int32), cache=c))(
             cache))
-    # the interpreted run is the kernels' program: the attention's two kernels, the sums and
-    # norms in the products' kernels (`row_gemm`), the activation in the down product's
-    for name in ("layer_attention_splits", "decode_attention_merge", "norm_gemm",
-                 "swiglu_gemm"):
+    # the interpreted run is the kernels' program: the attention's kernel, its cache splits
+    # merged in the o product's (`row_gemm.merge_gemm`), the sums and norms in the products'
+    # kernels, the activation in the down product's
+    for name in ("layer_attention_splits", "merge_gemm", "norm_gemm", "swiglu_gemm"):
         assert name in jaxpr, name
-    _check_products(products)
+    assert "decode_attention_merge" not in jaxpr
     for name, (outs, kv) in runs.items():
         for (logits, taps), (w_logits, w_taps) in zip(outs, want[0]):
             np.testing.assert_allclose(logits, w_logits, atol=2e-5, rtol=2e-5, err_msg=name)

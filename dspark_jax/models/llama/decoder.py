@@ -140,9 +140,15 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         lp, layer_idx, slot = xs
         h, x = DL.input_norm(lp, h, delta, eps)
         layer_cache = [L.cache_layer(c, layer_idx) for c in caches or cache_kv]
-        attn, k, v = DL.cached_attention(lp, x, positions_bt, cfg.rope, eps, *layer_cache,
-                                         cache_start, own_mask, write=caches is not None)
-        h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
+        if (caches is not None and isinstance(x, DL.Projected)
+                and DL.merged_o_takes(lp, B, T, layer_cache[0].shape[-2], h.shape[-1])):
+            # the attention's cache splits merged in the o product's kernel
+            h, delta, k, v = DL.attention_and_mlp_input(lp, h, x, positions_bt, cfg.rope, eps,
+                                                        *layer_cache, cache_start, own_mask)
+        else:
+            attn, k, v = DL.cached_attention(lp, x, positions_bt, cfg.rope, eps, *layer_cache,
+                                             cache_start, own_mask, write=caches is not None)
+            h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             taps, h, delta = _tap_output(taps, slot, h, delta, eps)
         if caches is not None:   # k, v: the layer's cache buffers with its rows written
