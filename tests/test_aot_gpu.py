@@ -318,8 +318,9 @@ def test_decoding_dots_carry_the_policy_precision(dtype, tmp_path):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_split_k_products_carry_the_policy_precision(dtype, tmp_path, monkeypatch):
     """The GPU's program, its kernels interpreted and its products split along K (the split's
-    threshold lowered to the tiny model): the split products' dots carry the policy's
-    precision too (HIGHEST for fp32 weights, the default for bf16)."""
+    threshold lowered to the tiny model): every dot carries the policy's precision (HIGHEST
+    for fp32 weights, the default for bf16), the split products' (the drafter's o product)
+    and the row kernels' (the target's products, each taken in its kernel) alike."""
     from hf_tiny import save_tiny_hf
     from dspark_jax.aot.decode import DecodeShape
     from dspark_jax.aot.decode_floor import _programs
@@ -335,12 +336,13 @@ def test_split_k_products_carry_the_policy_precision(dtype, tmp_path, monkeypatc
         chain, _, _ = _programs(c, jax.devices("cpu")[:1], DecodeShape(1, 64, 0))
         with jax.default_matmul_precision("default"):
             texts = {name: chain[name][0](*chain[name][1], **chain[name][2]).as_text()
-                     for name in ("decode_step", "verify")}
+                     for name in ("decode_step", "verify", "draft")}
     for name, text in texts.items():
         dots = _dot_precisions(text)
-        # the split products: dots batched over their parts (x [B, T, P, K/P], w [P, K/P, F])
-        assert any("batching_dims = [2] x [0], contracting_dims = [3] x [1]" in d
-                   for d in dots), name
+        if name == "draft":   # the split products: dots batched over their parts
+            # (x [B, T, P, K/P], w [P, K/P, F])
+            assert any("batching_dims = [2] x [0], contracting_dims = [3] x [1]" in d
+                       for d in dots), name
         highest = ["HIGHEST" in d for d in dots]
         assert all(highest) if dtype == "float32" else not any(highest), (name, dots[:2])
 

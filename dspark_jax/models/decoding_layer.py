@@ -11,10 +11,11 @@ embedding, the attention over the cache splits and the token's own keys, and the
 K/V rows into the cache); the merge of the splits with the o product (`row_gemm.merge_gemm`:
 `attention_and_mlp_input`); the residual sum, the post-attention norm and the gate/up product
 in one (`norm_product`); the activation and the down product in one
-(`row_gemm.swiglu_gemm`), whose parts the next layer's first kernel sums. A verification
-block keeps the merge a kernel of its own and XLA's o product, split along K
+(`row_gemm.swiglu_gemm`), whose parts the next layer's first kernel sums. A verification's
+cells are gathered from its requests' grid in the o product's kernel. A draft tree's nodes
+and a drafter's block keep the merge a kernel of its own and XLA's o product, split along K
 (`split_k_parts`), the kernel that reads it summing its parts, where XLA would sum its own
-split in a kernel of its own: six. Shapes the row kernels do not
+split in a kernel of its own. Shapes the row kernels do not
 take (more than `row_gemm.MAX_ROWS` rows, sizes not a multiple of 16, a mesh of several
 devices) keep a kernel for each residual sum and norm (`pallas_kernels.norms.add_rms_norm`),
 the products split along K for it to sum.
@@ -376,67 +377,82 @@ def _attention_fns(lp: dict[str, jax.Array], t: int, kh: int, eps: float, write:
 
 
 def merged_o_takes(lp: dict[str, jax.Array], batch: int, tokens: int, kv_heads: int,
-                   dim: int) -> bool:
+                   dim: int, cells: int | None = None) -> bool:
     """Whether `attention_and_mlp_input` may merge the attention's cache splits in the o
     product's kernel: the row kernels take the layer's o, gate/up and down products, and the
-    rows `row_gemm.merge_gemm` reads (the B rows' query tiles of `layer_attention`, padded)
-    fit its tile."""
+    rows `row_gemm.merge_gemm` reads fit its tile: the B rows' query tiles of
+    `layer_attention` padded, or the `cells` gathered from them."""
     from pallas_kernels.common import next_pow2
     from pallas_kernels.row_gemm import MAX_ROWS
 
     n, h = lp["wo"].shape[:2]
-    rows = batch * tokens
+    rows = batch * tokens if cells is None else cells
     t_pad = max(next_pow2(tokens), 16 // max(1, n // kv_heads))
+    tile = max(next_pow2(batch), 16 // t_pad) * t_pad if cells is None else next_pow2(cells)
     return ("w_gate_up" in lp and row_kernels_take(rows, n * h, dim)
             and row_kernels_take(rows, dim, lp["w_gate_up"].shape[-1])
-            and row_kernels_take(rows, lp["w_down"].shape[0], dim)
-            and max(next_pow2(batch), 16 // t_pad) * t_pad <= MAX_ROWS)
+            and row_kernels_take(rows, lp["w_down"].shape[0], dim) and tile <= MAX_ROWS)
 
 
 def attention_and_mlp_input(lp: dict[str, jax.Array], h_btd: jax.Array, x: Projected,
                             positions_bt: jax.Array, rope: RopeConfig, eps: float,
                             cache_k: jax.Array, cache_v: jax.Array, start_b: jax.Array,
-                            own_mask_btq: jax.Array
+                            own_mask_btq: jax.Array, write: bool = True,
+                            cells: jax.Array | None = None
                             ) -> tuple[jax.Array, GatedProduct, jax.Array, jax.Array]:
-    """`cached_attention` (with `write`) and `attn_out_and_mlp` of a layer whose q/k/v product
-    is taken (`input_norm`) and whose attention kernel writes its rows into its cache buffer:
-    → (h, the MLP's delta, cache k, cache v). On a GPU (where `merged_o_takes`) the
-    attention's cache splits are merged in the o product's kernel
-    (`pallas_kernels.row_gemm.merge_gemm`), whose parts the next kernel sums with the
-    post-attention norm and the gate/up product (`norm_gemm`): three kernels after the
-    attention's where the merge, the o product and that one take three; elsewhere XLA's ops
-    as `cached_attention` and `attn_out_and_mlp` take them."""
+    """`cached_attention` and `attn_out_and_mlp` of a layer whose q/k/v product is taken
+    (`input_norm`): → (h, the MLP's delta, k, v). With `write` the attention kernel writes
+    the rows into the layer's cache buffer and k, v are the cache's; otherwise the cache is
+    only read and k, v are the tokens' rows [B, T, Kh, H], or with `cells` [K] (a
+    verification: x holds its requests' cells [R, Q], h its K tokens [1, K, D], token k being
+    cell `cells[k]` of the grid flattened) the K tokens' rows [1, K, Kh, H].
+
+    On a GPU (where `merged_o_takes`) the attention's cache splits are merged in the o
+    product's kernel (`pallas_kernels.row_gemm.merge_gemm`, gathering the cells), whose parts
+    the next kernel sums with the post-attention norm and the gate/up product (`norm_gemm`):
+    two kernels after the attention's where the merge, the o product and that one take three;
+    elsewhere XLA's ops as `cached_attention` and `attn_out_and_mlp` take them."""
     b, t = x.qkv.shape[:2]
     n, h = lp["wo"].shape[:2]
     kh = cache_k.shape[-2]
     d = h_btd.shape[-1]
+    rows = b * t if cells is None else cells.shape[0]
+    if write and cells is not None:
+        raise ValueError("attention_and_mlp_input: cells are a read-only verification's")
     cos, sin = L.rope_cos_sin(positions_bt, rope, h)
-    xla, gpu = _attention_fns(lp, t, kh, eps, write=True)
+    xla, gpu = _attention_fns(lp, t, kh, eps, write=write)
 
-    def gpu_merged(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, interpret):
+    def gpu_merged(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, *cell,
+                   interpret):
         from pallas_kernels.row_gemm import merge_gemm, norm_gemm
 
-        partials, ck, cv = gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret=interpret,
-                               merge=False)
-        o = merge_gemm(*partials, wo.astype(h_.dtype), num_tokens=t, dtype=h_.dtype,
-                       interpret=interpret)                                  # [P, B, T, D]
-        s, gu = norm_gemm(h_.reshape(b * t, d), o.reshape(o.shape[0], b * t, d),
+        partials, *kv = gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret=interpret,
+                            merge=False)   # kv: the cache's k and v, or the rows' k|v
+        index = dict(cells=(cell[0] // t, cell[0] % t)) if cell else {}
+        o = merge_gemm(*partials, wo.astype(h_.dtype), num_tokens=rows if cell else t,
+                       dtype=h_.dtype, interpret=interpret, **index)   # [P, (B, T | K), D]
+        s, gu = norm_gemm(h_.reshape(rows, d), o.reshape(o.shape[0], rows, d),
                           post.astype(h_.dtype), w_gu.astype(h_.dtype), eps=eps,
                           interpret=interpret)
-        return s.reshape(h_.shape), gu.reshape(b, t, -1), ck, cv
+        return (s.reshape(h_.shape), gu.reshape(*h_.shape[:2], -1), *kv)
 
-    def default(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu):
-        attn, ck, cv = xla(qkv, ck, cv, start, pos, cos, sin, mask)
-        o = jnp.einsum("BTF,FD->BTD", attn.reshape(b, t, n * h), wo)
+    def default(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, *cell):
+        attn, *kv = xla(qkv, ck, cv, start, pos, cos, sin, mask)
+        attn = attn.reshape(b * t, n * h)
+        attn = attn[cell[0]][None] if cell else attn.reshape(b, t, n * h)
+        o = jnp.einsum("BTF,FD->BTD", attn, wo)
         s, normed = add_rms_norm(h_, o, post, eps, kernel=False)
-        return s, jnp.einsum("BTD,DF->BTF", normed, w_gu), ck, cv
+        return (s, jnp.einsum("BTD,DF->BTF", normed, w_gu), *kv)
 
-    s, gu, ck, cv = L.on_gpu(gpu_merged, default, x.qkv, cache_k, cache_v,
-                             start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos,
-                             sin, own_mask_btq, h_btd, lp["wo"].reshape(n * h, d),
-                             lp["post_norm"], lp["w_gate_up"])
+    s, gu, *kv = L.on_gpu(gpu_merged, default, x.qkv, cache_k, cache_v,
+                           start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos, sin,
+                           own_mask_btq, h_btd, lp["wo"].reshape(n * h, d), lp["post_norm"],
+                           lp["w_gate_up"], *(() if cells is None else (cells,)))
     s = constrain(s, ("batch", "seq", "act_embed"))
-    return s, GatedProduct(gu, lp["w_down"]), ck, cv
+    if write:   # the cache's k and v, the rows written
+        return s, GatedProduct(gu, lp["w_down"]), *kv
+    kv = kv[0] if cells is None else kv[0].reshape(b * t, 2 * kh, h)[cells][None]
+    return s, GatedProduct(gu, lp["w_down"]), kv[:, :, :kh], kv[:, :, kh:]   # the rows
 
 
 def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,

@@ -309,38 +309,58 @@ def swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int | None = None,
 
 # ------------------------------------------------------------------------------ merge_gemm
 
-def _merge_gemm_kernel(o_ref, m_ref, l_ref, w_ref, out_ref, *, batch: int, tokens: int,
-                       tile_b: int, group: int, heads: int, splits: int, dtype):
+def _merge_gemm_kernel(o_ref, m_ref, l_ref, *refs, batch: int, tokens: int, tile_b: int,
+                       group: int, heads: int, splits: int, dtype, gathered: bool):
     """One (column tile, part): the part's query heads one at a time, each head's cache splits
-    merged under their shared maximum (`decode_attention`'s merge) for every (row, token),
-    rounded to `dtype`, and multiplied into the head's rows of w."""
+    merged under their shared maximum (`decode_attention`'s merge) for every row, rounded to
+    `dtype`, and multiplied into the head's rows of w. The rows: every (row, token) of the
+    partials ([tile_b, Tp] at once), or (`gathered`) the `tokens` cells (row, token) the two
+    index refs name ([tile_b] at once)."""
     from jax.experimental.pallas import triton as plgpu
 
-    tp, hd = o_ref.shape[3], o_ref.shape[5]
-    bt = lax.broadcasted_iota(jnp.int32, (tile_b, tp), 0)
-    ok = (bt < batch) & (lax.broadcasted_iota(jnp.int32, (tile_b, tp), 1) < tokens)
+    if gathered:
+        b_ref, t_ref, w_ref, out_ref = refs
+        tp = 1
+        cell = lax.broadcasted_iota(jnp.int32, (tile_b,), 0)
+        ok = cell < tokens
+        b_idx = plgpu.load(b_ref.at[pl.ds(0, tile_b)], mask=ok, other=0)
+        t_idx = plgpu.load(t_ref.at[pl.ds(0, tile_b)], mask=ok, other=0)
+        ok = ok.reshape(tile_b, 1)
+    else:
+        w_ref, out_ref = refs
+        tp = o_ref.shape[3]
+        bt = lax.broadcasted_iota(jnp.int32, (tile_b, tp), 0)
+        ok = (bt < batch) & (lax.broadcasted_iota(jnp.int32, (tile_b, tp), 1) < tokens)
+    hd = o_ref.shape[5]
     first = pl.program_id(1) * heads
 
-    def at(ref, kh, split, g):   # a head's [tile_b, Tp(, H)] block of one split
-        return ref.at[(pl.ds(0, tile_b), kh, split, pl.ds(0, tp), g)]
+    def load(ref, kh, split, g, other):   # a head's [tile_b, tp(, H)] block of one split
+        if gathered:   # every index an array (the interpreter gathers no mixed slices)
+            if ref.ndim == 5:
+                x = plgpu.load(ref.at[(b_idx, kh, split, t_idx, g)], mask=ok[:, 0], other=other)
+            else:
+                cols = lax.broadcasted_iota(jnp.int32, (1, hd), 1)
+                x = plgpu.load(ref.at[(b_idx[:, None], kh, split, t_idx[:, None], g, cols)],
+                               mask=ok, other=other)
+            return x.reshape(tile_b, 1, *x.shape[1:])
+        mask = ok if ref.ndim == 5 else ok[..., None]
+        return plgpu.load(ref.at[(pl.ds(0, tile_b), kh, split, pl.ds(0, tp), g)], mask=mask,
+                          other=other)
 
     def head(i, acc):
         n = first + i
         kh, g = n // group, n % group
 
         def top(split, t):
-            m = plgpu.load(at(m_ref, kh, split, g), mask=ok, other=MASKED_SCORE)
-            return jnp.maximum(t, m)
+            return jnp.maximum(t, load(m_ref, kh, split, g, MASKED_SCORE))
 
         mx = lax.fori_loop(0, splits, top, jnp.full((tile_b, tp), MASKED_SCORE, jnp.float32))
 
         def part(split, carry):
             num, den = carry
-            m = plgpu.load(at(m_ref, kh, split, g), mask=ok, other=MASKED_SCORE)
-            l = plgpu.load(at(l_ref, kh, split, g), mask=ok, other=0.0)
-            o = plgpu.load(at(o_ref, kh, split, g), mask=ok[..., None], other=0.0)
-            w = jnp.exp2(m - mx)
-            return num + o * w[..., None], den + l * w
+            w = jnp.exp2(load(m_ref, kh, split, g, MASKED_SCORE) - mx)
+            o = load(o_ref, kh, split, g, 0.0)
+            return num + o * w[..., None], den + load(l_ref, kh, split, g, 0.0) * w
 
         num, den = lax.fori_loop(0, splits, part, (jnp.zeros((tile_b, tp, hd), jnp.float32),
                                                    jnp.zeros((tile_b, tp), jnp.float32)))
@@ -350,8 +370,11 @@ def _merge_gemm_kernel(o_ref, m_ref, l_ref, w_ref, out_ref, *, batch: int, token
 
     acc = lax.fori_loop(0, heads, head,
                         jnp.zeros((tile_b * tp, out_ref.shape[-1]), jnp.float32))
-    plgpu.store(out_ref.at[pl.ds(0, tile_b), pl.ds(0, tp), :],
-                acc.reshape(tile_b, tp, -1), mask=ok[..., None])
+    if gathered:
+        plgpu.store(out_ref.at[pl.ds(0, tile_b), :], acc, mask=ok)
+    else:
+        plgpu.store(out_ref.at[pl.ds(0, tile_b), pl.ds(0, tp), :],
+                    acc.reshape(tile_b, tp, -1), mask=ok[..., None])
 
 
 def merge_parts(columns: int, heads: int) -> int:
@@ -367,15 +390,18 @@ def merge_parts(columns: int, heads: int) -> int:
 @functools.partial(jax.jit, static_argnames=("num_tokens", "dtype", "parts", "block_n",
                                              "interpret", "num_warps", "num_stages"))
 def merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *, num_tokens: int,
-               dtype, parts: int | None = None, block_n: int | None = None,
-               interpret: bool = False, num_warps: int = 4, num_stages: int = 2) -> jax.Array:
+               dtype, cells: tuple[jax.Array, jax.Array] | None = None,
+               parts: int | None = None, block_n: int | None = None, interpret: bool = False,
+               num_warps: int = 4, num_stages: int = 2) -> jax.Array:
     """attention @ w with the attention given as its cache splits' partial softmaxes (o
     [B, Kh, P, Tp·G, H], m and l [B, Kh, P, Tp·G], base 2: `decode_attention.layer_attention`
     with `merge=False`) and w [N·H, D], N = Kh·G query heads: each head's splits merged
     as `decode_attention`'s merge kernel merges them and rounded to `dtype`, then the product
     over the heads split into `parts` (default `merge_parts`) → f32 [parts, B, T, D] for the
     kernel that reads it to sum (T = `num_tokens` ≤ Tp). One kernel where the merge and the
-    product take two."""
+    product take two. `cells` = (row [K], token [K]) int32: the product of those K cells
+    only, in their order, → [parts, K, D] (a verification's admitted tokens, gathered from
+    its per-request grid; K = `num_tokens` ≤ `MAX_ROWS`)."""
     B, Kh, P, Mp, H = o.shape
     D = w.shape[-1]
     N = w.shape[0] // H if H else 0
@@ -383,10 +409,13 @@ def merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *, num_to
     Tp = Mp // G if G else 0
     parts = parts or merge_parts(D, N)
     block_n = block_n or block_for(D)
-    tile_b = max(next_pow2(B), 16 // max(Tp, 1))
+    gathered = cells is not None
+    tile_b = (max(16, next_pow2(num_tokens)) if gathered
+              else max(next_pow2(B), 16 // max(Tp, 1)))
+    rows_ok = (tile_b <= MAX_ROWS and all(c.shape == (num_tokens,) for c in cells)
+               if gathered else 1 <= num_tokens <= Tp and tile_b * Tp <= MAX_ROWS)
     if (m.shape != o.shape[:4] or l.shape != m.shape or w.shape != (N * H, D) or G * Kh != N
-            or Tp * G != Mp or not 1 <= num_tokens <= Tp or N % parts or block_n is None
-            or tile_b * Tp > MAX_ROWS):
+            or Tp * G != Mp or not rows_ok or N % parts or block_n is None):
         raise ValueError(f"merge_gemm: o must be [B, Kh, P, Tp·G, H], m and l [B, Kh, P, Tp·G], "
                          f"w [Kh·G·H, D] (D a multiple of 16), B·Tp ≤ {MAX_ROWS}, 1 ≤ "
                          f"num_tokens ≤ Tp: {o.shape}, {m.shape}, {l.shape}, {w.shape}, "
@@ -395,17 +424,20 @@ def merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *, num_to
     six = lambda x: x.reshape(B, Kh, P, Tp, G, *x.shape[4:])   # noqa: E731
     whole = lambda x: pl.BlockSpec(x.shape, lambda j, p: (0,) * x.ndim)   # noqa: E731
     o6, m6, l6 = six(o), six(m), six(l)
+    index = [c.astype(jnp.int32) for c in cells] if gathered else []
+    rows = (num_tokens,) if gathered else (B, num_tokens)
     return pl.pallas_call(
         functools.partial(_merge_gemm_kernel, batch=B, tokens=num_tokens, tile_b=tile_b,
-                          group=G, heads=heads, splits=P, dtype=jnp.dtype(dtype)),
+                          group=G, heads=heads, splits=P, dtype=jnp.dtype(dtype),
+                          gathered=gathered),
         grid=(D // block_n, parts),
-        in_specs=[whole(o6), whole(m6), whole(l6),
+        in_specs=[whole(o6), whole(m6), whole(l6), *map(whole, index),
                   pl.BlockSpec((heads * H, block_n), lambda j, p: (p, j))],
-        out_specs=pl.BlockSpec((None, B, num_tokens, block_n), lambda j, p: (p, 0, 0, j)),
-        out_shape=jax.ShapeDtypeStruct((parts, B, num_tokens, D), jnp.float32),
+        out_specs=pl.BlockSpec((None, *rows, block_n), lambda j, p: (p, *(0,) * len(rows), j)),
+        out_shape=jax.ShapeDtypeStruct((parts, *rows, D), jnp.float32),
         compiler_params=_compiler_params(interpret, num_warps, num_stages),
         interpret=interpret, name="merge_gemm",
-    )(o6, m6, l6, w)
+    )(o6, m6, l6, *index, w)
 
 
 def block_for(n: int) -> int | None:
@@ -437,7 +469,8 @@ def ref_swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int) -> jax.Array:
 
 
 def ref_merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *,
-                   num_tokens: int, dtype, parts: int) -> jax.Array:
+                   num_tokens: int, dtype, parts: int,
+                   cells: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     B, Kh, P, Mp, H = o.shape
     top = jnp.max(m, axis=2, keepdims=True)
     wt = jnp.exp2(m - top)
@@ -446,7 +479,9 @@ def ref_merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *,
     attn = (num / jnp.where(den > 0, den, 1.0)[..., None]).astype(dtype)
     N = w.shape[0] // H
     G = N // Kh
-    attn = attn.reshape(B, Kh, Mp // G, G, H)[:, :, :num_tokens]            # [B, Kh, T, G, H]
-    attn = jnp.transpose(attn, (0, 2, 1, 3, 4)).reshape(B, num_tokens, parts, N // parts * H)
-    return jnp.einsum("BTPK,PKD->PBTD", attn, w.astype(dtype).reshape(parts, N // parts * H, -1),
-                      preferred_element_type=jnp.float32)
+    attn = jnp.transpose(attn.reshape(B, Kh, Mp // G, G, H), (0, 2, 1, 3, 4))  # [B,Tp,Kh,G,H]
+    attn = attn[cells][None] if cells is not None else attn[:, :num_tokens]
+    attn = attn.reshape(*attn.shape[:2], parts, N // parts * H)
+    out = jnp.einsum("BTPK,PKD->PBTD", attn, w.astype(dtype).reshape(parts, N // parts * H, -1),
+                     preferred_element_type=jnp.float32)
+    return out[:, 0] if cells is not None else out

@@ -140,11 +140,15 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         lp, layer_idx, slot = xs
         h, x = DL.input_norm(lp, h, delta, eps)
         layer_cache = [L.cache_layer(c, layer_idx) for c in caches or cache_kv]
-        if (caches is not None and isinstance(x, DL.Projected)
+        if (isinstance(x, DL.Projected)
+                and (caches is not None or DL.fused_kernels_take(
+                    lp, layer_cache[0], x.qkv.dtype,
+                    T * cfg.num_attention_heads // cfg.num_key_value_heads))
                 and DL.merged_o_takes(lp, B, T, layer_cache[0].shape[-2], h.shape[-1])):
             # the attention's cache splits merged in the o product's kernel
             h, delta, k, v = DL.attention_and_mlp_input(lp, h, x, positions_bt, cfg.rope, eps,
-                                                        *layer_cache, cache_start, own_mask)
+                                                        *layer_cache, cache_start, own_mask,
+                                                        write=caches is not None)
         else:
             attn, k, v = DL.cached_attention(lp, x, positions_bt, cfg.rope, eps, *layer_cache,
                                              cache_start, own_mask, write=caches is not None)
@@ -235,13 +239,27 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         if defer_writes:   # the cache is read where it lies, never written: [R, S] ⊕ own [R, Q]
             # each request's cells [R, Q] of the normed tokens (or of their q/k/v product)
             # through the attention half (`decoding_layer.cached_attention`: the GPU's
-            # kernels for a chain), back to [1, K]
+            # kernels for a chain), back to [1, K], or, for a chain the row kernels take,
+            # through the whole layer with the cells gathered in the o product's kernel
             h, x = DL.input_norm(lp, h, delta, eps)
-            attn, k, v = DL.cached_attention(
-                lp, DL.rows_of(x, lambda a: a[0][grid]), pos_rq, cfg.rope, eps,
-                L.cache_layer(cache_kv[0], layer_idx), L.cache_layer(cache_kv[1], layer_idx),
-                start_r, own_mask, causal=rows.own_mask_rqq is None)
-            attn, k, v = (a.reshape(R * Q, *a.shape[2:])[cell_k][None] for a in (attn, k, v))
+            x = DL.rows_of(x, lambda a: a[0][grid])
+            layer_cache = [L.cache_layer(c, layer_idx) for c in cache_kv]
+            if (isinstance(x, DL.Projected) and rows.own_mask_rqq is None
+                    and DL.fused_kernels_take(lp, layer_cache[0], x.qkv.dtype,
+                                              Q * cfg.num_attention_heads
+                                              // cfg.num_key_value_heads)
+                    and DL.merged_o_takes(lp, R, Q, layer_cache[0].shape[-2], h.shape[-1],
+                                          cells=K)):
+                h, delta, k, v = DL.attention_and_mlp_input(
+                    lp, h, x, pos_rq, cfg.rope, eps, *layer_cache, start_r, own_mask,
+                    write=False, cells=cell_k)
+            else:
+                attn, k, v = DL.cached_attention(lp, x, pos_rq, cfg.rope, eps, *layer_cache,
+                                                 start_r, own_mask,
+                                                 causal=rows.own_mask_rqq is None)
+                attn, k, v = (a.reshape(R * Q, *a.shape[2:])[cell_k][None]
+                              for a in (attn, k, v))
+                h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         else:   # each layer writes its rows, then attends over its cache
             h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
             q, k, v = L.project_qkv(lp, x, eps)
@@ -256,7 +274,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
             else:   # each token its own attention row over its request's cache: [K, 1, ·]
                 k_tok, v_tok = keys[rows.read_k], vals[rows.read_k]             # [K,S,Kh,H]
                 attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]
-        h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
+            h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
             taps, h, delta = _tap_output(taps, tap_slot, h, delta, eps)
         return ((h, delta), taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
