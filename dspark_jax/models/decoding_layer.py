@@ -460,8 +460,9 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
                      start_b: jax.Array, own_mask_btq: jax.Array, write: bool = False,
                      causal: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention half of a layer over a cache layer [B, S, Kh, H]: q/k/v of the normed
-    input x (or x their product already, `Projected`), the q/k norms, RoPE at `positions_bt`, and attention over the cache below
-    `start_b` [B] and the call's own keys (`own_mask_btq`, `layers.attend_cache_and_own`).
+    input x (or x their product already, `Projected`), the q/k norms, RoPE at
+    `positions_bt`, and attention over the cache below `start_b` [B] and the call's own keys
+    (`own_mask_btq`, `layers.attend_cache_and_own`).
 
     Returns (attention [B, T, N, H], k, v): the rows [B, T, Kh, H] for the caller to write,
     or with `write` (for `fused_kernels_take` layers only; the own keys then must be the T
