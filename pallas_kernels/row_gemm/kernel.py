@@ -1,25 +1,31 @@
 """A decoding layer's products of a few rows with the work before them in the same kernel
 (Triton): the residual sum and RMS norm before the q/k/v and gate/up products, the SwiGLU
-activation before the down product (SPEC §1–2, the target's forward while decoding and
-verifying).
+activation before the down product, the merge of the attention's cache splits before the o
+product (SPEC §1–2, the target's forward while decoding and verifying).
 
 While a layer decodes a few tokens a row, each product reads its weight once and every
 kernel around it costs its launch, ramp and tail for a few kilobytes. XLA runs the residual
-sum with the norm, and the activation, as kernels of their own; here the product's programs
-compute them as they load their rows:
+sum with the norm, and the activation, as kernels of their own, and the attention's merge is
+a kernel of its own; here the product's programs compute them as they load their rows:
 
-  `norm_gemm`    s = h + delta (delta a row, or the f32 parts of a split-K product) and
-                 RMSNorm(s) · weight @ w, one program per tile of output columns, each
-                 taking the whole contraction: → (s [R, D], the product [R, N]).
+  `norm_gemm`    s = h + delta (delta a row, the f32 parts of a split-K product, or none) and
+                 RMSNorm(s) · weight @ w (one weight or two, read where they lie), one program
+                 per tile of output columns, each taking the whole contraction:
+                 → (s [R, D], the product [R, N]).
   `swiglu_gemm`  (silu(gate) · up) @ w for the gate/up product [R, 2F], split along the
                  contraction into parts whose f32 sums the next kernel adds up (`norm_gemm`,
                  `pallas_kernels.norms.add_rms_norm`): → [parts, R, N].
-  `ref_norm_gemm`, `ref_swiglu_gemm`  the pure-JAX oracles, XLA's arithmetic and roundings.
+  `merge_gemm`   attention @ w from the attention kernel's cache splits
+                 (`decode_attention.layer_attention(merge=False)`), each head merged as the
+                 merge kernel merges it, its rows every (row, token) or gathered cells:
+                 → [parts, rows, N].
+  `ref_norm_gemm`, `ref_swiglu_gemm`, `ref_merge_gemm`  the pure-JAX oracles, XLA's
+                 arithmetic and roundings.
 
 Rows (R ≤ `MAX_ROWS`) are read as one power-of-two tile of at least 16 (the tensor cores'
 smallest), the rows past R masked. Every program of `norm_gemm` reads the whole of its rows to
-take their norm; the rows are R × D against the D × `block_n` weights it reads, a few percent
-more bytes from the L2. Nothing here imports dspark_jax.
+take their norm, and every program of `merge_gemm` its heads' splits: some percent more bytes,
+from the L2, than the weights it streams. Nothing here imports dspark_jax.
 """
 
 from __future__ import annotations
