@@ -1,5 +1,6 @@
-"""Conventions shared by the kernels and their oracles: sampling (SPEC §1 step 3) and the tile
-arithmetic of the Triton attention kernels.
+"""Conventions shared by the kernels and their oracles: sampling (SPEC §1 step 3), the tile
+arithmetic of the Triton attention kernels, and their masked row loads (`load_rows`, called
+inside a Triton kernel).
 
 Pure JAX, nothing from dspark_jax: the kernels stand alone. Every categorical draw is an
 inverse-CDF search with one explicit uniform, so a kernel and its `ref_<op>` consume the same
@@ -14,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["GREEDY_T_EPS", "LOG2E", "MASKED_SCORE", "inverse_cdf_from_tiles",
-           "inverse_cdf_sample", "inverse_cdf_sample_tiled", "next_pow2", "prefix_sums",
-           "probs_from_logits", "tile_sums", "tile_width"]
+           "inverse_cdf_sample", "inverse_cdf_sample_tiled", "load_rows", "next_pow2",
+           "prefix_sums", "probs_from_logits", "tile_sums", "tile_width"]
 
 #: A finite "minus infinity" for masked scores: a running maximum stays finite (no inf − inf).
 MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -26,6 +27,19 @@ LOG2E = math.log2(math.e)
 def next_pow2(n: int) -> int:
     """The smallest power of two ≥ n (Triton's tiles are powers of two)."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def load_rows(ref, n: int, rows: int, cols=slice(None), part: int | None = None
+              ) -> jax.Array:
+    """Inside a Triton kernel: the first `rows` rows of a [n, …] ref (of its `part`, a
+    [parts, n, …] ref's), columns `cols`, as a tile whose rows past n are zeros (a block of a
+    power-of-two height over fewer rows)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    ok = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n
+    at = (pl.ds(0, rows), cols) if part is None else (jnp.int32(part), pl.ds(0, rows), cols)
+    return plgpu.load(ref.at[at], mask=ok, other=0)
 
 
 #: Temperatures are floored at this value before dividing (T ≤ 0 means greedy one-hot).

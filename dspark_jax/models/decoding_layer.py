@@ -376,20 +376,26 @@ def _attention_fns(lp: dict[str, jax.Array], t: int, kh: int, eps: float, write:
     return xla, gpu
 
 
-def merged_o_takes(lp: dict[str, jax.Array], batch: int, tokens: int, kv_heads: int,
+def merged_o_takes(lp: dict[str, jax.Array], x: "jax.Array | Projected", cache_k: jax.Array,
                    dim: int, cells: int | None = None) -> bool:
-    """Whether `attention_and_mlp_input` may merge the attention's cache splits in the o
-    product's kernel: the row kernels take the layer's o, gate/up and down products, and the
-    rows `row_gemm.merge_gemm` reads fit its tile: the B rows' query tiles of
+    """Whether `attention_and_mlp_input` may take the layer: its q/k/v product taken
+    (`Projected` [B, T, ·]), the attention kernel taking its causal tokens over `cache_k`
+    (`fused_kernels_take`), the row kernels its o, gate/up and down products, and the rows
+    `row_gemm.merge_gemm` reads fitting its tile: the B rows' query tiles of
     `layer_attention` padded, or the `cells` gathered from them."""
     from pallas_kernels.common import next_pow2
     from pallas_kernels.row_gemm import MAX_ROWS
 
+    if not isinstance(x, Projected):
+        return False
+    batch, tokens = x.qkv.shape[:2]
     n, h = lp["wo"].shape[:2]
+    group = n // cache_k.shape[-2]
     rows = batch * tokens if cells is None else cells
-    t_pad = max(next_pow2(tokens), 16 // max(1, n // kv_heads))
+    t_pad = max(next_pow2(tokens), 16 // max(1, group))
     tile = max(next_pow2(batch), 16 // t_pad) * t_pad if cells is None else next_pow2(cells)
-    return ("w_gate_up" in lp and row_kernels_take(rows, n * h, dim)
+    return ("w_gate_up" in lp and fused_kernels_take(lp, cache_k, x.qkv.dtype, tokens * group)
+            and row_kernels_take(rows, n * h, dim)
             and row_kernels_take(rows, dim, lp["w_gate_up"].shape[-1])
             and row_kernels_take(rows, lp["w_down"].shape[0], dim) and tile <= MAX_ROWS)
 

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import LOG2E, MASKED_SCORE, next_pow2
+from pallas_kernels.common import LOG2E, MASKED_SCORE, load_rows, next_pow2
 
 __all__ = ["DEFAULT_BLOCK_K", "decode_attention", "layer_attention", "ref_decode_attention",
            "ref_layer_attention", "splits_for"]
@@ -211,16 +211,6 @@ def _normed_rotated(x1, x2, w_ref, cos, sin, *, eps: float, normed: bool, dtype)
     return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
 
 
-def _rows(ref, n: int, rows: int, cols: Any = slice(None), part: int | None = None):
-    """The first `rows` rows of a [n, …] ref (of its `part`, a [parts, n, …] ref's) as a tile,
-    the rows past n zeros."""
-    from jax.experimental.pallas import triton as plgpu
-
-    ok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n
-    at = (pl.ds(0, rows), cols) if part is None else (jnp.int32(part), pl.ds(0, rows), cols)
-    return plgpu.load(ref.at[at], mask=ok, other=0.0)
-
-
 def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start_ref, k_ref,
                   v_ref, *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
                   num_tokens: int, own_len: int, eps: float, normed: bool, write: bool,
@@ -241,7 +231,7 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     tp, g, h = x_ref.shape[-3:]
     h2, mp, dtype = h // 2, tp * g, k_ref.dtype
     first, second = pl.ds(0, h2), pl.ds(h2, h2)
-    trig = lambda ref: jnp.broadcast_to(_rows(ref, num_tokens, tp)[:, None, :],  # noqa: E731
+    trig = lambda ref: jnp.broadcast_to(load_rows(ref, num_tokens, tp)[:, None, :],  # noqa: E731
                                         (tp, g, h2)).reshape(mp, h2)
 
     rows_ok = _query_rows_ok((tp, g, h2), num_tokens)
@@ -257,8 +247,8 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
 
     def own_rows(ref, n, cols=slice(None)):   # the same for the own k / v rows
         if parts is None:
-            return _rows(ref, num_tokens, n, cols)
-        return functools.reduce(operator.add, (_rows(ref, num_tokens, n, cols, part=i)
+            return load_rows(ref, num_tokens, n, cols)
+        return functools.reduce(operator.add, (load_rows(ref, num_tokens, n, cols, part=i)
                                                for i in range(parts))).astype(dtype)
 
     q1, q2 = _normed_rotated(queries(first), queries(second), qw_ref, trig(cos_ref),
@@ -273,8 +263,8 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
         qp = own_len
         k1, k2 = _normed_rotated(own_rows(ok_ref, qp, first).astype(jnp.float32),
                                  own_rows(ok_ref, qp, second).astype(jnp.float32),
-                                 kw_ref, _rows(cos_ref, num_tokens, qp),
-                                 _rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
+                                 kw_ref, load_rows(cos_ref, num_tokens, qp),
+                                 load_rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
                                  dtype=dtype)
         v = own_rows(ov_ref, qp)
         if v_norm:

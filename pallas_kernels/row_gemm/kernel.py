@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import MASKED_SCORE, next_pow2
+from pallas_kernels.common import MASKED_SCORE, load_rows, next_pow2
 
 __all__ = ["MAX_ROWS", "merge_gemm", "merge_parts", "norm_gemm", "ref_merge_gemm",
            "ref_norm_gemm", "ref_swiglu_gemm", "swiglu_gemm", "swiglu_parts"]
@@ -84,16 +84,6 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
                    precision=lax.Precision.HIGHEST if exact else None)
 
 
-def _rows(ref, rows: int, n: int, cols, part: int | None = None) -> jax.Array:
-    """Columns `cols` of the first n rows of a [R, …] ref (of its `part`, a [parts, R, …]
-    ref's) as a [rows, ·] tile, the rows past n zeros."""
-    from jax.experimental.pallas import triton as plgpu
-
-    ok = lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n
-    at = (pl.ds(0, rows), cols) if part is None else (jnp.int32(part), pl.ds(0, rows), cols)
-    return plgpu.load(ref.at[at], mask=ok, other=0)
-
-
 def _store_rows(ref, x: jax.Array, n: int, cols) -> None:
     from jax.experimental.pallas import triton as plgpu
 
@@ -118,14 +108,14 @@ def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps
     def summed(i):   # s's columns [i·block_k, +block_k) in f32, rounded as XLA rounds
         cols = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         if not has_delta:
-            return cols, _rows(h_ref, tile, rows, cols).astype(jnp.float32)
+            return cols, load_rows(h_ref, rows, tile, cols).astype(jnp.float32)
         if parts is None:
-            d = _rows(d_ref, tile, rows, cols).astype(jnp.float32)
+            d = load_rows(d_ref, rows, tile, cols).astype(jnp.float32)
         else:   # the f32 sum of a split-K product's parts, rounded as the product would be
-            d = functools.reduce(operator.add, (_rows(d_ref, tile, rows, cols, part=p)
+            d = functools.reduce(operator.add, (load_rows(d_ref, rows, tile, cols, part=p)
                                                 for p in range(parts)))
             d = d.astype(dtype).astype(jnp.float32)
-        s = (_rows(h_ref, tile, rows, cols).astype(jnp.float32) + d).astype(dtype)
+        s = (load_rows(h_ref, rows, tile, cols).astype(jnp.float32) + d).astype(dtype)
         return cols, s.astype(jnp.float32)
 
     def squares(i, acc):
@@ -252,11 +242,10 @@ def _swiglu_kernel(gu_ref, w_ref, out_ref, *, rows: int, tile: int, hidden: int,
 
     def product(i, acc):
         at = lo + i * block_k
-        g = _rows(gu_ref, tile, rows, pl.ds(pl.multiple_of(at, block_k), block_k))
-        u = _rows(gu_ref, tile, rows, pl.ds(pl.multiple_of(hidden + at, block_k), block_k))
+        g = load_rows(gu_ref, rows, tile, pl.ds(pl.multiple_of(at, block_k), block_k))
+        u = load_rows(gu_ref, rows, tile, pl.ds(pl.multiple_of(hidden + at, block_k), block_k))
         g = g.astype(jnp.float32)
-        a = _round(_round(g * _silu_sigmoid(g, dtype), dtype) * u.astype(jnp.float32), dtype)
-        a = a.astype(dtype)
+        a = (_round(g * _silu_sigmoid(g, dtype), dtype) * u.astype(jnp.float32)).astype(dtype)
         w = w_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k), :].astype(dtype)
         return acc + _dot(a, w)
 
@@ -265,8 +254,8 @@ def _swiglu_kernel(gu_ref, w_ref, out_ref, *, rows: int, tile: int, hidden: int,
     _store_rows(out_ref, acc, rows, slice(None))
 
 
-def swiglu_parts(rows: int, hidden: int, columns: int) -> int:
-    """The parts `swiglu_gemm` splits a [rows, hidden] @ [hidden, columns] product into:
+def swiglu_parts(hidden: int, columns: int) -> int:
+    """The parts `swiglu_gemm` splits a [·, hidden] @ [hidden, columns] product into:
     enough for about `TARGET_PROGRAMS` programs, at most 8, each part a whole number of 16
     rows of w deep."""
     n_tiles = columns // (_columns(columns) or columns)
@@ -288,7 +277,7 @@ def swiglu_gemm(gu: jax.Array, w: jax.Array, *, parts: int | None = None,
     R, two_f = gu.shape
     F = two_f // 2
     N = w.shape[-1]
-    parts = parts or swiglu_parts(R, F, N)
+    parts = parts or swiglu_parts(F, N)
     block_n = block_n or _columns(N)
     chunk = F // parts if parts and F % parts == 0 else 0
     tile = max(16, next_pow2(R))
@@ -447,8 +436,8 @@ def merge_gemm(o: jax.Array, m: jax.Array, l: jax.Array, w: jax.Array, *, num_to
 
 
 def block_for(n: int) -> int | None:
-    """The widest of 128, 64, 32, 16 dividing n."""
-    return next((b for b in (128, 64, 32, 16) if n % b == 0), None)
+    """The widest of `_DEPTHS` dividing n."""
+    return next((b for b in _DEPTHS if n % b == 0), None)
 
 
 # ------------------------------------------------------------------------------ oracles

@@ -122,8 +122,8 @@ def test_merge_gemm_merges_the_attention_splits_into_the_product(dtype, batch, t
 def test_the_tiles_and_parts_follow_the_shapes():
     """The default split: about one program a multiprocessor, parts a whole number of tiles
     deep; shapes the kernels cannot tile are refused by name."""
-    assert swiglu_parts(1, 9728, 2560) == 2        # Qwen3-4B's down product: 80 tiles × 2
-    assert swiglu_parts(1, 12288, 4096) == 1       # Qwen3-8B's: 128 tiles
+    assert swiglu_parts(9728, 2560) == 2        # Qwen3-4B's down product: 80 tiles × 2
+    assert swiglu_parts(12288, 4096) == 1       # Qwen3-8B's: 128 tiles
     h = jnp.zeros((2, 40), jnp.float32)
     with pytest.raises(ValueError, match="norm_gemm"):
         norm_gemm(h, None, jnp.ones((40,)), jnp.zeros((40, 32)), eps=EPS, interpret=True)

@@ -140,11 +140,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         lp, layer_idx, slot = xs
         h, x = DL.input_norm(lp, h, delta, eps)
         layer_cache = [L.cache_layer(c, layer_idx) for c in caches or cache_kv]
-        if (isinstance(x, DL.Projected)
-                and (caches is not None or DL.fused_kernels_take(
-                    lp, layer_cache[0], x.qkv.dtype,
-                    T * cfg.num_attention_heads // cfg.num_key_value_heads))
-                and DL.merged_o_takes(lp, B, T, layer_cache[0].shape[-2], h.shape[-1])):
+        if DL.merged_o_takes(lp, x, layer_cache[0], h.shape[-1]):
             # the attention's cache splits merged in the o product's kernel
             h, delta, k, v = DL.attention_and_mlp_input(lp, h, x, positions_bt, cfg.rope, eps,
                                                         *layer_cache, cache_start, own_mask,
@@ -244,12 +240,8 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
             h, x = DL.input_norm(lp, h, delta, eps)
             x = DL.rows_of(x, lambda a: a[0][grid])
             layer_cache = [L.cache_layer(c, layer_idx) for c in cache_kv]
-            if (isinstance(x, DL.Projected) and rows.own_mask_rqq is None
-                    and DL.fused_kernels_take(lp, layer_cache[0], x.qkv.dtype,
-                                              Q * cfg.num_attention_heads
-                                              // cfg.num_key_value_heads)
-                    and DL.merged_o_takes(lp, R, Q, layer_cache[0].shape[-2], h.shape[-1],
-                                          cells=K)):
+            if (rows.own_mask_rqq is None
+                    and DL.merged_o_takes(lp, x, layer_cache[0], h.shape[-1], cells=K)):
                 h, delta, k, v = DL.attention_and_mlp_input(
                     lp, h, x, pos_rq, cfg.rope, eps, *layer_cache, start_r, own_mask,
                     write=False, cells=cell_k)
