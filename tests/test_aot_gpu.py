@@ -319,8 +319,9 @@ def test_decoding_dots_carry_the_policy_precision(dtype, tmp_path):
 def test_split_k_products_carry_the_policy_precision(dtype, tmp_path, monkeypatch):
     """The GPU's program, its kernels interpreted and its products split along K (the split's
     threshold lowered to the tiny model): every dot carries the policy's precision (HIGHEST
-    for fp32 weights, the default for bf16), the split products' (the drafter's o product)
-    and the row kernels' (the target's products, each taken in its kernel) alike."""
+    for fp32 weights, the default for bf16), the row kernels' (every product of the target's
+    and the drafter's layers, each taken in its kernel) and the split products' (a layer's o
+    product where the merge stays apart, here the drafter's) alike."""
     from hf_tiny import save_tiny_hf
     from dspark_jax.aot.decode import DecodeShape
     from dspark_jax.aot.decode_floor import _programs
@@ -332,14 +333,20 @@ def test_split_k_products_carry_the_policy_precision(dtype, tmp_path, monkeypatc
     path = save_tiny_hf(tmp_path, "qwen3", head_dim=32)
     c = parse_config(["x", "--config=configs/tiny.py", f"--config.target={path}",
                       f"--config.train.target_dtype={dtype}"], require_target=False)
-    with L.interpret_kernels():
-        chain, _, _ = _programs(c, jax.devices("cpu")[:1], DecodeShape(1, 64, 0))
-        with jax.default_matmul_precision("default"):
-            texts = {name: chain[name][0](*chain[name][1], **chain[name][2]).as_text()
-                     for name in ("decode_step", "verify", "draft")}
-    for name, text in texts.items():
+    def texts(names):
+        with L.interpret_kernels():
+            chain, _, _ = _programs(c, jax.devices("cpu")[:1], DecodeShape(1, 64, 0))
+            with jax.default_matmul_precision("default"):
+                return {name: chain[name][0](*chain[name][1], **chain[name][2]).as_text()
+                        for name in names}
+
+    programs = texts(("decode_step", "verify", "draft"))
+    monkeypatch.setattr(DL, "merged_o_takes", lambda *a, **k: False)   # the merge apart
+    jax.clear_caches()   # the draft traced again, not the merged one reused
+    programs["draft, the merge apart"] = texts(("draft",))["draft"]
+    for name, text in programs.items():
         dots = _dot_precisions(text)
-        if name == "draft":   # the split products: dots batched over their parts
+        if name == "draft, the merge apart":   # the split products: dots batched over parts
             # (x [B, T, P, K/P], w [P, K/P, F])
             assert any("batching_dims = [2] x [0], contracting_dims = [3] x [1]" in d
                        for d in dots), name
@@ -365,9 +372,9 @@ def test_h200_decode_step_launches_five_kernels_a_layer(tmp_path):
     layer's activation with its down product, the residual sum with the input norm and the
     q/k/v product, the attention's splits (q/k norms, RoPE, the cache write), their merge with
     the o product, the residual sum with the post-attention norm and the gate/up product; a
-    drafter layer's, counted in its layers apart from its heads, at most twelve (its
-    attention's merge a kernel of its own), and its heads and sampling a few kernels a draft
-    slot. No weight is copied."""
+    drafter layer's, counted in its layers apart from its heads, the same five (its block's
+    attention over the context cache in place of the cached one), and its heads and sampling
+    a few kernels a draft slot. No weight is copied."""
     from hf_tiny import save_tiny_hf
 
     kernels, drafter, chain = {}, {}, {}
@@ -400,7 +407,7 @@ def test_h200_decode_step_launches_five_kernels_a_layer(tmp_path):
     # exactly what one more layer adds; the first layer holds a kernel or two more
     assert chain[4] * 4 - chain[2] * 2 == pytest.approx(2 * per_layer), (chain, per_layer)
     assert all(0 <= c * n - per_layer * n <= 2 for n, c in chain.items()), (chain, per_layer)
-    assert 6 <= (drafter[3] - drafter[1]) / 2 <= 12, drafter
+    assert (drafter[3] - drafter[1]) / 2 == 5, drafter
 
 
 @pytest.mark.gpu

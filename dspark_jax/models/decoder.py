@@ -208,9 +208,9 @@ class TargetDecoder(nnx.Module):
         family = family_of(cfg)
         defer = bool(defer_writes and cache is not None and family.defers_writes)
         extra = dict(defer_writes=True) if defer else {}
-        h, taps, kv = family.forward(self.layers, cfg, tokens_bt, h, positions_bt, kv,
-                                     segment_ids_bt, tap_ids, self.dtype, **extra)
-        hidden = L.rms_norm(h, self.final_norm.get_value(), cfg.rms_norm_eps)
+        hidden, taps, kv = family.forward(self.layers, cfg, tokens_bt, h, positions_bt, kv,
+                                          segment_ids_bt, tap_ids, self.dtype,
+                                          final_norm=self.final_norm.get_value(), **extra)
         new_cache, new_kv = None, None
         if cache is not None:
             lengths = cache.lengths if advance is None else cache.lengths + advance
@@ -286,10 +286,11 @@ def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,
         raise ValueError(f"an own-token mask (draft trees) needs the per-request grid and a "
                          f"family that defers its cache writes; {cfg.model_type!r} does not")
     extra = dict(defer_writes=True) if defer else {}
-    h, taps, kv = family.ragged_forward(model.layers, cfg, tokens_1k, h,
-                                        position_k.astype(jnp.int32)[None], kv, rows,
-                                        tap_ids, model.dtype, **extra)
-    hidden = L.rms_norm(h, model.final_norm.get_value(), cfg.rms_norm_eps)[0]
+    hidden, taps, kv = family.ragged_forward(model.layers, cfg, tokens_1k, h,
+                                             position_k.astype(jnp.int32)[None], kv, rows,
+                                             tap_ids, model.dtype,
+                                             final_norm=model.final_norm.get_value(), **extra)
+    hidden = hidden[0]
     taps_out = None
     if taps is not None:
         taps_out = jnp.transpose(taps[:, 0], (1, 0, 2)).reshape(K, len(tap_ids) * cfg.hidden_size)

@@ -12,8 +12,9 @@ K/V rows into the cache); the merge of the splits with the o product (`row_gemm.
 `attention_and_mlp_input`); the residual sum, the post-attention norm and the gate/up product
 in one (`norm_product`); the activation and the down product in one
 (`row_gemm.swiglu_gemm`), whose parts the next layer's first kernel sums. A verification's
-cells are gathered from its requests' grid in the o product's kernel. A draft tree's nodes
-and a drafter's block keep the merge a kernel of its own and XLA's o product, split along K
+cells are gathered from its requests' grid in the o product's kernel, and a DSpark / DFlash
+drafter's layer runs the same five over its block (`block_attention_and_mlp_input`). A draft
+tree's nodes keep the merge a kernel of its own and XLA's o product, split along K
 (`split_k_parts`), the kernel that reads it summing its parts, where XLA would sum its own
 split in a kernel of its own. Shapes the row kernels do not
 take (more than `row_gemm.MAX_ROWS` rows, sizes not a multiple of 16, a mesh of several
@@ -377,9 +378,11 @@ def _attention_fns(lp: dict[str, jax.Array], t: int, kh: int, eps: float, write:
 
 
 def merged_o_takes(lp: dict[str, jax.Array], x: "jax.Array | Projected", cache_k: jax.Array,
-                   dim: int, cells: int | None = None) -> bool:
-    """Whether `attention_and_mlp_input` may take the layer: its q/k/v product taken
-    (`Projected` [B, T, ·]), the attention kernel taking its causal tokens over `cache_k`
+                   dim: int, cells: int | None = None,
+                   products: tuple[str, ...] = ("w_qkv",)) -> bool:
+    """Whether `attention_and_mlp_input` (or, with a drafter layer's `products`,
+    `block_attention_and_mlp_input`) may take the layer: its q/k/v product taken
+    (`Projected` [B, T, ·]), the attention kernel taking its tokens over `cache_k`
     (`fused_kernels_take`), the row kernels its o, gate/up and down products, and the rows
     `row_gemm.merge_gemm` reads fitting its tile: the B rows' query tiles of
     `layer_attention` padded, or the `cells` gathered from them."""
@@ -394,10 +397,38 @@ def merged_o_takes(lp: dict[str, jax.Array], x: "jax.Array | Projected", cache_k
     rows = batch * tokens if cells is None else cells
     t_pad = max(next_pow2(tokens), 16 // max(1, group))
     tile = max(next_pow2(batch), 16 // t_pad) * t_pad if cells is None else next_pow2(cells)
-    return ("w_gate_up" in lp and fused_kernels_take(lp, cache_k, x.qkv.dtype, tokens * group)
+    return ("w_gate_up" in lp
+            and fused_kernels_take(lp, cache_k, x.qkv.dtype, tokens * group, products)
             and row_kernels_take(rows, n * h, dim)
             and row_kernels_take(rows, dim, lp["w_gate_up"].shape[-1])
             and row_kernels_take(rows, lp["w_down"].shape[0], dim) and tile <= MAX_ROWS)
+
+
+def _merged_o_mlp_input(partials: tuple[jax.Array, ...], h: jax.Array, wo: jax.Array,
+                        post: jax.Array, w_gu: jax.Array, eps: float, tokens: int,
+                        cell: tuple[jax.Array, ...], interpret: bool
+                        ) -> tuple[jax.Array, jax.Array]:
+    """The GPU's kernels after the attention's: its cache splits' partials merged in the o
+    product's kernel (`row_gemm.merge_gemm`, gathering the `cell` [K] of the tokens' grid
+    when given), then the residual sum h + o, the post-attention norm and the gate/up product
+    in one (`row_gemm.norm_gemm`) → (s, gu), h's rows [B, T | 1, K, ·]."""
+    from pallas_kernels.row_gemm import merge_gemm, norm_gemm
+
+    rows, d = h.shape[0] * h.shape[1], h.shape[-1]
+    index = dict(cells=(cell[0] // tokens, cell[0] % tokens)) if cell else {}
+    o = merge_gemm(*partials, wo.astype(h.dtype), num_tokens=rows if cell else tokens,
+                   dtype=h.dtype, interpret=interpret, **index)   # [P, (B, T | K), D]
+    s, gu = norm_gemm(h.reshape(rows, d), o.reshape(o.shape[0], rows, d),
+                      post.astype(h.dtype), w_gu.astype(h.dtype), eps=eps, interpret=interpret)
+    return s.reshape(h.shape), gu.reshape(*h.shape[:2], -1)
+
+
+def _o_mlp_input(attn_btf: jax.Array, h: jax.Array, wo: jax.Array, post: jax.Array,
+                 w_gu: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """`_merged_o_mlp_input` with XLA's ops, from the merged attention [B, T, N·H]."""
+    o = jnp.einsum("BTF,FD->BTD", attn_btf, wo)
+    s, normed = add_rms_norm(h, o, post, eps, kernel=False)
+    return s, jnp.einsum("BTD,DF->BTF", normed, w_gu)
 
 
 def attention_and_mlp_input(lp: dict[str, jax.Array], h_btd: jax.Array, x: Projected,
@@ -430,25 +461,16 @@ def attention_and_mlp_input(lp: dict[str, jax.Array], h_btd: jax.Array, x: Proje
 
     def gpu_merged(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, *cell,
                    interpret):
-        from pallas_kernels.row_gemm import merge_gemm, norm_gemm
-
         partials, *kv = gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret=interpret,
                             merge=False)   # kv: the cache's k and v, or the rows' k|v
-        index = dict(cells=(cell[0] // t, cell[0] % t)) if cell else {}
-        o = merge_gemm(*partials, wo.astype(h_.dtype), num_tokens=rows if cell else t,
-                       dtype=h_.dtype, interpret=interpret, **index)   # [P, (B, T | K), D]
-        s, gu = norm_gemm(h_.reshape(rows, d), o.reshape(o.shape[0], rows, d),
-                          post.astype(h_.dtype), w_gu.astype(h_.dtype), eps=eps,
-                          interpret=interpret)
-        return (s.reshape(h_.shape), gu.reshape(*h_.shape[:2], -1), *kv)
+        return (*_merged_o_mlp_input(partials, h_, wo, post, w_gu, eps, t, cell, interpret),
+                *kv)
 
     def default(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, *cell):
         attn, *kv = xla(qkv, ck, cv, start, pos, cos, sin, mask)
         attn = attn.reshape(b * t, n * h)
         attn = attn[cell[0]][None] if cell else attn.reshape(b, t, n * h)
-        o = jnp.einsum("BTF,FD->BTD", attn, wo)
-        s, normed = add_rms_norm(h_, o, post, eps, kernel=False)
-        return (s, jnp.einsum("BTD,DF->BTF", normed, w_gu), *kv)
+        return (*_o_mlp_input(attn, h_, wo, post, w_gu, eps), *kv)
 
     s, gu, *kv = L.on_gpu(gpu_merged, default, x.qkv, cache_k, cache_v,
                            start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos, sin,
@@ -521,6 +543,36 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
     return attn, kv[:, :, :kh], kv[:, :, kh:]
 
 
+DRAFT_PRODUCTS = ("wq", "w_kv")   # a drafter layer's q and k|v products (`FUSED_KV`)
+
+
+def _block_attention_fns(lp: dict[str, jax.Array], kh: int, rope: RopeConfig, eps: float,
+                         xla: Callable[..., jax.Array]
+                         ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """`block_attention`'s two branches over the raw q | k|v product [B, T, N + 2Kh, H]:
+    (default, gpu)(qkv, context k, context v, start, positions) → attention [B, T, N, H];
+    `gpu(..., merge=False)` gives it as its cache splits' partials (`layer_attention`)."""
+    n, h = lp["wo"].shape[:2]
+    norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
+
+    def default(qkv, ck, cv, start, pos):
+        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
+        if norms is not None:
+            q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
+        q, k = L.apply_rope(q, pos, rope), L.apply_rope(k, pos, rope)
+        return xla(q, k, v, ck, cv, start)
+
+    def gpu(qkv, ck, cv, start, pos, interpret, merge=True):
+        from pallas_kernels.decode_attention import layer_attention
+
+        cos, sin = L.rope_cos_sin(pos, rope, h)
+        return layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
+                               num_q_heads=n, eps=eps, scale=h ** -0.5, causal=False,
+                               merge=merge, interpret=interpret)[0]
+
+    return default, gpu
+
+
 def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: jax.Array,
                     rope: RopeConfig, eps: float, ctx_k: jax.Array, ctx_v: jax.Array,
                     start_b: jax.Array, xla: Callable[..., jax.Array]) -> jax.Array:
@@ -540,7 +592,7 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
     b, t = rows.shape[:2]
     n, h = lp["wo"].shape[:2]
     kh = ctx_k.shape[-2]
-    if not fused_kernels_take(lp, ctx_k, rows.dtype, t * (n // kh), ("wq", "w_kv")):
+    if not fused_kernels_take(lp, ctx_k, rows.dtype, t * (n // kh), DRAFT_PRODUCTS):
         if projected:   # q, then k|v, of the product taken already, normed as the projections
             q = x_btd.qkv[..., :n * h].reshape(b, t, n, h)
             k, v = jnp.split(x_btd.qkv[..., n * h:].reshape(b, t, 2 * kh, h), 2, axis=2)
@@ -561,22 +613,7 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
         return jnp.concatenate([jnp.einsum("BTD,DF->BTF", x, wq),
                                 jnp.einsum("BTD,DF->BTF", x, w_kv)], axis=-1)
 
-    norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
-
-    def default(qkv, ck, cv, start, pos):
-        q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kh], qkv[:, :, n + kh:]
-        if norms is not None:
-            q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
-        q, k = L.apply_rope(q, pos, rope), L.apply_rope(k, pos, rope)
-        return xla(q, k, v, ck, cv, start)
-
-    def gpu(qkv, ck, cv, start, pos, interpret):
-        from pallas_kernels.decode_attention import layer_attention
-
-        cos, sin = L.rope_cos_sin(pos, rope, h)
-        return layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
-                               num_q_heads=n, eps=eps, scale=h ** -0.5, causal=False,
-                               interpret=interpret)[0]
+    default, gpu = _block_attention_fns(lp, kh, rope, eps, xla)
 
     def local(*args):
         return L.on_gpu(gpu, default, *args)
@@ -598,6 +635,36 @@ def block_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: ja
         b, t, n + 2 * kh, h)
     axes = (_QKV, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None))
     return shard_kernel(local, (qkv, *rest), axes, _QKV)
+
+
+def block_attention_and_mlp_input(lp: dict[str, jax.Array], h_btd: jax.Array, x: Projected,
+                                  positions_bt: jax.Array, rope: RopeConfig, eps: float,
+                                  ctx_k: jax.Array, ctx_v: jax.Array, start_b: jax.Array,
+                                  xla: Callable[..., jax.Array]
+                                  ) -> tuple[jax.Array, GatedProduct]:
+    """`block_attention` and `attn_out_and_mlp` of a draft layer whose q and k|v product is
+    taken (`input_norm`), where `merged_o_takes` it (the drafter's `products`): → (h, the
+    MLP's delta). On a GPU the attention kernel's cache splits are merged in the o product's
+    kernel, whose parts the next kernel sums with the post-attention norm and the gate/up
+    product, as `attention_and_mlp_input` takes a target layer's; elsewhere XLA's ops as
+    `block_attention` and `attn_out_and_mlp` take them."""
+    b, t = x.qkv.shape[:2]
+    n, h = lp["wo"].shape[:2]
+    kh = ctx_k.shape[-2]
+    default, gpu = _block_attention_fns(lp, kh, rope, eps, xla)
+
+    def gpu_merged(qkv, ck, cv, start, pos, h_, wo, post, w_gu, interpret):
+        partials = gpu(qkv, ck, cv, start, pos, interpret=interpret, merge=False)
+        return _merged_o_mlp_input(partials, h_, wo, post, w_gu, eps, t, (), interpret)
+
+    def xla_merged(qkv, ck, cv, start, pos, h_, wo, post, w_gu):
+        attn = default(qkv, ck, cv, start, pos)
+        return _o_mlp_input(attn.reshape(b, t, n * h), h_, wo, post, w_gu, eps)
+
+    s, gu = L.on_gpu(gpu_merged, xla_merged, x.qkv.reshape(b, t, n + 2 * kh, h), ctx_k, ctx_v,
+                     start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), h_btd,
+                     lp["wo"].reshape(n * h, -1), lp["post_norm"], lp["w_gate_up"])
+    return constrain(s, ("batch", "seq", "act_embed")), GatedProduct(gu, lp["w_down"])
 
 
 def attn_out_and_mlp(lp: dict[str, jax.Array], h_btd: jax.Array, attn_btnh: jax.Array,

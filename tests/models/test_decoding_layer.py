@@ -33,7 +33,7 @@ def target(tmp_path_factory, request):
 def products(request, monkeypatch):
     """The layer's products whole, or (`split_k`) split along K into parts the kernels sum
     (`decoding_layer.split_k_parts`, its threshold lowered to the tiny model's 64 columns):
-    → (the mode, the parts of every split product traced)."""
+    → (the mode, the parts of every split product traced, the test's monkeypatch)."""
     from dspark_jax.models import decoding_layer as DL
 
     traced: list[int] = []
@@ -43,13 +43,13 @@ def products(request, monkeypatch):
         monkeypatch.setattr(DL, "product_parts",
                             lambda x, w, parts: traced.append(parts) or real(x, w, parts))
     jax.clear_caches()   # no program traced under the other threshold is reused, either way
-    yield request.param, traced
+    yield request.param, traced, monkeypatch
     jax.clear_caches()
 
 
 def _check_products(products) -> None:
     """A split-K run took its products in parts (≥ 2) inside the kernels' branch."""
-    mode, traced = products
+    mode, traced, _ = products
     if mode == "split_k":
         assert traced and min(traced) >= 2, traced
 
@@ -173,11 +173,17 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
     """A DSpark drafter while decoding (`DSparkDraft.backbone_over_cache`): its context cache
     one buffer a layer, a block a row over the context below each anchor. The decoding layout
     with XLA's ops and with the GPU's kernels interpreted equals the stacked backbone with its
-    dense block attention, anchors at 0, inside and at the end of the committed context."""
+    dense block attention, anchors at 0, inside and at the end of the committed context. With
+    split products, the layers keep the attention's merge apart (as shapes past the row
+    kernels' do) and the o product is split along K for the norm kernel to sum."""
     from dspark_jax.decoding.draft_adapters import DSparkAdapter
+    from dspark_jax.models import decoding_layer as DL
     from dspark_jax.models import init_draft
     from dspark_jax.models.drafters.dspark import with_layer_buffers
 
+    merged = products[0] == "whole"
+    if not merged:
+        products[2].setattr(DL, "merged_o_takes", lambda *a, **k: False)
     draft = init_draft(target, dict(block_size=4, num_draft_layers=2, target_layer_ids=(-1, 0),
                                     mask_token_id=4, markov_rank=8), seed=2)
     stacked = draft.model
@@ -203,7 +209,12 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
         _, got_kernels = outputs(per_layer)
         jaxpr = str(jax.make_jaxpr(lambda c: per_layer.backbone_over_cache(
             anchor, anchor_pos, c.k, c.v))(per_layer_cache))
-    for name in ("layer_attention_splits", "decode_attention_merge", "add_rms_norm"):
+    # five kernels a layer, as the target's: the attention's splits merged in the o
+    # product's kernel; the final norm with the last residual sum
+    merge, apart = (("merge_gemm", "decode_attention_merge") if merged
+                    else ("decode_attention_merge", "merge_gemm"))
+    for name in ("norm_gemm", "layer_attention_splits", merge, "swiglu_gemm", "add_rms_norm"):
         assert name in jaxpr, name
+    assert apart not in jaxpr
     _check_products(products)
     np.testing.assert_allclose(got_kernels, want, atol=2e-5, rtol=2e-5)

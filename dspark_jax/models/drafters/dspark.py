@@ -219,9 +219,10 @@ class DSparkDraft(nnx.Module):
         K/V (a `DraftCache`'s k / v, in either layout) below each anchor.
 
         For the decoding layout (one buffer per draft layer) the layers run as the target's
-        do while decoding (`models.decoding_layer`): on a GPU the attention half in two
-        kernels (q/k norms, RoPE and the attention over the context cache and the block),
-        the residual sums taken with the norms after them. The arithmetic is `backbone`'s,
+        do while decoding (`models.decoding_layer`): on a GPU five kernels a layer (the
+        residual sum, norm and q | k|v product; the q/k norms, RoPE and the attention over
+        the context cache and the block; the merge of its splits with the o product; the
+        residual sum, norm and gate/up product; the activation and the down product). The arithmetic is `backbone`'s,
         whose dense block attention runs on other platforms; stacked layers take `backbone`."""
         if not isinstance(self.layers, L.UnstackedLayers):
             if isinstance(ctx_k, tuple):   # per-layer buffers: one stack
@@ -248,10 +249,14 @@ class DSparkDraft(nnx.Module):
 
         delta = None   # the first layer's input has no residual delta
         for i, lp in enumerate(self.layers.layer_params(self.dtype)):
-            h, x = DL.input_norm(lp, h, delta, eps, ("wq", "w_kv"))
+            h, x = DL.input_norm(lp, h, delta, eps, DL.DRAFT_PRODUCTS)
             ck, cv = (L.cache_layer(c, i).astype(self.dtype) for c in (ctx_k, ctx_v))
-            attn = DL.block_attention(lp, x, pos, rope, eps, ck, cv, anchor_pos_b, dense)
-            h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
+            if DL.merged_o_takes(lp, x, ck, h.shape[-1], products=DL.DRAFT_PRODUCTS):
+                h, delta = DL.block_attention_and_mlp_input(lp, h, x, pos, rope, eps, ck, cv,
+                                                            anchor_pos_b, dense)
+            else:
+                attn = DL.block_attention(lp, x, pos, rope, eps, ck, cv, anchor_pos_b, dense)
+                h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         _, h = DL.add_rms_norm(h, delta, self.norm.get_value(), eps)
         return constrain(h, ("batch", None, "act_embed"))
 

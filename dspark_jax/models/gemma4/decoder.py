@@ -248,10 +248,12 @@ def forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig, tokens_bt: jax.
             h: jax.Array, positions_bt: jax.Array,
             cache_kv: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None,
             segment_ids_bt: jax.Array | None, tap_ids: Sequence[int], dtype: Any,
-            ragged: L.RaggedRows | None = None) -> tuple[jax.Array, jax.Array | None, Any]:
+            ragged: L.RaggedRows | None = None, final_norm: jax.Array | None = None
+            ) -> tuple[jax.Array, jax.Array | None, Any]:
     """Runs every layer on the embedded tokens h [B, T, D].
 
-    Returns (h before the final norm, taps [n, B, T, D] or None, updated cache (k, v) tuples).
+    Returns (h before the final norm, or with `final_norm` [D] after it, taps [n, B, T, D] or
+    None, updated cache (k, v) tuples).
     With `cache_kv`, token t of row b is written at `positions_bt[b, t]` of each owning layer's
     cache and attends over the cache; without, over the T tokens (packed by `segment_ids_bt`).
     With `ragged` (and a cache), the T tokens of the single row are independent queries: token
@@ -263,8 +265,9 @@ def forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig, tokens_bt: jax.
     unrolled forward (`Gemma4Layers.forward`), their caches one buffer per K/V-owning layer.
     """
     if not isinstance(stack, Gemma4Stack):
-        return stack.forward(cfg, tokens_bt, h, positions_bt, cache_kv, segment_ids_bt,
-                             tap_ids, dtype, ragged)
+        h, taps, new_cache = stack.forward(cfg, tokens_bt, h, positions_bt, cache_kv,
+                                           segment_ids_bt, tap_ids, dtype, ragged)
+        return _final(h, final_norm, cfg), taps, new_cache
     B, T, D = h.shape
     eps = cfg.rms_norm_eps
     cached = cache_kv is not None
@@ -382,16 +385,21 @@ def forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig, tokens_bt: jax.
             for j, g in enumerate(gids):
                 fresh_kv[g] = ys[j]
     new_cache = (tuple(caches_k), tuple(caches_v)) if cached else None
-    return h, (taps if n_taps else None), new_cache
+    return _final(h, final_norm, cfg), (taps if n_taps else None), new_cache
+
+
+def _final(h: jax.Array, final_norm: jax.Array | None, cfg: DecoderConfig) -> jax.Array:
+    return h if final_norm is None else L.rms_norm(h, final_norm, cfg.rms_norm_eps)
 
 
 def ragged_forward(stack: Gemma4Stack | nnx.Module, cfg: DecoderConfig,
                    tokens_1k: jax.Array, h: jax.Array, positions_1k: jax.Array, cache_kv: Any,
-                   rows: L.RaggedRows, tap_ids: Sequence[int], dtype: Any
+                   rows: L.RaggedRows, tap_ids: Sequence[int], dtype: Any,
+                   final_norm: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array | None, Any]:
     """The ragged verification pass (paper §5.2–5.3): the K tokens as one row of `forward`,
     each reading and writing its own request's row of every per-group (or per-layer) cache
     (sliding windows, KV sharing and per-layer inputs as in the dense path, whose layer math
     it runs)."""
     return forward(stack, cfg, tokens_1k, h, positions_1k, cache_kv, None, tap_ids, dtype,
-                   ragged=rows)
+                   ragged=rows, final_norm=final_norm)

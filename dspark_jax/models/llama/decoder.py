@@ -89,14 +89,25 @@ def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any, eps: float
     return _tapped(taps, slot, h + delta), h, delta
 
 
+def _last_sum(h: jax.Array, delta: Any, final_norm: jax.Array | None, eps: float
+              ) -> jax.Array:
+    """The last MLP's residual sum h + delta, or with `final_norm` its final norm: on a GPU one
+    kernel with the norm, after the activation's and down product's
+    (`decoding_layer.add_rms_norm`)."""
+    s, normed = DL.add_rms_norm(h, delta, final_norm, eps)
+    return constrain(s if final_norm is None else normed, ("batch", "seq", "act_embed"))
+
+
 def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
             tokens_bt: jax.Array, h: jax.Array, positions_bt: jax.Array,
             cache_kv: tuple[jax.Array, jax.Array] | None, segment_ids_bt: jax.Array | None,
-            tap_ids: Sequence[int], dtype: Any, defer_writes: bool = False
+            tap_ids: Sequence[int], dtype: Any, defer_writes: bool = False,
+            final_norm: jax.Array | None = None
             ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array] | None]:
     """Runs every layer on the embedded tokens h [B, T, D].
 
-    Returns (h before the final norm, taps [n, B, T, D] or None, the updated (k, v) caches).
+    Returns (h before the final norm, or with `final_norm` [D] after it, taps [n, B, T, D] or
+    None, the updated (k, v) caches).
     Without `cache_kv`: causal attention over the T tokens (restricted to equal
     `segment_ids_bt`, for packed rows; `layers.causal_attention`). With it: token t of row b
     sits at `positions_bt[b, t]` = `positions_bt[b, 0]` + t (consecutive, as `TargetDecoder`
@@ -160,6 +171,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
     if cache_kv is None:
         (h, taps), _ = L.run_layers(body, (h, taps0), params, per_layer)
+        h = h if final_norm is None else L.rms_norm(h, final_norm, eps)
         return h, (taps if n_taps else None), None
     # the decoding layout on a GPU: each layer's attention kernel writes its rows into the
     # layer's own cache buffer in place
@@ -170,9 +182,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     ((h, delta), taps, caches), new_kv = L.run_layers(
         cached_body, ((h, _no_delta(h, params)), taps0, cache_kv if in_layer else None),
         params, per_layer)
-    # the last MLP's residual sum: on a GPU one kernel, after the activation's and down
-    # product's (`decoding_layer.add_rms_norm`)
-    h = constrain(DL.add_rms_norm(h, delta, None, eps)[0], ("batch", "seq", "act_embed"))
+    h = _last_sum(h, delta, final_norm, eps)
     taps = taps if n_taps else None
     if in_layer:
         return h, taps, caches
@@ -189,7 +199,8 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
 def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
                    tokens_1k: jax.Array, h: jax.Array, positions_1k: jax.Array,
                    cache_kv: tuple[jax.Array, jax.Array], rows: L.RaggedRows,
-                   tap_ids: Sequence[int], dtype: Any, defer_writes: bool = False
+                   tap_ids: Sequence[int], dtype: Any, defer_writes: bool = False,
+                   final_norm: jax.Array | None = None
                    ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array]]:
     """`forward` for K flattened tokens (one row, B = 1): token k writes its K/V at
     (`rows.write_k[k]`, position) and is its own attention row over cache row `rows.read_k[k]`
@@ -276,7 +287,5 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     caches = (None, None) if defer_writes else cache_kv
     ((h, delta), taps, kc, vc), new_kv = L.run_layers(
         ragged_body, ((h, _no_delta(h, params)), taps0, *caches), params, per_layer)
-    # the last MLP's residual sum: on a GPU one kernel, after the activation's and down
-    # product's (`decoding_layer.add_rms_norm`)
-    h = constrain(DL.add_rms_norm(h, delta, None, eps)[0], ("batch", "seq", "act_embed"))
+    h = _last_sum(h, delta, final_norm, eps)
     return h, (taps if n_taps else None), (new_kv if defer_writes else (kc, vc))
