@@ -206,10 +206,10 @@ def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array,
                  ) -> tuple[jax.Array, jax.Array]:
     """(s, RMSNorm(s) · weight @ w) with s = h + delta: the residual sum, and the product of
     its norm [B, T, N] (of several weights, their columns concatenated, each read where it
-    lies). On a GPU (where `row_kernels_take`) one kernel,
+    lies). On a GPU (where `row_kernels_take` every product) one kernel,
     `pallas_kernels.row_gemm.norm_gemm`, after the delta's own (a `GatedProduct`'s
     activation and down product in one, a `Product`'s split-K GEMM); elsewhere `add_rms_norm`
-    and the product, XLA's ops."""
+    and the products, XLA's ops."""
     b, t, d = h_btd.shape
     kind, leaves = _delta_leaves(delta)
     ws = tuple(w_dn) if isinstance(w_dn, (tuple, list)) else (w_dn,)
@@ -227,9 +227,16 @@ def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array,
     def default(h, weight, *args):
         w, leaves = args[:n_w], args[n_w:]
         s, x = add_rms_norm(h, _delta_value(kind, leaves), weight, eps, kernel=False)
-        ys = [jnp.einsum("BTD,DF->BTF", x, x_w) for x_w in w]
-        return s, ys[0] if n_w == 1 else jnp.concatenate(ys, axis=-1)
+        if n_w == 1:
+            return s, jnp.einsum("BTD,DF->BTF", x, w[0])
+        # each product from its own handle on the normed rows: XLA would merge dots of one
+        # input into one GEMM over their weights concatenated every call (a copy of them)
+        return s, jnp.concatenate([jnp.einsum("BTD,DF->BTF",
+                                              *jax.lax.optimization_barrier((x, x_w)))
+                                   for x_w in w], axis=-1)
 
+    if not all(row_kernels_take(b * t, d, w.shape[-1]) for w in ws):
+        return default(h_btd, weight_d, *ws, *leaves)
     return L.on_gpu(gpu, default, h_btd, weight_d, *ws, *leaves)
 
 

@@ -61,20 +61,22 @@ def _compiler_params(interpret: bool, num_warps: int, num_stages: int):
 
 
 def _depth_and_stages(depth: int, row_bytes: int, w_bytes: int, num_stages: int,
-                      exact: bool) -> tuple[int | None, int]:
+                      exact: bool, loops: int = 1) -> tuple[int | None, int]:
     """The contraction step (the widest of `_DEPTHS` dividing `depth` whose loads fit two
-    pipeline stages in `STAGE_BYTES`, else the narrowest dividing it) and the stages its
-    loads fit, at most `num_stages`. A step's loads: `row_bytes` (the rows' tile, the parts
-    of a delta included) and `w_bytes` (the weight tile) per unit of depth. Triton keeps every
-    load of the loop in shared memory once per stage; an fp32 product at full precision
-    takes its tiles more than twice over (read off the deviceless compile's shared-memory
-    check), counted 3×."""
+    pipeline stages in a loop's share of `STAGE_BYTES`, else the narrowest dividing it) and
+    the stages its loads fit, at most `num_stages`. A step's loads: `row_bytes` (the rows'
+    tile, the parts of a delta included) and `w_bytes` (the weight tile) per unit of depth.
+    Triton keeps every load of a loop in shared memory once per stage, and each of the
+    kernel's `loops` product loops (one a weight, each in a branch of its own) its own; an
+    fp32 product at full precision takes its tiles more than twice over (read off the
+    deviceless compile's shared-memory check), counted 3×."""
     fits = [k for k in _DEPTHS if depth % k == 0]
     if not fits:
         return None, 1
+    budget = STAGE_BYTES // loops
     per = (row_bytes + w_bytes) * (3 if exact else 1)
-    k = next((k for k in fits if 2 * k * per <= STAGE_BYTES), fits[-1])
-    return k, max(1, min(num_stages, STAGE_BYTES // (k * per)))
+    k = next((k for k in fits if 2 * k * per <= budget), fits[-1])
+    return k, max(1, min(num_stages, budget // (k * per)))
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -176,14 +178,14 @@ def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
     size = jnp.dtype(h.dtype).itemsize
     step, stages = _depth_and_stages(
         D, tile * (size + (4 * parts if parts else size if delta is not None else 0)),
-        (block_n or 16) * size, num_stages, jnp.dtype(h.dtype) == jnp.float32)
+        (block_n or 16) * size, num_stages, jnp.dtype(h.dtype) == jnp.float32, len(ws))
     block_k = block_k or step
-    if (h.ndim != 2 or not rows_ok or weight.shape != (D,) or len(ws) > 2
+    if (h.ndim != 2 or not rows_ok or weight.shape != (D,)
             or any(x.shape != (D, n) for x, n in zip(ws, widths))
             or not 1 <= R <= MAX_ROWS or block_k is None or block_n is None
             or D % block_k or any(n % block_n for n in widths)):
         raise ValueError(f"norm_gemm: h must be [R ≤ {MAX_ROWS}, D], delta [R, D] or f32 "
-                         f"[parts, ≥ R, D], weight [D], w one or two [D, N], D and N "
+                         f"[parts, ≥ R, D], weight [D], each w [D, N], D and N "
                          f"multiples of 16: {h.shape}, "
                          f"{None if delta is None else (delta.shape, delta.dtype)}, "
                          f"{weight.shape}, {[x.shape for x in ws]}")

@@ -74,6 +74,23 @@ def test_norm_gemm_reads_two_weights_where_they_lie(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_gemm_reads_every_layers_weight_where_it_lies(dtype):
+    """w as five weights, no delta (a drafter's context: the fc product normed once, then
+    each draft layer's k|v product of it): the product is theirs with their columns
+    concatenated in order, each tile from its own weight."""
+    ks = jax.random.split(jax.random.key(8), 7)
+    D = 64
+    h = jax.random.normal(ks[0], (8, D)).astype(dtype)
+    weight = (1 + 0.1 * jax.random.normal(ks[1], (D,))).astype(dtype)
+    ws = tuple((0.1 * jax.random.normal(k, (D, 32))).astype(dtype) for k in ks[2:])
+    got = norm_gemm(h, None, weight, ws, eps=EPS, block_n=16, interpret=True)
+    want = ref_norm_gemm(h, None, weight, jnp.concatenate(ws, -1), eps=EPS)
+    assert got[1].shape == (8, 160)
+    for g, r in zip(got, want):
+        _close(g, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_swiglu_gemm_matches_the_oracle(dtype, rows):
     """(silu(gate) · up) @ w as f32 parts along the contraction: each part equals the

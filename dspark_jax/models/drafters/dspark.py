@@ -98,49 +98,57 @@ class DSparkDraft(nnx.Module):
     # ------------------------------------------------------------------ context
     def context(self, feats_bsf: jax.Array) -> jax.Array:
         """ctx = hidden_norm(fc(features)) [B, S, D]."""
-        x = jnp.einsum("BSF,FD->BSD", feats_bsf.astype(self.dtype),
-                       self.fc.get_value().astype(self.dtype))
-        return L.rms_norm(x, self.hidden_norm.get_value(), self.cfg.target.rms_norm_eps)
+        return L.rms_norm(self._fc(feats_bsf), self.hidden_norm.get_value(),
+                          self.cfg.target.rms_norm_eps)
+
+    def _fc(self, feats_bsf: jax.Array) -> jax.Array:
+        return jnp.einsum("BSF,FD->BSD", feats_bsf.astype(self.dtype),
+                          self.fc.get_value().astype(self.dtype))
 
     def context_kv(self, feats_bsf: jax.Array, positions_bs: jax.Array
                    ) -> tuple[jax.Array, jax.Array]:
         """Per-layer context K/V [Ld, B, S, K, H] (k_norm and RoPE applied)."""
-        ctx = self.context(feats_bsf)
         eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
 
         def one(lp, x):
             k, v = L.project_kv(lp, x, eps)
             return L.apply_rope(k, positions_bs, rope), v
 
-        if isinstance(self.layers, L.UnstackedLayers):   # the decoding layout
-            layers = list(self.layers.layer_params(self.dtype))
-            if all("w_kv" in lp for lp in layers):
-                return self._stacked_context_kv(layers, ctx, positions_bs)
+        if not isinstance(self.layers, L.UnstackedLayers):
+            ctx = self.context(feats_bsf)
+            return jax.vmap(lambda lp: one(lp, ctx))(self.layers.stacked(self.dtype))
+        layers = list(self.layers.layer_params(self.dtype))   # the decoding layout
+        if all("w_kv" in lp for lp in layers):
+            return self._stacked_context_kv(layers, self._fc(feats_bsf), positions_bs)
+        ctx = self.context(feats_bsf)
 
-            def own(lp):   # each layer's product from its own handle on ctx: XLA would merge
-                # the layers' k|v dots of one input into one GEMM over their weights
-                # concatenated every call (a copy of them)
-                w = {n: lp[n] for n in ("w_kv", "wk", "wv") if n in lp}
-                x, w = jax.lax.optimization_barrier((ctx, w))
-                return one({**lp, **w}, x)
+        def own(lp):   # each layer's product from its own handle on ctx: XLA would merge the
+            # layers' k|v dots of one input into one GEMM over their weights concatenated
+            # every call (a copy of them)
+            w = {n: lp[n] for n in ("w_kv", "wk", "wv") if n in lp}
+            x, w = jax.lax.optimization_barrier((ctx, w))
+            return one({**lp, **w}, x)
 
-            ks, vs = zip(*(own(lp) for lp in layers))
-            return jnp.stack(ks), jnp.stack(vs)
-        return jax.vmap(lambda lp: one(lp, ctx))(self.layers.stacked(self.dtype))
+        ks, vs = zip(*(own(lp) for lp in layers))
+        return jnp.stack(ks), jnp.stack(vs)
 
-    def _stacked_context_kv(self, layers: list[dict[str, jax.Array]], ctx: jax.Array,
+    def _stacked_context_kv(self, layers: list[dict[str, jax.Array]], fc: jax.Array,
                             positions_bs: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """`context_kv` over per-layer buffers with k|v fused (`w_kv`): each layer's product
-        from its own handle on ctx (as `context_kv`'s `own`), then the k norms and RoPE once
-        over the products stacked [Ld, B, S, 2·K·H]: one pass where a layer at a time takes a
-        kernel a layer and the stack another."""
+        """`context_kv` over per-layer buffers with k|v fused (`w_kv`), from the fc product
+        [B, S, D]: its norm and every layer's k|v product of it (`decoding_layer.norm_product`:
+        on a GPU one kernel reading each layer's weight where it lies), then the k norms and
+        RoPE once over the products stacked [Ld, B, S, 2·K·H]: one pass where a layer at a
+        time takes a kernel a layer and the stack another."""
+        from dspark_jax.models import decoding_layer as DL
+
         eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
         H = layers[0]["wo"].shape[1]
-        kvs = [jnp.einsum("BSD,DF->BSF", *jax.lax.optimization_barrier((ctx, lp["w_kv"])))
-               for lp in layers]
-        half = kvs[0].shape[-1] // 2
-        k = jnp.stack([kv[..., :half] for kv in kvs])
-        v = jnp.stack([kv[..., half:] for kv in kvs])
+        b, s, _ = fc.shape
+        _, kv = DL.norm_product(fc, None, self.hidden_norm.get_value(),
+                                tuple(lp["w_kv"] for lp in layers), eps)
+        kv = kv.reshape(b, s, len(layers), 2, -1)                       # [B, S, Ld, k|v, K·H]
+        k, v = (jnp.moveaxis(kv[:, :, :, i], 2, 0) for i in (0, 1))     # [Ld, B, S, K·H]
+        half = k.shape[-1]
         k, v = (a.reshape(*a.shape[:3], half // H, H) for a in (k, v))
         if "k_norm" in layers[0]:
             # the norm apart from its scale: XLA:GPU's row-normalisation fusion takes a weight
