@@ -227,13 +227,8 @@ def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array,
     def default(h, weight, *args):
         w, leaves = args[:n_w], args[n_w:]
         s, x = add_rms_norm(h, _delta_value(kind, leaves), weight, eps, kernel=False)
-        if n_w == 1:
-            return s, jnp.einsum("BTD,DF->BTF", x, w[0])
-        # each product from its own handle on the normed rows: XLA would merge dots of one
-        # input into one GEMM over their weights concatenated every call (a copy of them)
-        return s, jnp.concatenate([jnp.einsum("BTD,DF->BTF",
-                                              *jax.lax.optimization_barrier((x, x_w)))
-                                   for x_w in w], axis=-1)
+        ys = [jnp.einsum("BTD,DF->BTF", x, x_w) for x_w in w]
+        return s, ys[0] if n_w == 1 else jnp.concatenate(ys, axis=-1)
 
     if not all(row_kernels_take(b * t, d, w.shape[-1]) for w in ws):
         return default(h_btd, weight_d, *ws, *leaves)

@@ -135,20 +135,40 @@ class DSparkDraft(nnx.Module):
     def _stacked_context_kv(self, layers: list[dict[str, jax.Array]], fc: jax.Array,
                             positions_bs: jax.Array) -> tuple[jax.Array, jax.Array]:
         """`context_kv` over per-layer buffers with k|v fused (`w_kv`), from the fc product
-        [B, S, D]: its norm and every layer's k|v product of it (`decoding_layer.norm_product`:
-        on a GPU one kernel reading each layer's weight where it lies), then the k norms and
-        RoPE once over the products stacked [Ld, B, S, 2·K·H]: one pass where a layer at a
-        time takes a kernel a layer and the stack another."""
+        [B, S, D]: its norm and every layer's k|v product of it, each from its own handle on
+        the normed rows (XLA would merge the dots of one input into one GEMM over their weights
+        concatenated every call: a copy of them), then the k norms and RoPE once over the
+        products stacked [Ld, B, S, 2·K·H]: one pass where a layer at a time takes a kernel a
+        layer and the stack another. On a GPU, where the row kernels take the rows, the norm
+        and the products are one kernel reading each layer's weight where it lies
+        (`pallas_kernels.row_gemm.norm_gemm`)."""
         from dspark_jax.models import decoding_layer as DL
 
         eps, rope = self.cfg.target.rms_norm_eps, self.cfg.target.rope
         H = layers[0]["wo"].shape[1]
-        b, s, _ = fc.shape
-        _, kv = DL.norm_product(fc, None, self.hidden_norm.get_value(),
-                                tuple(lp["w_kv"] for lp in layers), eps)
-        kv = kv.reshape(b, s, len(layers), 2, -1)                       # [B, S, Ld, k|v, K·H]
-        k, v = (jnp.moveaxis(kv[:, :, :, i], 2, 0) for i in (0, 1))     # [Ld, B, S, K·H]
-        half = k.shape[-1]
+        b, s, d = fc.shape
+        ws = tuple(lp["w_kv"] for lp in layers)
+        half = ws[0].shape[-1] // 2
+
+        def xla(fc, weight, *ws):
+            ctx = L.rms_norm(fc, weight, eps)
+            kvs = [jnp.einsum("BSD,DF->BSF", *jax.lax.optimization_barrier((ctx, w)))
+                   for w in ws]
+            return (jnp.stack([kv[..., :half] for kv in kvs]),
+                    jnp.stack([kv[..., half:] for kv in kvs]))
+
+        def gpu(fc, weight, *ws, interpret):
+            from pallas_kernels.row_gemm import norm_gemm
+
+            _, kv = norm_gemm(fc.reshape(b * s, d), None, weight.astype(fc.dtype),
+                              tuple(w.astype(fc.dtype) for w in ws), eps=eps,
+                              interpret=interpret)
+            kv = kv.reshape(b, s, len(ws), 2, half)                     # [B, S, Ld, k|v, ·]
+            return tuple(jnp.moveaxis(kv[:, :, :, i], 2, 0) for i in (0, 1))
+
+        args = (fc, self.hidden_norm.get_value(), *ws)
+        k, v = (L.on_gpu(gpu, xla, *args)
+                if all(DL.row_kernels_take(b * s, d, w.shape[-1]) for w in ws) else xla(*args))
         k, v = (a.reshape(*a.shape[:3], half // H, H) for a in (k, v))
         if "k_norm" in layers[0]:
             # the norm apart from its scale: XLA:GPU's row-normalisation fusion takes a weight
