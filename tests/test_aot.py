@@ -272,6 +272,31 @@ def test_v5e_plain_step_and_round_read_the_weights_where_they_lie(tmp_path):
 @pytest.mark.tpu
 @pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
                     "pip install -e '.[tpu]'")
+def test_v5e_drafting_at_a_real_layer_shape_copies_no_weight(tmp_path):
+    """At Qwen3-4B's layer shape (hidden 2560, 32 heads over 8, MLP 9728; a config alone, two
+    target and two drafter layers) the draft and the round compiled for a v5e copy no weight:
+    XLA:TPU lays out each drafter product's weight as it lies (at tiny shapes it would not
+    relay one out either way)."""
+    from hf_tiny import tiny_hf_config
+
+    cfg = tiny_hf_config("qwen3", head_dim=128, layers=2).to_dict()
+    cfg.update(hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
+               num_key_value_heads=8)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "v5e.json"
+    rc = cli.main(["aot", "--config", "configs/tiny.py", "--chip", "v5e", "--decode",
+                   "--programs", "draft,round", "--max-len", "256", "--json", str(out),
+                   f"--config.target={tmp_path / 't'}", "--config.train.target_dtype=bfloat16",
+                   "--config.draft.num_draft_layers=2"])
+    assert rc == 0
+    for name, p in json.loads(out.read_text())["programs"].items():
+        assert p["weight_copy_bytes"] == 0, (name, p["weight_copies"])
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not topology.has_libtpu(), reason="needs libtpu for TPU topologies on CPU: "
+                    "pip install -e '.[tpu]'")
 def test_v5e_tree_round_compiles(tmp_path):
     """`--decode --tree-budget N`: the round that drafts and verifies trees compiles for one
     TPU v5e chip and copies no weight matrix; the chain's separate verification step is not
