@@ -102,6 +102,7 @@ class DSparkDraft(nnx.Module):
                           self.cfg.target.rms_norm_eps)
 
     def _fc(self, feats_bsf: jax.Array) -> jax.Array:
+        """fc(features) [B, S, D], before the hidden norm."""
         return jnp.einsum("BSF,FD->BSD", feats_bsf.astype(self.dtype),
                           self.fc.get_value().astype(self.dtype))
 
@@ -250,8 +251,9 @@ class DSparkDraft(nnx.Module):
         do while decoding (`models.decoding_layer`): on a GPU five kernels a layer (the
         residual sum, norm and q | k|v product; the q/k norms, RoPE and the attention over
         the context cache and the block; the merge of its splits with the o product; the
-        residual sum, norm and gate/up product; the activation and the down product). The arithmetic is `backbone`'s,
-        whose dense block attention runs on other platforms; stacked layers take `backbone`."""
+        residual sum, norm and gate/up product; the activation and the down product). The
+        arithmetic is `backbone`'s, whose dense block attention runs on other platforms;
+        stacked layers take `backbone`."""
         if not isinstance(self.layers, L.UnstackedLayers):
             if isinstance(ctx_k, tuple):   # per-layer buffers: one stack
                 ctx_k, ctx_v = jnp.concatenate(ctx_k), jnp.concatenate(ctx_v)
