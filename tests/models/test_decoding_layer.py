@@ -173,9 +173,11 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
     """A DSpark drafter while decoding (`DSparkDraft.backbone_over_cache`): its context cache
     one buffer a layer, a block a row over the context below each anchor. The decoding layout
     with XLA's ops and with the GPU's kernels interpreted equals the stacked backbone with its
-    dense block attention, anchors at 0, inside and at the end of the committed context. With
-    split products, the layers keep the attention's merge apart (as shapes past the row
-    kernels' do) and the o product is split along K for the norm kernel to sum."""
+    dense block attention, anchors at 0, inside and at the end of the committed context, and
+    the interpreted context cache (the fc product's norm and every layer's k|v product of it
+    in one `norm_gemm`, 24 rows a commit) equals the stacked drafter's. With split products,
+    the layers keep the attention's merge apart (as shapes past the row kernels' do) and the
+    o product is split along K for the norm kernel to sum."""
     from dspark_jax.decoding.draft_adapters import DSparkAdapter
     from dspark_jax.models import decoding_layer as DL
     from dspark_jax.models import init_draft
@@ -194,10 +196,13 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
     anchor = jnp.asarray([7, 8, 9], jnp.int32)
     anchor_pos = jnp.asarray([0, 17, 40], jnp.int32)
 
-    def outputs(model):
+    def outputs(model):   # the context committed 8 tokens a row at a time (24 rows a call,
+        # as a verification commits them: the rows the context's kernel takes)
         cache = DSparkAdapter.init_cache(model, B, S)
-        cache = DSparkAdapter.commit(model, cache, feats, jnp.zeros((B,), jnp.int32),
-                                     jnp.full((B,), 40, jnp.int32), None)
+        for start in range(0, 40, 8):
+            cache = DSparkAdapter.commit(model, cache, feats[:, start:start + 8],
+                                         jnp.full((B,), start, jnp.int32),
+                                         jnp.full((B,), 8, jnp.int32), None)
         return cache, np.asarray(model.backbone_over_cache(anchor, anchor_pos, cache.k, cache.v))
 
     stacked_cache, want = outputs(stacked)
@@ -206,9 +211,17 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
     products[1].clear()
     with L.interpret_kernels():
-        _, got_kernels = outputs(per_layer)
+        kernels_cache, got_kernels = outputs(per_layer)
         jaxpr = str(jax.make_jaxpr(lambda c: per_layer.backbone_over_cache(
             anchor, anchor_pos, c.k, c.v))(per_layer_cache))
+        # the context's norm and every layer's k|v product of it: one `norm_gemm`
+        context = str(jax.make_jaxpr(lambda f: per_layer.context_kv(
+            f, jnp.broadcast_to(jnp.arange(8), (B, 8))))(feats[:, :8]))
+    assert "norm_gemm" in context
+    for c_got, c_want in zip((kernels_cache.k, kernels_cache.v), (stacked_cache.k,
+                                                                  stacked_cache.v)):
+        np.testing.assert_allclose(np.stack([np.asarray(x[0]) for x in c_got]),
+                                   np.asarray(c_want), atol=2e-5, rtol=2e-5)
     # five kernels a layer, as the target's: the attention's splits merged in the o
     # product's kernel; the final norm with the last residual sum
     merge, apart = (("merge_gemm", "decode_attention_merge") if merged
