@@ -344,6 +344,7 @@ def test_split_k_products_carry_the_policy_precision(dtype, tmp_path, monkeypatc
     monkeypatch.setattr(DL, "merged_o_takes", lambda *a, **k: False)   # the merge apart
     jax.clear_caches()   # the draft traced again, not the merged one reused
     programs["draft, the merge apart"] = texts(("draft",))["draft"]
+    jax.clear_caches()   # and no later test reuses a program traced with the merge apart
     for name, text in programs.items():
         dots = _dot_precisions(text)
         if name == "draft, the merge apart":   # the split products: dots batched over parts

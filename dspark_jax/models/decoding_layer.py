@@ -206,7 +206,7 @@ def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array,
                  ) -> tuple[jax.Array, jax.Array]:
     """(s, RMSNorm(s) · weight @ w) with s = h + delta: the residual sum, and the product of
     its norm [B, T, N] (of several weights, their columns concatenated, each read where it
-    lies). On a GPU (where `row_kernels_take` every product) one kernel,
+    lies). For products `row_kernels_take` (its callers check): on a GPU one kernel,
     `pallas_kernels.row_gemm.norm_gemm`, after the delta's own (a `GatedProduct`'s
     activation and down product in one, a `Product`'s split-K GEMM); elsewhere `add_rms_norm`
     and the products, XLA's ops."""
@@ -230,8 +230,6 @@ def norm_product(h_btd: jax.Array, delta: Delta, weight_d: jax.Array,
         ys = [jnp.einsum("BTD,DF->BTF", x, x_w) for x_w in w]
         return s, ys[0] if n_w == 1 else jnp.concatenate(ys, axis=-1)
 
-    if not all(row_kernels_take(b * t, d, w.shape[-1]) for w in ws):
-        return default(h_btd, weight_d, *ws, *leaves)
     return L.on_gpu(gpu, default, h_btd, weight_d, *ws, *leaves)
 
 
