@@ -72,30 +72,41 @@ def _no_delta(h: jax.Array, params: Any) -> jax.Array | None:
     return jnp.zeros_like(h) if isinstance(params, dict) else None
 
 
-def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any, eps: float
+def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any
                 ) -> tuple[jax.Array, jax.Array, Any]:
     """(taps with the layer's output h + delta in its slot, h, delta) for the next layer: a
     layer with no slot (a static slot < 0) leaves them as they are, its delta possibly untaken
-    (`decoding_layer.Product`, `GatedProduct`); a tapped layer's delta is taken once, for the
-    tap and the next layer alike: a `GatedProduct` (one buffer per layer, a static slot) as
-    the sum itself (`add_rms_norm`, on a GPU the kernel that sums its parts), the next
-    layer's h with no delta (None), any other as its value."""
-    if isinstance(slot, int) and slot < 0:
+    (`decoding_layer.Product`, `GatedProduct`); so does a tapped layer whose delta is a
+    `GatedProduct` (one buffer per layer, a static slot): the next sum takes it, in the next
+    layer's input norm or the last sum, and `_tap_sum` writes the tap from that sum (on a GPU
+    the kernel that sums its parts, so a tapped layer costs no kernel of its own); any other
+    delta is taken here, as its value."""
+    if isinstance(slot, int) and (slot < 0 or isinstance(delta, DL.GatedProduct)):
         return taps, h, delta
-    if isinstance(delta, DL.GatedProduct) and isinstance(slot, int):
-        s = DL.add_rms_norm(h, delta, None, eps)[0]
-        return _tapped(taps, slot, s), s, None
     delta = DL.value(delta)
     return _tapped(taps, slot, h + delta), h, delta
 
 
+def _pending_tap(delta: Any, slot_of_layer: Sequence[int], layer: Any) -> int:
+    """The tap slot of the layer before `layer` whose sum `_tap_output` left to the next one
+    (its delta still a `GatedProduct`), or −1."""
+    if isinstance(delta, DL.GatedProduct) and isinstance(layer, int) and layer > 0:
+        return slot_of_layer[layer - 1]
+    return -1
+
+
+def _tap_sum(taps: jax.Array, pending: int, s: jax.Array) -> jax.Array:
+    """Taps with the sum s the layer after a pending tap took (`_pending_tap`) in its slot."""
+    return taps if pending < 0 else _tapped(taps, pending, s)
+
+
 def _last_sum(h: jax.Array, delta: Any, final_norm: jax.Array | None, eps: float
-              ) -> jax.Array:
-    """The last MLP's residual sum h + delta, or with `final_norm` its final norm: on a GPU one
-    kernel with the norm, after the activation's and down product's
+              ) -> tuple[jax.Array, jax.Array]:
+    """(the last MLP's residual sum h + delta, or with `final_norm` its final norm; the sum):
+    on a GPU one kernel with the norm, after the activation's and down product's
     (`decoding_layer.add_rms_norm`)."""
     s, normed = DL.add_rms_norm(h, delta, final_norm, eps)
-    return constrain(s if final_norm is None else normed, ("batch", "seq", "act_embed"))
+    return constrain(s if final_norm is None else normed, ("batch", "seq", "act_embed")), s
 
 
 def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
@@ -149,7 +160,9 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         the rows are the layer's output."""
         (h, delta), taps, caches = carry
         lp, layer_idx, slot = xs
+        pending = _pending_tap(delta, slot_of_layer, layer_idx)
         h, x = DL.input_norm(lp, h, delta, eps)
+        taps = _tap_sum(taps, pending, h)
         layer_cache = [L.cache_layer(c, layer_idx) for c in caches or cache_kv]
         if DL.merged_o_takes(lp, x, layer_cache[0], h.shape[-1]):
             # the attention's cache splits merged in the o product's kernel
@@ -161,7 +174,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
                                              cache_start, own_mask, write=caches is not None)
             h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            taps, h, delta = _tap_output(taps, slot, h, delta, eps)
+            taps, h, delta = _tap_output(taps, slot, h, delta)
         if caches is not None:   # k, v: the layer's cache buffers with its rows written
             caches = tuple(c[:layer_idx] + (new[None],) + c[layer_idx + 1:]
                            for c, new in zip(caches, (k, v)))
@@ -182,8 +195,9 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     ((h, delta), taps, caches), new_kv = L.run_layers(
         cached_body, ((h, _no_delta(h, params)), taps0, cache_kv if in_layer else None),
         params, per_layer)
-    h = _last_sum(h, delta, final_norm, eps)
-    taps = taps if n_taps else None
+    pending = _pending_tap(delta, slot_of_layer, cfg.num_hidden_layers)
+    h, s = _last_sum(h, delta, final_norm, eps)
+    taps = _tap_sum(taps, pending, s) if n_taps else None
     if in_layer:
         return h, taps, caches
     if defer_writes:
@@ -243,12 +257,14 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     def ragged_body(carry, xs):
         (h, delta), taps, kc, vc = carry   # the MLP's sum is taken with the next input norm
         lp, layer_idx, tap_slot = xs
+        pending = _pending_tap(delta, slot_of_layer, layer_idx)
         if defer_writes:   # the cache is read where it lies, never written: [R, S] ⊕ own [R, Q]
             # each request's cells [R, Q] of the normed tokens (or of their q/k/v product)
             # through the attention half (`decoding_layer.cached_attention`: the GPU's
             # kernels for a chain), back to [1, K], or, for a chain the row kernels take,
             # through the whole layer with the cells gathered in the o product's kernel
             h, x = DL.input_norm(lp, h, delta, eps)
+            taps = _tap_sum(taps, pending, h)
             x = DL.rows_of(x, lambda a: a[0][grid])
             layer_cache = [L.cache_layer(c, layer_idx) for c in cache_kv]
             if (rows.own_mask_rqq is None
@@ -265,6 +281,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
                 h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         else:   # each layer writes its rows, then attends over its cache
             h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
+            taps = _tap_sum(taps, pending, h)
             q, k, v = L.project_qkv(lp, x, eps)
             q = L.apply_rope(q, positions_1k, cfg.rope)                       # [1,K,N,H]
             k = L.apply_rope(k, positions_1k, cfg.rope)                       # [1,K,Kh,H]
@@ -279,7 +296,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
                 attn = L.attend(q[0][:, None], k_tok, v_tok, mask_k1s)[:, 0][None]
             h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         if n_taps:
-            taps, h, delta = _tap_output(taps, tap_slot, h, delta, eps)
+            taps, h, delta = _tap_output(taps, tap_slot, h, delta)
         return ((h, delta), taps, kc, vc), ((k[0], v[0]) if defer_writes else None)
 
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
@@ -287,5 +304,7 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     caches = (None, None) if defer_writes else cache_kv
     ((h, delta), taps, kc, vc), new_kv = L.run_layers(
         ragged_body, ((h, _no_delta(h, params)), taps0, *caches), params, per_layer)
-    h = _last_sum(h, delta, final_norm, eps)
-    return h, (taps if n_taps else None), (new_kv if defer_writes else (kc, vc))
+    pending = _pending_tap(delta, slot_of_layer, cfg.num_hidden_layers)
+    h, s = _last_sum(h, delta, final_norm, eps)
+    taps = _tap_sum(taps, pending, s) if n_taps else None
+    return h, taps, (new_kv if defer_writes else (kc, vc))
