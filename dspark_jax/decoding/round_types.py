@@ -217,7 +217,8 @@ class CommitWrites:
     next_anchor: jax.Array   # [R] the correction / bonus token: the next anchor
     taps: jax.Array | None   # [W, n·D] target features for the drafter
     cache: KVCache | None = None   # the cache, when the forward wrote it itself
-    new_kv: Any = None             # else the K/V rows [L, W, Kh, H] still to write
+    new_kv: Any = None             # else the K/V rows [L, W, Kh, H] still to write (stacked
+                                   # or layer groups, `layers.cache_like`)
 
 
 @flax.struct.dataclass

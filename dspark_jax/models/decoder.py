@@ -130,7 +130,8 @@ class DecoderOutput:
     hidden: jax.Array          # [B, T, D] final-normed hidden state
     taps: jax.Array | None     # [B, T, n·D] layer outputs for tap_layer_ids, concatenated
     cache: KVCache | None
-    new_kv: Any = None         # defer_writes: (k, v) [L, B, T, Kh, H] still to write, else None
+    new_kv: Any = None         # defer_writes: (k, v) [L, B, T, Kh, H] still to write (stacked or
+                               # layer groups, `layers.cache_like`), else None
 
 
 class TargetDecoder(nnx.Module):
@@ -231,7 +232,8 @@ class RaggedOutput:
     hidden: jax.Array          # [K, D] final-normed hidden state per flattened token
     taps: jax.Array | None     # [K, n·D] layer outputs for tap_layer_ids, concatenated
     cache: KVCache             # K/V of the valid tokens written; lengths unchanged
-    new_kv: Any = None         # defer_writes: (k, v) [L, K, Kh, H] still to write, else None
+    new_kv: Any = None         # defer_writes: (k, v) [L, K, Kh, H] still to write (stacked or
+                               # layer groups, `layers.cache_like`), else None
 
 
 def ragged_forward(model: TargetDecoder, tokens_k: jax.Array, slot_k: jax.Array,

@@ -500,14 +500,16 @@ def run_layers(body: Any, carry: Any, params: dict[str, jax.Array] | list[dict[s
     """Runs `body(carry, (layer params, *per-layer values)) → (carry, y)` over the layers:
     `lax.scan` over stacked params (a dict of [L, …] arrays) or, for per-layer buffers (a list of
     dicts, `UnstackedLayers`), a Python loop with each layer's values as Python scalars. → (the
-    final carry, the ys stacked on a leading layer axis, as `lax.scan` returns them)."""
+    final carry, the ys in the layers' layout: stacked on a leading layer axis, as `lax.scan`
+    returns them, or for per-layer buffers each leaf a tuple of L layer groups [1, …], the
+    per-layer caches' layout (`cache_like`), so no stack copies them)."""
     if isinstance(params, dict):
         return jax.lax.scan(body, carry, (params, *(jnp.asarray(x) for x in per_layer_xs)))
     ys = []
     for i, lp in enumerate(params):
         carry, y = body(carry, (lp, *(int(x[i]) for x in per_layer_xs)))
         ys.append(y)
-    return carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+    return carry, jax.tree.map(lambda *a: tuple(x[None] for x in a), *ys)
 
 
 # ------------------------------------------------------------------ KV cache layouts
@@ -542,21 +544,21 @@ def cache_like(x: jax.Array | tuple[jax.Array, ...], like: jax.Array | tuple[jax
 
 def cache_scatter(c: jax.Array | tuple[jax.Array, ...], index: tuple[Any, ...],
                   rows: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
-    """`c.at[:, *index].set(rows)` for every layer at once (`rows` [L, …], stacked), in `c`'s
-    layout; out-of-range indices are dropped."""
+    """`c.at[:, *index].set(rows)` for every layer at once (`rows` [L, …] in either layout,
+    stacked or layer groups), in `c`'s layout; out-of-range indices are dropped."""
     at = (slice(None),) + tuple(index)
     if isinstance(c, tuple):
         return tuple(g.at[at].set(r.astype(g.dtype), mode="drop")
                      for g, r in zip(c, cache_like(rows, c)))
-    return c.at[at].set(rows.astype(c.dtype), mode="drop")
+    return c.at[at].set(cache_like(rows, c).astype(c.dtype), mode="drop")
 
 
 def cache_scatter_kv(ck: jax.Array | tuple[jax.Array, ...], cv: jax.Array | tuple[jax.Array, ...],
-                     index: tuple[jax.Array, jax.Array], k_rows: jax.Array, v_rows: jax.Array
-                     ) -> tuple[Any, Any]:
+                     index: tuple[jax.Array, jax.Array], k_rows: jax.Array | tuple[jax.Array, ...],
+                     v_rows: jax.Array | tuple[jax.Array, ...]) -> tuple[Any, Any]:
     """`cache_scatter` of the keys and of the values: token t's rows (`k_rows` / `v_rows`
-    [L, T, Kh, H]) at (`index[0][t]`, `index[1][t]`) of every layer, out-of-range tokens
-    dropped. For per-layer caches (the decoding layout) on a GPU, outside a multi-device mesh,
+    [L, T, Kh, H], stacked or as L layer groups [1, T, Kh, H]) at (`index[0][t]`,
+    `index[1][t]`) of every layer, out-of-range tokens dropped. For per-layer caches (the decoding layout) on a GPU, outside a multi-device mesh,
     one kernel writes every layer's rows in place (`pallas_kernels.cache_write`) where XLA
     takes two scatters a layer; elsewhere, and inside `flash_kernels(False)`, the scatters."""
     def xla(ck, cv, rows, pos, k, v):
@@ -568,19 +570,25 @@ def cache_scatter_kv(ck: jax.Array | tuple[jax.Array, ...], cv: jax.Array | tupl
             or any(jnp.ndim(i) != 1 for i in index) or not _flash_kernels.get()
             or on_several_devices()):
         return xla(ck, cv, *index, k_rows, v_rows)
-    n = len(ck)
+    n, dtype = len(ck), ck[0].dtype
+    groups = isinstance(k_rows, tuple)
+    ks, vs = (tuple(x.astype(dtype) for x in (r if groups else (r,))) for r in (k_rows, v_rows))
+
+    def split(args):   # (caches, index, rows) back in their places
+        k, v = args[2 * n + 2:2 * n + 2 + len(ks)], args[2 * n + 2 + len(ks):]
+        return (args[:n], args[n:2 * n], *args[2 * n:2 * n + 2],
+                *((k, v) if groups else (k[0], v[0])))
 
     def gpu(*args, interpret):
         from pallas_kernels.cache_write import write_rows
 
-        return write_rows(args[:n], args[n:2 * n], *args[2 * n:], interpret=interpret)
+        return write_rows(*split(args), interpret=interpret)
 
     def default(*args):
-        return xla(args[:n], args[n:2 * n], *args[2 * n:])
+        return xla(*split(args))
 
-    dtype = ck[0].dtype
     return on_gpu(gpu, default, *ck, *cv, index[0].astype(jnp.int32),
-                  index[1].astype(jnp.int32), k_rows.astype(dtype), v_rows.astype(dtype))
+                  index[1].astype(jnp.int32), *ks, *vs)
 
 
 def cache_set_layer(c: jax.Array | tuple[jax.Array, ...], i: Any, index: tuple[Any, ...],

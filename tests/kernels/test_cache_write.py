@@ -32,6 +32,22 @@ def test_matches_the_oracle():
     np.testing.assert_array_equal(got_k[0][0, 0, 15], args[0][0][0, 0, 15])
 
 
+def test_per_layer_rows_write_as_the_stacked_rows():
+    """The new rows as each layer's own buffer [1, T, Kh, H] (as the layers make them) land
+    where the stacked rows do, in the kernel and the oracle alike."""
+    ck, cv, rows, pos, kn, vn = _inputs()
+    per_layer = lambda x: tuple(x[i][None] for i in range(x.shape[0]))  # noqa: E731
+    want_k, want_v = ref_write_rows(ck, cv, rows, pos, kn, vn)
+    for fn in (ref_write_rows, lambda *a: write_rows(*a, interpret=True)):
+        got_k, got_v = fn(ck, cv, rows, pos, per_layer(kn), per_layer(vn))
+        for g, w in zip(got_k + got_v, want_k + want_v):
+            np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match="both be stacked or both per layer"):
+        write_rows(ck, cv, rows, pos, per_layer(kn), vn, interpret=True)
+    with pytest.raises(ValueError, match=r"buffers \[1, T, Kh, H\]"):
+        write_rows(ck, cv, rows, pos, per_layer(kn)[:2], per_layer(vn), interpret=True)
+
+
 def test_bad_shapes():
     ck, cv, rows, pos, kn, vn = _inputs()
     with pytest.raises(ValueError, match="one each a layer"):

@@ -224,7 +224,8 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     `defer_writes` (with `rows.grid_rq`): the cache stays read-only — each request's tokens
     attend to its committed prefix (positions below its cell 0) in the cache and to its own
     tokens (cells ≤ theirs) from this call's K/V — and the new K/V come back as
-    ([L, K, Kh, H], [L, K, Kh, H]) for the caller to write (`models.decoder.write_ragged`).
+    ([L, K, Kh, H], [L, K, Kh, H]; per-layer buffers: L layer groups [1, K, Kh, H] each, which
+    no stack copies) for the caller to write (`models.decoder.write_ragged`).
     Inside a `lax.switch` over capacity buckets this keeps XLA from copying the whole cache."""
     S = L.cache_positions(cache_kv[0])
     K = tokens_1k.shape[1]
