@@ -573,6 +573,24 @@ def test_gemma4_full_layer_attention_fits_shared_memory_at_its_largest_tiles():
 
 @pytest.mark.gpu
 @needs_plugin
+def test_h200_round_takes_taps_rows_and_draws_in_the_kernels_there(h200_report):
+    """The chain round compiled for an H200 (tiny Qwen3, DSpark tapping its first layer of
+    two): the tapped layer's sum is taken by the next layer's input-norm kernel, with no kernel
+    of its own; the layers' deferred K/V rows reach the cache write where each layer left
+    them, with no kernel stacking them; the Markov head draws each draft slot in its two
+    kernels (tile partials, pick), the picks writing the draft's tokens in place, plus one
+    pass for the draft's probabilities: 2γ + 1."""
+    gamma = h200_report[0]["gamma"]
+    for branch in h200_report[2]:
+        assert branch.kernels_within("_tap_output") == 0
+        stacks = [k.name for k in branch.kernels if len(k.functions) > 1
+                  and k.functions[0].endswith("<lambda>") and k.functions[1] == "run_layers"]
+        assert not stacks, stacks
+        assert branch.kernels_within("markov_sample_tiled") == 2 * gamma + 1
+
+
+@pytest.mark.gpu
+@needs_plugin
 def test_h200_sampled_acceptance_rule_launches_few_kernels_at_a_full_vocabulary(h200_report):
     """The chain round compiled for an H200 (tiny Qwen3 at Qwen3's vocabulary, 151,936 ids):
     with sampling, the target's probabilities beyond the top-k / top-p filter are one

@@ -11,14 +11,16 @@ inverse-CDF draw, ...). Here each slot is:
   `markov_tiles`  grid (V tiles): for every row, the logits of one vocabulary tile,
                   U_k + W1[x_{k−1}]·W2ᵀ, stored for the pick, with the tile's softmax
                   partials (max and sum of exp(logits / T)) and its first argmax. The previous
-                  tokens x_{k−1} [B] (the anchor at slot 0, else slot k−1's pick) come in as
-                  an operand, clamped into [0, V − 1]; each program gathers the rows
+                  tokens x_{k−1} [B] (the anchor at slot 0, else column k−1 of the tokens
+                  the picks write) come in as an operand, clamped into [0, V − 1]; each program gathers the rows
                   W1[x_{k−1}] itself with one masked load (rows past B and columns past r
                   masked); W1 and W2 are read in place and masked at the edges.
   `markov_pick`   grid (rows): the tiles' partials merged, u·Σ located among the tiles' sums,
                   then inside the chosen tile (its logits re-read): the inverse-CDF draw with
                   the given uniform, as `inverse_cdf_sample` takes it, or the first argmax for
-                  T ≤ 0; the token and log Σ stored.
+                  T ≤ 0; the token and log Σ stored in column k of the draft's [B, γ] tokens
+                  and log Σ, which every pick after the first writes in place (its outputs
+                  aliased to the previous pick's), so no stack copies them.
 
 The probabilities the draft reports, softmax(logits / T) a slot (one-hot at T ≤ 0), are taken
 from the stored logits and log Σ after the last slot by XLA (one elementwise pass). Same
@@ -55,7 +57,9 @@ def tiled_block_v(rank: int, itemsize: int) -> int:
 def _tiles_kernel(prev_ref, w1_ref, logit_ref, w2_ref, temp_ref,           # inputs
                   x_ref, m_ref, s_ref, best_ref, arg_ref,                    # outputs
                   *, rows: int, batch: int, vocab: int, rank: int, block_v: int, slot: int):
-    """One vocabulary tile for every row (`rows` ≥ 16, the rows past `batch` masked)."""
+    """One vocabulary tile for every row (`rows` ≥ 16, the rows past `batch` masked); the
+    previous tokens are the anchors [B] at slot 0, else column slot − 1 of the tokens
+    [B, γ]."""
     from jax.experimental.pallas import triton as plgpu
 
     i = pl.program_id(0)
@@ -70,7 +74,9 @@ def _tiles_kernel(prev_ref, w1_ref, logit_ref, w2_ref, temp_ref,           # inp
     # the previous tokens (rows past `batch` masked to 0), clamped into the vocabulary; then
     # W1's rows gathered with one [rows, rp] pair of index arrays (row: the token, column:
     # 0..rp−1), rows past `batch` and columns past r masked
-    prev = plgpu.load(prev_ref.at[pl.ds(0, rows)], mask=one, other=0)
+    prev_at = ((pl.ds(0, rows),) if slot == 0
+               else (pl.ds(0, rows), jnp.asarray(slot - 1, jnp.int32)))
+    prev = plgpu.load(prev_ref.at[prev_at], mask=one, other=0)
     prev = jnp.clip(prev, 0, vocab - 1)[:, None]                             # [rows, 1]
     e = plgpu.load(w1_ref.at[jnp.broadcast_to(prev, (rows, rp)),
                              jnp.broadcast_to(k_iota, (rows, rp))],
@@ -101,12 +107,14 @@ def _tiles_kernel(prev_ref, w1_ref, logit_ref, w2_ref, temp_ref,           # inp
         plgpu.store(ref.at[pl.ds(0, rows), i], val, mask=one)
 
 
-def _pick_kernel(x_ref, m_ref, s_ref, best_ref, arg_ref, u_ref, temp_ref,   # inputs
-                 tok_ref, logz_ref,                                          # outputs
-                 *, vocab: int, block_v: int, tiles: int, slot: int):
-    """Row b's token from the tiles' partials and, inside the chosen tile, its logits."""
+def _pick_kernel(x_ref, m_ref, s_ref, best_ref, arg_ref, u_ref, temp_ref, *refs,
+                 vocab: int, block_v: int, tiles: int, slot: int):
+    """Row b's token from the tiles' partials and, inside the chosen tile, its logits, into
+    column `slot` of the outputs tokens and log Σ [B, γ] (the last two refs; after slot 0 the
+    two refs before them are the same buffers as inputs, aliased and not read)."""
     from jax.experimental.pallas import triton as plgpu
 
+    tok_ref, logz_ref = refs[-2:]
     b = pl.program_id(0)
     tp = next_pow2(tiles)
     t_iota = lax.broadcasted_iota(jnp.int32, (tp,), 0)
@@ -133,8 +141,9 @@ def _pick_kernel(x_ref, m_ref, s_ref, best_ref, arg_ref, u_ref, temp_ref,   # in
     count = jnp.sum((before + jnp.cumsum(wt) <= thr).astype(jnp.int32))
     last = jnp.max(jnp.where(wt > 0, c_iota, 0))
     sampled = j * block_v + jnp.minimum(count, last)
-    tok_ref[b] = jnp.where(temp > 0, sampled, greedy_tok).astype(jnp.int32)
-    logz_ref[b] = top + jnp.log(jnp.maximum(total, 1e-30))
+    k = jnp.asarray(slot, jnp.int32)
+    tok_ref[b, k] = jnp.where(temp > 0, sampled, greedy_tok).astype(jnp.int32)
+    logz_ref[b, k] = top + jnp.log(jnp.maximum(total, 1e-30))
 
 
 def _params(interpret: bool, num_warps: int):
@@ -167,7 +176,7 @@ def markov_sample_tiled(uniforms: jax.Array, base_logits: jax.Array, w1: jax.Arr
     prev = anchor.astype(jnp.int32)          # clamped by `markov_tiles`
     partial = [jax.ShapeDtypeStruct((B, tiles), dt)
                for dt in (jnp.float32, jnp.float32, jnp.float32, jnp.int32)]
-    xs, toks, logzs = [], [], []
+    xs, written = [], ()    # the tokens and log Σ [B, γ] the picks write, column by column
     for k in range(G):
         x, m, s, best, arg = pl.pallas_call(
             functools.partial(_tiles_kernel, rows=rows, batch=B, vocab=V, rank=r,
@@ -175,17 +184,17 @@ def markov_sample_tiled(uniforms: jax.Array, base_logits: jax.Array, w1: jax.Arr
             grid=(tiles,), out_shape=[jax.ShapeDtypeStruct((B, V), jnp.float32)] + partial,
             compiler_params=_params(interpret, num_warps), interpret=interpret,
             name="markov_tiles")(prev, w1, base_logits, w2, temp)
-        tok, logz = pl.pallas_call(
+        written = pl.pallas_call(
             functools.partial(_pick_kernel, vocab=V, block_v=block_v, tiles=tiles, slot=k),
-            grid=(B,), out_shape=[jax.ShapeDtypeStruct((B,), jnp.int32),
-                                  jax.ShapeDtypeStruct((B,), jnp.float32)],
+            grid=(B,), out_shape=[jax.ShapeDtypeStruct((B, G), jnp.int32),
+                                  jax.ShapeDtypeStruct((B, G), jnp.float32)],
+            input_output_aliases={7: 0, 8: 1} if written else {},
             compiler_params=_params(interpret, 1), interpret=interpret,
-            name="markov_pick")(x, m, s, best, arg, u, temp)
-        prev = tok
-        xs.append(x), toks.append(tok), logzs.append(logz)
+            name="markov_pick")(x, m, s, best, arg, u, temp, *written)
+        prev = written[0]
+        xs.append(x)
     x = jnp.stack(xs, axis=1)                                                 # [B, γ, V]
-    tokens = jnp.stack(toks, axis=1)
-    logz = jnp.stack(logzs, axis=1)[..., None]
+    tokens, logz = written[0], written[1][..., None]
     t = temp[:, None, None]
     soft = jnp.exp(x / jnp.maximum(t, GREEDY_T_EPS) - logz)
     hard = (jnp.arange(V, dtype=jnp.int32) == tokens[..., None]).astype(jnp.float32)
