@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 __all__ = ["GREEDY_T_EPS", "LOG2E", "MASKED_SCORE", "inverse_cdf_from_tiles",
            "inverse_cdf_sample", "inverse_cdf_sample_tiled", "load_rows", "next_pow2",
-           "prefix_sums", "probs_from_logits", "tile_sums", "tile_width"]
+           "normed_rotated", "prefix_sums", "probs_from_logits", "ref_rotate_half", "tile_sums",
+           "tile_width"]
 
 #: A finite "minus infinity" for masked scores: a running maximum stays finite (no inf − inf).
 MASKED_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -40,6 +41,32 @@ def load_rows(ref, n: int, rows: int, cols=slice(None), part: int | None = None
     ok = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) < n
     at = (pl.ds(0, rows), cols) if part is None else (jnp.int32(part), pl.ds(0, rows), cols)
     return plgpu.load(ref.at[at], mask=ok, other=0)
+
+
+def ref_rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """The oracles' rotate-half RoPE: x [..., H] in f32 by cos / sin broadcasting against
+    [..., H/2], back in x's dtype (Hugging Face's arithmetic)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def normed_rotated(x1, x2, w_ref, cos, sin, *, eps: float, normed: bool, dtype):
+    """Inside a Triton kernel: rows [M, H] given as halves x1, x2 (f32): RMS-normed by `w_ref`
+    [H] (unless not `normed`), cast to `dtype` before the scale as Hugging Face does, then
+    rotated by cos / sin [M, H/2] (rotate-half RoPE) and cast to `dtype`: the halves, in
+    `dtype`."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+
+    h2 = x1.shape[1]
+    if normed:
+        r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * h2) + eps)
+        w1 = w_ref[pl.ds(0, h2)].astype(dtype).astype(jnp.float32)
+        w2 = w_ref[pl.ds(h2, h2)].astype(dtype).astype(jnp.float32)
+        x1 = (w1[None, :] * (x1 * r[:, None]).astype(dtype).astype(jnp.float32)).astype(dtype)
+        x2 = (w2[None, :] * (x2 * r[:, None]).astype(dtype).astype(jnp.float32)).astype(dtype)
+        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
 
 
 #: Temperatures are floored at this value before dividing (T ≤ 0 means greedy one-hot).

@@ -629,8 +629,8 @@ class Program:
 
 
 # Pallas kernels (by their `pallas_call` name) that only store rows into their aliased
-# operands, never reading them: `pallas_kernels.cache_write`
-WRITE_ONLY_KERNELS = ("cache_write_rows",)
+# operands, never reading them: `pallas_kernels.cache_write`'s
+WRITE_ONLY_KERNELS = ("cache_write_rows", "cache_write_context_rows")
 # Pallas kernels that read an operand only at the rows another operand names (a gather inside
 # the kernel): name → (the table's operand, the row indices' operand). `markov_tiles` reads
 # the W1 rows of the previous tokens

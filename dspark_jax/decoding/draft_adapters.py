@@ -35,7 +35,7 @@ from dspark_jax.decoding.tree import DraftTree, grow_tree, markov_child_logits
 from dspark_jax.models.decoder import grown_positions
 from dspark_jax.models.drafters.dspark import DraftCache, DSparkDraft
 from dspark_jax.models.drafters.kind import drafter_kind
-from dspark_jax.models.layers import UnstackedLayers, cache_scatter, cache_scatter_kv
+from dspark_jax.models.layers import UnstackedLayers, cache_scatter
 
 
 @flax.struct.dataclass
@@ -139,9 +139,8 @@ class DSparkAdapter(DrafterAdapter):
         """Context K/V of the valid flattened tokens at (slot, position); the rest drop."""
         del lengths, dense_idx, count, next_tokens
         B = jax.tree.leaves(cache.k)[0].shape[1]
-        k, v = model.context_kv(feats_kf[None], pos_k[None])                 # [Ld,1,K,Kh,H]
-        k, v = cache_scatter_kv(cache.k, cache.v, (jnp.where(valid_k, slot_k, B), pos_k),
-                                k[:, 0], v[:, 0])
+        k, v = model.write_context((cache.k, cache.v), jnp.where(valid_k, slot_k, B), pos_k,
+                                   feats_kf)
         return DraftCache(k=k, v=v)
 
     @staticmethod

@@ -558,9 +558,10 @@ def cache_scatter_kv(ck: jax.Array | tuple[jax.Array, ...], cv: jax.Array | tupl
                      v_rows: jax.Array | tuple[jax.Array, ...]) -> tuple[Any, Any]:
     """`cache_scatter` of the keys and of the values: token t's rows (`k_rows` / `v_rows`
     [L, T, Kh, H], stacked or as L layer groups [1, T, Kh, H]) at (`index[0][t]`,
-    `index[1][t]`) of every layer, out-of-range tokens dropped. For per-layer caches (the decoding layout) on a GPU, outside a multi-device mesh,
-    one kernel writes every layer's rows in place (`pallas_kernels.cache_write`) where XLA
-    takes two scatters a layer; elsewhere, and inside `flash_kernels(False)`, the scatters."""
+    `index[1][t]`) of every layer, out-of-range tokens dropped. For per-layer caches (the
+    decoding layout) on a GPU, outside a multi-device mesh, one kernel writes every layer's
+    rows in place (`pallas_kernels.cache_write`) where XLA takes two scatters a layer;
+    elsewhere, and inside `flash_kernels(False)`, the scatters."""
     def xla(ck, cv, rows, pos, k, v):
         return cache_scatter(ck, (rows, pos), k), cache_scatter(cv, (rows, pos), v)
 

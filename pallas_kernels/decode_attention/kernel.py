@@ -47,7 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import LOG2E, MASKED_SCORE, load_rows, next_pow2
+from pallas_kernels.common import (LOG2E, MASKED_SCORE, load_rows, next_pow2, normed_rotated,
+                                   ref_rotate_half)
 
 __all__ = ["DEFAULT_BLOCK_K", "decode_attention", "layer_attention", "ref_decode_attention",
            "ref_layer_attention", "splits_for"]
@@ -196,21 +197,6 @@ def _noscale_norm(x, *, eps: float, dtype):
     return (xf * r[:, None]).astype(dtype)
 
 
-def _normed_rotated(x1, x2, w_ref, cos, sin, *, eps: float, normed: bool, dtype):
-    """Rows [M, H] given as halves x1, x2 (f32): RMS-normed by `w_ref` [H] (unless not
-    `normed`), cast to `dtype` before the scale as Hugging Face does, then rotated by cos / sin
-    [M, H/2] (rotate-half RoPE) and cast to `dtype`: the halves, in `dtype`."""
-    h2 = x1.shape[1]
-    if normed:
-        r = lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * h2) + eps)
-        w1 = w_ref[pl.ds(0, h2)].astype(dtype).astype(jnp.float32)
-        w2 = w_ref[pl.ds(h2, h2)].astype(dtype).astype(jnp.float32)
-        x1 = (w1[None, :] * (x1 * r[:, None]).astype(dtype).astype(jnp.float32)).astype(dtype)
-        x2 = (w2[None, :] * (x2 * r[:, None]).astype(dtype).astype(jnp.float32)).astype(dtype)
-        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-    return (x1 * cos - x2 * sin).astype(dtype), (x2 * cos + x1 * sin).astype(dtype)
-
-
 def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start_ref, k_ref,
                   v_ref, *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
                   num_tokens: int, own_len: int, eps: float, normed: bool, write: bool,
@@ -251,7 +237,7 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
         return functools.reduce(operator.add, (load_rows(ref, num_tokens, n, cols, part=i)
                                                for i in range(parts))).astype(dtype)
 
-    q1, q2 = _normed_rotated(queries(first), queries(second), qw_ref, trig(cos_ref),
+    q1, q2 = normed_rotated(queries(first), queries(second), qw_ref, trig(cos_ref),
                              trig(sin_ref), eps=eps, normed=normed, dtype=dtype)
     start = start_ref[...]
     lo = p_id * split_len
@@ -261,7 +247,7 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
 
     def own(carry):
         qp = own_len
-        k1, k2 = _normed_rotated(own_rows(ok_ref, qp, first).astype(jnp.float32),
+        k1, k2 = normed_rotated(own_rows(ok_ref, qp, first).astype(jnp.float32),
                                  own_rows(ok_ref, qp, second).astype(jnp.float32),
                                  kw_ref, load_rows(cos_ref, num_tokens, qp),
                                  load_rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
@@ -608,12 +594,7 @@ def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Ar
     if q_norm is not None:
         q, k = ref_rms_norm(q, q_norm, eps), ref_rms_norm(k, k_norm, eps)
 
-    def rope(x):
-        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-        c, s = cos[:, :, None], sin[:, :, None]
-        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1).astype(x.dtype)
-
-    q, k = rope(q), rope(k)
+    q, k = (ref_rotate_half(x, cos[:, :, None], sin[:, :, None]) for x in (q, k))
     seen = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
     if window:
         seen = seen & (jnp.arange(T)[:, None] - jnp.arange(T)[None, :] < window)

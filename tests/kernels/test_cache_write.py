@@ -54,3 +54,33 @@ def test_bad_shapes():
         write_rows(ck, cv[:2], rows, pos, kn, vn, interpret=True)
     with pytest.raises(ValueError, match=r"\[L, T, Kh, H\]"):
         write_rows(ck, cv, rows, pos, kn[:, :2], vn, interpret=True)
+
+
+@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_context_rows_match_the_oracle(normed, dtype):
+    """A drafter's context rows (`write_context_rows`, interpreted): each layer's keys normed
+    by its own k norm (or not) and rotated, its values as they are, at their (row, position);
+    the out-of-range tokens dropped; Kh = 3 (not a power of two); fp32 and bf16 caches; the
+    keys rotated at the positions they are written to."""
+    L, B, S, Kh, H, T = 3, 2, 16, 3, 32, 5
+    rng = np.random.RandomState(1)
+    ck, cv, rows, pos, _, _ = _inputs(L=L, B=B, S=S, Kh=Kh, H=H, T=T)
+    ck, cv = (tuple(c.astype(dtype) for c in cs) for cs in (ck, cv))
+    kv = jnp.asarray(rng.randn(T, L, 2, Kh, H), dtype)
+    norms = tuple(jnp.asarray(1 + 0.1 * rng.randn(H), dtype) for _ in range(L)) if normed else None
+    inv_freq = jnp.asarray(0.3 / (1.0 + np.arange(H // 2)), jnp.float32)
+    from pallas_kernels.cache_write import ref_write_context_rows, write_context_rows
+    want = ref_write_context_rows(ck, cv, rows, pos, kv, norms, inv_freq, eps=1e-6)
+    got = write_context_rows(ck, cv, rows, pos, kv, norms, inv_freq, eps=1e-6, interpret=True)
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for g, w, old in zip(got[0] + got[1], want[0] + want[1], ck + cv):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   atol=tol, rtol=tol)
+        assert not np.array_equal(np.asarray(g, np.float32), np.asarray(old, np.float32))
+    # token 0 (row 0, position 3): its keys rotated at their position, not the product's rows
+    raw = np.asarray(kv[0, 0, 0], np.float32)
+    assert not np.allclose(np.asarray(got[0][0][0, 0, 3], np.float32), raw, atol=1e-3)
+    with pytest.raises(ValueError, match=r"\[T, L, 2, Kh, H\]"):
+        write_context_rows(ck, cv, rows, pos, kv[:, :2], norms, inv_freq, eps=1e-6,
+                           interpret=True)

@@ -174,8 +174,10 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
     one buffer a layer, a block a row over the context below each anchor. The decoding layout
     with XLA's ops and with the GPU's kernels interpreted equals the stacked backbone with its
     dense block attention, anchors at 0, inside and at the end of the committed context, and
-    the interpreted context cache (the fc product's norm and every layer's k|v product of it
-    in one `norm_gemm`, 24 rows a commit) equals the stacked drafter's. With split products,
+    the interpreted context cache (committed as verification commits it, 24 flattened rows a
+    call: the fc product's norm and every layer's k|v product of it in one `norm_gemm`, the
+    keys normed and rotated on their way into the caches by `write_context_rows`) equals the
+    stacked drafter's. With split products,
     the layers keep the attention's merge apart (as shapes past the row kernels' do) and the
     o product is split along K for the norm kernel to sum."""
     from dspark_jax.decoding.draft_adapters import DSparkAdapter
@@ -196,13 +198,18 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
     anchor = jnp.asarray([7, 8, 9], jnp.int32)
     anchor_pos = jnp.asarray([0, 17, 40], jnp.int32)
 
-    def outputs(model):   # the context committed 8 tokens a row at a time (24 rows a call,
-        # as a verification commits them: the rows the context's kernel takes)
+    slot_k = jnp.repeat(jnp.arange(B, dtype=jnp.int32), 8)
+
+    def commit(model, cache, start):   # 8 tokens a row, flattened (24 rows a call), as a
+        # verification commits them: the rows the context's kernels take
+        pos_k = jnp.tile(start + jnp.arange(8, dtype=jnp.int32), B)
+        return DSparkAdapter.commit_ragged(model, cache, feats[:, start:start + 8].reshape(
+            B * 8, -1), slot_k, pos_k, jnp.ones((B * 8,), bool), None, None, None, None)
+
+    def outputs(model):
         cache = DSparkAdapter.init_cache(model, B, S)
         for start in range(0, 40, 8):
-            cache = DSparkAdapter.commit(model, cache, feats[:, start:start + 8],
-                                         jnp.full((B,), start, jnp.int32),
-                                         jnp.full((B,), 8, jnp.int32), None)
+            cache = commit(model, cache, start)
         return cache, np.asarray(model.backbone_over_cache(anchor, anchor_pos, cache.k, cache.v))
 
     stacked_cache, want = outputs(stacked)
@@ -217,7 +224,9 @@ def test_the_drafters_layers_over_their_cache_equal_the_stacked_backbone(target,
         # the context's norm and every layer's k|v product of it: one `norm_gemm`
         context = str(jax.make_jaxpr(lambda f: per_layer.context_kv(
             f, jnp.broadcast_to(jnp.arange(8), (B, 8))))(feats[:, :8]))
+        written = str(jax.make_jaxpr(lambda c: commit(per_layer, c, 0))(per_layer_cache))
     assert "norm_gemm" in context
+    assert "norm_gemm" in written and "cache_write_context_rows" in written
     for c_got, c_want in zip((kernels_cache.k, kernels_cache.v), (stacked_cache.k,
                                                                   stacked_cache.v)):
         np.testing.assert_allclose(np.stack([np.asarray(x[0]) for x in c_got]),

@@ -25,9 +25,22 @@ from flax import nnx
 
 from dspark_jax.models import layers as L
 from dspark_jax.models.drafters.block_attention import ContextMask, block_attend
+from dspark_jax.models.config import rope_inv_freq
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
+
+
+def _context_product(fc: jax.Array, weight: jax.Array, ws: tuple[jax.Array, ...], eps: float,
+                     interpret: bool) -> jax.Array:
+    """On a GPU: the context's norm and every draft layer's k|v product of it in one kernel
+    (`pallas_kernels.row_gemm.norm_gemm`), each weight read where it lies: fc [..., D] →
+    [rows, Σ 2·Kh·H], the layers' k|v side by side."""
+    from pallas_kernels.row_gemm import norm_gemm
+
+    _, kv = norm_gemm(fc.reshape(-1, fc.shape[-1]), None, weight.astype(fc.dtype),
+                      tuple(w.astype(fc.dtype) for w in ws), eps=eps, interpret=interpret)
+    return kv
 
 
 def draft_vocab_ids(cfg: DraftConfig) -> jax.Array | None:
@@ -159,11 +172,7 @@ class DSparkDraft(nnx.Module):
                     jnp.stack([kv[..., half:] for kv in kvs]))
 
         def gpu(fc, weight, *ws, interpret):
-            from pallas_kernels.row_gemm import norm_gemm
-
-            _, kv = norm_gemm(fc.reshape(b * s, d), None, weight.astype(fc.dtype),
-                              tuple(w.astype(fc.dtype) for w in ws), eps=eps,
-                              interpret=interpret)
+            kv = _context_product(fc, weight, ws, eps, interpret)
             kv = kv.reshape(b, s, len(ws), 2, half)                     # [B, S, Ld, k|v, ·]
             return tuple(jnp.moveaxis(kv[:, :, :, i], 2, 0) for i in (0, 1))
 
@@ -179,6 +188,56 @@ class DSparkDraft(nnx.Module):
             w = jnp.stack([lp["k_norm"] for lp in layers]).astype(k.dtype)
             k = w[:, None, None, None] * normed   # `layers.rms_norm`'s arithmetic
         return L.apply_rope(k, positions_bs, rope), v
+
+    def write_context(self, caches: tuple[Any, Any], rows: jax.Array, positions: jax.Array,
+                      feats_tf: jax.Array) -> tuple[Any, Any]:
+        """The context K/V (`context_kv`) of T tokens' features [T, F], token t's written at
+        (`rows[t]`, `positions[t]`) of the (k, v) caches and rotated at `positions[t]`, a row
+        or position out of range dropping it (`layers.cache_scatter_kv`) → the caches.
+
+        On a GPU, for the decoding layout (per-layer buffers with k|v fused, the row kernels
+        taking the products, heads whose halves are a power of two): two kernels, the norm and
+        every layer's k|v product (`pallas_kernels.row_gemm.norm_gemm`) and the write, which
+        norms and rotates each token's keys on their way into the caches
+        (`pallas_kernels.cache_write.write_context_rows`), where the keys' angles, norm and
+        RoPE and the values' transpose would each take a kernel before the write."""
+        from dspark_jax.models import decoding_layer as DL
+        from pallas_kernels.cache_write import context_rows_take
+
+        ck, cv = caches
+        rows, positions = rows.astype(jnp.int32), positions.astype(jnp.int32)
+
+        def apart(*_: Any) -> tuple[Any, Any]:   # the products, norm and RoPE, then the write
+            k, v = self.context_kv(feats_tf[None], positions[None])           # [Ld,1,T,Kh,H]
+            return L.cache_scatter_kv(ck, cv, (rows, positions), k[:, 0], v[:, 0])
+
+        layers = (list(self.layers.layer_params(self.dtype))
+                  if isinstance(self.layers, L.UnstackedLayers) else [])
+        t, d = feats_tf.shape[0], self.cfg.target.hidden_size
+        H = layers[0]["wo"].shape[1] if layers else 0
+        if not (layers and all("w_kv" in lp for lp in layers) and context_rows_take(H)
+                and isinstance(ck, tuple) and isinstance(cv, tuple)
+                and all(c.shape[0] == 1 and c.dtype == ck[0].dtype for c in ck + cv)
+                and all(DL.row_kernels_take(t, d, lp["w_kv"].shape[-1]) for lp in layers)):
+            return apart()
+        eps = self.cfg.target.rms_norm_eps
+        ws = tuple(lp["w_kv"] for lp in layers)
+        norms = (tuple(lp["k_norm"].astype(ck[0].dtype) for lp in layers)
+                 if "k_norm" in layers[0] else ())
+        inv_freq = jnp.asarray(np.asarray(rope_inv_freq(self.cfg.target.rope, H), np.float32))
+        sizes = np.cumsum([0, len(ws), len(norms), len(ck), len(cv)])
+
+        def gpu(fc, weight, rows, positions, inv_freq, *args, interpret):
+            from pallas_kernels.cache_write import write_context_rows
+
+            ws, norms, k, v = (args[a:b] for a, b in zip(sizes[:-1], sizes[1:]))
+            kv = _context_product(fc, weight, ws, eps, interpret)
+            kv = kv.reshape(t, len(ws), 2, -1, H)                      # [T, Ld, k|v, Kh, H]
+            return write_context_rows(k, v, rows, positions, kv, norms or None, inv_freq,
+                                      eps=eps, interpret=interpret)
+
+        return L.on_gpu(gpu, apart, self._fc(feats_tf[None])[0], self.hidden_norm.get_value(),
+                        rows, positions, inv_freq, *ws, *norms, *ck, *cv)
 
     # ------------------------------------------------------------------ backbone
     def block_tokens(self, anchor_tokens: jax.Array) -> jax.Array:
