@@ -579,7 +579,9 @@ def test_h200_round_takes_taps_rows_and_draws_in_the_kernels_there(h200_report):
     of its own; the layers' deferred K/V rows reach the cache write where each layer left
     them, with no kernel stacking them; the Markov head draws each draft slot in its two
     kernels (tile partials, pick), the picks writing the draft's tokens in place, plus one
-    pass for the draft's probabilities: 2γ + 1."""
+    pass for the draft's probabilities: 2γ + 1; the drafter's context is written by one kernel
+    that norms and rotates its keys on the way (`write_context_rows`), after the product's,
+    with none of XLA's angles, norm, RoPE or transposes."""
     gamma = h200_report[0]["gamma"]
     for branch in h200_report[2]:
         assert branch.kernels_within("_tap_output") == 0
@@ -587,6 +589,8 @@ def test_h200_round_takes_taps_rows_and_draws_in_the_kernels_there(h200_report):
                   and k.functions[0].endswith("<lambda>") and k.functions[1] == "run_layers"]
         assert not stacks, stacks
         assert branch.kernels_within("markov_sample_tiled") == 2 * gamma + 1
+        assert branch.kernels_within("write_context_rows") == 1
+        assert branch.kernels_within("_stacked_context_kv") == 0
 
 
 @pytest.mark.gpu
