@@ -95,16 +95,18 @@ def _store_rows(ref, x: jax.Array, n: int, cols) -> None:
 
 # ------------------------------------------------------------------------------ norm_gemm
 
-def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps: float,
-                      block_k: int, has_delta: bool, first_tiles: tuple[int, ...]):
+def _norm_gemm_kernel(*refs, rows: int, tile: int, parts: int | None, eps: float,
+                      block_k: int, has_h: bool, has_delta: bool, first_tiles: tuple[int, ...]):
     """One tile of output columns: the rows' sum s (program 0 stores it), its norm, then the
     product over the whole contraction, `block_k` at a time, with the weight whose columns
-    the tile is (`first_tiles`: each weight's first tile, the first weight's 0)."""
+    the tile is (`first_tiles`: each weight's first tile, the first weight's 0). Without h
+    (`has_h` False) s is the delta's parts summed."""
     refs = list(refs)
+    h_ref = refs.pop(0) if has_h else None
     d_ref = refs.pop(0) if has_delta else None
     nw_ref, *w_refs, s_ref, y_ref = refs
-    dim = h_ref.shape[1]
-    dtype = h_ref.dtype
+    dim = s_ref.shape[1]
+    dtype = s_ref.dtype
     steps = dim // block_k
 
     def summed(i):   # s's columns [i·block_k, +block_k) in f32, rounded as XLA rounds
@@ -117,6 +119,8 @@ def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps
             d = functools.reduce(operator.add, (load_rows(d_ref, rows, tile, cols, part=p)
                                                 for p in range(parts)))
             d = d.astype(dtype).astype(jnp.float32)
+        if not has_h:
+            return cols, d
         s = (load_rows(h_ref, rows, tile, cols).astype(jnp.float32) + d).astype(dtype)
         return cols, s.astype(jnp.float32)
 
@@ -151,7 +155,7 @@ def _norm_gemm_kernel(h_ref, *refs, rows: int, tile: int, parts: int | None, eps
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_n", "block_k", "interpret",
                                              "num_warps", "num_stages"))
-def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
+def norm_gemm(h: jax.Array | None, delta: jax.Array | None, weight: jax.Array,
               w: jax.Array | tuple[jax.Array, ...], *, eps: float, block_n: int | None = None,
               block_k: int | None = None, interpret: bool = False, num_warps: int = 4,
               num_stages: int = 3) -> tuple[jax.Array, jax.Array]:
@@ -159,13 +163,17 @@ def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
     delta [R, D] or the f32 parts of a split-K product [parts, ≥ R, D] (summed, rounded to
     h's dtype, then added: `pallas_kernels.norms.add_rms_norm`'s arithmetic), weight [D],
     w [D, N] → (s [R, D], product [R, N]), the product accumulated in f32 and rounded.
-    `delta` None: s = h (a row summed already, as after a tapped layer). `w` may be several
-    weights [D, N_i], each read where it lies: the product is theirs with their columns
-    concatenated, [R, ΣN_i].
+    `delta` None: s = h (a row summed already). `h` None: s = the delta, split-K parts
+    [parts, R, D] summed and rounded to `weight`'s dtype (a product's norm: the drafter's
+    context, fc(features)). `w` may be several weights [D, N_i], each read where it lies: the
+    product is theirs with their columns concatenated, [R, ΣN_i].
 
     One program per `block_n` output columns (default `_columns`), each reading the contraction
     `block_k` at a time (default `_depth_and_stages`)."""
-    R, D = h.shape
+    if h is None and (delta is None or delta.ndim != 3):
+        raise ValueError("norm_gemm: without h, delta must be a product's parts [parts, R, D]")
+    R, D = h.shape if h is not None else delta.shape[1:]
+    dtype = h.dtype if h is not None else weight.dtype
     ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     widths = [x.shape[-1] for x in ws]
     N = sum(widths)
@@ -175,22 +183,24 @@ def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
                                  and delta.shape[2] == D))
     block_n = block_n or _columns(N, widths)
     tile = max(16, next_pow2(R))
-    size = jnp.dtype(h.dtype).itemsize
+    size = jnp.dtype(dtype).itemsize
     step, stages = _depth_and_stages(
-        D, tile * (size + (4 * parts if parts else size if delta is not None else 0)),
-        (block_n or 16) * size, num_stages, jnp.dtype(h.dtype) == jnp.float32, len(ws))
+        D, tile * ((size if h is not None else 0)
+                   + (4 * parts if parts else size if delta is not None else 0)),
+        (block_n or 16) * size, num_stages, jnp.dtype(dtype) == jnp.float32, len(ws))
     block_k = block_k or step
-    if (h.ndim != 2 or not rows_ok or weight.shape != (D,)
+    if ((h is not None and h.ndim != 2) or not rows_ok or weight.shape != (D,)
             or any(x.shape != (D, n) for x, n in zip(ws, widths))
             or not 1 <= R <= MAX_ROWS or block_k is None or block_n is None
             or D % block_k or any(n % block_n for n in widths)):
         raise ValueError(f"norm_gemm: h must be [R ≤ {MAX_ROWS}, D], delta [R, D] or f32 "
                          f"[parts, ≥ R, D], weight [D], each w [D, N], D and N "
-                         f"multiples of 16: {h.shape}, "
+                         f"multiples of 16: {None if h is None else h.shape}, "
                          f"{None if delta is None else (delta.shape, delta.dtype)}, "
                          f"{weight.shape}, {[x.shape for x in ws]}")
     whole = lambda x: pl.BlockSpec(x.shape, lambda j: (0,) * x.ndim)   # noqa: E731
-    deltas = [] if delta is None else [delta if parts is not None else delta.astype(h.dtype)]
+    deltas = [] if delta is None else [delta if parts is not None else delta.astype(dtype)]
+    hs = [] if h is None else [h]
     firsts = tuple(sum(widths[:i]) // block_n for i in range(len(ws)))
 
     def weight_tiles(first: int, tiles: int) -> pl.BlockSpec:   # a program's tile of its weight
@@ -198,15 +208,17 @@ def norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
 
     s, y = pl.pallas_call(
         functools.partial(_norm_gemm_kernel, rows=R, tile=tile, parts=parts, eps=eps,
-                          block_k=block_k, has_delta=delta is not None, first_tiles=firsts),
+                          block_k=block_k, has_h=h is not None, has_delta=delta is not None,
+                          first_tiles=firsts),
         grid=(N // block_n,),
-        in_specs=[whole(h), *map(whole, deltas), whole(weight),
+        in_specs=[*map(whole, hs), *map(whole, deltas), whole(weight),
                   *(weight_tiles(f, n // block_n) for f, n in zip(firsts, widths))],
-        out_specs=[whole(h), pl.BlockSpec((R, block_n), lambda j: (0, j))],
-        out_shape=[jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct((R, N), h.dtype)],
+        out_specs=[pl.BlockSpec((R, D), lambda j: (0, 0)),
+                   pl.BlockSpec((R, block_n), lambda j: (0, j))],
+        out_shape=[jax.ShapeDtypeStruct((R, D), dtype), jax.ShapeDtypeStruct((R, N), dtype)],
         compiler_params=_compiler_params(interpret, num_warps, stages),
         interpret=interpret, name="norm_gemm",
-    )(h, *deltas, weight, *ws)
+    )(*hs, *deltas, weight, *ws)
     return s, y
 
 
@@ -444,10 +456,13 @@ def block_for(n: int) -> int | None:
 
 # ------------------------------------------------------------------------------ oracles
 
-def ref_norm_gemm(h: jax.Array, delta: jax.Array | None, weight: jax.Array,
+def ref_norm_gemm(h: jax.Array | None, delta: jax.Array | None, weight: jax.Array,
                   w: jax.Array | tuple[jax.Array, ...], *, eps: float
                   ) -> tuple[jax.Array, jax.Array]:
     from pallas_kernels.norms import ref_add_rms_norm, ref_rms_norm
+
+    if h is None:   # the parts' sum alone
+        h, delta = delta.sum(axis=0).astype(weight.dtype), None
 
     s, x = (h, ref_rms_norm(h, weight, eps)) if delta is None else ref_add_rms_norm(
         h, delta, weight, eps=eps)

@@ -74,20 +74,29 @@ def test_norm_gemm_reads_two_weights_where_they_lie(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_norm_gemm_reads_every_layers_weight_where_it_lies(dtype):
-    """w as five weights, no delta (a drafter's context: the fc product normed once, then
-    each draft layer's k|v product of it): the product is theirs with their columns
-    concatenated in order, each tile from its own weight."""
+@pytest.mark.parametrize("source", ["rows", "parts"])
+def test_norm_gemm_reads_every_layers_weight_where_it_lies(dtype, source):
+    """w as five weights (a drafter's context: the fc product normed once, then each draft
+    layer's k|v product of it), the fc product given as rows with no delta, or as its
+    split-K parts with no h (summed and rounded in the kernel): the product is theirs with
+    their columns concatenated in order, each tile from its own weight."""
     ks = jax.random.split(jax.random.key(8), 7)
     D = 64
     h = jax.random.normal(ks[0], (8, D)).astype(dtype)
+    parts = jax.random.normal(ks[0], (5, 8, D), jnp.float32)
+    h, delta = (h, None) if source == "rows" else (None, parts)
     weight = (1 + 0.1 * jax.random.normal(ks[1], (D,))).astype(dtype)
     ws = tuple((0.1 * jax.random.normal(k, (D, 32))).astype(dtype) for k in ks[2:])
-    got = norm_gemm(h, None, weight, ws, eps=EPS, block_n=16, interpret=True)
-    want = ref_norm_gemm(h, None, weight, jnp.concatenate(ws, -1), eps=EPS)
+    got = norm_gemm(h, delta, weight, ws, eps=EPS, block_n=16, interpret=True)
+    want = ref_norm_gemm(h, delta, weight, jnp.concatenate(ws, -1), eps=EPS)
     assert got[1].shape == (8, 160)
     for g, r in zip(got, want):
+        assert g.dtype == dtype
         _close(g, r, dtype)
+    if source == "parts":   # s is the parts' sum
+        _close(got[0], parts.sum(0), dtype)
+        with pytest.raises(ValueError, match="without h"):
+            norm_gemm(None, parts[0], weight, ws, eps=EPS, interpret=True)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -31,15 +31,18 @@ from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
 
 
-def _context_product(fc: jax.Array, weight: jax.Array, ws: tuple[jax.Array, ...], eps: float,
-                     interpret: bool) -> jax.Array:
+def _context_product(fc: jax.Array | None, parts: jax.Array | None, weight: jax.Array,
+                     ws: tuple[jax.Array, ...], eps: float, interpret: bool) -> jax.Array:
     """On a GPU: the context's norm and every draft layer's k|v product of it in one kernel
-    (`pallas_kernels.row_gemm.norm_gemm`), each weight read where it lies: fc [..., D] →
-    [rows, Σ 2·Kh·H], the layers' k|v side by side."""
+    (`pallas_kernels.row_gemm.norm_gemm`), each weight read where it lies, from the fc
+    product's rows fc [..., D] or its split-K parts [P, rows, D] (f32, summed in the kernel)
+    → [rows, Σ 2·Kh·H], the layers' k|v side by side."""
     from pallas_kernels.row_gemm import norm_gemm
 
-    _, kv = norm_gemm(fc.reshape(-1, fc.shape[-1]), None, weight.astype(fc.dtype),
-                      tuple(w.astype(fc.dtype) for w in ws), eps=eps, interpret=interpret)
+    dtype = weight.dtype if fc is None else fc.dtype
+    _, kv = norm_gemm(None if fc is None else fc.reshape(-1, fc.shape[-1]), parts,
+                      weight.astype(dtype), tuple(w.astype(dtype) for w in ws), eps=eps,
+                      interpret=interpret)
     return kv
 
 
@@ -172,7 +175,7 @@ class DSparkDraft(nnx.Module):
                     jnp.stack([kv[..., half:] for kv in kvs]))
 
         def gpu(fc, weight, *ws, interpret):
-            kv = _context_product(fc, weight, ws, eps, interpret)
+            kv = _context_product(fc, None, weight, ws, eps, interpret)
             kv = kv.reshape(b, s, len(ws), 2, half)                     # [B, S, Ld, k|v, ·]
             return tuple(jnp.moveaxis(kv[:, :, :, i], 2, 0) for i in (0, 1))
 
@@ -196,11 +199,14 @@ class DSparkDraft(nnx.Module):
         or position out of range dropping it (`layers.cache_scatter_kv`) → the caches.
 
         On a GPU, for the decoding layout (per-layer buffers with k|v fused, the row kernels
-        taking the products, heads whose halves are a power of two): two kernels, the norm and
-        every layer's k|v product (`pallas_kernels.row_gemm.norm_gemm`) and the write, which
-        norms and rotates each token's keys on their way into the caches
-        (`pallas_kernels.cache_write.write_context_rows`), where the keys' angles, norm and
-        RoPE and the values' transpose would each take a kernel before the write."""
+        taking the products, heads whose halves are a power of two): three kernels. The fc
+        product as one part a feature (a target layer's tap), f32, which the features' own
+        layout gives without a transpose; the parts' sum, its norm and every layer's k|v
+        product (`pallas_kernels.row_gemm.norm_gemm`); and the write, which norms and rotates
+        each token's keys on their way into the caches
+        (`pallas_kernels.cache_write.write_context_rows`). XLA would take the fc product's
+        split-K sum, the keys' angles, norm and RoPE and the values' transpose each as a
+        kernel."""
         from dspark_jax.models import decoding_layer as DL
         from pallas_kernels.cache_write import context_rows_take
 
@@ -227,16 +233,22 @@ class DSparkDraft(nnx.Module):
         inv_freq = jnp.asarray(np.asarray(rope_inv_freq(self.cfg.target.rope, H), np.float32))
         sizes = np.cumsum([0, len(ws), len(norms), len(ck), len(cv)])
 
-        def gpu(fc, weight, rows, positions, inv_freq, *args, interpret):
+        n_feat = self.cfg.num_features
+
+        def gpu(feats, fc_w, weight, rows, positions, inv_freq, *args, interpret):
             from pallas_kernels.cache_write import write_context_rows
 
             ws, norms, k, v = (args[a:b] for a, b in zip(sizes[:-1], sizes[1:]))
-            kv = _context_product(fc, weight, ws, eps, interpret)
+            parts = jnp.einsum("TPF,PFD->PTD", feats.reshape(t, n_feat, -1),
+                               fc_w.reshape(n_feat, -1, fc_w.shape[-1]),
+                               preferred_element_type=jnp.float32)      # [taps, T, D]
+            kv = _context_product(None, parts, weight.astype(self.dtype), ws, eps, interpret)
             kv = kv.reshape(t, len(ws), 2, -1, H)                      # [T, Ld, k|v, Kh, H]
             return write_context_rows(k, v, rows, positions, kv, norms or None, inv_freq,
                                       eps=eps, interpret=interpret)
 
-        return L.on_gpu(gpu, apart, self._fc(feats_tf[None])[0], self.hidden_norm.get_value(),
+        return L.on_gpu(gpu, apart, feats_tf.astype(self.dtype),
+                        self.fc.get_value().astype(self.dtype), self.hidden_norm.get_value(),
                         rows, positions, inv_freq, *ws, *norms, *ck, *cv)
 
     # ------------------------------------------------------------------ backbone

@@ -46,13 +46,23 @@ def init_kv(cfg: DecoderConfig, batch: int, max_len: int, dtype: Any,
     return jnp.zeros((n,) + shape, dtype), jnp.zeros((n,) + shape, dtype)
 
 
-def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int
-               ) -> tuple[jax.Array, list[int]]:
-    """Tap buffer [max(n, 1), B, T, D] (embedding taps filled) and each layer's tap slot."""
+# The taps as the layers fill them: a buffer [n, B, T, D] where a scan carries them, or for
+# per-layer buffers (a Python loop, static slots) a tuple of the n taps (None until filled),
+# stacked once at the end (`_taps_out`): one kernel, where each layer's update of a buffer
+# would be its own
+Taps = jax.Array | tuple[jax.Array | None, ...]
+
+
+def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int, per_layer: bool
+               ) -> tuple[Taps, list[int]]:
+    """The taps (embedding taps filled; a tuple for `per_layer` buffers, else the buffer
+    [max(n, 1), B, T, D]) and each layer's tap slot."""
     slot_of_layer = [-1] * num_layers
     for slot, lid in enumerate(tap_ids):
         if lid >= 0:
             slot_of_layer[lid] = slot
+    if per_layer:
+        return tuple(h if lid == -1 else None for lid in tap_ids), slot_of_layer
     taps0 = jnp.zeros((max(len(tap_ids), 1),) + h.shape, h.dtype)
     for slot, lid in enumerate(tap_ids):
         if lid == -1:
@@ -60,10 +70,17 @@ def _taps_init(tap_ids: Sequence[int], h: jax.Array, num_layers: int
     return taps0, slot_of_layer
 
 
-def _tapped(taps: jax.Array, slot: Any, h: jax.Array) -> jax.Array:
-    """Taps [n, B, T, D] with a layer's output h in its slot (`slot` < 0: not tapped)."""
+def _tapped(taps: Taps, slot: Any, h: jax.Array) -> Taps:
+    """The taps with a layer's output h [B, T, D] in its slot (`slot` < 0: not tapped)."""
+    if isinstance(taps, tuple):
+        return taps if slot < 0 else taps[:slot] + (h,) + taps[slot + 1:]
     cur = taps[jnp.maximum(slot, 0)]
     return taps.at[jnp.maximum(slot, 0)].set(jnp.where(slot >= 0, h, cur))
+
+
+def _taps_out(taps: Taps) -> jax.Array:
+    """The taps [n, B, T, D]."""
+    return jnp.stack(taps) if isinstance(taps, tuple) else taps
 
 
 def _no_delta(h: jax.Array, params: Any) -> jax.Array | None:
@@ -131,12 +148,13 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     """
     B, T = tokens_bt.shape
     n_taps = len(tap_ids)
-    taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
+    params = stack.layer_params(dtype)
+    taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers,
+                                      per_layer=isinstance(params, list))
     if cache_kv is not None:   # the committed prefix: cached keys below the row's first new one
         cache_start = positions_bt[:, 0]                                       # [B]
         own_mask = L.causal_mask(B, T)
 
-    params = stack.layer_params(dtype)
     eps = cfg.rms_norm_eps
 
     def body(carry, xs):
@@ -185,7 +203,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
     if cache_kv is None:
         (h, taps), _ = L.run_layers(body, (h, taps0), params, per_layer)
         h = h if final_norm is None else L.rms_norm(h, final_norm, eps)
-        return h, (taps if n_taps else None), None
+        return h, (_taps_out(taps) if n_taps else None), None
     # the decoding layout on a GPU: each layer's attention kernel writes its rows into the
     # layer's own cache buffer in place
     in_layer = (not defer_writes and isinstance(cache_kv[0], tuple) and isinstance(params, list)
@@ -197,7 +215,7 @@ def forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfig,
         params, per_layer)
     pending = _pending_tap(delta, slot_of_layer, cfg.num_hidden_layers)
     h, s = _last_sum(h, delta, final_norm, eps)
-    taps = _tap_sum(taps, pending, s) if n_taps else None
+    taps = _taps_out(_tap_sum(taps, pending, s)) if n_taps else None
     if in_layer:
         return h, taps, caches
     if defer_writes:
@@ -251,8 +269,9 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     else:
         mask_k1s = ((key_pos[None, :] <= position_k[:, None]) & rows.valid_k[:, None])[:, None, :]
     n_taps = len(tap_ids)
-    taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers)
     params = stack.layer_params(dtype)
+    taps0, slot_of_layer = _taps_init(tap_ids, h, cfg.num_hidden_layers,
+                                      per_layer=isinstance(params, list))
     eps = cfg.rms_norm_eps
 
     def ragged_body(carry, xs):
@@ -307,5 +326,5 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
         ragged_body, ((h, _no_delta(h, params)), taps0, *caches), params, per_layer)
     pending = _pending_tap(delta, slot_of_layer, cfg.num_hidden_layers)
     h, s = _last_sum(h, delta, final_norm, eps)
-    taps = _tap_sum(taps, pending, s) if n_taps else None
+    taps = _taps_out(_tap_sum(taps, pending, s)) if n_taps else None
     return h, taps, (new_kv if defer_writes else (kc, vc))
