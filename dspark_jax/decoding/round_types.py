@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dspark_jax.decoding.scheduler import RoundScheduler
 from dspark_jax.decoding.tree import DEFAULT_BRANCHING
@@ -114,16 +115,37 @@ class SlotSettings(NamedTuple):
 class DraftChoice:
     """The `adaptive` mode's drafting choice carried through a device call of rounds
     (`speculative_rounds`; the host's `serving.policy.DraftPolicy` holds the same state between
-    calls): the estimates of the two rounds before (K, G and the requests active then, 0 when
-    there is none: the loop then returns to the host), the calibration averages and the tables
-    the choice compares (`scheduler.drafting_pays`)."""
+    calls): the gains of the two rounds' estimates before (their K and requests active then in
+    `ScheduleState`), the calibration averages and the tables the choice compares
+    (`scheduler.drafting_pays`). The gains and averages are one array, so a round's update is
+    one kernel on a GPU where each would take its own."""
 
-    gain: jax.Array        # [2] f32: G of the estimates of rounds t−2, t−1 (K: `capacities`)
-    n_then: jax.Array      # [2] int32: requests active when each was computed (0: none)
-    predicted: jax.Array   # () f32: exponential average of predicted accepted drafts
-    realised: jax.Array    # () f32: ... of realised accepted drafts
+    values: jax.Array      # [4] f32: G of the estimates of rounds t−2, t−1; the exponential
+    #                        averages of predicted and of realised accepted drafts
     decay: jax.Array       # () f32: the averages' decay per drafting round
     plain_sps: jax.Array   # [n + 1] f32: plain rounds per second by active requests
+
+    @classmethod
+    def of(cls, gain: Any, predicted: Any, realised: Any, decay: Any, plain_sps: Any
+           ) -> "DraftChoice":
+        """The choice from its parts: gain [2], predicted, realised, decay (), plain_sps."""
+        values = jnp.concatenate([jnp.asarray(gain, jnp.float32).reshape(2),
+                                  jnp.asarray([predicted, realised], jnp.float32)])
+        return cls(values=values, decay=jnp.asarray(decay, jnp.float32),
+                   plain_sps=jnp.asarray(plain_sps, jnp.float32))
+
+    @property
+    def gain(self) -> jax.Array:
+        """[2] f32: G of the estimates of rounds t−2, t−1."""
+        return self.values[:2]
+
+    @property
+    def predicted(self) -> jax.Array:
+        return self.values[2]
+
+    @property
+    def realised(self) -> jax.Array:
+        return self.values[3]
 
     def ratio(self) -> jax.Array:
         """ρ = realised / predicted (capped at 4), 1 before any prediction."""
@@ -131,40 +153,58 @@ class DraftChoice:
                          jnp.minimum(self.realised / jnp.maximum(self.predicted, 1e-9), 4.0),
                          1.0)
 
-    def after_round(self, gain: jax.Array, n_active: jax.Array, predicted: jax.Array,
-                    realised: jax.Array) -> "DraftChoice":
-        """After a drafting round: its estimate enters the queue, the averages move (when it
-        predicted anything), as `DraftPolicy.update(True, …)` does."""
+    def after_round(self, gain: jax.Array, predicted: jax.Array, realised: jax.Array
+                    ) -> "DraftChoice":
+        """After a drafting round: its estimate's gain enters the queue, the averages move
+        (when it predicted anything), as `DraftPolicy.update(True, …)` does."""
         moved = predicted > 0
-        return self.replace(
-            gain=jnp.stack([self.gain[1], gain.astype(jnp.float32)]),
-            n_then=jnp.stack([self.n_then[1], n_active.astype(jnp.int32)]),
-            predicted=jnp.where(moved, self.decay * self.predicted + predicted,
-                                self.predicted),
-            realised=jnp.where(moved, self.decay * self.realised + realised, self.realised))
+        return self.replace(values=jnp.stack([
+            self.values[1], gain.astype(jnp.float32),
+            jnp.where(moved, self.decay * self.predicted + predicted, self.predicted),
+            jnp.where(moved, self.decay * self.realised + realised, self.realised)]))
 
 
 @flax.struct.dataclass
 class ScheduleState:
     """What the schedule carries from round to round (paper §5.2): the capacities K of rounds
     t−2 and t−1 (`production` and `adaptive` admit the top K_{t−2}; the other modes read
-    `capacities[0]` as their `capacity`), and under `adaptive` the drafting choice (None: every
-    round drafts)."""
+    `capacities[0]` as their `capacity`) with the requests active when each was estimated
+    (`adaptive`'s choice scales by them; 0: none, the loop then returns to the host), one
+    array, so a round's update is one kernel on a GPU; and under `adaptive` the drafting
+    choice (None: every round drafts)."""
 
-    capacities: jax.Array              # [2] int32
+    queue: jax.Array                   # [4] int32: K of rounds t−2, t−1; requests then
     choice: DraftChoice | None = None
+
+    @classmethod
+    def of(cls, capacities: Any, n_then: Any = (0, 0), choice: DraftChoice | None = None
+           ) -> "ScheduleState":
+        """The state from the capacities [2] and the requests active then [2]."""
+        return cls(queue=jnp.concatenate([jnp.asarray(capacities, jnp.int32).reshape(2),
+                                          jnp.asarray(n_then, jnp.int32).reshape(2)]),
+                   choice=choice)
+
+    @property
+    def capacities(self) -> jax.Array:
+        """[2] int32: K of rounds t−2, t−1."""
+        return self.queue[:2]
+
+    @property
+    def n_then(self) -> jax.Array:
+        """[2] int32: the requests active when each was estimated."""
+        return self.queue[2:]
 
     def after_round(self, record: "ScheduleRecord", active: jax.Array,
                     realised: jax.Array) -> "ScheduleState":
         """After a drafting round (`active`: the slots that ran it; `realised`: its accepted
-        drafts): its K enters the queue, and the choice learns its estimate and its predicted /
-        realised accepted drafts."""
-        capacities = jnp.stack([self.capacities[1], record.capacity_new.astype(jnp.int32)])
+        drafts): its K and the requests active enter the queue, and the choice learns its
+        estimate's gain and its predicted / realised accepted drafts."""
+        queue = jnp.stack([self.queue[1], record.capacity_new.astype(jnp.int32),
+                           self.queue[3], jnp.sum(active.astype(jnp.int32))])
         choice = self.choice
         if choice is not None:
-            choice = choice.after_round(record.gain_new, jnp.sum(active), record.predicted,
-                                        realised)
-        return ScheduleState(capacities=capacities, choice=choice)
+            choice = choice.after_round(record.gain_new, record.predicted, realised)
+        return ScheduleState(queue=queue, choice=choice)
 
 
 @flax.struct.dataclass
@@ -266,14 +306,14 @@ class RoundRecord:
 
 @flax.struct.dataclass
 class PackedRecords:
-    """A call's round records as one [rounds, F] buffer per kind of number: int32 (the bool
-    fields as 0 / 1) and float32. A round stores its record as one row of each, two in-place
-    updates where a field at a time takes one kernel a field; `unpack` gives the stacked
-    `RoundRecord` back, on the host (numpy) or on device. `layout`: the record's tree and, per
-    field, its shape in a round, dtype, buffer (0 ints, 1 floats) and first column."""
+    """A call's round records as one int32 buffer [rounds, F]: the int fields as they are (the
+    bool fields as 0 / 1), the float32 fields by their bits. A round stores its record as one
+    row, one in-place update (and one buffer to zero per call) where a field at a time takes
+    one kernel a field; `unpack` gives the stacked `RoundRecord` back, on the host (numpy) or
+    on device. `layout`: the record's tree and, per field, its shape in a round, dtype, whether
+    its numbers are floats and its first column."""
 
-    ints: jax.Array                        # [rounds, Fi] int32
-    floats: jax.Array                      # [rounds, Ff] float32
+    data: jax.Array                        # [rounds, F] int32
     layout: tuple = flax.struct.field(pytree_node=False)
 
     @classmethod
@@ -288,15 +328,17 @@ class PackedRecords:
         """Zero buffers for records shaped as `stacked` (arrays or ShapeDtypeStructs
         [rounds, …], e.g. `jax.eval_shape` of `RoundRecord.zeros`)."""
         leaves, treedef = jax.tree.flatten(stacked)
-        fields, widths = [], [0, 0]
+        fields, width = [], 0
         for leaf in leaves:
-            group = int(jnp.issubdtype(leaf.dtype, jnp.floating))
-            fields.append((tuple(leaf.shape[1:]), jnp.dtype(leaf.dtype), group, widths[group]))
-            widths[group] += math.prod(leaf.shape[1:])
+            floating = bool(jnp.issubdtype(leaf.dtype, jnp.floating))
+            fields.append((tuple(leaf.shape[1:]), jnp.dtype(leaf.dtype), floating, width))
+            width += math.prod(leaf.shape[1:])
         rounds = leaves[0].shape[0]
-        return cls(ints=jnp.zeros((rounds, widths[0]), jnp.int32),
-                   floats=jnp.zeros((rounds, widths[1]), jnp.float32),
-                   layout=(treedef, tuple(fields)))
+        return cls(data=jnp.zeros((rounds, width), jnp.int32), layout=(treedef, tuple(fields)))
+
+    @property
+    def rounds(self) -> int:
+        return self.data.shape[0]
 
     def set(self, i: jax.Array, record: RoundRecord) -> "PackedRecords":
         """The records with round `i`'s row set to `record` (one round's fields)."""
@@ -304,21 +346,24 @@ class PackedRecords:
         if tree != self.layout[0]:
             raise ValueError(f"a round's record {tree} is not shaped as the records "
                              f"{self.layout[0]}")
-        rows: tuple[list[jax.Array], list[jax.Array]] = ([], [])
-        for leaf, (_, _, group, _) in zip(leaves, self.layout[1]):
-            rows[group].append(jnp.ravel(leaf).astype((jnp.int32, jnp.float32)[group]))
-        ints = self.ints.at[i].set(jnp.concatenate(rows[0])) if rows[0] else self.ints
-        floats = self.floats.at[i].set(jnp.concatenate(rows[1])) if rows[1] else self.floats
-        return self.replace(ints=ints, floats=floats)
+        row = [jax.lax.bitcast_convert_type(jnp.ravel(leaf).astype(jnp.float32), jnp.int32)
+               if floating else jnp.ravel(leaf).astype(jnp.int32)
+               for leaf, (_, _, floating, _) in zip(leaves, self.layout[1])]
+        return self.replace(data=self.data.at[i].set(jnp.concatenate(row)))
 
     def unpack(self) -> RoundRecord:
-        """The stacked `RoundRecord` [rounds, …] (numpy where the buffers are)."""
+        """The stacked `RoundRecord` [rounds, …] (numpy where the buffer is)."""
         treedef, fields = self.layout
-        rounds = self.ints.shape[0]
-        leaves = [(self.ints, self.floats)[group][:, first:first + math.prod(shape)]
-                  .reshape(rounds, *shape).astype(dtype)
-                  for shape, dtype, group, first in fields]
-        return jax.tree.unflatten(treedef, leaves)
+        on_host = isinstance(self.data, np.ndarray)
+
+        def field(shape: tuple, dtype: Any, floating: bool, first: int) -> Any:
+            x = self.data[:, first:first + math.prod(shape)]
+            if floating:
+                x = (x.view(np.float32) if on_host
+                     else jax.lax.bitcast_convert_type(x, jnp.float32))
+            return x.reshape(self.rounds, *shape).astype(dtype)
+
+        return jax.tree.unflatten(treedef, [field(*f) for f in fields])
 
 
 @flax.struct.dataclass

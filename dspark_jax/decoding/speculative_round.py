@@ -294,7 +294,7 @@ def _round_loop(one_round: OneRound, state: EngineState, slots: SlotSettings,
     them between single rounds. Stops when no slot is live, after `num_rounds` (≤ the records'
     length) rounds, once `min_done` slots finished, or before a round after the first for which
     `proceed(schedule, live)` is False."""
-    max_rounds = records.ints.shape[0]
+    max_rounds = records.rounds
     live_at_start = jnp.sum(slots.active.astype(jnp.int32))
 
     def cond(loop: _Loop) -> jax.Array:
@@ -380,7 +380,7 @@ def speculative_rounds(config: RoundConfig, arrays: EngineArrays, state: EngineS
 
     def drafting_pays(schedule: ScheduleState, live: jax.Array) -> jax.Array:
         choice = schedule.choice
-        return sched.drafting_pays(schedule.capacities[0], choice.gain[0], choice.n_then[0],
+        return sched.drafting_pays(schedule.capacities[0], choice.gain[0], schedule.n_then[0],
                                    jnp.sum(live), choice.ratio(), arrays.sps_draft,
                                    choice.plain_sps, config.tree_budget or num_drafts)
 

@@ -262,11 +262,12 @@ class EngineSpec:
                        plain_sps: np.ndarray | None = None) -> ScheduleState:
         """A policy's `device_schedule` as the device call carries it; the drafting choice
         compares against `plain_sps` (default: the costs' plain rounds per second)."""
-        if choice is not None:
-            plain = self.costs.plain_sps if plain_sps is None else plain_sps
-            choice = DraftChoice(**{k: jnp.asarray(v) for k, v in choice.items()},
-                                 plain_sps=jnp.array(plain))   # a copy: the call donates it
-        return ScheduleState(capacities=jnp.asarray(capacities, jnp.int32), choice=choice)
+        if choice is None:
+            return ScheduleState.of(capacities)
+        plain = self.costs.plain_sps if plain_sps is None else plain_sps
+        return ScheduleState.of(capacities, choice["n_then"], DraftChoice.of(
+            choice["gain"], choice["predicted"], choice["realised"], choice["decay"],
+            jnp.array(plain)))   # a copy: the call donates it
 
 
 def decoding_models(settings: EngineSettings, target: Any, draft: Any) -> tuple[Any, Any]:

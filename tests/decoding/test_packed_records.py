@@ -1,6 +1,7 @@
-"""A call's round records in two packed buffers (`round_types.PackedRecords`): a round's record
-set as one row of each buffer unpacks to the same fields, dtypes and values (bools, ints,
-floats; with and without the schedule), on device and on the host."""
+"""A call's round records in one packed int32 buffer (`round_types.PackedRecords`, the floats
+by their bits): a round's record set as one row unpacks to the same fields, dtypes and values
+(bools, ints, floats, negative and fractional; with and without the schedule), on device and on
+the host."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_records_set_a_row_and_unpack_to_the_same_fields(scheduled):
     stacked = jax.eval_shape(functools.partial(RoundRecord.zeros, rounds, R, gamma, gamma + 1,
                                                scheduled=scheduled))
     packed = PackedRecords.zeros(stacked)
-    assert packed.ints.dtype == jnp.int32 and packed.floats.dtype == jnp.float32
+    assert packed.data.dtype == jnp.int32 and packed.rounds == rounds
     written = {1: _record(1, R, gamma, scheduled), 3: _record(2, R, gamma, scheduled)}
     step = jax.jit(lambda p, i, r: p.set(i, r))
     for i, r in written.items():
