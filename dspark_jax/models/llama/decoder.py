@@ -89,8 +89,8 @@ def _no_delta(h: jax.Array, params: Any) -> jax.Array | None:
     return jnp.zeros_like(h) if isinstance(params, dict) else None
 
 
-def _tap_output(taps: jax.Array, slot: Any, h: jax.Array, delta: Any
-                ) -> tuple[jax.Array, jax.Array, Any]:
+def _tap_output(taps: Taps, slot: Any, h: jax.Array, delta: Any
+                ) -> tuple[Taps, jax.Array, Any]:
     """(taps with the layer's output h + delta in its slot, h, delta) for the next layer: a
     layer with no slot (a static slot < 0) leaves them as they are, its delta possibly untaken
     (`decoding_layer.Product`, `GatedProduct`); so does a tapped layer whose delta is a
@@ -112,7 +112,7 @@ def _pending_tap(delta: Any, slot_of_layer: Sequence[int], layer: Any) -> int:
     return -1
 
 
-def _tap_sum(taps: jax.Array, pending: int, s: jax.Array) -> jax.Array:
+def _tap_sum(taps: Taps, pending: int, s: jax.Array) -> Taps:
     """Taps with the sum s the layer after a pending tap took (`_pending_tap`) in its slot."""
     return taps if pending < 0 else _tapped(taps, pending, s)
 
