@@ -141,10 +141,12 @@ class DraftChoice:
 
     @property
     def predicted(self) -> jax.Array:
+        """() f32: the exponential average of predicted accepted drafts."""
         return self.values[2]
 
     @property
     def realised(self) -> jax.Array:
+        """() f32: the exponential average of realised accepted drafts."""
         return self.values[3]
 
     def ratio(self) -> jax.Array:
@@ -338,6 +340,7 @@ class PackedRecords:
 
     @property
     def rounds(self) -> int:
+        """The most rounds the records hold."""
         return self.data.shape[0]
 
     def set(self, i: jax.Array, record: RoundRecord) -> "PackedRecords":

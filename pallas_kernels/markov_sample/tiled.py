@@ -12,9 +12,10 @@ inverse-CDF draw, ...). Here each slot is:
                   U_k + W1[x_{k−1}]·W2ᵀ, stored for the pick, with the tile's softmax
                   partials (max and sum of exp(logits / T)) and its first argmax. The previous
                   tokens x_{k−1} [B] (the anchor at slot 0, else column k−1 of the tokens
-                  the picks write) come in as an operand, clamped into [0, V − 1]; each program gathers the rows
-                  W1[x_{k−1}] itself with one masked load (rows past B and columns past r
-                  masked); W1 and W2 are read in place and masked at the edges.
+                  the picks write) come in as an operand, clamped into [0, V − 1]; each
+                  program gathers the rows W1[x_{k−1}] itself with one masked load (rows past
+                  B and columns past r masked); W1 and W2 are read in place and masked at the
+                  edges.
   `markov_pick`   grid (rows): the tiles' partials merged, u·Σ located among the tiles' sums,
                   then inside the chosen tile (its logits re-read): the inverse-CDF draw with
                   the given uniform, as `inverse_cdf_sample` takes it, or the first argmax for

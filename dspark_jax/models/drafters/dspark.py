@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models import layers as L
-from dspark_jax.models.drafters.block_attention import ContextMask, block_attend
 from dspark_jax.models.config import rope_inv_freq
+from dspark_jax.models.drafters.block_attention import ContextMask, block_attend
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
 from dspark_jax.sharding import constrain
@@ -232,7 +232,6 @@ class DSparkDraft(nnx.Module):
                  if "k_norm" in layers[0] else ())
         inv_freq = jnp.asarray(np.asarray(rope_inv_freq(self.cfg.target.rope, H), np.float32))
         sizes = np.cumsum([0, len(ws), len(norms), len(ck), len(cv)])
-
         n_feat = self.cfg.num_features
 
         def gpu(feats, fc_w, weight, rows, positions, inv_freq, *args, interpret):
