@@ -292,12 +292,13 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
                 h, delta, k, v = DL.attention_and_mlp_input(
                     lp, h, x, pos_rq, cfg.rope, eps, *layer_cache, start_r, own_mask,
                     write=False, cells=cell_k)
-            else:
+            else:   # the K/V rows stay in the grid's cells, every layer's gathered at once
                 attn, k, v = DL.cached_attention(lp, x, pos_rq, cfg.rope, eps, *layer_cache,
                                                  start_r, own_mask,
                                                  causal=rows.own_mask_rqq is None)
-                attn, k, v = (a.reshape(R * Q, *a.shape[2:])[cell_k][None]
-                              for a in (attn, k, v))
+                attn = attn.reshape(R * Q, *attn.shape[2:])[cell_k][None]
+                k, v = (a.reshape(1, R * Q, *a.shape[2:]) for a in (k, v))
+                in_cells.append(True)
                 h, delta = DL.attn_out_and_mlp(lp, h, attn, eps)
         else:   # each layer writes its rows, then attends over its cache
             h, x = DL.add_rms_norm(h, delta, lp["input_norm"], eps)
@@ -322,8 +323,11 @@ def ragged_forward(stack: L.DecoderLayers | L.UnstackedLayers, cfg: DecoderConfi
     per_layer = (np.arange(cfg.num_hidden_layers), np.asarray(slot_of_layer, np.int32))
     # no cache in the carry when the writes are deferred: the new K/V rows are the outputs
     caches = (None, None) if defer_writes else cache_kv
+    in_cells: list[bool] = []   # a layer left its K/V rows in the grid's cells [R·Q]
     ((h, delta), taps, kc, vc), new_kv = L.run_layers(
         ragged_body, ((h, _no_delta(h, params)), taps0, *caches), params, per_layer)
+    if in_cells:   # the layers' rows stacked and gathered back to the K tokens in one pass
+        new_kv = tuple(L.cache_like(x, jnp.zeros(()))[:, cell_k] for x in new_kv)
     pending = _pending_tap(delta, slot_of_layer, cfg.num_hidden_layers)
     h, s = _last_sum(h, delta, final_norm, eps)
     taps = _taps_out(_tap_sum(taps, pending, s)) if n_taps else None
