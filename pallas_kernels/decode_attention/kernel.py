@@ -238,7 +238,7 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
                                                for i in range(parts))).astype(dtype)
 
     q1, q2 = normed_rotated(queries(first), queries(second), qw_ref, trig(cos_ref),
-                             trig(sin_ref), eps=eps, normed=normed, dtype=dtype)
+                            trig(sin_ref), eps=eps, normed=normed, dtype=dtype)
     start = start_ref[...]
     lo = p_id * split_len
     hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
@@ -248,10 +248,10 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     def own(carry):
         qp = own_len
         k1, k2 = normed_rotated(own_rows(ok_ref, qp, first).astype(jnp.float32),
-                                 own_rows(ok_ref, qp, second).astype(jnp.float32),
-                                 kw_ref, load_rows(cos_ref, num_tokens, qp),
-                                 load_rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
-                                 dtype=dtype)
+                                own_rows(ok_ref, qp, second).astype(jnp.float32),
+                                kw_ref, load_rows(cos_ref, num_tokens, qp),
+                                load_rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
+                                dtype=dtype)
         v = own_rows(ov_ref, qp)
         if v_norm:
             v = _noscale_norm(v, eps=eps, dtype=dtype)
