@@ -38,10 +38,11 @@ def _ids(b: int, s: int, seed: int) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, 97, (b, s)).astype(np.int32)
 
 
-def _close(got: jax.Array, want: jax.Array, tol: float = 1e-4) -> None:
-    """fp32 parity as tests/models/test_gemma4.py takes it: max |got − want| ≤ tol relative to
-    the values' scale (at least 1). The unrolled layers and the scan sum in different orders;
-    on this config either layout's logits are up to ~1.3e-4 from a float64 forward."""
+def _close(got: jax.Array, want: jax.Array, tol: float = 2e-4) -> None:
+    """max |got − want| ≤ tol relative to the values' scale (at least 1). Each layout is
+    within 1e-4 × scale of transformers' float64 forward on this config (up to 1.4e-4 at a
+    scale of 1.7 where XLA:CPU emits AVX-512 code); the unrolled layers and the scan sum in
+    different orders, so two such fp32 results lie within twice that of each other."""
     got, want = np.asarray(got), np.asarray(want)
     scale = max(1.0, float(np.abs(want).max()))
     err = float(np.abs(got - want).max())
