@@ -342,22 +342,25 @@ def fused_kernels_take(lp: dict[str, jax.Array], cache_k: jax.Array, dtype: Any,
             and rows <= L.DECODE_KERNEL_MAX_ROWS)
 
 
-def _attention_fns(lp: dict[str, jax.Array], t: int, kh: int, eps: float, write: bool
-                   ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _attention_fns(lp: dict[str, jax.Array], t: int, kh: int, eps: float, write: bool,
+                   rope: RopeConfig) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """`cached_attention`'s two branches over the raw q/k/v product [(parts,) B, T, ·]:
-    (xla, gpu)(qkv, cache k, cache v, start, positions, cos, sin, own mask) → (attention,
-    k|v rows) or, with `write`, (attention, cache k, cache v); `gpu(..., merge=False)` gives
-    the attention as its cache splits' partials (`layer_attention`)."""
+    (xla, gpu)(qkv, cache k, cache v, start, positions, own mask) → (attention, k|v rows)
+    or, with `write`, (attention, cache k, cache v); `gpu(..., merge=False)` gives the
+    attention as its cache splits' partials (`layer_attention`). The GPU's kernel rotates
+    the tokens at start + t (the positions a chain's tokens have) with the angles it takes
+    itself, where XLA's branch computes cos / sin of the positions first."""
     n, h = lp["wo"].shape[:2]
     norms = (lp["q_norm"], lp["k_norm"]) if "q_norm" in lp else None
 
-    def xla(qkv, ck, cv, start, pos, cos, sin, mask):   # a device's rows under a mesh
+    def xla(qkv, ck, cv, start, pos, mask):   # a device's rows under a mesh
         bl = qkv.shape[0]
         q = qkv[..., :n * h].reshape(bl, t, n, h)
         k = qkv[..., n * h:(n + kh) * h].reshape(bl, t, kh, h)
         v = qkv[..., (n + kh) * h:].reshape(bl, t, kh, h)
         if norms is not None:
             q, k = L.rms_norm(q, norms[0], eps), L.rms_norm(k, norms[1], eps)
+        cos, sin = L.rope_cos_sin(pos, rope, h)
         q, k = L.rotate_half(q, cos, sin), L.rotate_half(k, cos, sin)
         attn = L.attend_cache_and_own_xla(q, ck, cv, start, k, v, mask)
         if write:
@@ -365,13 +368,14 @@ def _attention_fns(lp: dict[str, jax.Array], t: int, kh: int, eps: float, write:
             return (attn, ck.at[rows].set(k, mode="drop"), cv.at[rows].set(v, mode="drop"))
         return attn, jnp.concatenate([k, v], axis=2)
 
-    def gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret, merge=True):
+    def gpu(qkv, ck, cv, start, pos, mask, interpret, merge=True):
         from pallas_kernels.decode_attention import layer_attention
 
         qkv = qkv.reshape(*qkv.shape[:-1], n + 2 * kh, h)   # [(parts,) B, T, heads, H]
-        attn, a, c = layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
-                                     num_q_heads=n, eps=eps, scale=h ** -0.5, write=write,
-                                     merge=merge, interpret=interpret)
+        attn, a, c = layer_attention(qkv, *(norms or (None, None)), L.rope_freq(rope, h),
+                                     start, ck, cv, num_q_heads=n, eps=eps, scale=h ** -0.5,
+                                     write=write, merge=merge, interpret=interpret,
+                                     num_tokens=t)
         return (attn, a, c) if write else (attn, jnp.concatenate([a, c], axis=2))
 
     return xla, gpu
@@ -456,24 +460,22 @@ def attention_and_mlp_input(lp: dict[str, jax.Array], h_btd: jax.Array, x: Proje
     rows = b * t if cells is None else cells.shape[0]
     if write and cells is not None:
         raise ValueError("attention_and_mlp_input: cells are a read-only verification's")
-    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
-    xla, gpu = _attention_fns(lp, t, kh, eps, write=write)
+    xla, gpu = _attention_fns(lp, t, kh, eps, write, rope)
 
-    def gpu_merged(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, *cell,
-                   interpret):
-        partials, *kv = gpu(qkv, ck, cv, start, pos, cos, sin, mask, interpret=interpret,
+    def gpu_merged(qkv, ck, cv, start, pos, mask, h_, wo, post, w_gu, *cell, interpret):
+        partials, *kv = gpu(qkv, ck, cv, start, pos, mask, interpret=interpret,
                             merge=False)   # kv: the cache's k and v, or the rows' k|v
         return (*_merged_o_mlp_input(partials, h_, wo, post, w_gu, eps, t, cell, interpret),
                 *kv)
 
-    def default(qkv, ck, cv, start, pos, cos, sin, mask, h_, wo, post, w_gu, *cell):
-        attn, *kv = xla(qkv, ck, cv, start, pos, cos, sin, mask)
+    def default(qkv, ck, cv, start, pos, mask, h_, wo, post, w_gu, *cell):
+        attn, *kv = xla(qkv, ck, cv, start, pos, mask)
         attn = attn.reshape(b * t, n * h)
         attn = attn[cell[0]][None] if cell else attn.reshape(b, t, n * h)
         return (*_o_mlp_input(attn, h_, wo, post, w_gu, eps), *kv)
 
     s, gu, *kv = L.on_gpu(gpu_merged, default, x.qkv, cache_k, cache_v,
-                           start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos, sin,
+                           start_b.astype(jnp.int32), positions_bt.astype(jnp.int32),
                            own_mask_btq, h_btd, lp["wo"].reshape(n * h, d), lp["post_norm"],
                            lp["w_gate_up"], *(() if cells is None else (cells,)))
     s = constrain(s, ("batch", "seq", "act_embed"))
@@ -515,10 +517,9 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         attn = L.attend_cache_and_own(q, cache_k.astype(k.dtype), cache_v.astype(v.dtype),
                                       start_b, k, v, own_mask_btq)
         return attn, k, v
-    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
-    xla, gpu = _attention_fns(lp, t, kh, eps, write)
-    rest = (cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32), cos,
-            sin, own_mask_btq)
+    xla, gpu = _attention_fns(lp, t, kh, eps, write, rope)
+    rest = (cache_k, cache_v, start_b.astype(jnp.int32), positions_bt.astype(jnp.int32),
+            own_mask_btq)
     parts = 1 if projected else split_k_parts(b * t, x_btd.shape[-1], lp["w_qkv"].shape[-1])
     if parts > 1:   # on a GPU the attention kernel sums the product's split-K parts (no mesh
         # of several devices, `split_k_parts`: the kernel needs no shard_map)
@@ -535,8 +536,7 @@ def cached_attention(lp: dict[str, jax.Array], x_btd: jax.Array, positions_bt: j
         return L.on_gpu(gpu, xla, *args)
 
     args = (qkv, *rest)
-    axes = (_PER_ROW, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None), _PER_ROW,
-            _PER_ROW, _PER_ROW)
+    axes = (_PER_ROW, L._CACHE_AXES, L._CACHE_AXES, ("batch",), ("batch", None), _PER_ROW)
     if write:
         return shard_kernel(local, args, axes, (_QKV, L._CACHE_AXES, L._CACHE_AXES))
     attn, kv = shard_kernel(local, args, axes, (_QKV, _QKV))
@@ -565,10 +565,9 @@ def _block_attention_fns(lp: dict[str, jax.Array], kh: int, rope: RopeConfig, ep
     def gpu(qkv, ck, cv, start, pos, interpret, merge=True):
         from pallas_kernels.decode_attention import layer_attention
 
-        cos, sin = L.rope_cos_sin(pos, rope, h)
-        return layer_attention(qkv, *(norms or (None, None)), cos, sin, start, ck, cv,
-                               num_q_heads=n, eps=eps, scale=h ** -0.5, causal=False,
-                               merge=merge, interpret=interpret)[0]
+        return layer_attention(qkv, *(norms or (None, None)), L.rope_freq(rope, h), start,
+                               ck, cv, num_q_heads=n, eps=eps, scale=h ** -0.5, causal=False,
+                               merge=merge, interpret=interpret, num_tokens=pos.shape[1])[0]
 
     return default, gpu
 

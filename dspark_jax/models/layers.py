@@ -60,11 +60,16 @@ def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, rope: RopeConfig) -> 
     return rotate_half(x_btnh, *rope_cos_sin(positions_bt, rope, x_btnh.shape[-1]))
 
 
+def rope_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
+    """The rotary inverse frequencies [H/2] (fp32, the model's scaling applied): a token's
+    angles are its position times these (the GPU's attention kernel takes them so)."""
+    return jnp.asarray(np.asarray(rope_inv_freq(rope, head_dim), np.float32))
+
+
 def rope_cos_sin(positions_bt: jax.Array, rope: RopeConfig, head_dim: int
                  ) -> tuple[jax.Array, jax.Array]:
     """cos and sin [B, T, H/2] (fp32) of each token's rotary angles."""
-    inv_freq = jnp.asarray(np.asarray(rope_inv_freq(rope, head_dim), np.float32))  # [H/2]
-    angles = positions_bt.astype(jnp.float32)[..., None] * inv_freq  # [B,T,H/2]
+    angles = positions_bt.astype(jnp.float32)[..., None] * rope_freq(rope, head_dim)
     return jnp.cos(angles), jnp.sin(angles)
 
 

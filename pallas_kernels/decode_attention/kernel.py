@@ -9,7 +9,8 @@ attention of every (row, key head, cache split) in one program each, then their 
 
   `decode_attention`      own keys given apart, under any mask (a draft tree's).
   `layer_attention`       from a layer's raw q/k/v product: each program norms and rotates its
-                          own query rows; the last program of a (row, key head) also norms and
+                          own query rows (the RoPE angles of the tokens at start + t taken
+                          in the program from the inverse frequencies); the last program of a (row, key head) also norms and
                           rotates the T new keys, attends to them (causally for the target's
                           tokens, all to all for a drafter's parallel block), returns them and
                           can store them into the cache in place (input/output aliasing);
@@ -197,16 +198,18 @@ def _noscale_norm(x, *, eps: float, dtype):
     return (xf * r[:, None]).astype(dtype)
 
 
-def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start_ref, k_ref,
-                  v_ref, *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
+def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, freq_ref, start_ref, k_ref, v_ref,
+                  *refs, qk_scale: float, block_k: int, split_len: int, seq: int,
                   num_tokens: int, own_len: int, eps: float, normed: bool, write: bool,
                   causal: bool, parts: int | None, v_norm: bool = False, window: int = 0):
     """`_partial_kernel` on the raw q/k/v product (or the f32 sum of its `parts`, rounded to the
     cache's dtype): each program norms and rotates its own query rows; the last also norms and
     rotates the T own keys, takes their values (RMS-normed without a scale with `v_norm`),
     attends to them (causally, or all of them to all), returns them (and v) as rows and, with
-    `write`, stores them into the cache at start + t. `window` > 0: query t (at start + t) sees
-    the cache positions above start + t − window and the own keys within the window only."""
+    `write`, stores them into the cache at start + t. Token t's RoPE angles are its position
+    start + t times the inverse frequencies, taken here in f32 (a product, then cos / sin).
+    `window` > 0: query t (at start + t) sees the cache positions above start + t − window and
+    the own keys within the window only."""
     from jax.experimental.pallas import triton as plgpu
 
     if write:   # the caches' outputs alias k_ref / v_ref's buffers
@@ -217,8 +220,16 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
     tp, g, h = x_ref.shape[-3:]
     h2, mp, dtype = h // 2, tp * g, k_ref.dtype
     first, second = pl.ds(0, h2), pl.ds(h2, h2)
-    trig = lambda ref: jnp.broadcast_to(load_rows(ref, num_tokens, tp)[:, None, :],  # noqa: E731
-                                        (tp, g, h2)).reshape(mp, h2)
+
+    start = start_ref[...]
+
+    def trig(n):   # cos, sin [n, H/2] of the first n tokens' angles, at start + t
+        pos = start + lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+        angles = pos.astype(jnp.float32) * freq_ref[...][None, :]
+        return jnp.cos(angles), jnp.sin(angles)
+
+    def per_query(x):   # a token's [tp, H/2] row for each of its G query heads
+        return jnp.broadcast_to(x[:, None, :], (tp, g, h2)).reshape(mp, h2)
 
     rows_ok = _query_rows_ok((tp, g, h2), num_tokens)
 
@@ -237,9 +248,9 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
         return functools.reduce(operator.add, (load_rows(ref, num_tokens, n, cols, part=i)
                                                for i in range(parts))).astype(dtype)
 
-    q1, q2 = normed_rotated(queries(first), queries(second), qw_ref, trig(cos_ref),
-                            trig(sin_ref), eps=eps, normed=normed, dtype=dtype)
-    start = start_ref[...]
+    cos, sin = trig(tp)
+    q1, q2 = normed_rotated(queries(first), queries(second), qw_ref, per_query(cos),
+                            per_query(sin), eps=eps, normed=normed, dtype=dtype)
     lo = p_id * split_len
     hi = jnp.minimum(jnp.minimum(lo + split_len, start), seq)
     carry = _cache_part(((q1, first), (q2, second)), k_ref, v_ref, lo, hi, qk_scale=qk_scale,
@@ -249,9 +260,7 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, cos_ref, sin_ref, start
         qp = own_len
         k1, k2 = normed_rotated(own_rows(ok_ref, qp, first).astype(jnp.float32),
                                 own_rows(ok_ref, qp, second).astype(jnp.float32),
-                                kw_ref, load_rows(cos_ref, num_tokens, qp),
-                                load_rows(sin_ref, num_tokens, qp), eps=eps, normed=normed,
-                                dtype=dtype)
+                                kw_ref, *trig(qp), eps=eps, normed=normed, dtype=dtype)
         v = own_rows(ov_ref, qp)
         if v_norm:
             v = _noscale_norm(v, eps=eps, dtype=dtype)
@@ -439,19 +448,22 @@ def _partial_shapes(B: int, Kh: int, P: int, mp: int, h: int) -> list[jax.ShapeD
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "scale", "write", "causal",
                                              "v_norm", "window", "v_from_k", "block_k",
                                              "splits", "merge", "interpret", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "num_tokens"))
 def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
-                    cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
+                    inv_freq: jax.Array, start: jax.Array, cache_k: jax.Array,
                     cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
                     write: bool = False, causal: bool = True, v_norm: bool = False,
                     window: int = 0, v_from_k: bool = False,
                     block_k: int = DEFAULT_BLOCK_K, splits: int | None = None,
                     merge: bool = True, interpret: bool = False,
-                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES
+                    num_warps: int = DEFAULT_NUM_WARPS, num_stages: int = DEFAULT_NUM_STAGES,
+                    num_tokens: int | None = None
                     ) -> tuple[Any, jax.Array, jax.Array]:
     """A decoder layer's attention from its raw q/k/v product [B, T, N + 2Kh, H]: the q and k
-    heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no norm, Llama) and rotated by
-    cos / sin [B, T, H/2] (f32, the tokens' RoPE angles), then the T tokens at start + t attend
+    heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no norm, Llama) and rotated at
+    the tokens' positions start + t by the angles (start + t) · `inv_freq` [H/2], taken in the
+    kernel in f32 (the frequencies with the model's RoPE scaling; a zero leaves its pair
+    still), then the T tokens at start + t attend
     to the cache below `start` [B] and to each other: causally, or with `causal=False` every
     token to all T (a DSpark / DFlash draft block). One kernel does all of it (each program
     norms and rotates its own rows) and the merge a second.
@@ -464,7 +476,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     heads (normed without a scale with `v_norm`).
 
     The product may also come as the f32 parts of a split-K GEMM, [parts, B, Tq, N + 2Kh, H]
-    with Tq ≥ T (rows past T unread): each program sums its rows' parts and rounds them to the
+    with Tq ≥ T = `num_tokens` (rows past T unread): each program sums its rows' parts and rounds them to the
     cache's dtype, as XLA's sum of its own split-K parts would, one kernel fewer.
 
     Returns (attention [B, T, N, H], k rows, v rows [B, T, Kh, H]: the tokens' normed, rotated
@@ -476,7 +488,9 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     (`pallas_kernels.row_gemm.merge_gemm`)."""
     parts = qkv.shape[0] if qkv.ndim == 5 else None
     B, T, J, H = (*qkv.shape[-4:-2], *qkv.shape[-2:]) if parts is None else (
-        qkv.shape[1], cos.shape[1], *qkv.shape[-2:])
+        qkv.shape[1], num_tokens, *qkv.shape[-2:])
+    if parts is not None and num_tokens is None:
+        raise ValueError("a split-K product's parts need num_tokens (their rows are padded)")
     if parts is not None and (qkv.dtype != jnp.float32 or qkv.shape[2] < T):
         raise ValueError(f"the product's parts must be f32 [parts, B, ≥ T, heads, H]: "
                          f"{qkv.shape} {qkv.dtype}, T = {T}")
@@ -490,8 +504,8 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         raise ValueError("write stores the rows of causal tokens at start + t")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together")
-    if cos.shape != (B, T, H // 2) or sin.shape != cos.shape:
-        raise ValueError(f"cos / sin must be [B, T, H/2] = {(B, T, H // 2)}: {cos.shape}")
+    if inv_freq.shape != (H // 2,):
+        raise ValueError(f"inv_freq must be [H/2] = {(H // 2,)}: {inv_freq.shape}")
     q = jax.ShapeDtypeStruct((B, T, N, H), dtype)
     own = jax.ShapeDtypeStruct((B, T, Kh, H), dtype)
     _check(q, cache_k, cache_v, start, own, own, jax.ShapeDtypeStruct((B, T, T), jnp.bool_))
@@ -506,15 +520,15 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     if not normed:
         q_norm = k_norm = jnp.ones((H,), dtype)
     weight = pl.BlockSpec((H,), lambda b, k, p: (0,))
-    trig = pl.BlockSpec((None, T, H // 2), lambda b, k, p: (b, 0, 0))
+    freq = pl.BlockSpec((H // 2,), lambda b, k, p: (0,))
     product = [_query_rows(Tp, G, H), _key_head(T, H, N),
                _key_head(T, H, N if v_from_k else N + Kh)]
     if parts is not None:   # every part of a program's block
         product = [pl.BlockSpec((parts, *b.block_shape),
                                 lambda *ids, b=b: (0, *b.index_map(*ids))) for b in product]
-    in_specs = product + [weight, weight, trig, trig, _per_row(), _key_head(S, H),
+    in_specs = product + [weight, weight, freq, _per_row(), _key_head(S, H),
                           _key_head(S, H)]
-    args = [qkv, qkv, qkv, q_norm, k_norm, cos.astype(jnp.float32), sin.astype(jnp.float32),
+    args = [qkv, qkv, qkv, q_norm, k_norm, inv_freq.astype(jnp.float32),
             start.astype(jnp.int32), cache_k, cache_v]
     out_specs = _partial_specs(Mp, H) + [_key_head(T, H), _key_head(T, H)]
     out_shape = _partial_shapes(B, Kh, P, Mp, H) + [own, own]
@@ -525,7 +539,7 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
         out_specs += [whole, whole]
         out_shape += [jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
                       jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)]
-        aliases = {8: 5, 9: 6}
+        aliases = {7: 5, 8: 6}
     kernel = functools.partial(
         _layer_kernel, qk_scale=scale * LOG2E, block_k=block_k, split_len=split_len, seq=S,
         num_tokens=T, own_len=Qp, eps=eps, normed=normed, write=write, causal=causal,
@@ -570,20 +584,23 @@ def ref_decode_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
 
 
 def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
-                        cos: jax.Array, sin: jax.Array, start: jax.Array, cache_k: jax.Array,
+                        inv_freq: jax.Array, start: jax.Array, cache_k: jax.Array,
                         cache_v: jax.Array, *, num_q_heads: int, eps: float, scale: float,
                         causal: bool = True, v_norm: bool = False, window: int = 0,
-                        v_from_k: bool = False
+                        v_from_k: bool = False, num_tokens: int | None = None
                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The oracle of `layer_attention` (without the write): Hugging Face's q/k norms and
-    rotate-half RoPE (and Gemma4's unscaled v norm with `v_norm`, v the raw k heads with
-    `v_from_k`), then `ref_decode_attention` with the T tokens as own keys, causal or
-    (`causal=False`) all seen by all, within `window` where given. Parts of a split-K product
-    [parts, B, Tq, ·, H] are summed and rounded to the cache's dtype first."""
+    rotate-half RoPE at the angles (start + t) · inv_freq (f32), Gemma4's unscaled v norm with
+    `v_norm` (v the raw k heads with `v_from_k`), then `ref_decode_attention` with the T
+    tokens as own keys, causal or (`causal=False`) all seen by all, within `window` where
+    given. Parts of a split-K product [parts, B, Tq, ·, H] are summed and rounded to the
+    cache's dtype first (its first `num_tokens` rows)."""
     from pallas_kernels.norms import ref_rms_norm
 
     if qkv.ndim == 5:
-        qkv = qkv.sum(axis=0)[:, :cos.shape[1]].astype(cache_k.dtype)
+        if num_tokens is None:
+            raise ValueError("a split-K product's parts need num_tokens")
+        qkv = qkv.sum(axis=0)[:, :num_tokens].astype(cache_k.dtype)
     B, T = qkv.shape[:2]
     n, kh = num_q_heads, cache_k.shape[2]
     q, k = qkv[:, :, :n], qkv[:, :, n:n + kh]
@@ -594,7 +611,10 @@ def ref_layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Ar
     if q_norm is not None:
         q, k = ref_rms_norm(q, q_norm, eps), ref_rms_norm(k, k_norm, eps)
 
-    q, k = (ref_rotate_half(x, cos[:, :, None], sin[:, :, None]) for x in (q, k))
+    positions = start.astype(jnp.int32)[:, None] + jnp.arange(T, dtype=jnp.int32)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq.astype(jnp.float32)
+    cos, sin = jnp.cos(angles)[:, :, None], jnp.sin(angles)[:, :, None]      # [B, T, 1, H/2]
+    q, k = (ref_rotate_half(x, cos, sin) for x in (q, k))
     seen = jnp.tril(jnp.ones((T, T), bool)) if causal else jnp.ones((T, T), bool)
     if window:
         seen = seen & (jnp.arange(T)[:, None] - jnp.arange(T)[None, :] < window)

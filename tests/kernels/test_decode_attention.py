@@ -84,8 +84,8 @@ def _layer_inputs(dtype, t: int = 3):
     qkv = jax.random.normal(ks[0], (B, t, N + 2 * KH, H)).astype(dtype)
     ck, cv = (jax.random.normal(k, (B, S, KH, H)).astype(dtype) for k in ks[1:3])
     qn = (1 + 0.1 * jax.random.normal(ks[3], (H,))).astype(dtype)
-    ang = 0.3 * jnp.arange(B * t * H // 2, dtype=jnp.float32).reshape(B, t, H // 2)
-    return qkv, qn, qn[::-1], jnp.cos(ang), jnp.sin(ang), ck, cv
+    freq = 1.0 / 10000.0 ** (jnp.arange(H // 2, dtype=jnp.float32) * 2 / H)
+    return qkv, qn, qn[::-1], freq.at[-2:].set(0.0), ck, cv   # a zero: a pair held still
 
 
 def _f32(x):
@@ -98,12 +98,12 @@ def test_layer_attention_matches_the_oracle(dtype, normed):
     """From the raw q/k/v product: q/k norms (Qwen3's; Llama's none) and RoPE in the kernel,
     the T tokens causal to each other after cache prefixes 0, mid and full; the returned k / v
     rows are the oracle's."""
-    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(dtype)
+    qkv, qn, kn, freq, ck, cv = _layer_inputs(dtype)
     norms = (qn, kn) if normed else (None, None)
     start = jnp.asarray([0, 57, S - 3], jnp.int32)
     kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
-    want = ref_layer_attention(qkv, *norms, cos, sin, start, ck, cv, **kw)
-    got = layer_attention(qkv, *norms, cos, sin, start, ck, cv, splits=4, **kw, **TILES)
+    want = ref_layer_attention(qkv, *norms, freq, start, ck, cv, **kw)
+    got = layer_attention(qkv, *norms, freq, start, ck, cv, splits=4, **kw, **TILES)
     tol = 2e-6 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(_f32(got[0]), _f32(want[0]), atol=tol, rtol=tol)
     for g, w in zip(got[1:], want[1:]):      # the rows: the same arithmetic, the same values
@@ -114,30 +114,30 @@ def test_layer_attention_of_a_draft_block():
     """A drafter's parallel block (`causal=False`): every token sees all T own keys and the
     cache below its anchor; equal to the oracle, and not to the causal form (so the flag reaches
     the kernel)."""
-    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(jnp.float32)
+    qkv, qn, kn, freq, ck, cv = _layer_inputs(jnp.float32)
     start = jnp.asarray([0, 57, S - 3], jnp.int32)
     kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
-    want = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, causal=False, **kw)
-    got = layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, causal=False, splits=4, **kw,
+    want = ref_layer_attention(qkv, qn, kn, freq, start, ck, cv, causal=False, **kw)
+    got = layer_attention(qkv, qn, kn, freq, start, ck, cv, causal=False, splits=4, **kw,
                           **TILES)
     for g, w in zip(got, want):
         np.testing.assert_allclose(_f32(g), _f32(w), atol=2e-6, rtol=2e-6)
-    causal = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, **kw)[0]
+    causal = ref_layer_attention(qkv, qn, kn, freq, start, ck, cv, **kw)[0]
     assert float(jnp.max(jnp.abs(causal[:, :-1] - got[0][:, :-1]))) > 1e-3
     with pytest.raises(ValueError, match="causal"):
-        layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, causal=False, write=True, **kw)
+        layer_attention(qkv, qn, kn, freq, start, ck, cv, causal=False, write=True, **kw)
 
 
 def test_layer_attention_writes_the_rows_into_the_cache():
     """With `write` the tokens' k / v rows land at start + t of their row's cache, a position
     ≥ S is dropped, every other position keeps its value, and the attention is unchanged."""
-    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(jnp.float32)
+    qkv, qn, kn, freq, ck, cv = _layer_inputs(jnp.float32)
     start = jnp.asarray([0, 57, S - 2], jnp.int32)                # row 2's last token: past S
     kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
-    attn, k, v = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, **kw)
+    attn, k, v = ref_layer_attention(qkv, qn, kn, freq, start, ck, cv, **kw)
     rows = (jnp.arange(B)[:, None], start[:, None] + jnp.arange(3))
     want_k, want_v = ck.at[rows].set(k, mode="drop"), cv.at[rows].set(v, mode="drop")
-    got, ck2, cv2 = layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, write=True, **kw,
+    got, ck2, cv2 = layer_attention(qkv, qn, kn, freq, start, ck, cv, write=True, **kw,
                                     **TILES)
     np.testing.assert_allclose(got, attn, atol=2e-6, rtol=2e-6)
     np.testing.assert_allclose(ck2, want_k, atol=2e-6, rtol=2e-6)
@@ -149,28 +149,32 @@ def test_layer_attention_sums_a_split_k_products_parts(dtype):
     """The q/k/v product as the f32 parts of a split-K GEMM [parts, B, Tq ≥ T, heads, H]: each
     program sums its rows' parts and rounds them to the cache's dtype before the norms; equal
     to the oracle on the summed product, rows past T (NaN here) unread, the cache written."""
-    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(dtype)
+    qkv, qn, kn, freq, ck, cv = _layer_inputs(dtype)
     parts = jax.random.normal(jax.random.key(5), (4, *qkv.shape), jnp.float32) * 0.5
     parts = parts.at[-1].add(qkv.astype(jnp.float32) - parts.sum(0))   # sums to qkv
     padded = jnp.concatenate([parts, jnp.full_like(parts[:, :, :1], jnp.nan)], axis=2)
     start = jnp.asarray([0, 57, S - 3], jnp.int32)
-    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
-    want = ref_layer_attention(padded, qn, kn, cos, sin, start, ck, cv, **kw)
-    got = layer_attention(padded, qn, kn, cos, sin, start, ck, cv, splits=4, **kw, **TILES)
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE, num_tokens=3)
+    want = ref_layer_attention(padded, qn, kn, freq, start, ck, cv, **kw)
+    got = layer_attention(padded, qn, kn, freq, start, ck, cv, splits=4, **kw, **TILES)
     tol = 2e-6 if dtype == jnp.float32 else 1e-2
     for g, w in zip(got, want):
         assert g.dtype == dtype
         np.testing.assert_allclose(_f32(g), _f32(w), atol=tol, rtol=tol)
-    whole = ref_layer_attention(qkv, qn, kn, cos, sin, start, ck, cv, **kw)[0]
+    whole = ref_layer_attention(qkv, qn, kn, freq, start, ck, cv, **kw)[0]
     np.testing.assert_allclose(_f32(got[0]), _f32(whole), atol=max(tol, 1e-5), rtol=tol)
-    written = layer_attention(padded, qn, kn, cos, sin, start, ck, cv, write=True, **kw,
+    written = layer_attention(padded, qn, kn, freq, start, ck, cv, write=True, **kw,
                               **TILES)
     rows = (jnp.arange(B)[:, None], start[:, None] + jnp.arange(qkv.shape[1]))
     np.testing.assert_allclose(_f32(written[1]), _f32(ck.at[rows].set(want[1], mode="drop")),
                                atol=tol, rtol=tol)
     for bad in (padded.astype(jnp.bfloat16), padded[:, :, :2]):   # not f32; fewer rows than T
         with pytest.raises(ValueError, match="parts"):
-            layer_attention(bad, qn, kn, cos, sin, start, ck, cv, **kw, **TILES)
+            layer_attention(bad, qn, kn, freq, start, ck, cv, **kw, **TILES)
+    kw.pop("num_tokens")   # padded rows: T is not the parts' row count
+    for fn in (layer_attention, ref_layer_attention):
+        with pytest.raises(ValueError, match="num_tokens"):
+            fn(padded, qn, kn, freq, start, ck, cv, **kw)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -180,18 +184,18 @@ def test_layer_attention_of_a_gemma4_sliding_layer(dtype, t, window, split_k):
     cache above start + t − window and the own keys within the window, from the raw product or
     a split-K product's parts; equal to the oracle, and the window and the v norm both change
     the result (so both reach the kernel)."""
-    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(dtype, t)
+    qkv, qn, kn, freq, ck, cv = _layer_inputs(dtype, t)
     qkv = qkv.at[:, :, N + KH:].multiply(3.0)              # v rows far from unit RMS
     start = jnp.asarray([0, 57, S - t], jnp.int32)
-    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE)
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE, num_tokens=t)
     product = qkv
     if split_k:   # four f32 parts summing to the product, a row past T (NaN) unread
         parts = jax.random.normal(jax.random.key(7), (4, *qkv.shape), jnp.float32) * 0.5
         parts = parts.at[-1].add(qkv.astype(jnp.float32) - parts.sum(0))
         product = jnp.concatenate([parts, jnp.full_like(parts[:, :, :1], jnp.nan)], axis=2)
     gemma = dict(v_norm=True, window=window)
-    want = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, **kw, **gemma)
-    got = layer_attention(product, qn, kn, cos, sin, start, ck, cv, splits=4, **kw, **gemma,
+    want = ref_layer_attention(product, qn, kn, freq, start, ck, cv, **kw, **gemma)
+    got = layer_attention(product, qn, kn, freq, start, ck, cv, splits=4, **kw, **gemma,
                           **TILES)
     tol = 2e-6 if dtype == jnp.float32 else 1e-2
     for g, w in zip(got, want):
@@ -199,14 +203,14 @@ def test_layer_attention_of_a_gemma4_sliding_layer(dtype, t, window, split_k):
         np.testing.assert_allclose(_f32(g), _f32(w), atol=tol, rtol=tol)
     vf = _f32(want[2])
     np.testing.assert_allclose(np.sqrt((vf * vf).mean(-1)), 1.0, rtol=tol * 10)
-    unnormed = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, **kw,
+    unnormed = ref_layer_attention(product, qn, kn, freq, start, ck, cv, **kw,
                                    window=window)[0]
     assert float(jnp.max(jnp.abs(_f32(unnormed) - _f32(got[0])))) > 0.1
     if window < S:   # row 2 at S − t: its window cuts the cache
-        whole = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, **kw,
+        whole = ref_layer_attention(product, qn, kn, freq, start, ck, cv, **kw,
                                     v_norm=True)[0]
         assert float(jnp.max(jnp.abs(_f32(whole[2]) - _f32(got[0][2])))) > 1e-2
-    written = layer_attention(product, qn, kn, cos, sin, start, ck, cv, write=True, **kw,
+    written = layer_attention(product, qn, kn, freq, start, ck, cv, write=True, **kw,
                               **gemma, **TILES)
     rows = (jnp.arange(B)[:, None], start[:, None] + jnp.arange(t))
     np.testing.assert_allclose(_f32(written[0]), _f32(want[0]), atol=tol, rtol=tol)
@@ -219,25 +223,25 @@ def test_layer_attention_of_a_gemma4_k_eq_v_layer(split_k):
     """Gemma4's k=v layer: a product [B, T, N + Kh, H] without v heads, the values the raw k
     heads normed without a scale; equal to the oracle and to the same attention given the k
     heads twice as k and v."""
-    qkv, qn, kn, cos, sin, ck, cv = _layer_inputs(jnp.float32, 4)
+    qkv, qn, kn, freq, ck, cv = _layer_inputs(jnp.float32, 4)
     qk = qkv[:, :, :N + KH]
     start = jnp.asarray([0, 57, S - 4], jnp.int32)
-    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE, v_norm=True)
+    kw = dict(num_q_heads=N, eps=1e-6, scale=SCALE, v_norm=True, num_tokens=4)
     product = qk
     if split_k:
         parts = jax.random.normal(jax.random.key(8), (2, *qk.shape), jnp.float32) * 0.5
         product = parts.at[-1].add(qk - parts.sum(0))
-    want = ref_layer_attention(product, qn, kn, cos, sin, start, ck, cv, v_from_k=True, **kw)
-    got = layer_attention(product, qn, kn, cos, sin, start, ck, cv, v_from_k=True, splits=2,
+    want = ref_layer_attention(product, qn, kn, freq, start, ck, cv, v_from_k=True, **kw)
+    got = layer_attention(product, qn, kn, freq, start, ck, cv, v_from_k=True, splits=2,
                           **kw, **TILES)
     for g, w in zip(got, want):
         np.testing.assert_allclose(_f32(g), _f32(w), atol=2e-6, rtol=2e-6)
     twice = jnp.concatenate([qk, qkv[:, :, N:N + KH]], axis=2)
-    same = ref_layer_attention(twice, qn, kn, cos, sin, start, ck, cv, **kw)
+    same = ref_layer_attention(twice, qn, kn, freq, start, ck, cv, **kw)
     for g, w in zip(got, same):
         np.testing.assert_allclose(_f32(g), _f32(w), atol=2e-6, rtol=2e-6)
     with pytest.raises(ValueError, match="heads"):
-        layer_attention(qk, qn, kn, cos, sin, start, ck, cv, **kw, **TILES)
+        layer_attention(qk, qn, kn, freq, start, ck, cv, **kw, **TILES)
 
 
 def test_splits_and_bad_shapes():
@@ -266,7 +270,7 @@ def test_lowers_for_gpu_with_triton_at_a_decoding_shape():
     spec = jax.ShapeDtypeStruct
     qkv = spec((1, 1, 48, 128), jnp.bfloat16)
     norm = spec((128,), jnp.bfloat16)
-    trig = spec((1, 1, 64), jnp.float32)
+    freq = spec((64,), jnp.float32)
     cache = spec((1, 4224, 8, 128), jnp.bfloat16)
     start = spec((1,), jnp.int32)
     fn = functools.partial(layer_attention, scale=128 ** -0.5, num_q_heads=32, eps=1e-6,
@@ -274,7 +278,7 @@ def test_lowers_for_gpu_with_triton_at_a_decoding_shape():
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     try:
         text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
-            qkv, norm, norm, trig, trig, start, cache, cache).mlir_module()
+            qkv, norm, norm, freq, start, cache, cache).mlir_module()
     except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Triton dialect
         pytest.skip(f"Triton lowering unavailable: {e}")
     for name in ("layer_attention_splits", "decode_attention_merge"):
@@ -297,14 +301,14 @@ def test_lowers_for_gpu_with_triton_at_gemma4_shapes(h, heads, window, v_from_k)
     spec = jax.ShapeDtypeStruct
     parts = spec((2, 1, 2, heads, h), jnp.float32)
     norm = spec((h,), jnp.bfloat16)
-    trig = spec((1, 1, h // 2), jnp.float32)
+    freq = spec((h // 2,), jnp.float32)
     cache = spec((1, 8192, 8, h), jnp.bfloat16)
     fn = functools.partial(layer_attention, scale=1.0, num_q_heads=16, eps=1e-6, write=True,
-                           v_norm=True, window=window, v_from_k=v_from_k)
+                           v_norm=True, window=window, v_from_k=v_from_k, num_tokens=1)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     try:
         text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
-            parts, norm, norm, trig, trig, spec((1,), jnp.int32), cache, cache).mlir_module()
+            parts, norm, norm, freq, spec((1,), jnp.int32), cache, cache).mlir_module()
     except (ImportError, ModuleNotFoundError) as e:  # jaxlib without the Triton dialect
         pytest.skip(f"Triton lowering unavailable: {e}")
     for name in ("layer_attention_splits", "decode_attention_merge"):

@@ -129,13 +129,13 @@ def test_merge_gemm_merges_the_attention_splits_into_the_product(dtype, batch, t
     N, Kh, H, S, D = 4, 2, 32, 128, 48
     qkv = jax.random.normal(ks[0], (batch, tokens, N + 2 * Kh, H)).astype(dtype)
     ck, cv = (jax.random.normal(k, (batch, S, Kh, H)).astype(dtype) for k in ks[1:3])
-    cos, sin = (jax.random.normal(k, (batch, tokens, H // 2)) for k in ks[3:5])
+    freq = jax.random.uniform(ks[4], (H // 2,))
     start = jnp.asarray([40, 100, 7][:batch], jnp.int32)
     norm = (1 + 0.1 * jax.random.normal(ks[5], (H,))).astype(dtype)
     w = (0.1 * jax.random.normal(ks[6], (N * H, D))).astype(dtype)
     kw = dict(num_q_heads=N, eps=EPS, scale=H ** -0.5, interpret=True)
-    attn = layer_attention(qkv, norm, norm, cos, sin, start, ck, cv, **kw)[0]
-    partials = layer_attention(qkv, norm, norm, cos, sin, start, ck, cv, merge=False, **kw)[0]
+    attn = layer_attention(qkv, norm, norm, freq, start, ck, cv, **kw)[0]
+    partials = layer_attention(qkv, norm, norm, freq, start, ck, cv, merge=False, **kw)[0]
     got = merge_gemm(*partials, w, num_tokens=tokens, dtype=dtype, parts=2, block_n=16,
                      interpret=True)
     assert got.shape == (2, batch, tokens, D) and got.dtype == jnp.float32

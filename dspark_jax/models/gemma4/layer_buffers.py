@@ -250,8 +250,8 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
     On a GPU, two kernels from the raw fused product (its split-K parts where
     `decoding_layer.split_k_parts` splits it, summed in the kernel):
     `pallas_kernels.decode_attention.layer_attention` norms q and k (scaled) and v (unscaled),
-    rotates q and k (the layer's RoPE as cos / sin: a full layer's proportional RoPE leaves
-    the pairs past its rotated fraction at angle 0), attends with scale 1 to the cache below
+    rotates q and k (at the tokens' positions by the layer's RoPE frequencies: a full layer's
+    proportional RoPE leaves the pairs past its rotated fraction at angle 0), attends with scale 1 to the cache below
     the row's first position and to the own keys up to the query's (a sliding layer within
     its `window`), and returns the rows or stores them into the cache in place; the merge of
     its cache splits is the second. Elsewhere `project`, `attend_cache_and_own`'s XLA ops
@@ -259,9 +259,8 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
     b, t = x_btd.shape[:2]
     n, h = lp["wo"].shape[:2]
     heads = lp[product].shape[-1] // h
-    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
 
-    def default(x, w, ck, cv, start, cos, sin, cm, om):
+    def default(x, w, ck, cv, start, cm, om):
         q, (k, v) = project({**lp, product: w}, x, positions_bt, rope, eps)
         attn = _attend_xla(q, ck[0], cv[0], cm, k, v, om)
         if not write:
@@ -270,7 +269,7 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
         return attn, (ck.at[index].set(k.astype(ck.dtype), mode="drop"),
                       cv.at[index].set(v.astype(cv.dtype), mode="drop"))
 
-    def gpu(x, w, ck, cv, start, cos, sin, cm, om, interpret):
+    def gpu(x, w, ck, cv, start, cm, om, interpret):
         from pallas_kernels.decode_attention import layer_attention
 
         parts = DL.split_k_parts(b * t, x.shape[-1], w.shape[-1])
@@ -279,15 +278,15 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
         else:
             qkv = jnp.einsum("BTD,DF->BTF", x, w)
         qkv = qkv.reshape(*qkv.shape[:-1], heads, h)
-        attn, k, v = layer_attention(qkv, lp["q_norm"], lp["k_norm"], cos, sin, start, ck[0],
-                                     cv[0], num_q_heads=n, eps=eps, scale=1.0, v_norm=True,
-                                     window=int(window), v_from_k=product == "w_qk",
-                                     write=write, interpret=interpret)
+        attn, k, v = layer_attention(qkv, lp["q_norm"], lp["k_norm"], L.rope_freq(rope, h),
+                                     start, ck[0], cv[0], num_q_heads=n, eps=eps, scale=1.0,
+                                     v_norm=True, window=int(window),
+                                     v_from_k=product == "w_qk", write=write,
+                                     interpret=interpret, num_tokens=t)
         return attn, ((k[None], v[None]) if write else (k, v))
 
     return L.on_gpu(gpu, default, x_btd, lp[product], cache_k, cache_v,
-                    positions_bt[:, 0].astype(jnp.int32), cos, sin, cache_mask_bts,
-                    own_mask_btq)
+                    positions_bt[:, 0].astype(jnp.int32), cache_mask_bts, own_mask_btq)
 
 
 def block_kernel_product(lp: dict[str, jax.Array], ctx_k: jax.Array, dtype: Any,
@@ -311,19 +310,18 @@ def block_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
     On a GPU, the q and k(|v) products as one GEMM over `wq` and the `product` where they lie
     (its split-K parts where `decoding_layer.split_k_parts` splits it, summed in the kernel),
     then `pallas_kernels.decode_attention.layer_attention` (`causal=False`): the q/k norms
-    (scaled), the unscaled v norm (a k=v layer's values from its raw k heads), RoPE as cos /
-    sin, the attention with scale 1, and the merge of its cache splits. Elsewhere
+    (scaled), the unscaled v norm (a k=v layer's values from its raw k heads), RoPE at the
+    tokens' positions, the attention with scale 1, and the merge of its cache splits. Elsewhere
     `xla(x, ctx_k, ctx_v, start_b)`."""
     b, t, d = x_btd.shape
     n, h = lp["wo"].shape[:2]
     wq, w_kv = lp["wq"].reshape(d, -1), lp[product].reshape(d, -1)
     heads = (wq.shape[-1] + w_kv.shape[-1]) // h
-    cos, sin = L.rope_cos_sin(positions_bt, rope, h)
 
-    def default(x, wq, w_kv, ck, cv, start, cos, sin):
+    def default(x, wq, w_kv, ck, cv, start):
         return xla(x, ck, cv, start)
 
-    def gpu(x, wq, w_kv, ck, cv, start, cos, sin, interpret):
+    def gpu(x, wq, w_kv, ck, cv, start, interpret):
         from pallas_kernels.decode_attention import layer_attention
 
         parts = DL.split_k_parts(b * t, d, heads * h)
@@ -333,12 +331,12 @@ def block_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
             qkv = jnp.concatenate([jnp.einsum("BTD,DF->BTF", x, wq),
                                    jnp.einsum("BTD,DF->BTF", x, w_kv)], axis=-1)
         qkv = qkv.reshape(*qkv.shape[:-1], heads, h)
-        return layer_attention(qkv, lp["q_norm"], lp["k_norm"], cos, sin, start, ck, cv,
-                               num_q_heads=n, eps=eps, scale=1.0, causal=False, v_norm=True,
-                               v_from_k=product == "wk", interpret=interpret)[0]
+        return layer_attention(qkv, lp["q_norm"], lp["k_norm"], L.rope_freq(rope, h), start,
+                               ck, cv, num_q_heads=n, eps=eps, scale=1.0, causal=False,
+                               v_norm=True, v_from_k=product == "wk", interpret=interpret,
+                               num_tokens=t)[0]
 
-    return L.on_gpu(gpu, default, x_btd, wq, w_kv, ctx_k, ctx_v, start_b.astype(jnp.int32),
-                    cos, sin)
+    return L.on_gpu(gpu, default, x_btd, wq, w_kv, ctx_k, ctx_v, start_b.astype(jnp.int32))
 
 
 def _attend_xla(q_btnh: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
