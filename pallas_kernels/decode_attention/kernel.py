@@ -10,10 +10,11 @@ attention of every (row, key head, cache split) in one program each, then their 
   `decode_attention`      own keys given apart, under any mask (a draft tree's).
   `layer_attention`       from a layer's raw q/k/v product: each program norms and rotates its
                           own query rows (the RoPE angles of the tokens at start + t taken
-                          in the program from the inverse frequencies); the last program of a (row, key head) also norms and
-                          rotates the T new keys, attends to them (causally for the target's
-                          tokens, all to all for a drafter's parallel block), returns them and
-                          can store them into the cache in place (input/output aliasing);
+                          in the program from the inverse frequencies); the last program of
+                          a (row, key head) also norms and rotates the T new keys, attends
+                          to them (causally for the target's tokens, all to all for a
+                          drafter's parallel block), returns them and can store them into
+                          the cache in place (input/output aliasing);
                           Gemma4's unscaled v norm, k=v heads and sliding window as options.
   `ref_decode_attention`, `ref_layer_attention`  the pure-JAX oracles (every score
                           materialised; Hugging Face's norm and rotate-half RoPE).
@@ -463,10 +464,10 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     heads RMS-normed by `q_norm` / `k_norm` [H] (both None: no norm, Llama) and rotated at
     the tokens' positions start + t by the angles (start + t) · `inv_freq` [H/2], taken in the
     kernel in f32 (the frequencies with the model's RoPE scaling; a zero leaves its pair
-    still), then the T tokens at start + t attend
-    to the cache below `start` [B] and to each other: causally, or with `causal=False` every
-    token to all T (a DSpark / DFlash draft block). One kernel does all of it (each program
-    norms and rotates its own rows) and the merge a second.
+    still), then the T tokens attend to the cache below `start` [B] and to each other:
+    causally, or with `causal=False` every token to all T (a DSpark / DFlash draft block). One
+    kernel does all of it (each program norms and rotates its own rows) and the merge a
+    second.
 
     Gemma4's layers: `v_norm` RMS-norms the v rows without a scale (f32, cast to the dtype)
     before they are attended to, returned or written; `window` > 0 (a sliding layer) lets
@@ -476,8 +477,9 @@ def layer_attention(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array 
     heads (normed without a scale with `v_norm`).
 
     The product may also come as the f32 parts of a split-K GEMM, [parts, B, Tq, N + 2Kh, H]
-    with Tq ≥ T = `num_tokens` (rows past T unread): each program sums its rows' parts and rounds them to the
-    cache's dtype, as XLA's sum of its own split-K parts would, one kernel fewer.
+    with Tq ≥ T = `num_tokens` (rows past T unread): each program sums its rows' parts and
+    rounds them to the cache's dtype, as XLA's sum of its own split-K parts would, one kernel
+    fewer.
 
     Returns (attention [B, T, N, H], k rows, v rows [B, T, Kh, H]: the tokens' normed, rotated
     keys and their values); with `write`, (attention, cache k, cache v) with those rows

@@ -251,11 +251,12 @@ def kernel_attention(lp: dict[str, jax.Array], product: str, x_btd: jax.Array,
     `decoding_layer.split_k_parts` splits it, summed in the kernel):
     `pallas_kernels.decode_attention.layer_attention` norms q and k (scaled) and v (unscaled),
     rotates q and k (at the tokens' positions by the layer's RoPE frequencies: a full layer's
-    proportional RoPE leaves the pairs past its rotated fraction at angle 0), attends with scale 1 to the cache below
-    the row's first position and to the own keys up to the query's (a sliding layer within
-    its `window`), and returns the rows or stores them into the cache in place; the merge of
-    its cache splits is the second. Elsewhere `project`, `attend_cache_and_own`'s XLA ops
-    under the masks and, with `write`, the rows scattered into the cache after them."""
+    proportional RoPE leaves the pairs past its rotated fraction at angle 0), attends with
+    scale 1 to the cache below the row's first position and to the own keys up to the
+    query's (a sliding layer within its `window`), and returns the rows or stores them into
+    the cache in place; the merge of its cache splits is the second. Elsewhere `project`,
+    `attend_cache_and_own`'s XLA ops under the masks and, with `write`, the rows scattered
+    into the cache after them."""
     b, t = x_btd.shape[:2]
     n, h = lp["wo"].shape[:2]
     heads = lp[product].shape[-1] // h
