@@ -221,7 +221,6 @@ def _layer_kernel(x_ref, ok_ref, ov_ref, qw_ref, kw_ref, freq_ref, start_ref, k_
     tp, g, h = x_ref.shape[-3:]
     h2, mp, dtype = h // 2, tp * g, k_ref.dtype
     first, second = pl.ds(0, h2), pl.ds(h2, h2)
-
     start = start_ref[...]
 
     def trig(n):   # cos, sin [n, H/2] of the first n tokens' angles, at start + t

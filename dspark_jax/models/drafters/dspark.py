@@ -24,7 +24,6 @@ import numpy as np
 from flax import nnx
 
 from dspark_jax.models import layers as L
-from dspark_jax.models.config import rope_inv_freq
 from dspark_jax.models.drafters.block_attention import ContextMask, block_attend
 from dspark_jax.models.drafters.config import DraftConfig
 from dspark_jax.models.drafters.heads import ConfidenceHead, MarkovHead
@@ -230,7 +229,7 @@ class DSparkDraft(nnx.Module):
         ws = tuple(lp["w_kv"] for lp in layers)
         norms = (tuple(lp["k_norm"].astype(ck[0].dtype) for lp in layers)
                  if "k_norm" in layers[0] else ())
-        inv_freq = jnp.asarray(np.asarray(rope_inv_freq(self.cfg.target.rope, H), np.float32))
+        inv_freq = L.rope_freq(self.cfg.target.rope, H)
         sizes = np.cumsum([0, len(ws), len(norms), len(ck), len(cv)])
         n_feat = self.cfg.num_features
 
